@@ -1,0 +1,89 @@
+"""`ffpa_jax.attention`: the public entry point."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from ffpa_jax import validation
+from ffpa_jax.pallas_path import pallas_attention
+from ffpa_jax.reference import mha_reference
+
+
+@functools.cache
+def _default_backend_is_nvidia_gpu() -> bool:
+    """Whether JAX's default device is a CUDA GPU (ROCm GPUs also report platform 'gpu')."""
+    try:
+        device = jax.devices()[0]
+    except RuntimeError:
+        return False
+    if device.platform != "gpu":
+        return False
+    version = str(getattr(device.client, "platform_version", "")).lower()
+    return "rocm" not in version and "hip" not in version
+
+
+def resolve_implementation(implementation: str | None, interpret: bool) -> str:
+    """Which implementation runs: explicit choice, else Pallas on an NVIDIA GPU (or when
+    interpreting), else XLA."""
+    if implementation == "xla":
+        return "xla"
+    if implementation == "pallas":
+        if not interpret and not _default_backend_is_nvidia_gpu():
+            raise ValueError(
+                "implementation='pallas' needs an NVIDIA GPU, and the default JAX backend is "
+                f"{jax.default_backend()!r}. Pass interpret=True to run the Pallas kernels in "
+                "Pallas' interpreter (slow; for tests), or implementation='xla' (or None) to use "
+                "the plain-JAX path.")
+        return "pallas"
+    return "pallas" if interpret or _default_backend_is_nvidia_gpu() else "xla"
+
+
+def attention(query: jax.Array, key: jax.Array, value: jax.Array,
+              bias: jax.Array | None = None, mask: jax.Array | None = None, *,
+              scale: float | None = None, is_causal: bool = False, dropout_rate: float = 0.0,
+              dropout_rng: jax.Array | None = None, return_lse: bool = False,
+              implementation: str | None = None, interpret: bool = False):
+    """Exact scaled dot-product attention, memory-efficient on NVIDIA GPUs.
+
+    Args:
+      query: [B, T, Hq, D] (or [T, Hq, D] without batch).
+      key: [B, S, Hkv, D]; Hq must be a multiple of Hkv (GQA/MQA).
+      value: [B, S, Hkv, Dv].
+      bias: float, numpy-broadcastable to [B, Hq, T, S]; added to the scaled logits.
+      mask: bool, numpy-broadcastable to [B, Hq, T, S]; True = attend.
+      scale: logit scale, default 1/sqrt(D).
+      is_causal: bottom-right aligned causal mask: query i sees key j iff j <= i + (S - T).
+      dropout_rate: dropout on the attention probabilities (needs dropout_rng).
+      dropout_rng: a JAX PRNG key.
+      return_lse: also return the log-sum-exp of the logits, [B, Hq, T] float32.
+      implementation: None (Pallas on an NVIDIA GPU, XLA elsewhere), "pallas" or "xla".
+      interpret: run the Pallas kernels in Pallas' interpreter (CPU testing).
+
+    Returns:
+      out [B, T, Hq, Dv] in query's dtype, or (out, lse) when return_lse is True.
+      A query row with no visible key gives out = 0 and lse = -inf.
+    """
+    problem = validation.validate(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        dropout_rate=dropout_rate, dropout_rng=dropout_rng, return_lse=return_lse,
+        implementation=implementation, interpret=interpret)
+    if problem.dropout_rate > 0.0:
+        raise NotImplementedError(
+            "dropout_rate > 0 is not implemented yet in ffpa_jax (in-kernel dropout is planned); "
+            "pass dropout_rate=0.0.")
+    impl = resolve_implementation(implementation, interpret)
+
+    batched = problem.batched
+    q, k, v = (x if batched else x[None] for x in (query, key, value))
+    bias4 = validation.as_4d(bias, batched)
+    mask4 = validation.as_4d(mask, batched)
+    if impl == "xla":
+        out, lse = mha_reference(q, k, v, bias4, mask4, scale=problem.scale,
+                                 is_causal=problem.is_causal)
+    else:
+        out, lse = pallas_attention(q, k, v, bias4, mask4, problem, interpret=interpret)
+    if not batched:
+        out, lse = out[0], lse[0]
+    return (out, lse) if return_lse else out

@@ -1,0 +1,9 @@
+"""Pallas attention kernels lowered to Triton (forward, backward, decode).
+
+This package never imports `ffpa_jax`; its callers pass fully normalised inputs
+(4-D q/k/v, 4-D bias/mask with broadcast dims of size 1) and a launch config.
+"""
+
+from pallas_kernels.fwd import FwdConfig, fwd_generic
+
+__all__ = ["FwdConfig", "fwd_generic"]

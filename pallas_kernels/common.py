@@ -1,0 +1,179 @@
+"""Helpers shared by the attention kernels (forward, backward, decode).
+
+Conventions used throughout `pallas_kernels`:
+- q [B, T, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv], o like q with Dv; lse [B, Hq, T] f32.
+- bias/mask arrive 4-D, [b, h, t, s] with each dim 1 or full. A dim of size 1 is
+  read at index 0 (stride 0): broadcast dims are never materialised.
+- Every tile is a power of two; ragged edges are handled with load/store masks.
+- Scores are kept in the log2 domain (scaled by log2(e)) so the kernels use exp2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+# Triton's dot needs every tile dim >= 16.
+MIN_TILE = 16
+
+
+def i32(x) -> jax.Array:
+    """An int32 index, also under jax_enable_x64 (where Python ints become int64 and
+    the interpreter rejects index tuples of mixed integer types)."""
+    return jnp.asarray(x, dtype=jnp.int32)
+
+
+def iota(n: int) -> jax.Array:
+    return jnp.arange(n, dtype=jnp.int32)
+
+
+def ds(start, size: int):
+    """pl.ds with an int32 start."""
+    return pl.ds(i32(start), size)
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def fit_block(requested: int, size: int) -> int:
+    """A power-of-two tile no larger than needed for `size`, at least MIN_TILE."""
+    return max(MIN_TILE, min(next_pow2(requested), next_pow2(size)))
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def dot(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
+    """a @ b (or a @ bᵀ) with a float32 accumulator.
+
+    float32 operands ask for IEEE precision: Triton's default for a float32 dot
+    is TF32, which would miss the 1e-5 accuracy we promise for float32.
+    """
+    contract_b = 1 if trans_b else 0
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())),
+                               precision=precision, preferred_element_type=jnp.float32)
+
+
+def load_tile(ref, b, rows_start, rows, h, cols_start, cols, *, n_rows: int, n_cols: int,
+              rows_valid=None):
+    """A [rows, cols] tile of a [B, N, H, D] ref at (b, rows_start:, h, cols_start:), 0 outside.
+
+    `rows_valid` (optional, bool [rows]) overrides the row bound check.
+    Masks are only emitted for the edges that can actually be ragged.
+    """
+    row_ids = rows_start + iota(rows)
+    col_ids = cols_start + iota(cols)
+    mask = None
+    if rows_valid is not None or n_rows % rows != 0:
+        ok = rows_valid if rows_valid is not None else row_ids < n_rows
+        mask = ok[:, None]
+    if n_cols % cols != 0 or (isinstance(cols_start, int) and cols_start + cols > n_cols):
+        col_ok = (col_ids < n_cols)[None, :]
+        mask = col_ok if mask is None else mask & col_ok
+    view = ref.at[i32(b), ds(rows_start, rows), i32(h), ds(cols_start, cols)]
+    if mask is None:
+        return plgpu.load(view)
+    return plgpu.load(view, mask=mask, other=0)
+
+
+def store_tile(ref, value, b, rows_start, rows, h, cols_start, cols, *, n_rows: int,
+               n_cols: int, extra_mask=None):
+    """Store a [rows, cols] tile into a [B, N, H, D] ref, skipping out-of-bounds elements."""
+    row_ok = (rows_start + iota(rows)) < n_rows
+    col_ok = (cols_start + iota(cols)) < n_cols
+    mask = row_ok[:, None] & col_ok[None, :]
+    if extra_mask is not None:
+        mask = mask & extra_mask
+    plgpu.store(ref.at[i32(b), ds(rows_start, rows), i32(h), ds(cols_start, cols)],
+                value.astype(ref.dtype), mask=mask)
+
+
+def load_broadcast_tile(ref, b, h, rows_start, rows, cols_start, cols, *, n_rows: int,
+                        n_cols: int, other):
+    """A tile of a 4-D bias/mask ref [b?, h?, t?, s?] whose dims may be 1 (broadcast).
+
+    Returns an array of shape [rows or 1, cols or 1] that broadcasts against the
+    [rows, cols] score tile. `b`/`h` must already be 0 for broadcast dims.
+    """
+    full_rows = ref.shape[2] != 1
+    full_cols = ref.shape[3] != 1
+    r = ds(rows_start, rows) if full_rows else ds(0, 1)
+    c = ds(cols_start, cols) if full_cols else ds(0, 1)
+    mask = None
+    if full_rows and n_rows % rows != 0:
+        mask = ((rows_start + iota(rows)) < n_rows)[:, None]
+    if full_cols and n_cols % cols != 0:
+        col_ok = ((cols_start + iota(cols)) < n_cols)[None, :]
+        mask = col_ok if mask is None else mask & col_ok
+    view = ref.at[i32(b), i32(h), r, c]
+    if mask is None:
+        return plgpu.load(view)
+    return plgpu.load(view, mask=mask, other=other)
+
+
+def broadcast_index(index, size: int):
+    """`index` for a full dim, 0 for a broadcast (size-1) dim."""
+    return index if size != 1 else 0
+
+
+def causal_block_limits(q_start, block_m: int, block_n: int, seq_q: int, seq_k: int):
+    """For the query rows [q_start, q_start + block_m): (n_unmasked, n_total) KV blocks.
+
+    Query i attends key j iff j <= i + (S - T). Blocks [0, n_unmasked) are fully
+    visible to every row of the tile; blocks [n_unmasked, n_total) are partly
+    visible and need the element-wise causal mask; later blocks are skipped.
+    """
+    shift = seq_k - seq_q
+    # Keys visible to the last (valid) row and to the first row, as counts >= 0,
+    # so the integer divisions below never see a negative operand.
+    keys_last_row = jnp.maximum(jnp.minimum(q_start + block_m - 1, seq_q - 1) + shift + 1, 0)
+    keys_first_row = jnp.maximum(q_start + shift + 1, 0)
+    n_total = jnp.minimum((keys_last_row + block_n - 1) // block_n, cdiv(seq_k, block_n))
+    n_unmasked = jnp.minimum(keys_first_row // block_n, n_total)
+    return n_unmasked, n_total
+
+
+def mask_block_lists(mask4: jax.Array, *, block_m: int, block_n: int, seq_q: int, seq_k: int,
+                     causal: bool):
+    """Which KV blocks each query block must visit, from a boolean mask (and causality).
+
+    Returns (counts [mb, mh, nq], indices [mb, mh, nq, n_kv_blocks]) int32: the
+    first `counts[...]` entries of `indices` are, in ascending order, the KV blocks
+    whose mask tile holds at least one True (and that causality does not hide).
+    `nq` is 1 when neither the mask nor causality depends on the query block.
+    This reads the mask once; it is tiny next to the mask itself.
+    """
+    mb, mh, mt, ms = mask4.shape
+    n_kv = cdiv(seq_k, block_n)
+    per_row_block = mt != 1 or causal
+    n_q = cdiv(seq_q, block_m) if per_row_block else 1
+
+    m = mask4
+    if ms != 1:
+        m = jnp.pad(m, ((0, 0), (0, 0), (0, 0), (0, n_kv * block_n - ms)))
+        m = m.reshape(mb, mh, mt, n_kv, block_n).any(axis=-1)
+    else:
+        m = jnp.broadcast_to(m, (mb, mh, mt, n_kv))
+    if mt != 1:
+        m = jnp.pad(m, ((0, 0), (0, 0), (0, n_q * block_m - mt), (0, 0)))
+        m = m.reshape(mb, mh, n_q, block_m, n_kv).any(axis=3)
+    else:
+        m = jnp.broadcast_to(m, (mb, mh, n_q, n_kv))
+    if causal:
+        q_last = jnp.minimum(jnp.arange(n_q) * block_m + block_m - 1, seq_q - 1)
+        k_first = jnp.arange(n_kv) * block_n
+        visible = k_first[None, :] <= q_last[:, None] + (seq_k - seq_q)
+        m = m & visible[None, None]
+    counts = m.sum(axis=-1, dtype=jnp.int32)
+    # A stable sort on "not visited" lists visited blocks first, in ascending order.
+    indices = jnp.argsort(~m, axis=-1, stable=True).astype(jnp.int32)
+    return counts, indices

@@ -1,0 +1,37 @@
+"""Every call that differs between the JAX versions we support (0.10.2 and 0.11.x).
+
+Keep version-specific code here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+from jax.experimental.pallas import triton as _pl_triton
+
+JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+# Since JAX 0.9 Mosaic GPU is Pallas' default GPU lowering; passing Triton's
+# CompilerParams is what selects the Triton lowering. (The class was called
+# TritonCompilerParams before JAX 0.7; we require >= 0.10.2.)
+TritonCompilerParams = _pl_triton.CompilerParams
+
+# JAX 0.11 deprecates the Pallas Triton backend and warns (DeprecationWarning)
+# each time a Triton pallas_call is lowered. Lowering happens when the user's
+# outer jit compiles, after our Python frames have returned, so a filter scoped
+# to our call site cannot see it. We therefore install one process-wide filter
+# for exactly this message, the first time our Pallas path is used: users
+# cannot act on it, and a process that never runs our kernels never installs it.
+_TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
+
+
+@functools.cache
+def silence_triton_deprecation() -> None:
+    warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION, category=DeprecationWarning)
+
+
+def compiler_params(num_warps: int, num_stages: int):
+    """Triton launch parameters for `pallas_call(compiler_params=...)`."""
+    return TritonCompilerParams(num_warps=num_warps, num_stages=num_stages)

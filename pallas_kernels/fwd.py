@@ -1,0 +1,250 @@
+"""`fwd_generic`: the blocked online-softmax forward, for every head dim up to 1024.
+
+Grid: (query blocks × V slices, B·Hq). Each program owns BLOCK_M query rows of
+one head and one BLOCK_HEADDIM_V-wide slice of the output head dim, and walks the
+KV blocks of its KV head (GQA by index: kv head = h // (Hq // Hkv)).
+
+Split-D: QKᵀ is accumulated over BLOCK_HEADDIM_QK-wide chunks of D, and the
+output head dim is split across programs, so neither the float32 accumulator
+([BLOCK_M, BLOCK_HEADDIM_V]) nor the K/V tiles grow with D. Three ways to walk
+the QKᵀ chunks (`q_mode`), which the Triton compiler treats very differently:
+- "resident": static unroll; Q's chunks are loaded once, before the KV loop.
+- "reload":   static unroll; Q's chunks are re-read (from L1/L2) every KV block,
+              so only one chunk of Q is live at a time.
+- "dynamic":  a `fori_loop` over the chunks (one Q and one K chunk live), which
+              Triton software-pipelines like the K loop of a matmul.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import common, compat
+from pallas_kernels.common import LN2, LOG2E, cdiv, dot, fit_block, i32, iota
+
+Q_MODES = ("resident", "reload", "dynamic")
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdConfig:
+    """Launch parameters of `fwd_generic` (FFPA's config keys, plus `q_mode`)."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_d: int = 64  # BLOCK_HEADDIM_QK: chunk of D per QKᵀ partial product
+    block_dv: int = 64  # BLOCK_HEADDIM_V: output head-dim slice per program
+    num_warps: int = 4
+    num_stages: int = 2
+    q_mode: str = "resident"
+
+    def fitted(self, seq_q: int, seq_k: int, head_dim: int, head_dim_v: int) -> "FwdConfig":
+        """The same config with tiles shrunk to the problem (powers of two, >= 16)."""
+        return dataclasses.replace(
+            self,
+            block_m=fit_block(self.block_m, seq_q),
+            block_n=fit_block(self.block_n, seq_k),
+            block_d=fit_block(self.block_d, head_dim),
+            block_dv=fit_block(self.block_dv, head_dim_v),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything the kernel body needs to know at trace time."""
+
+    batch: int
+    seq_q: int
+    seq_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    head_dim_v: int
+    scale: float
+    causal: bool
+    bias_shape: tuple[int, ...] | None
+    mask_shape: tuple[int, ...] | None
+    list_rows: int  # query-block extent of the mask block lists (1 or n_q_blocks)
+    cfg: FwdConfig
+
+    @property
+    def n_dchunks(self) -> int:
+        return cdiv(self.head_dim, self.cfg.block_d)
+
+    @property
+    def n_vslices(self) -> int:
+        return cdiv(self.head_dim_v, self.cfg.block_dv)
+
+
+def _fwd_kernel(*refs, st: _Static):
+    cfg = st.cfg
+    bm, bn, bd, bdv = cfg.block_m, cfg.block_n, cfg.block_d, cfg.block_dv
+    q_ref, k_ref, v_ref, *rest = refs
+    bias_ref = rest.pop(0) if st.bias_shape is not None else None
+    if st.mask_shape is not None:
+        mask_ref, count_ref, index_ref = rest[:3]
+        rest = rest[3:]
+    o_ref, lse_ref = rest
+
+    pid = pl.program_id(0)
+    bh = pl.program_id(1)
+    if st.n_vslices == 1:
+        q_block, v_slice = pid, i32(0)
+    else:
+        q_block, v_slice = pid // st.n_vslices, pid % st.n_vslices
+    b = bh // st.heads_q
+    h = bh % st.heads_q
+    hk = h // (st.heads_q // st.heads_kv)
+    q_start = q_block * bm
+    v_start = v_slice * bdv
+    rows = q_start + iota(bm)
+    qk_scale = st.scale * LOG2E
+
+    def q_chunk(c):
+        return common.load_tile(q_ref, b, q_start, bm, h, c * bd, bd,
+                                n_rows=st.seq_q, n_cols=st.head_dim)
+
+    resident_q = [q_chunk(c) for c in range(st.n_dchunks)] if cfg.q_mode == "resident" else None
+
+    def scores(kv_start):
+        """scale·log2(e)·q·kᵀ for one KV block, [bm, bn] float32."""
+        def k_chunk(c):
+            return common.load_tile(k_ref, b, kv_start, bn, hk, c * bd, bd,
+                                    n_rows=st.seq_k, n_cols=st.head_dim)
+
+        if cfg.q_mode == "dynamic" and st.n_dchunks > 1:
+            def chunk_body(c, acc):
+                start = pl.multiple_of(c * bd, bd)
+                qc = common.load_tile(q_ref, b, q_start, bm, h, start, bd,
+                                      n_rows=st.seq_q, n_cols=st.head_dim)
+                kc = common.load_tile(k_ref, b, kv_start, bn, hk, start, bd,
+                                      n_rows=st.seq_k, n_cols=st.head_dim)
+                return acc + dot(qc, kc, trans_b=True)
+            qk = jax.lax.fori_loop(i32(0), i32(st.n_dchunks), chunk_body, jnp.zeros((bm, bn), jnp.float32))
+        else:
+            qk = None
+            for c in range(st.n_dchunks):
+                qc = resident_q[c] if resident_q is not None else q_chunk(c)
+                part = dot(qc, k_chunk(c), trans_b=True)
+                qk = part if qk is None else qk + part
+        return qk * qk_scale
+
+    def visit(kv_block, carry, *, causal_mask: bool, with_mask: bool):
+        m_i, l_i, acc = carry
+        kv_start = kv_block * bn
+        cols = kv_start + iota(bn)
+        s = scores(kv_start)
+        if bias_ref is not None:
+            bias = common.load_broadcast_tile(
+                bias_ref, common.broadcast_index(b, st.bias_shape[0]),
+                common.broadcast_index(h, st.bias_shape[1]), q_start, bm, kv_start, bn,
+                n_rows=st.seq_q, n_cols=st.seq_k, other=0)
+            s = s + bias.astype(jnp.float32) * LOG2E
+        if with_mask:
+            keep = common.load_broadcast_tile(
+                mask_ref, common.broadcast_index(b, st.mask_shape[0]),
+                common.broadcast_index(h, st.mask_shape[1]), q_start, bm, kv_start, bn,
+                n_rows=st.seq_q, n_cols=st.seq_k, other=False)
+            s = jnp.where(keep, s, -jnp.inf)
+        if causal_mask:
+            s = jnp.where(cols[None, :] <= rows[:, None] + (st.seq_k - st.seq_q), s, -jnp.inf)
+        if st.seq_k % bn != 0:
+            s = jnp.where((cols < st.seq_k)[None, :], s, -jnp.inf)
+
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        # A row with no visible key so far keeps m = -inf; subtracting 0 instead
+        # keeps exp2 at exactly 0 for it and never produces NaN.
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp2(s - m_use[:, None])
+        alpha = jnp.exp2(m_i - m_use)
+        l_i = l_i * alpha + jnp.sum(p, axis=1)
+        v_tile = common.load_tile(v_ref, b, kv_start, bn, hk, v_start, bdv,
+                                  n_rows=st.seq_k, n_cols=st.head_dim_v)
+        p = p if v_tile.dtype == jnp.float32 else p.astype(v_tile.dtype)
+        acc = acc * alpha[:, None] + dot(p, v_tile)
+        return m_new, l_i, acc
+
+    carry = (jnp.full((bm,), -jnp.inf, jnp.float32), jnp.zeros((bm,), jnp.float32),
+             jnp.zeros((bm, bdv), jnp.float32))
+
+    if st.mask_shape is not None:
+        # Block-sparse walk: only KV blocks whose mask tile holds a True.
+        lb = common.broadcast_index(b, count_ref.shape[0])
+        lh = common.broadcast_index(h, count_ref.shape[1])
+        lb, lh = i32(lb), i32(lh)
+        lq = q_block if st.list_rows != 1 else i32(0)
+        n_visit = count_ref[lb, lh, lq]
+
+        def listed(i, c):
+            return visit(index_ref[lb, lh, lq, i], c, causal_mask=st.causal, with_mask=True)
+        carry = jax.lax.fori_loop(i32(0), n_visit, listed, carry)
+    elif st.causal:
+        n_unmasked, n_total = common.causal_block_limits(q_start, bm, bn, st.seq_q, st.seq_k)
+        carry = jax.lax.fori_loop(
+            i32(0), n_unmasked, functools.partial(visit, causal_mask=False, with_mask=False),
+            carry)
+        carry = jax.lax.fori_loop(
+            n_unmasked, n_total, functools.partial(visit, causal_mask=True, with_mask=False), carry)
+    else:
+        carry = jax.lax.fori_loop(
+            i32(0), i32(cdiv(st.seq_k, bn)),
+            functools.partial(visit, causal_mask=False, with_mask=False),
+            carry)
+
+    m_i, l_i, acc = carry
+    has_keys = l_i > 0.0
+    l_safe = jnp.where(has_keys, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    common.store_tile(o_ref, out, b, q_start, bm, h, v_start, bdv,
+                      n_rows=st.seq_q, n_cols=st.head_dim_v)
+    lse = jnp.where(has_keys, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
+    lse_mask = rows < st.seq_q
+    if st.n_vslices > 1:
+        lse_mask = lse_mask & (v_slice == 0)  # one writer per row
+    plgpu.store(lse_ref.at[b, h, common.ds(q_start, bm)], lse, mask=lse_mask)
+
+
+def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None = None,
+                mask: jax.Array | None = None, *, scale: float, causal: bool, config: FwdConfig,
+                interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Attention forward on Pallas/Triton. Returns (o [B,T,Hq,Dv] in q's dtype, lse [B,Hq,T] f32).
+
+    bias/mask are 4-D, each dim 1 or full (see `common`).
+    """
+    batch, seq_q, heads_q, head_dim = q.shape
+    _, seq_k, heads_kv, _ = k.shape
+    head_dim_v = v.shape[3]
+    if config.q_mode not in Q_MODES:
+        raise ValueError(f"q_mode must be one of {Q_MODES}; got {config.q_mode!r}")
+    cfg = config.fitted(seq_q, seq_k, head_dim, head_dim_v)
+    inputs = [q, k, v]
+    list_rows = 1
+    if bias is not None:
+        inputs.append(bias)
+    if mask is not None:
+        counts, indices = common.mask_block_lists(
+            mask, block_m=cfg.block_m, block_n=cfg.block_n, seq_q=seq_q, seq_k=seq_k,
+            causal=causal)
+        list_rows = counts.shape[2]
+        inputs += [mask, counts, indices]
+    st = _Static(batch=batch, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, heads_kv=heads_kv,
+                 head_dim=head_dim, head_dim_v=head_dim_v, scale=float(scale), causal=causal,
+                 bias_shape=None if bias is None else tuple(bias.shape),
+                 mask_shape=None if mask is None else tuple(mask.shape),
+                 list_rows=list_rows, cfg=cfg)
+    grid = (cdiv(seq_q, cfg.block_m) * st.n_vslices, batch * heads_q)
+    out_shape = (jax.ShapeDtypeStruct((batch, seq_q, heads_q, head_dim_v), q.dtype),
+                 jax.ShapeDtypeStruct((batch, heads_q, seq_q), jnp.float32))
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, st=st),
+        out_shape=out_shape,
+        grid=grid,
+        compiler_params=compat.compiler_params(cfg.num_warps, cfg.num_stages),
+        interpret=interpret,
+        name="fwd_generic",
+    )(*inputs)

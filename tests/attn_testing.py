@@ -1,0 +1,132 @@
+"""Shared test machinery: random inputs, the float64 reference, and the tolerance rule.
+
+Tolerance rule (DESIGN.md): the error of a fp16/bf16 result against the float64
+reference is at most 2x (forward) or 3x (gradients) the error of the
+same-precision XLA computation against that reference, plus a floor of a few
+ulps of the output's magnitude; float32 results within 1e-5 relative.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ffpa_jax.reference import mha_reference
+from ffpa_jax.validation import as_4d
+
+ULP_FLOOR = 4  # "a few ulps" of the output's magnitude
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One attention problem. bias/mask shapes are as the caller passes them."""
+
+    b: int = 1
+    t: int = 64
+    s: int = 64
+    hq: int = 2
+    hkv: int = 2
+    d: int = 64
+    dv: int | None = None
+    causal: bool = False
+    bias_shape: tuple[int, ...] | None = None
+    mask_shape: tuple[int, ...] | None = None
+    dtype: str = "bfloat16"
+    mask_density: float = 0.6
+    scale: float | None = None
+
+    @property
+    def head_dim_v(self) -> int:
+        return self.d if self.dv is None else self.dv
+
+    def seed(self) -> int:
+        return zlib.crc32(repr(self).encode())
+
+
+def make_inputs(case: Case, seed: int | None = None):
+    """Fresh random normal q, k, v (never zeros), bias and mask for `case`, in case.dtype.
+
+    bias is float32 (any float dtype is allowed); mask draws True with `mask_density`.
+    """
+    key = jax.random.key(case.seed() if seed is None else seed)
+    kq, kk, kv, kb, km = jax.random.split(key, 5)
+    dtype = jnp.dtype(case.dtype)
+    q = jax.random.normal(kq, (case.b, case.t, case.hq, case.d), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (case.b, case.s, case.hkv, case.d), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (case.b, case.s, case.hkv, case.head_dim_v), jnp.float32).astype(dtype)
+    bias = None if case.bias_shape is None else jax.random.normal(kb, case.bias_shape, jnp.float32)
+    mask = None
+    if case.mask_shape is not None:
+        mask = jax.random.bernoulli(km, case.mask_density, case.mask_shape)
+    return q, k, v, bias, mask
+
+
+def scale_of(case: Case) -> float:
+    return case.scale if case.scale is not None else 1.0 / np.sqrt(case.d)
+
+
+def reference64(case: Case, q, k, v, bias, mask):
+    """(out, lse) of the float64 reference on exactly the inputs given (already rounded)."""
+    with jax.enable_x64(True):
+        to64 = lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64))
+        out, lse = mha_reference(to64(q), to64(k), to64(v), to64(as_4d(bias, True)),
+                                 as_4d(mask, True), scale=scale_of(case), is_causal=case.causal)
+        return np.asarray(out), np.asarray(lse)
+
+
+def xla_same_precision(case: Case, q, k, v, bias, mask):
+    """(out, lse) of the XLA path at the inputs' own precision."""
+    out, lse = mha_reference(q, k, v, as_4d(bias, True), as_4d(mask, True), scale=scale_of(case),
+                             is_causal=case.causal)
+    return np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+
+
+def _max_err(x, ref) -> float:
+    x = np.asarray(np.asarray(x, np.float32), np.float64)
+    finite = np.isfinite(ref)
+    diff = np.where(finite, x, 0.0) - np.where(finite, ref, 0.0)
+    return float(np.max(np.abs(diff), initial=0.0))
+
+
+def assert_matches_reference(name: str, got, ref64, xla, dtype, *, factor: float = 2.0):
+    """The tolerance rule of DESIGN.md, with a readable failure message.
+
+    Non-finite reference entries (lse = -inf of fully masked rows) must be
+    matched exactly; the rest is compared by max abs error.
+    """
+    got = np.asarray(np.asarray(got, np.float32), np.float64)
+    ref64 = np.asarray(ref64, np.float64)
+    assert got.shape == ref64.shape, f"{name}: shape {got.shape} != reference {ref64.shape}"
+    assert not np.isnan(got).any(), f"{name}: NaN in result"
+    nonfinite = ~np.isfinite(ref64)
+    if nonfinite.any():
+        np.testing.assert_array_equal(got[nonfinite], ref64[nonfinite],
+                                      err_msg=f"{name}: non-finite entries differ")
+    magnitude = float(np.max(np.abs(np.where(nonfinite, 0.0, ref64)), initial=0.0))
+    err = _max_err(got, ref64)
+    if jnp.dtype(dtype) == jnp.float32:
+        bound = 1e-5 * max(magnitude, 1.0)
+        rule = "1e-5 relative (float32)"
+    else:
+        err_xla = _max_err(xla, ref64)
+        floor = ULP_FLOOR * float(jnp.finfo(dtype).eps) * magnitude
+        bound = factor * err_xla + floor
+        rule = f"{factor}x XLA error {err_xla:.3e} + floor {floor:.3e}"
+    assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e} ({rule})"
+
+
+def assert_lse_matches(got, ref64, xla):
+    """lse is float32 in every path: 2x the XLA path's error, plus a few float32 ulps."""
+    ref64 = np.asarray(ref64, np.float64)
+    magnitude = float(np.max(np.abs(np.where(np.isfinite(ref64), ref64, 0.0)), initial=1.0))
+    got = np.asarray(got, np.float64)
+    nonfinite = ~np.isfinite(ref64)
+    np.testing.assert_array_equal(got[nonfinite], ref64[nonfinite], err_msg="lse: -inf rows differ")
+    assert np.isfinite(got[~nonfinite]).all(), "lse: non-finite where the reference is finite"
+    bound = 2.0 * _max_err(xla, ref64) + ULP_FLOOR * float(np.finfo(np.float32).eps) * magnitude
+    err = _max_err(got, ref64)
+    assert err <= bound, f"lse: max error {err:.3e} > bound {bound:.3e}"

@@ -1,0 +1,191 @@
+"""fwd_generic against the float64 reference: odd head dims, T != S, GQA/MQA,
+every bias/mask broadcast shape, causal, fully masked rows, all dtypes.
+
+On CPU the kernels run in Pallas' interpreter; on a GPU (marker `gpu`) for real.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ffpa_jax
+from attn_testing import (Case, assert_lse_matches, assert_matches_reference, make_inputs,
+                          reference64, scale_of, xla_same_precision)
+from conftest import interpret_flag
+from pallas_kernels import FwdConfig, fwd_generic
+from pallas_kernels.common import mask_block_lists
+
+
+def run_case(case: Case, mode: str, *, q=None, k=None, v=None, bias=None, mask=None):
+    if q is None:
+        q, k, v, bias, mask = make_inputs(case)
+    out, lse = ffpa_jax.attention(q, k, v, bias, mask, scale=case.scale, is_causal=case.causal,
+                                  return_lse=True, implementation="pallas",
+                                  interpret=interpret_flag(mode))
+    ref_out, ref_lse = reference64(case, q, k, v, bias, mask)
+    xla_out, xla_lse = xla_same_precision(case, q, k, v, bias, mask)
+    assert out.dtype == q.dtype and out.shape == ref_out.shape
+    assert lse.dtype == jnp.float32
+    assert_matches_reference("out", out, ref_out, xla_out, q.dtype)
+    assert_lse_matches(lse, ref_lse, xla_lse)
+    return out, lse
+
+
+SHAPES = [
+    Case(b=2, t=113, s=203, hq=2, hkv=2, d=40),
+    Case(t=1, s=113, hq=6, hkv=2, d=59),  # GQA 6/2, a single query
+    Case(t=203, s=1, hq=3, hkv=1, d=111),  # MQA, a single key
+    Case(t=1023, s=113, hq=1, hkv=1, d=64),
+    Case(t=113, s=1023, hq=2, hkv=1, d=32, dv=48),
+    Case(t=64, s=77, hq=2, hkv=2, d=320, dv=192),
+    Case(t=33, s=65, hq=2, hkv=1, d=512),
+    Case(t=40, s=90, hq=1, hkv=1, d=1000),
+    Case(t=17, s=33, hq=1, hkv=1, d=1024, dv=1024),
+    Case(t=5, s=9, hq=4, hkv=4, d=1, dv=3),
+]
+
+
+@pytest.mark.parametrize("case", SHAPES, ids=lambda c: f"T{c.t}-S{c.s}-H{c.hq}.{c.hkv}-D{c.d}.{c.head_dim_v}")
+def test_shapes_bf16(case, kernel_mode):
+    run_case(case, kernel_mode)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("case", [SHAPES[0], SHAPES[1], SHAPES[5], SHAPES[7]],
+                         ids=lambda c: f"D{c.d}")
+def test_other_dtypes(case, dtype, kernel_mode):
+    run_case(dataclasses.replace(case, dtype=dtype), kernel_mode)
+
+
+@pytest.mark.parametrize("t,s", [(113, 203), (203, 113), (1, 113), (113, 1), (64, 64), (130, 129)])
+def test_causal(t, s, kernel_mode):
+    """Bottom-right causal; with T > S the first T - S rows see no key (out 0, lse -inf)."""
+    out, lse = run_case(Case(b=2, t=t, s=s, hq=6, hkv=2, d=59, causal=True), kernel_mode)
+    if t > s:
+        assert np.all(np.asarray(lse)[:, :, : t - s] == -np.inf)
+        assert np.all(np.asarray(out, np.float32)[:, : t - s] == 0.0)
+
+
+# Broadcast shapes for B=2, Hq=4, T=37, S=70 (numpy rules, right-aligned).
+BROADCAST_SHAPES = [
+    (70,), (37, 70), (1, 70), (37, 1), (4, 1, 70), (4, 37, 70),
+    (1, 1, 1, 70), (2, 1, 1, 70), (1, 4, 1, 70), (1, 4, 37, 70), (2, 1, 37, 70),
+    (2, 4, 37, 70), (2, 4, 37, 1), (1, 1, 1, 1),
+]
+
+
+@pytest.mark.parametrize("shape", BROADCAST_SHAPES, ids=str)
+def test_bias_broadcast(shape, kernel_mode):
+    run_case(Case(b=2, t=37, s=70, hq=4, hkv=2, d=48, bias_shape=shape), kernel_mode)
+
+
+@pytest.mark.parametrize("shape", BROADCAST_SHAPES, ids=str)
+def test_mask_broadcast(shape, kernel_mode):
+    run_case(Case(b=2, t=37, s=70, hq=4, hkv=2, d=48, mask_shape=shape), kernel_mode)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bias_and_mask_together(causal, kernel_mode):
+    run_case(Case(b=2, t=70, s=37, hq=4, hkv=1, d=111, bias_shape=(1, 4, 70, 37),
+                  mask_shape=(2, 1, 70, 37), causal=causal), kernel_mode)
+
+
+def test_fully_masked_rows_by_mask(kernel_mode):
+    case = Case(b=2, t=50, s=80, hq=4, hkv=2, d=40, mask_shape=(2, 1, 50, 80))
+    q, k, v, bias, mask = make_inputs(case)
+    dead_rows = np.array([0, 7, 31, 49])
+    mask = mask.at[:, :, dead_rows, :].set(False)
+    out, lse = run_case(case, kernel_mode, q=q, k=k, v=v, bias=bias, mask=mask)
+    assert np.all(np.asarray(lse)[:, :, dead_rows] == -np.inf)
+    assert np.all(np.asarray(out, np.float32)[:, dead_rows] == 0.0)
+
+
+def test_fully_masked_rows_by_bias(kernel_mode):
+    case = Case(b=1, t=30, s=45, hq=2, hkv=2, d=64, bias_shape=(1, 2, 30, 45))
+    q, k, v, bias, mask = make_inputs(case)
+    bias = bias.at[:, 1, 3, :].set(-jnp.inf)
+    out, lse = run_case(case, kernel_mode, q=q, k=k, v=v, bias=bias, mask=mask)
+    assert np.asarray(lse)[0, 1, 3] == -np.inf
+    assert np.all(np.asarray(out, np.float32)[0, 3, 1] == 0.0)
+
+
+def test_all_keys_masked(kernel_mode):
+    """A mask with no True at all: every row is empty, nothing is visited."""
+    case = Case(b=1, t=20, s=30, hq=2, hkv=1, d=32, mask_shape=(20, 30))
+    q, k, v, _, _ = make_inputs(case)
+    mask = jnp.zeros((20, 30), bool)
+    out, lse = run_case(case, kernel_mode, q=q, k=k, v=v, mask=mask)
+    assert np.all(np.asarray(out, np.float32) == 0.0) and np.all(np.asarray(lse) == -np.inf)
+
+
+def test_sparse_block_mask(kernel_mode):
+    """A 90%-sparse block mask (the block-skipping path) is still exact."""
+    case = Case(b=1, t=256, s=320, hq=2, hkv=2, d=64, mask_shape=(256, 320))
+    q, k, v, _, _ = make_inputs(case)
+    blocks = jax.random.bernoulli(jax.random.key(3), 0.1, (256 // 32, 320 // 32))
+    blocks = blocks.at[:, 0].set(True)  # every row keeps some keys
+    mask = jnp.repeat(jnp.repeat(blocks, 32, axis=0), 32, axis=1)
+    run_case(case, kernel_mode, q=q, k=k, v=v, mask=mask)
+
+
+CONFIGS = [
+    FwdConfig(block_m=16, block_n=16, block_d=16, block_dv=16, num_warps=4, num_stages=1,
+              q_mode="resident"),
+    FwdConfig(block_m=32, block_n=64, block_d=32, block_dv=32, num_warps=4, num_stages=2,
+              q_mode="reload"),
+    FwdConfig(block_m=64, block_n=32, block_d=64, block_dv=64, num_warps=8, num_stages=3,
+              q_mode="dynamic"),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.q_mode}-{c.block_m}x{c.block_n}")
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernel_configs(cfg, causal, kernel_mode):
+    """Several D chunks and V slices per program, every Q mode, directly on the kernel."""
+    case = Case(b=1, t=77, s=100, hq=4, hkv=2, d=130, dv=100, causal=causal,
+                bias_shape=(1, 4, 1, 100), mask_shape=(1, 1, 77, 100))
+    q, k, v, bias, mask = make_inputs(case)
+    out, lse = fwd_generic(q, k, v, bias.reshape(1, 4, 1, 100), mask.reshape(1, 1, 77, 100),
+                           scale=scale_of(case), causal=causal, config=cfg,
+                           interpret=interpret_flag(kernel_mode))
+    ref_out, ref_lse = reference64(case, q, k, v, bias, mask)
+    xla_out, xla_lse = xla_same_precision(case, q, k, v, bias, mask)
+    assert_matches_reference("out", out, ref_out, xla_out, q.dtype)
+    assert_lse_matches(lse, ref_lse, xla_lse)
+
+
+def _brute_force_visits(mask4, bm, bn, t, s, causal):
+    """[mb, mh, n_q_blocks, n_kv_blocks]: does tile (i, j) hold a visible key?"""
+    mb, mh = mask4.shape[:2]
+    full = np.broadcast_to(np.asarray(mask4), (mb, mh, t, s))
+    if causal:
+        full = full & (np.arange(s)[None, :] <= np.arange(t)[:, None] + (s - t))
+    nq, nk = -(-t // bm), -(-s // bn)
+    visit = np.zeros((mb, mh, nq, nk), bool)
+    for i in range(nq):
+        for j in range(nk):
+            visit[:, :, i, j] = full[:, :, i * bm:(i + 1) * bm, j * bn:(j + 1) * bn].any(axis=(2, 3))
+    return visit
+
+
+@pytest.mark.parametrize("mask_shape,causal", [((1, 1, 45, 70), False), ((2, 1, 1, 70), False),
+                                               ((1, 3, 45, 1), True), ((2, 3, 45, 70), True)])
+def test_mask_block_lists(mask_shape, causal):
+    """The block lists name exactly the tiles holding a visible key, in ascending order."""
+    t, s, bm, bn = 45, 70, 16, 32
+    mask = jax.random.bernoulli(jax.random.key(7), 0.3, mask_shape)
+    counts, indices = mask_block_lists(mask, block_m=bm, block_n=bn, seq_q=t, seq_k=s,
+                                       causal=causal)
+    counts, indices = np.asarray(counts), np.asarray(indices)
+    expected = _brute_force_visits(mask, bm, bn, t, s, causal)
+    if counts.shape[2] == 1:  # one list shared by all query blocks: they must agree
+        assert (expected == expected[:, :, :1]).all()
+        expected = expected[:, :, :1]
+    assert counts.shape == expected.shape[:3]
+    for idx in np.ndindex(counts.shape):
+        np.testing.assert_array_equal(indices[idx][: counts[idx]], np.flatnonzero(expected[idx]))

@@ -1,0 +1,24 @@
+"""Tuned launch parameters: FFPA's persisted-config schema, lookup at trace time, defaults.
+
+`launch_config` is the one function the kernels' callers use: a tuned entry for
+this device and problem when one matches, else the built-in default.
+"""
+
+from tuning.defaults import default_config
+from tuning.device import current_device, sanitize_device_name
+from tuning.lookup import lookup_config
+from tuning.registry import KERNELS, config_problem
+from tuning.schema import load_config_file, write_config_file
+from tuning.select import launch_config
+
+__all__ = [
+    "KERNELS",
+    "config_problem",
+    "current_device",
+    "default_config",
+    "launch_config",
+    "load_config_file",
+    "lookup_config",
+    "sanitize_device_name",
+    "write_config_file",
+]

@@ -1,0 +1,92 @@
+"""Names of the kernels that take tuned launch parameters, and what a valid config is.
+
+This is the only place where `tuning` knows anything about the kernels: the names
+used in the tuned-config files (FFPA's names), the keys each kernel's `config`
+dict carries, and the limits a config must respect for the kernel to run it.
+The kernels themselves (in `pallas_kernels`) never import this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+# Block sizes must be powers of two (Triton tiles); these are the bounds we
+# accept from a file. Anything outside is an invalid entry, skipped at lookup.
+_MAX_BLOCK_ROWS = 256
+_MAX_BLOCK_HEADDIM = 1024
+_VALID_WARPS = (1, 2, 4, 8, 16)
+_MAX_STAGES = 8
+# How fwd_generic walks the D chunks of QKᵀ (our extension of FFPA's keys;
+# absent means "resident"). See pallas_kernels/fwd.py.
+Q_MODES = ("resident", "reload", "dynamic")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """What one kernel's `config` dict holds."""
+
+    name: str
+    direction: str  # "forward" | "backward"
+    block_keys: tuple[str, ...]  # power-of-two block sizes
+    optional_keys: tuple[str, ...] = ()
+
+
+KERNELS: dict[str, KernelSpec] = {
+    spec.name: spec
+    for spec in (
+        KernelSpec("fwd_generic", "forward",
+                   ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM_QK", "BLOCK_HEADDIM_V"), ("Q_MODE",)),
+        KernelSpec("decode_fwd_stage1", "forward",
+                   ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM_QK", "BLOCK_HEADDIM_V"),
+                   ("NUM_SPLITS",)),
+        KernelSpec("decode_fwd_stage2", "forward", ("BLOCK_HEADDIM_V",)),
+        KernelSpec("bwd_preproc", "backward", ("BLOCK_M", "BLOCK_HEADDIM"), ("D_CHUNK",)),
+        KernelSpec("bwd_generic_dkdv", "backward", ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM")),
+        KernelSpec("bwd_generic_dq", "backward", ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM")),
+        # FFPA also persists fused-backward and decode-backward entries; we do not
+        # run those kernels, but their entries are valid and simply never looked up.
+        KernelSpec("bwd_generic", "backward", ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM")),
+        KernelSpec("decode_bwd_stage1", "backward", ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM")),
+    )
+}
+
+
+def is_power_of_two(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0 and (x & (x - 1)) == 0
+
+
+def config_problem(kernel: str, config: Any) -> str | None:
+    """Why `config` cannot launch `kernel`, or None when it can.
+
+    Used to skip invalid entries of a tuned-config file (never to raise): a
+    file written by another version or by hand must not crash a user's step.
+    """
+    spec = KERNELS.get(kernel)
+    if spec is None:
+        return f"unknown kernel {kernel!r}"
+    if not isinstance(config, Mapping):
+        return f"config is {type(config).__name__}, expected a dict"
+    for key in spec.block_keys:
+        value = config.get(key)
+        if not is_power_of_two(value):
+            return f"{key}={value!r} is not a positive power of two"
+        limit = _MAX_BLOCK_HEADDIM if "HEADDIM" in key else _MAX_BLOCK_ROWS
+        if value > limit:
+            return f"{key}={value} exceeds {limit}"
+    warps = config.get("num_warps")
+    if warps not in _VALID_WARPS or isinstance(warps, bool):
+        return f"num_warps={warps!r} not in {_VALID_WARPS}"
+    stages = config.get("num_stages")
+    if not (isinstance(stages, int) and not isinstance(stages, bool) and 1 <= stages <= _MAX_STAGES):
+        return f"num_stages={stages!r} not in 1..{_MAX_STAGES}"
+    ctas = config.get("num_ctas", 1)
+    if ctas != 1:
+        return f"num_ctas={ctas!r}: only 1 is supported by the Pallas Triton lowering"
+    if "Q_MODE" in config and config["Q_MODE"] not in Q_MODES:
+        return f"Q_MODE={config['Q_MODE']!r} not in {Q_MODES}"
+    if "NUM_SPLITS" in config and not (isinstance(config["NUM_SPLITS"], int)
+                                       and not isinstance(config["NUM_SPLITS"], bool)
+                                       and config["NUM_SPLITS"] >= 1):
+        return f"NUM_SPLITS={config['NUM_SPLITS']!r} is not a positive int"
+    return None
