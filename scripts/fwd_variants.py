@@ -1,0 +1,115 @@
+"""Measure fwd_generic launch variants on the GPU (docs/fwd_variants.md records the results).
+
+Each candidate is compiled, checked against XLA's dense attention on the same
+inputs (a candidate that disagrees is marked, never counted), then timed. A
+candidate that fails to compile (e.g. shared memory overflow) is recorded with
+its error. Usage: python scripts/fwd_variants.py --out results.json [--dims 512,1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from ffpa_jax.bench import _time_ms
+from pallas_kernels import FwdConfig, fwd_generic
+
+
+def C(bm, bn, bd, bdv, w, st, mode="resident"):
+    return FwdConfig(block_m=bm, block_n=bn, block_d=bd, block_dv=bdv, num_warps=w,
+                     num_stages=st, q_mode=mode)
+
+
+CANDIDATES = {
+    64: [C(128, 64, 64, 64, 4, 3), C(128, 64, 64, 64, 8, 3), C(128, 128, 64, 64, 8, 3),
+         C(128, 32, 64, 64, 4, 3), C(64, 64, 64, 64, 4, 3), C(64, 128, 64, 64, 4, 3),
+         C(128, 64, 64, 64, 4, 2), C(128, 128, 64, 64, 4, 2)],
+    128: [C(128, 64, 128, 128, 8, 3), C(128, 64, 128, 128, 4, 3), C(128, 128, 128, 128, 8, 3),
+          C(128, 32, 128, 128, 8, 3), C(64, 64, 128, 128, 4, 3), C(64, 128, 128, 128, 4, 2),
+          C(128, 64, 128, 128, 8, 2), C(128, 128, 128, 128, 8, 2), C(128, 64, 64, 128, 8, 3)],
+    256: [C(64, 64, 64, 256, 4, 2), C(64, 64, 64, 256, 8, 2), C(128, 64, 64, 256, 8, 2),
+          C(128, 32, 64, 256, 8, 2), C(64, 32, 64, 256, 4, 3), C(128, 64, 64, 256, 8, 2, "reload"),
+          C(64, 64, 64, 256, 4, 2, "reload"), C(128, 64, 128, 256, 8, 2),
+          C(128, 64, 64, 128, 8, 2), C(128, 64, 64, 256, 8, 2, "dynamic"),
+          C(128, 64, 256, 256, 8, 2), C(64, 64, 256, 256, 4, 2)],
+    512: [C(128, 32, 64, 256, 8, 2), C(64, 64, 64, 256, 4, 1), C(64, 32, 64, 256, 4, 2),
+          C(128, 64, 64, 256, 8, 1), C(64, 32, 64, 512, 8, 2), C(64, 64, 64, 512, 8, 1),
+          C(128, 64, 64, 256, 8, 2, "reload"), C(128, 32, 64, 256, 8, 2, "reload"),
+          C(128, 64, 64, 256, 8, 3, "reload"), C(128, 64, 128, 256, 8, 2, "dynamic"),
+          C(64, 64, 128, 256, 4, 2, "dynamic"), C(128, 64, 128, 256, 8, 3, "dynamic"),
+          C(64, 64, 64, 512, 8, 2, "dynamic"), C(64, 64, 128, 512, 8, 3, "dynamic"),
+          C(128, 64, 64, 128, 4, 2, "reload"), C(64, 64, 64, 512, 8, 2, "reload")],
+    1024: [C(64, 32, 64, 256, 4, 2), C(32, 64, 64, 1024, 4, 1), C(128, 32, 64, 256, 8, 2),
+           C(64, 32, 64, 512, 8, 2), C(64, 64, 64, 512, 8, 1),
+           C(128, 64, 64, 256, 8, 2, "reload"), C(128, 32, 64, 256, 8, 2, "reload"),
+           C(64, 64, 64, 256, 4, 2, "reload"), C(64, 64, 64, 512, 8, 2, "reload"),
+           C(128, 64, 128, 256, 8, 2, "dynamic"), C(128, 64, 128, 256, 8, 3, "dynamic"),
+           C(64, 64, 128, 512, 8, 2, "dynamic"), C(64, 64, 128, 512, 8, 3, "dynamic"),
+           C(128, 64, 64, 256, 8, 3, "dynamic"), C(64, 64, 64, 512, 8, 3, "reload")],
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dims", default="64,128,256,512,1024")
+    parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--budget-s", type=float, default=400.0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    started = time.time()
+    results = []
+    for d in [int(x) for x in args.dims.split(",")]:
+        b, h, n = (4 if d <= 128 else 1), 32, args.seqlen
+        kq, kk, kv = jax.random.split(jax.random.key(d), 3)
+        q = jax.random.normal(kq, (b, n, h, d), jnp.bfloat16)
+        k = jax.random.normal(kk, (b, n, h, d), jnp.bfloat16)
+        v = jax.random.normal(kv, (b, n, h, d), jnp.bfloat16)
+        scale = 1.0 / math.sqrt(d)
+        ref = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, implementation="xla"))(q, k, v).astype(jnp.float32)
+        ref_max = float(jnp.max(jnp.abs(ref)))
+        flops = 4.0 * b * h * n * n * d
+        for cfg in CANDIDATES[d]:
+            if time.time() - started > args.budget_s:
+                print("budget exhausted", flush=True)
+                break
+            rec = {"d": d, "b": b, "h": h, "n": n, **cfg.__dict__}
+            try:
+                fn = jax.jit(lambda q, k, v, cfg=cfg: fwd_generic(
+                    q, k, v, scale=scale, causal=False, config=cfg)[0])
+                t0 = time.time()
+                compiled = fn.lower(q, k, v).compile()
+                out = compiled(q, k, v)
+                jax.block_until_ready(out)
+                rec["compile_s"] = round(time.time() - t0, 1)
+                rec["rel_err"] = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))) / ref_max
+                if rec["rel_err"] > 2e-2:
+                    rec["status"] = "wrong result"
+                else:
+                    rec["ms"] = _time_ms(compiled, (q, k, v), min_rep_s=0.05, reps=5)
+                    rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12
+                    rec["status"] = "ok"
+            except Exception as exc:
+                rec["status"] = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            results.append(rec)
+            print(json.dumps(rec), flush=True)
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+    print("\nbest per head dim:")
+    for d in sorted({r["d"] for r in results}):
+        ok = [r for r in results if r["d"] == d and r["status"] == "ok"]
+        for r in sorted(ok, key=lambda r: -r["tflops"])[:3]:
+            print(f"D={d:5d} {r['tflops']:7.1f} TF/s  BM={r['block_m']} BN={r['block_n']} "
+                  f"BD={r['block_d']} BDv={r['block_dv']} w={r['num_warps']} st={r['num_stages']} "
+                  f"{r['q_mode']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

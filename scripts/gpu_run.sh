@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Everything we run on the lent GPU, in one call: environment, GPU tests, variant
+# sweep, benchmark. Results land in $OUT (or ./gpu_out). Stages are chosen by
+# arguments: env tests sweep bench (default: all). Example, on the device tool:
+#   bash scripts/gpu_run.sh env tests bench
+set -u
+OUT=${OUT:-./gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# Several pytest workers share the one GPU: no preallocation of 75% per process.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+stages=${*:-env tests sweep bench}
+for stage in $stages; do
+  echo "=== $stage $(date -u +%H:%M:%S)"
+  case $stage in
+    env)
+      nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+      python3 -c "import jax, jaxlib, triton; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'triton', triton.__version__, jax.devices())"
+      ;;
+    tests)
+      python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider tests/ 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+      ;;
+    sweep)
+      python3 scripts/fwd_variants.py --out "$OUT/fwd_variants.json" ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/fwd_variants.log" | tail -30
+      ;;
+    bench)
+      python3 -m ffpa_jax.bench --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -40
+      ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
