@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 import tuning
 from ffpa_jax.validation import Problem
-from pallas_kernels import FwdConfig, compat, fwd_generic
+from pallas_kernels import FwdConfig, fwd_generic
 
 _DTYPE_NAMES = {jnp.dtype(jnp.float16): "fp16", jnp.dtype(jnp.bfloat16): "bf16",
                 jnp.dtype(jnp.float32): "fp32"}
@@ -29,7 +29,6 @@ def fwd_config(problem: Problem, *, has_bias: bool) -> FwdConfig:
 
 def pallas_attention(q, k, v, bias4, mask4, problem: Problem, *, interpret: bool):
     """(out, lse) through the Pallas kernels; q/k/v batched, bias4/mask4 4-D or None."""
-    compat.silence_triton_deprecation()
     config = fwd_config(problem, has_bias=bias4 is not None)
     return fwd_generic(q, k, v, bias4, mask4, scale=problem.scale, causal=problem.is_causal,
                        config=config, interpret=interpret)

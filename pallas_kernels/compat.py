@@ -5,7 +5,6 @@ Keep version-specific code here and nowhere else.
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import jax
@@ -21,13 +20,13 @@ TritonCompilerParams = _pl_triton.CompilerParams
 # JAX 0.11 deprecates the Pallas Triton backend and warns (DeprecationWarning)
 # each time a Triton pallas_call is lowered. Lowering happens when the user's
 # outer jit compiles, after our Python frames have returned, so a filter scoped
-# to our call site cannot see it. We therefore install one process-wide filter
-# for exactly this message, the first time our Pallas path is used: users
-# cannot act on it, and a process that never runs our kernels never installs it.
+# to our call site cannot see it. Each of our kernel wrappers therefore installs
+# a filter for exactly this message (users cannot act on it); a process that
+# never runs our kernels never gets it. Re-adding an identical filter is a no-op
+# move to the front of the list, so calling this on every trace is cheap.
 _TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
 
 
-@functools.cache
 def silence_triton_deprecation() -> None:
     warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION, category=DeprecationWarning)
 

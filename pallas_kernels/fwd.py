@@ -42,6 +42,9 @@ class FwdConfig:
     num_warps: int = 4
     num_stages: int = 2
     q_mode: str = "resident"
+    # Issue the V tile's load before the QKᵀ loop, so its latency overlaps the
+    # QKᵀ dots (the V load sits outside Triton's pipelined inner loop).
+    prefetch_v: bool = False
 
     def fitted(self, seq_q: int, seq_k: int, head_dim: int, head_dim_v: int) -> "FwdConfig":
         """The same config with tiles shrunk to the problem (powers of two, >= 16)."""
@@ -138,6 +141,12 @@ def _fwd_kernel(*refs, st: _Static):
         m_i, l_i, acc = carry
         kv_start = kv_block * bn
         cols = kv_start + iota(bn)
+
+        def v_tile_load():
+            return common.load_tile(v_ref, b, kv_start, bn, hk, v_start, bdv,
+                                    n_rows=st.seq_k, n_cols=st.head_dim_v)
+
+        v_tile = v_tile_load() if cfg.prefetch_v else None
         s = scores(kv_start)
         if bias_ref is not None:
             bias = common.load_broadcast_tile(
@@ -163,8 +172,8 @@ def _fwd_kernel(*refs, st: _Static):
         p = jnp.exp2(s - m_use[:, None])
         alpha = jnp.exp2(m_i - m_use)
         l_i = l_i * alpha + jnp.sum(p, axis=1)
-        v_tile = common.load_tile(v_ref, b, kv_start, bn, hk, v_start, bdv,
-                                  n_rows=st.seq_k, n_cols=st.head_dim_v)
+        if v_tile is None:
+            v_tile = v_tile_load()
         p = p if v_tile.dtype == jnp.float32 else p.astype(v_tile.dtype)
         acc = acc * alpha[:, None] + dot(p, v_tile)
         return m_new, l_i, acc
@@ -222,6 +231,7 @@ def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None
     if config.q_mode not in Q_MODES:
         raise ValueError(f"q_mode must be one of {Q_MODES}; got {config.q_mode!r}")
     cfg = config.fitted(seq_q, seq_k, head_dim, head_dim_v)
+    compat.silence_triton_deprecation()
     inputs = [q, k, v]
     list_rows = 1
     if bias is not None:

@@ -139,7 +139,7 @@ CONFIGS = [
     FwdConfig(block_m=32, block_n=64, block_d=32, block_dv=32, num_warps=4, num_stages=2,
               q_mode="reload"),
     FwdConfig(block_m=64, block_n=32, block_d=64, block_dv=64, num_warps=8, num_stages=3,
-              q_mode="dynamic"),
+              q_mode="dynamic", prefetch_v=True),
 ]
 
 

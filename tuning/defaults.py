@@ -8,16 +8,19 @@ from __future__ import annotations
 
 # (largest head dim the row applies to, config). Rows are scanned in order.
 _FWD_GENERIC: tuple[tuple[int, dict], ...] = (
+    # H200, bf16, N=4096 (docs/fwd_variants.md): 352, 453, 429, 252, 168 TF/s.
     (64, dict(BLOCK_M=128, BLOCK_N=64, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=64,
-              num_warps=4, num_stages=3)),
-    (128, dict(BLOCK_M=128, BLOCK_N=64, BLOCK_HEADDIM_QK=128, BLOCK_HEADDIM_V=128,
+              num_warps=8, num_stages=3)),
+    (128, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_HEADDIM_QK=128, BLOCK_HEADDIM_V=128,
                num_warps=8, num_stages=3)),
-    (256, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=256,
-               num_warps=4, num_stages=2)),
-    (512, dict(BLOCK_M=128, BLOCK_N=32, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=256,
+    (256, dict(BLOCK_M=128, BLOCK_N=64, BLOCK_HEADDIM_QK=256, BLOCK_HEADDIM_V=256,
                num_warps=8, num_stages=2)),
-    (1024, dict(BLOCK_M=64, BLOCK_N=32, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=256,
-                num_warps=4, num_stages=2)),
+    # Above 256 a static unroll over D chunks overflows shared memory (Triton's
+    # pipeliner buffers every chunk); the dynamic chunk loop keeps one live.
+    (512, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=256,
+               num_warps=8, num_stages=3, Q_MODE="dynamic")),
+    (1024, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=256,
+                num_warps=8, num_stages=3, Q_MODE="dynamic")),
 )
 
 _TABLES = {

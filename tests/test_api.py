@@ -1,0 +1,82 @@
+"""The public function's behaviour beyond numerics: layouts, choice of implementation,
+jit/vmap, return_lse."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ffpa_jax
+from attn_testing import Case, make_inputs
+from conftest import interpret_flag
+
+
+def test_unbatched_matches_batched(kernel_mode):
+    q, k, v, bias, mask = make_inputs(Case(b=1, t=21, s=34, hq=4, hkv=2, d=40,
+                                           bias_shape=(4, 21, 34), mask_shape=(21, 34)))
+    kw = dict(implementation="pallas", interpret=interpret_flag(kernel_mode), return_lse=True)
+    out3, lse3 = ffpa_jax.attention(q[0], k[0], v[0], bias, mask, **kw)
+    out4, lse4 = ffpa_jax.attention(q, k, v, bias[None], mask, **kw)
+    assert out3.shape == (21, 4, 40) and lse3.shape == (4, 21)
+    np.testing.assert_array_equal(np.asarray(out3, np.float32), np.asarray(out4[0], np.float32))
+    np.testing.assert_array_equal(np.asarray(lse3), np.asarray(lse4[0]))
+
+
+def test_return_lse_shapes_and_dtype():
+    q, k, v, _, _ = make_inputs(Case(b=2, t=9, s=13, hq=6, hkv=3, d=16, dv=24, dtype="float16"))
+    out = ffpa_jax.attention(q, k, v)
+    out2, lse = ffpa_jax.attention(q, k, v, return_lse=True)
+    assert out.shape == (2, 9, 6, 24) and out.dtype == jnp.float16
+    assert lse.shape == (2, 6, 9) and lse.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out2))
+
+
+def test_default_implementation_on_cpu_is_xla():
+    if jax.devices()[0].platform == "gpu":
+        pytest.skip("CPU-only behaviour")
+    q, k, v, _, _ = make_inputs(Case(t=17, s=29, d=32))
+    np.testing.assert_array_equal(np.asarray(ffpa_jax.attention(q, k, v), np.float32),
+                                  np.asarray(ffpa_jax.attention(q, k, v, implementation="xla"),
+                                             np.float32))
+
+
+def test_interpret_without_implementation_runs_pallas(monkeypatch):
+    """interpret=True alone selects the Pallas kernels (in the interpreter)."""
+    import ffpa_jax.api as api
+
+    calls = []
+    real = api.pallas_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(api, "pallas_attention", spy)
+    q, k, v, _, _ = make_inputs(Case(t=8, s=8, d=16))
+    ffpa_jax.attention(q, k, v, interpret=True)
+    assert calls and calls[0]["interpret"] is True
+
+
+def test_jit_and_scale(kernel_mode):
+    q, k, v, _, _ = make_inputs(Case(b=2, t=33, s=47, hq=2, hkv=1, d=64))
+    kw = dict(implementation="pallas", interpret=interpret_flag(kernel_mode), scale=0.3,
+              is_causal=True)
+    eager = ffpa_jax.attention(q, k, v, **kw)
+    jitted = jax.jit(lambda q, k, v: ffpa_jax.attention(q, k, v, **kw))(q, k, v)
+    np.testing.assert_array_equal(np.asarray(eager, np.float32), np.asarray(jitted, np.float32))
+    # A different scale is a different function: the result must change.
+    other = ffpa_jax.attention(q, k, v, **dict(kw, scale=0.1))
+    assert not np.allclose(np.asarray(other, np.float32), np.asarray(eager, np.float32))
+
+
+def test_vmap_over_extra_leading_dim(kernel_mode):
+    """vmap over a leading axis gives the same as a Python loop over it."""
+    cases = [make_inputs(Case(b=2, t=19, s=23, hq=2, hkv=2, d=32), seed=i) for i in range(3)]
+    q, k, v = (jnp.stack([c[i] for c in cases]) for i in range(3))
+    fn = lambda q, k, v: ffpa_jax.attention(q, k, v, is_causal=True, implementation="pallas",
+                                            interpret=interpret_flag(kernel_mode))
+    batched = jax.vmap(fn)(q, k, v)
+    looped = jnp.stack([fn(q[i], k[i], v[i]) for i in range(3)])
+    np.testing.assert_array_equal(np.asarray(batched, np.float32), np.asarray(looped, np.float32))
