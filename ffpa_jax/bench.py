@@ -6,7 +6,8 @@ path where jax.nn's semantics differ, e.g. causal with T != S), and JAX's Pallas
 attention (`jax.experimental.pallas.ops.gpu.attention.mha`).
 
 Columns: median time of a warm call (compile excluded), TF/s (4·B·Hq·T·S·D for
-the forward with D the mean of D and Dv, halved when causal), our speedup
+the forward with D the mean of D and Dv, halved when causal, x3.5 for
+forward+backward), our speedup
 against each peer, the max error against a float64 reference on sampled rows
 (relative to the reference's max magnitude), and the compiled call's device
 workspace (XLA's memory analysis: temporaries plus outputs).
@@ -50,6 +51,7 @@ class BenchCase:
     causal: bool = False
     dtype: str = "bf16"
     mask: str | None = None  # None | "sparse90": a 90%-sparse block mask [T, S]
+    mode: str = "fwd"  # "fwd" | "fwdbwd" (gradients of q, k, v through a random cotangent)
 
     @property
     def label(self) -> str:
@@ -57,11 +59,13 @@ class BenchCase:
         dims = f"{self.d}" if self.d == self.dv else f"{self.d}/{self.dv}"
         extra = (" causal" if self.causal else "") + (f" {self.mask}" if self.mask else "")
         seq = f"{self.t}" if self.t == self.s else f"{self.t}x{self.s}"
-        return f"D={dims} B={self.b} H={heads} N={seq} {self.dtype}{extra}"
+        return f"D={dims} B={self.b} H={heads} N={seq} {self.dtype}{extra} {self.mode}"
 
     def flops(self) -> float:
+        """4·B·Hq·T·S·D (D the mean of D and Dv), halved when causal, x3.5 for fwd+bwd."""
         work = 2.0 * self.b * self.hq * self.t * self.s * (self.d + self.dv)
-        return work / 2 if self.causal else work
+        work = work / 2 if self.causal else work
+        return work * 3.5 if self.mode == "fwdbwd" else work
 
 
 def _inputs(case: BenchCase, seed: int = 0):
@@ -80,6 +84,18 @@ def _inputs(case: BenchCase, seed: int = 0):
 
 
 # ---------------------------------------------------------------- implementations
+def _with_mode(case: BenchCase, forward):
+    """The forward itself, or forward+backward: (out, dq, dk, dv) for a fixed cotangent."""
+    if case.mode == "fwd":
+        return forward
+
+    def forward_backward(q, k, v, mask):
+        out, vjp = jax.vjp(lambda q, k, v: forward(q, k, v, mask), q, k, v)
+        cotangent = jnp.cos(out.astype(jnp.float32)).astype(out.dtype)  # data-dependent, not zeros
+        return (out, *vjp(cotangent))
+    return forward_backward
+
+
 def _ffpa(case: BenchCase, interpret: bool):
     def run(q, k, v, mask):
         return ffpa_jax.attention(q, k, v, mask=mask, is_causal=case.causal,
@@ -178,11 +194,12 @@ def measure(case: BenchCase, name: str, make, *, min_rep_s: float, reps: int) ->
     record = {"case": case.label, **dataclasses.asdict(case), "impl": name}
     try:
         q, k, v, mask = _inputs(case)
-        fn = jax.jit(make(case))
+        fn = jax.jit(_with_mode(case, make(case)))
         compiled = fn.lower(q, k, v, mask).compile()
         record["workspace_mib"] = _workspace_mib(compiled)
         out = compiled(q, k, v, mask)
-        record["error"] = _sampled_error(case, out, q, k, v, mask)
+        out = out[0] if case.mode == "fwdbwd" else out
+        record["error"] = _sampled_error(case, out, q, k, v, mask)  # of the forward output
         del out
         record["ms"] = _time_ms(compiled, (q, k, v, mask), min_rep_s=min_rep_s, reps=reps)
         record["tflops"] = case.flops() / (record["ms"] * 1e-3) / 1e12
@@ -194,27 +211,33 @@ def measure(case: BenchCase, name: str, make, *, min_rep_s: float, reps: int) ->
 
 
 # ---------------------------------------------------------------- presets and CLI
+def _modes(mode: str) -> list[str]:
+    return ["fwd", "fwdbwd"] if mode == "both" else [mode]
+
+
 def gpu_cases(args) -> list[BenchCase]:
-    dtype = args.dtype
     cases = []
     for d in args.headdims:
         for n in args.seqlens:
             b = args.batch if args.batch else (4 if d <= 128 else 1)
-            cases.append(BenchCase(b=b, t=n, s=n, hq=args.heads, hkv=args.heads, d=d, dv=d,
-                                   causal=args.causal, dtype=dtype))
+            for mode in _modes(args.mode):
+                cases.append(BenchCase(b=b, t=n, s=n, hq=args.heads, hkv=args.heads, d=d, dv=d,
+                                       causal=args.causal, dtype=args.dtype, mode=mode))
     return cases
 
 
-def default_gpu_cases() -> list[BenchCase]:
-    cases = [BenchCase(4, 4096, 4096, 32, 32, d, d) for d in (64, 128)]
-    cases += [BenchCase(1, n, n, 32, 32, d, d) for d in (256, 512, 1024) for n in (4096, 16384)]
-    cases += [BenchCase(1, 4096, 4096, 32, 32, 128, 128, mask="sparse90")]
-    return cases
+def default_gpu_cases(mode: str) -> list[BenchCase]:
+    shapes = [BenchCase(4, 4096, 4096, 32, 32, d, d) for d in (64, 128)]
+    shapes += [BenchCase(1, n, n, 32, 32, d, d) for d in (256, 512, 1024) for n in (4096, 16384)]
+    shapes += [BenchCase(1, 4096, 4096, 32, 32, 128, 128, mask="sparse90")]
+    return [dataclasses.replace(c, mode=m) for c in shapes for m in _modes(mode)]
 
 
-def cpu_cases() -> list[BenchCase]:
-    return [BenchCase(1, 128, 128, 2, 2, 64, 64), BenchCase(1, 96, 160, 4, 2, 128, 128, causal=True),
-            BenchCase(1, 64, 64, 2, 2, 512, 512)]
+def cpu_cases(mode: str) -> list[BenchCase]:
+    shapes = [BenchCase(1, 128, 128, 2, 2, 64, 64),
+              BenchCase(1, 96, 160, 4, 2, 128, 128, causal=True),
+              BenchCase(1, 64, 64, 2, 2, 512, 512)]
+    return [dataclasses.replace(c, mode=m) for c in shapes for m in _modes(mode)]
 
 
 def _device_description() -> dict:
@@ -230,20 +253,20 @@ def _print_table(records: list[dict], peers: list[str]) -> None:
     by_case: dict[str, dict[str, dict]] = {}
     for r in records:
         by_case.setdefault(r["case"], {})[r["impl"]] = r
-    head = f"{'case':<34} {'impl':<11} {'ms':>9} {'TF/s':>7} {'err':>9} {'MiB':>8}  ffpa speedup / status"
+    head = f"{'case':<41} {'impl':<11} {'ms':>9} {'TF/s':>7} {'err':>9} {'MiB':>8}  ffpa speedup / status"
     print(head)
     print("-" * len(head))
     for label, impls in by_case.items():
         ours = impls.get("ffpa")
         for name, r in impls.items():
             if r["status"] != "ok":
-                print(f"{label:<34} {name:<11} {'-':>9} {'-':>7} {'-':>9} {'-':>8}  {r['status']}")
+                print(f"{label:<41} {name:<11} {'-':>9} {'-':>7} {'-':>9} {'-':>8}  {r['status']}")
                 continue
             mem = "-" if r.get("workspace_mib") is None else f"{r['workspace_mib']:.0f}"
             note = ""
             if name != "ffpa" and ours is not None and ours["status"] == "ok":
                 note = f"x{r['ms'] / ours['ms']:.2f}"
-            print(f"{label:<34} {name:<11} {r['ms']:>9.3f} {r['tflops']:>7.1f} "
+            print(f"{label:<41} {name:<11} {r['ms']:>9.3f} {r['tflops']:>7.1f} "
                   f"{r['error']:>9.2e} {mem:>8}  {note}")
             label = ""
 
@@ -256,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--mode", choices=["fwd", "fwdbwd", "both"], default="both",
+                        help="forward only, forward+backward, or both (default)")
     parser.add_argument("--peers", default="cudnn,xla,pallas-mha",
                         help=f"comma list from {sorted(PEERS)}, or 'none'")
     parser.add_argument("--reps", type=int, default=7)
@@ -268,12 +293,12 @@ def main(argv: list[str] | None = None) -> int:
         if p not in PEERS:
             parser.error(f"--peers: unknown peer {p!r}; known: {sorted(PEERS)}")
     if on_gpu:
-        cases = gpu_cases(args) if args.headdims else default_gpu_cases()
+        cases = gpu_cases(args) if args.headdims else default_gpu_cases(args.mode)
         min_rep_s = 0.05
     else:
         print("No GPU found: running small shapes through the Pallas interpreter and XLA on the "
               "CPU. These times only show that the code runs; they say nothing about GPU speed.")
-        cases, min_rep_s = cpu_cases(), 0.0
+        cases, min_rep_s = cpu_cases(args.mode), 0.0
         peers = [p for p in peers if p == "xla"]
         args.reps = min(args.reps, 2)
     header = _device_description()

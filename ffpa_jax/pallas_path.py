@@ -1,34 +1,111 @@
-"""The `"pallas"` implementation: launch configs from `tuning`, kernels from `pallas_kernels`."""
+"""The `"pallas"` implementation: launch configs from `tuning`, kernels from `pallas_kernels`,
+and the `custom_vjp` that ties the forward to the backward kernels.
+
+The forward saves only q, k, v, the bias and mask as given, the output and lse
+(O(B·Hq·T) beyond what the caller already holds); the backward recomputes the
+probabilities tile by tile. No [T, S] matrix exists in either direction.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 import tuning
 from ffpa_jax.validation import Problem
-from pallas_kernels import FwdConfig, fwd_generic
+from pallas_kernels import (BwdConfig, FwdConfig, bwd_dbias, bwd_generic_dkdv, bwd_generic_dq,
+                            bwd_preproc, fwd_generic)
 
 _DTYPE_NAMES = {jnp.dtype(jnp.float16): "fp16", jnp.dtype(jnp.bfloat16): "bf16",
                 jnp.dtype(jnp.float32): "fp32"}
 
 
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything static about one attention call on the Pallas path (hashable)."""
+
+    scale: float
+    causal: bool
+    interpret: bool
+    fwd: FwdConfig
+    preproc: BwdConfig
+    dq: BwdConfig
+    dkdv: BwdConfig
+    dbias: BwdConfig
+
+
+def _launch_config(kernel: str, problem: Problem, *, has_bias: bool) -> dict:
+    return tuning.launch_config(
+        kernel, direction="forward" if kernel.startswith("fwd") else "backward",
+        dtype=_DTYPE_NAMES[problem.dtype], headdim=max(problem.head_dim, problem.head_dim_v),
+        seqlen_q=problem.seq_q, seqlen_k=problem.seq_k, causal=problem.is_causal,
+        has_attn_bias=has_bias, has_dropout=problem.dropout_rate > 0,
+        nheads_q=problem.heads_q, nheads_kv=problem.heads_kv,
+        bias_grad=has_bias if kernel.startswith("bwd") else None)
+
+
 def fwd_config(problem: Problem, *, has_bias: bool) -> FwdConfig:
     """fwd_generic's launch parameters for this problem (tuned entry or default)."""
-    cfg = tuning.launch_config(
-        "fwd_generic", direction="forward", dtype=_DTYPE_NAMES[problem.dtype],
-        headdim=max(problem.head_dim, problem.head_dim_v), seqlen_q=problem.seq_q,
-        seqlen_k=problem.seq_k, causal=problem.is_causal, has_attn_bias=has_bias,
-        has_dropout=problem.dropout_rate > 0, nheads_q=problem.heads_q,
-        nheads_kv=problem.heads_kv)
+    cfg = _launch_config("fwd_generic", problem, has_bias=has_bias)
     return FwdConfig(block_m=cfg["BLOCK_M"], block_n=cfg["BLOCK_N"],
                      block_d=cfg["BLOCK_HEADDIM_QK"], block_dv=cfg["BLOCK_HEADDIM_V"],
                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                      q_mode=cfg.get("Q_MODE", "resident"))
 
 
+def bwd_config(kernel: str, problem: Problem, *, has_bias: bool) -> BwdConfig:
+    """A backward kernel's launch parameters (tuned entry or default)."""
+    cfg = _launch_config(kernel, problem, has_bias=has_bias)
+    return BwdConfig(block_m=cfg["BLOCK_M"], block_n=cfg.get("BLOCK_N", 64),
+                     block_d=cfg.get("BLOCK_HEADDIM_QK", 64), block_slice=cfg["BLOCK_HEADDIM"],
+                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                     dynamic=cfg.get("DYNAMIC_D", False), split_dkdv=cfg.get("SPLIT_DKDV", False))
+
+
+def make_plan(problem: Problem, *, has_bias: bool, interpret: bool) -> Plan:
+    return Plan(scale=problem.scale, causal=problem.is_causal, interpret=interpret,
+                fwd=fwd_config(problem, has_bias=has_bias),
+                preproc=bwd_config("bwd_preproc", problem, has_bias=has_bias),
+                dq=bwd_config("bwd_generic_dq", problem, has_bias=has_bias),
+                dkdv=bwd_config("bwd_generic_dkdv", problem, has_bias=has_bias),
+                dbias=bwd_config("bwd_dbias", problem, has_bias=has_bias))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(plan: Plan, q, k, v, bias, mask):
+    return fwd_generic(q, k, v, bias, mask, scale=plan.scale, causal=plan.causal,
+                       config=plan.fwd, interpret=plan.interpret)
+
+
+def _attention_fwd(plan: Plan, q, k, v, bias, mask):
+    out, lse = _attention(plan, q, k, v, bias, mask)
+    return (out, lse), (q, k, v, bias, mask, out, lse)
+
+
+def _attention_bwd(plan: Plan, residuals, cotangents):
+    q, k, v, bias, mask, out, lse = residuals
+    d_out, d_lse = cotangents
+    # A row without keys has lse = -inf and no gradient path; drop its lse cotangent.
+    d_lse = jnp.where(lse == -jnp.inf, 0.0, d_lse.astype(jnp.float32))
+    common = dict(scale=plan.scale, causal=plan.causal, interpret=plan.interpret)
+    delta = bwd_preproc(out, d_out, d_lse, config=plan.preproc, interpret=plan.interpret)
+    dq = bwd_generic_dq(q, k, v, d_out, lse, delta, bias, mask, config=plan.dq, **common)
+    dk, dv = bwd_generic_dkdv(q, k, v, d_out, lse, delta, bias, mask, config=plan.dkdv, **common)
+    dbias = None
+    if bias is not None:
+        dbias = bwd_dbias(q, k, v, d_out, lse, delta, bias, mask, config=plan.dbias,
+                          **common).astype(bias.dtype)
+    return dq, dk, dv, dbias, None  # the mask gets no gradient
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
 def pallas_attention(q, k, v, bias4, mask4, problem: Problem, *, interpret: bool):
-    """(out, lse) through the Pallas kernels; q/k/v batched, bias4/mask4 4-D or None."""
-    config = fwd_config(problem, has_bias=bias4 is not None)
-    return fwd_generic(q, k, v, bias4, mask4, scale=problem.scale, causal=problem.is_causal,
-                       config=config, interpret=interpret)
+    """(out, lse) through the Pallas kernels, differentiable with respect to q, k, v and
+    bias; q/k/v batched, bias4/mask4 4-D or None."""
+    plan = make_plan(problem, has_bias=bias4 is not None, interpret=interpret)
+    return _attention(plan, q, k, v, bias4, mask4)

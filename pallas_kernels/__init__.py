@@ -4,6 +4,9 @@ This package never imports `ffpa_jax`; its callers pass fully normalised inputs
 (4-D q/k/v, 4-D bias/mask with broadcast dims of size 1) and a launch config.
 """
 
+from pallas_kernels.bwd import (BwdConfig, bwd_dbias, bwd_generic_dkdv, bwd_generic_dq,
+                                bwd_preproc)
 from pallas_kernels.fwd import FwdConfig, fwd_generic
 
-__all__ = ["FwdConfig", "fwd_generic"]
+__all__ = ["BwdConfig", "FwdConfig", "bwd_dbias", "bwd_generic_dkdv", "bwd_generic_dq",
+           "bwd_preproc", "fwd_generic"]

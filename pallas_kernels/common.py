@@ -51,16 +51,35 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def dot(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
-    """a @ b (or a @ bᵀ) with a float32 accumulator.
+def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False) -> jax.Array:
+    """op(a) @ op(b) with a float32 accumulator, op = transpose where asked.
 
     float32 operands ask for IEEE precision: Triton's default for a float32 dot
     is TF32, which would miss the 1e-5 accuracy we promise for float32.
     """
+    contract_a = 0 if trans_a else 1
     contract_b = 1 if trans_b else 0
     precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return jax.lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())),
+    return jax.lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())),
                                precision=precision, preferred_element_type=jnp.float32)
+
+
+def contract_chunks(load_a, load_b, n_chunks: int, *, dynamic: bool, shape: tuple[int, int]):
+    """Σ_c load_a(c) @ load_b(c)ᵀ over head-dim chunks c, float32 [shape].
+
+    `dynamic` walks the chunks with a fori_loop (one chunk of each operand live,
+    software-pipelined by Triton like a matmul's K loop); otherwise the loop is
+    unrolled in Python, and the loaders may return chunks loaded once up front.
+    """
+    if dynamic and n_chunks > 1:
+        def body(c, acc):
+            return acc + dot(load_a(c), load_b(c), trans_b=True)
+        return jax.lax.fori_loop(i32(0), i32(n_chunks), body, jnp.zeros(shape, jnp.float32))
+    acc = None
+    for c in range(n_chunks):
+        part = dot(load_a(c), load_b(c), trans_b=True)
+        acc = part if acc is None else acc + part
+    return acc
 
 
 def load_tile(ref, b, rows_start, rows, h, cols_start, cols, *, n_rows: int, n_cols: int,
@@ -142,38 +161,68 @@ def causal_block_limits(q_start, block_m: int, block_n: int, seq_q: int, seq_k: 
     return n_unmasked, n_total
 
 
-def mask_block_lists(mask4: jax.Array, *, block_m: int, block_n: int, seq_q: int, seq_k: int,
-                     causal: bool):
-    """Which KV blocks each query block must visit, from a boolean mask (and causality).
+def causal_q_block_limits(kv_start, block_m: int, block_n: int, seq_q: int, seq_k: int):
+    """For the keys [kv_start, kv_start + block_n): (first, first_unmasked) query blocks.
 
-    Returns (counts [mb, mh, nq], indices [mb, mh, nq, n_kv_blocks]) int32: the
-    first `counts[...]` entries of `indices` are, in ascending order, the KV blocks
-    whose mask tile holds at least one True (and that causality does not hide).
-    `nq` is 1 when neither the mask nor causality depends on the query block.
-    This reads the mask once; it is tiny next to the mask itself.
+    Query blocks before `first` see none of these keys (skipped); blocks in
+    [first, first_unmasked) see some (element-wise causal mask); blocks from
+    `first_unmasked` on see all of them.
+    """
+    shift = seq_k - seq_q
+    n_q = cdiv(seq_q, block_m)
+    first = jnp.minimum(jnp.maximum(kv_start - shift, 0) // block_m, n_q)
+    all_visible_from = jnp.maximum(kv_start + block_n - 1 - shift, 0)
+    first_unmasked = jnp.clip((all_visible_from + block_m - 1) // block_m, first, n_q)
+    return first, first_unmasked
+
+
+def block_visits(mask4: jax.Array, *, block_m: int, block_n: int, seq_q: int, seq_k: int,
+                 causal: bool) -> jax.Array:
+    """[mb, mh, nq, nk] bool: does tile (query block i, KV block j) hold a visible key?
+
+    nq is 1 when neither the mask's T dim nor causality varies with the query
+    block, nk likewise for the S dim. Reads the mask once; tiny next to it.
     """
     mb, mh, mt, ms = mask4.shape
-    n_kv = cdiv(seq_k, block_n)
-    per_row_block = mt != 1 or causal
-    n_q = cdiv(seq_q, block_m) if per_row_block else 1
-
+    n_q, n_kv = cdiv(seq_q, block_m), cdiv(seq_k, block_n)
     m = mask4
     if ms != 1:
         m = jnp.pad(m, ((0, 0), (0, 0), (0, 0), (0, n_kv * block_n - ms)))
         m = m.reshape(mb, mh, mt, n_kv, block_n).any(axis=-1)
-    else:
-        m = jnp.broadcast_to(m, (mb, mh, mt, n_kv))
     if mt != 1:
         m = jnp.pad(m, ((0, 0), (0, 0), (0, n_q * block_m - mt), (0, 0)))
-        m = m.reshape(mb, mh, n_q, block_m, n_kv).any(axis=3)
-    else:
-        m = jnp.broadcast_to(m, (mb, mh, n_q, n_kv))
+        m = m.reshape(mb, mh, n_q, block_m, m.shape[-1]).any(axis=3)
     if causal:
         q_last = jnp.minimum(jnp.arange(n_q) * block_m + block_m - 1, seq_q - 1)
         k_first = jnp.arange(n_kv) * block_n
-        visible = k_first[None, :] <= q_last[:, None] + (seq_k - seq_q)
-        m = m & visible[None, None]
-    counts = m.sum(axis=-1, dtype=jnp.int32)
+        m = m & (k_first[None, :] <= q_last[:, None] + (seq_k - seq_q))[None, None]
+    return m
+
+
+def visit_lists(visits: jax.Array, *, over_kv: bool):
+    """Block lists from `block_visits`, for a loop over KV blocks (over_kv) or over query blocks.
+
+    Returns (counts [mb, mh, n_outer], indices [mb, mh, n_outer, n_inner]) int32:
+    the first counts[...] entries of indices are the inner blocks to visit, in
+    ascending order. n_outer is 1 when the visits do not depend on the outer block.
+    """
+    if not over_kv:
+        visits = jnp.swapaxes(visits, 2, 3)
+    counts = visits.sum(axis=-1, dtype=jnp.int32)
     # A stable sort on "not visited" lists visited blocks first, in ascending order.
-    indices = jnp.argsort(~m, axis=-1, stable=True).astype(jnp.int32)
+    indices = jnp.argsort(~visits, axis=-1, stable=True).astype(jnp.int32)
     return counts, indices
+
+
+def mask_block_lists(mask4: jax.Array, *, block_m: int, block_n: int, seq_q: int, seq_k: int,
+                     causal: bool, over_kv: bool = True):
+    """(counts, indices) of the blocks each query block (over_kv) or KV block must visit."""
+    visits = block_visits(mask4, block_m=block_m, block_n=block_n, seq_q=seq_q, seq_k=seq_k,
+                          causal=causal)
+    n_q, n_kv = cdiv(seq_q, block_m), cdiv(seq_k, block_n)
+    mb, mh, vq, vk = visits.shape
+    if over_kv:
+        visits = jnp.broadcast_to(visits, (mb, mh, vq, n_kv))
+    else:
+        visits = jnp.broadcast_to(visits, (mb, mh, n_q, vk))
+    return visit_lists(visits, over_kv=over_kv)

@@ -108,33 +108,28 @@ def _fwd_kernel(*refs, st: _Static):
     rows = q_start + iota(bm)
     qk_scale = st.scale * LOG2E
 
-    def q_chunk(c):
-        return common.load_tile(q_ref, b, q_start, bm, h, c * bd, bd,
-                                n_rows=st.seq_q, n_cols=st.head_dim)
-
-    resident_q = [q_chunk(c) for c in range(st.n_dchunks)] if cfg.q_mode == "resident" else None
+    resident_q = None
+    if cfg.q_mode == "resident":
+        resident_q = [common.load_tile(q_ref, b, q_start, bm, h, c * bd, bd,
+                                       n_rows=st.seq_q, n_cols=st.head_dim)
+                      for c in range(st.n_dchunks)]
 
     def scores(kv_start):
         """scale·log2(e)·q·kᵀ for one KV block, [bm, bn] float32."""
-        def k_chunk(c):
-            return common.load_tile(k_ref, b, kv_start, bn, hk, c * bd, bd,
+        def q_chunk_at(c):
+            if resident_q is not None:
+                return resident_q[c]
+            start = pl.multiple_of(c * bd, bd) if not isinstance(c, int) else c * bd
+            return common.load_tile(q_ref, b, q_start, bm, h, start, bd,
+                                    n_rows=st.seq_q, n_cols=st.head_dim)
+
+        def k_chunk_at(c):
+            start = pl.multiple_of(c * bd, bd) if not isinstance(c, int) else c * bd
+            return common.load_tile(k_ref, b, kv_start, bn, hk, start, bd,
                                     n_rows=st.seq_k, n_cols=st.head_dim)
 
-        if cfg.q_mode == "dynamic" and st.n_dchunks > 1:
-            def chunk_body(c, acc):
-                start = pl.multiple_of(c * bd, bd)
-                qc = common.load_tile(q_ref, b, q_start, bm, h, start, bd,
-                                      n_rows=st.seq_q, n_cols=st.head_dim)
-                kc = common.load_tile(k_ref, b, kv_start, bn, hk, start, bd,
-                                      n_rows=st.seq_k, n_cols=st.head_dim)
-                return acc + dot(qc, kc, trans_b=True)
-            qk = jax.lax.fori_loop(i32(0), i32(st.n_dchunks), chunk_body, jnp.zeros((bm, bn), jnp.float32))
-        else:
-            qk = None
-            for c in range(st.n_dchunks):
-                qc = resident_q[c] if resident_q is not None else q_chunk(c)
-                part = dot(qc, k_chunk(c), trans_b=True)
-                qk = part if qk is None else qk + part
+        qk = common.contract_chunks(q_chunk_at, k_chunk_at, st.n_dchunks,
+                                    dynamic=cfg.q_mode == "dynamic", shape=(bm, bn))
         return qk * qk_scale
 
     def visit(kv_block, carry, *, causal_mask: bool, with_mask: bool):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything we run on the lent GPU, in one call: environment, GPU tests, variant
 # sweep, benchmark. Results land in $OUT (or ./gpu_out). Stages are chosen by
-# arguments: env tests sweep bench (default: all). Example, on the device tool:
+# arguments: env tests sweep bwdsweep bench (default: all). Example, on the device tool:
 #   bash scripts/gpu_run.sh env tests bench
 set -u
 OUT=${OUT:-./gpu_out}
@@ -9,7 +9,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # Several pytest workers share the one GPU: no preallocation of 75% per process.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-stages=${*:-env tests sweep bench}
+stages=${*:-env tests sweep bwdsweep bench}
 for stage in $stages; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case $stage in
@@ -22,6 +22,9 @@ for stage in $stages; do
       ;;
     sweep)
       python3 scripts/fwd_variants.py --out "$OUT/fwd_variants.json" ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/fwd_variants.log" | tail -30
+      ;;
+    bwdsweep)
+      python3 scripts/bwd_variants.py --out "$OUT/bwd_variants.json" ${BWD_SWEEP_ARGS:-} 2>&1 | tee "$OUT/bwd_variants.log" | tail -30
       ;;
     bench)
       python3 -m ffpa_jax.bench --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -40

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import FwdConfig, fwd_generic
+from pallas_kernels import (BwdConfig, FwdConfig, bwd_dbias, bwd_generic_dkdv, bwd_generic_dq,
+                            bwd_preproc, fwd_generic)
 
 sd = jax.ShapeDtypeStruct
 
@@ -64,3 +65,64 @@ def test_fwd_default_configs_lower_for_every_head_dim():
                            dropout_rng=None, return_lse=False, implementation=None,
                            interpret=False)
         lower_fwd(d=d, dv=d, t=128, s=128, config=fwd_config(problem, has_bias=False))
+
+
+def lower_bwd(*, d, dv, causal=False, bias_shape=None, mask=False, hq=4, hkv=2, t=300, s=257,
+              dtype=jnp.bfloat16, config=BwdConfig()):
+    """Lower all four backward kernels in one jitted function."""
+    args = [sd((2, t, hq, d), dtype), sd((2, s, hkv, d), dtype), sd((2, s, hkv, dv), dtype),
+            sd((2, t, hq, dv), dtype), sd((2, t, hq, dv), dtype), sd((2, hq, t), jnp.float32)]
+    if bias_shape:
+        args.append(sd(bias_shape, jnp.float32))
+    if mask:
+        args.append(sd((2, 1, t, s), jnp.bool_))
+
+    def f(q, k, v, o, do, lse, *rest):
+        b = rest[0] if bias_shape else None
+        m = rest[-1] if mask else None
+        kw = dict(scale=0.1, causal=causal, config=config)
+        delta = bwd_preproc(o, do, lse, config=config)
+        outs = [bwd_generic_dq(q, k, v, do, lse, delta, b, m, **kw),
+                *bwd_generic_dkdv(q, k, v, do, lse, delta, b, m, **kw)]
+        if b is not None:
+            outs.append(bwd_dbias(q, k, v, do, lse, delta, b, m, **kw))
+        return outs
+
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == (4 if bias_shape else 3)
+    return text
+
+
+@pytest.mark.parametrize("d", [32, 64, 128, 256, 512, 1024, 1000])
+@pytest.mark.parametrize("dynamic,split", [(False, False), (True, False), (True, True)])
+def test_bwd_head_dims(d, dynamic, split):
+    lower_bwd(d=d, dv=d, config=BwdConfig(block_m=64, block_n=64, block_d=64,
+                                          block_slice=min(256, d), dynamic=dynamic,
+                                          split_dkdv=split))
+
+
+@pytest.mark.parametrize("variant", [
+    dict(causal=True), dict(bias_shape=(1, 4, 300, 257)), dict(bias_shape=(1, 1, 1, 257)),
+    dict(bias_shape=(2, 4, 300, 1)), dict(mask=True), dict(causal=True, mask=True,
+                                                           bias_shape=(2, 1, 300, 257)),
+    dict(hq=8, hkv=1), dict(dv=40), dict(dtype=jnp.float16), dict(dtype=jnp.float32),
+    dict(t=1, s=3000), dict(t=3000, s=1),
+], ids=lambda v: "-".join(f"{k}={getattr(x, '__name__', x)}" for k, x in v.items()))
+def test_bwd_variants(variant):
+    kwargs = dict(d=111, dv=111)
+    kwargs.update(variant)
+    lower_bwd(**kwargs)
+
+
+def test_bwd_default_configs_lower_for_every_head_dim():
+    from ffpa_jax.pallas_path import make_plan
+    from ffpa_jax.validation import validate
+
+    for d in (16, 64, 128, 256, 320, 512, 768, 1024):
+        q = jnp.zeros((1, 128, 2, d), jnp.bfloat16)  # shape carriers only, never computed
+        problem = validate(q, q, q, None, None, scale=None, is_causal=False, dropout_rate=0.0,
+                           dropout_rng=None, return_lse=False, implementation=None,
+                           interpret=False)
+        plan = make_plan(problem, has_bias=True, interpret=False)
+        for config in (plan.dq, plan.dkdv, plan.dbias):
+            lower_bwd(d=d, dv=d, t=128, s=128, bias_shape=(1, 2, 128, 128), config=config)

@@ -23,8 +23,39 @@ _FWD_GENERIC: tuple[tuple[int, dict], ...] = (
                 num_warps=8, num_stages=3, Q_MODE="dynamic")),
 )
 
+# Backward: BLOCK_HEADDIM is the accumulated head-dim slice, BLOCK_HEADDIM_QK the
+# chunk of the S/dP reductions. First guesses, replaced by measured ones as the
+# backward variant sweeps land (docs/bwd_variants.md).
+_BWD_DQ: tuple[tuple[int, dict], ...] = (
+    (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_HEADDIM=64, BLOCK_HEADDIM_QK=64,
+              num_warps=4, num_stages=2)),
+    (128, dict(BLOCK_M=128, BLOCK_N=64, BLOCK_HEADDIM=128, BLOCK_HEADDIM_QK=128,
+               num_warps=8, num_stages=2)),
+    (256, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_HEADDIM=256, BLOCK_HEADDIM_QK=64,
+               num_warps=8, num_stages=2)),
+    (1024, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_HEADDIM=256, BLOCK_HEADDIM_QK=64,
+                DYNAMIC_D=True, num_warps=8, num_stages=3)),
+)
+_BWD_DKDV: tuple[tuple[int, dict], ...] = (
+    (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_HEADDIM=64, BLOCK_HEADDIM_QK=64,
+              num_warps=4, num_stages=2)),
+    (128, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_HEADDIM=128, BLOCK_HEADDIM_QK=128,
+               num_warps=8, num_stages=2)),
+    (256, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_HEADDIM=256, BLOCK_HEADDIM_QK=64,
+               SPLIT_DKDV=True, num_warps=8, num_stages=2)),
+    (1024, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_HEADDIM=256, BLOCK_HEADDIM_QK=64,
+                DYNAMIC_D=True, SPLIT_DKDV=True, num_warps=8, num_stages=3)),
+)
+_BWD_PREPROC: tuple[tuple[int, dict], ...] = (
+    (1024, dict(BLOCK_M=64, BLOCK_HEADDIM=128, num_warps=4, num_stages=1)),
+)
+
 _TABLES = {
     "fwd_generic": _FWD_GENERIC,
+    "bwd_preproc": _BWD_PREPROC,
+    "bwd_generic_dq": _BWD_DQ,
+    "bwd_generic_dkdv": _BWD_DKDV,
+    "bwd_dbias": _BWD_DQ,  # same tile work as dq: recompute S and dP, reduce dS
 }
 
 

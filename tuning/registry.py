@@ -22,6 +22,13 @@ _MAX_STAGES = 8
 Q_MODES = ("resident", "reload", "dynamic")
 
 
+# Our extensions of FFPA's backward keys (absent = the kernel's default):
+# BLOCK_HEADDIM_QK, the head-dim chunk of the S and dP reductions; DYNAMIC_D, walk
+# those chunks with a dynamic loop; SPLIT_DKDV, dK and dV in separate programs.
+_BWD_OPTIONAL = ("BLOCK_HEADDIM_QK", "DYNAMIC_D")
+_BOOL_KEYS = ("DYNAMIC_D", "SPLIT_DKDV", "D_CHUNK")
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
     """What one kernel's `config` dict holds."""
@@ -42,8 +49,13 @@ KERNELS: dict[str, KernelSpec] = {
                    ("NUM_SPLITS",)),
         KernelSpec("decode_fwd_stage2", "forward", ("BLOCK_HEADDIM_V",)),
         KernelSpec("bwd_preproc", "backward", ("BLOCK_M", "BLOCK_HEADDIM"), ("D_CHUNK",)),
-        KernelSpec("bwd_generic_dkdv", "backward", ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM")),
-        KernelSpec("bwd_generic_dq", "backward", ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM")),
+        KernelSpec("bwd_generic_dkdv", "backward", ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM"),
+                   _BWD_OPTIONAL + ("SPLIT_DKDV",)),
+        KernelSpec("bwd_generic_dq", "backward", ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM"),
+                   _BWD_OPTIONAL),
+        # Ours: the bias gradient, summed over the bias's broadcast dims in-kernel.
+        KernelSpec("bwd_dbias", "backward", ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM"),
+                   _BWD_OPTIONAL),
         # FFPA also persists fused-backward and decode-backward entries; we do not
         # run those kernels, but their entries are valid and simply never looked up.
         KernelSpec("bwd_generic", "backward", ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM")),
@@ -83,6 +95,13 @@ def config_problem(kernel: str, config: Any) -> str | None:
     ctas = config.get("num_ctas", 1)
     if ctas != 1:
         return f"num_ctas={ctas!r}: only 1 is supported by the Pallas Triton lowering"
+    if "BLOCK_HEADDIM_QK" in spec.optional_keys and "BLOCK_HEADDIM_QK" in config:
+        value = config["BLOCK_HEADDIM_QK"]
+        if not is_power_of_two(value) or value > _MAX_BLOCK_HEADDIM:
+            return f"BLOCK_HEADDIM_QK={value!r} is not a power of two <= {_MAX_BLOCK_HEADDIM}"
+    for key in _BOOL_KEYS:
+        if key in config and not isinstance(config[key], bool):
+            return f"{key}={config[key]!r} is not a bool"
     if "Q_MODE" in config and config["Q_MODE"] not in Q_MODES:
         return f"Q_MODE={config['Q_MODE']!r} not in {Q_MODES}"
     if "NUM_SPLITS" in config and not (isinstance(config["NUM_SPLITS"], int)

@@ -1,0 +1,501 @@
+"""The backward kernels: `bwd_preproc`, `bwd_generic_dq`, `bwd_generic_dkdv`, `bwd_dbias`.
+
+With P = exp(S - lse) recomputed from the saved lse (no [T, S] matrix is kept):
+    dV = Pᵀ·dO,  dP = dO·Vᵀ,  dS = P ∘ (dP − δ),  dQ = scale·dS·K,  dK = scale·dSᵀ·Q,
+    dbias = dS (summed over the bias's broadcast dims),
+where δ = rowsum(dO ∘ O) − dlse (the lse output's own cotangent folds in here).
+
+- `bwd_generic_dq`: one program per (query block, head, dQ head-dim slice); walks
+  the KV blocks like the forward.
+- `bwd_generic_dkdv`: one program per (KV block, batch·KV head, head-dim slice);
+  loops over the query heads of its GQA group and over the query blocks, so dK
+  and dV are reduced inside the program: deterministic, no atomics, never an
+  expanded [B, S, Hq, D] gradient. For large D it can compute dK and dV in
+  separate programs (`split_dkdv`), each holding one accumulator.
+- `bwd_dbias`: one program per tile of the *bias's own shape*; it loops over the
+  dims the bias broadcasts over and sums dS in registers, so no buffer larger
+  than the bias exists. It is its own pallas_call: when nobody asks for the bias
+  gradient, XLA drops it.
+
+Every kernel recomputes S and dP over head-dim chunks with `common.contract_chunks`
+(static unroll or a dynamic chunk loop), and accumulates only a slice of the
+output head dim, so registers and shared memory stay bounded up to D = 1024.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import common, compat
+from pallas_kernels.common import LOG2E, cdiv, dot, fit_block, i32, iota
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdConfig:
+    """Launch parameters of one backward kernel (FFPA's keys, plus ours)."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_d: int = 64  # chunk of D / Dv for the S and dP reductions
+    block_slice: int = 128  # BLOCK_HEADDIM: width of the accumulated head-dim slice
+    num_warps: int = 4
+    num_stages: int = 2
+    dynamic: bool = False  # fori_loop over the reduction chunks instead of a static unroll
+    split_dkdv: bool = False  # dkdv only: dK and dV in separate programs
+
+    def fitted(self, seq_q: int, seq_k: int, head_dim: int, head_dim_v: int) -> "BwdConfig":
+        widest = max(head_dim, head_dim_v)
+        return dataclasses.replace(
+            self, block_m=fit_block(self.block_m, seq_q), block_n=fit_block(self.block_n, seq_k),
+            block_d=fit_block(self.block_d, widest), block_slice=fit_block(self.block_slice, widest))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    batch: int
+    seq_q: int
+    seq_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    head_dim_v: int
+    scale: float
+    causal: bool
+    bias_shape: tuple[int, ...] | None
+    mask_shape: tuple[int, ...] | None
+    list_outer: int  # outer extent of the mask block lists (1 when shared)
+    cfg: BwdConfig
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    def n_chunks(self, size: int) -> int:
+        return cdiv(size, self.cfg.block_d)
+
+    def n_slices(self, size: int) -> int:
+        return cdiv(size, self.cfg.block_slice)
+
+
+def _static(q, k, v, bias, mask, scale, causal, cfg, list_outer=1) -> _Static:
+    batch, seq_q, heads_q, head_dim = q.shape
+    return _Static(batch=batch, seq_q=seq_q, seq_k=k.shape[1], heads_q=heads_q,
+                   heads_kv=k.shape[2], head_dim=head_dim, head_dim_v=v.shape[3],
+                   scale=float(scale), causal=causal,
+                   bias_shape=None if bias is None else tuple(bias.shape),
+                   mask_shape=None if mask is None else tuple(mask.shape),
+                   list_outer=list_outer, cfg=cfg)
+
+
+def _chunk_start(c, width: int):
+    return c * width if isinstance(c, int) else pl.multiple_of(c * width, width)
+
+
+class _Tile:
+    """Loads and recomputation for one (query block, KV block) tile of one head.
+
+    `q_rows`/`kv_rows` are fixed per program for the operand a kernel keeps
+    (Q and dO for dq; K and V for dkdv): `resident_*` lists hold their chunks
+    when the reductions are unrolled, so they are loaded once per program.
+    """
+
+    def __init__(self, st: _Static, refs: dict, b, hk):
+        self.st, self.refs, self.b, self.hk = st, refs, b, hk
+        self.cfg = st.cfg
+
+    def chunk(self, name: str, start_row, rows: int, c, head, n_rows: int, n_cols: int):
+        cfg = self.cfg
+        return common.load_tile(self.refs[name], self.b, start_row, rows, head,
+                                _chunk_start(c, cfg.block_d), cfg.block_d,
+                                n_rows=n_rows, n_cols=n_cols)
+
+    def q_chunks(self, name: str, q_start, h):
+        st = self.st
+        dim = st.head_dim if name == "q" else st.head_dim_v
+        return lambda c: self.chunk(name, q_start, self.cfg.block_m, c, h, st.seq_q, dim)
+
+    def kv_chunks(self, name: str, kv_start):
+        st = self.st
+        dim = st.head_dim if name == "k" else st.head_dim_v
+        return lambda c: self.chunk(name, kv_start, self.cfg.block_n, c, self.hk, st.seq_k, dim)
+
+    @staticmethod
+    def resident(loader, n_chunks: int):
+        chunks = [loader(c) for c in range(n_chunks)]
+        return lambda c: chunks[c]
+
+    def probs_and_ds(self, h, q_start, kv_start, lse2, delta, *, q_chunk, k_chunk, do_chunk,
+                     v_chunk, causal_mask: bool, with_mask: bool, need_ds: bool = True):
+        """(P, dS) of the [bm, bn] tile, float32; dS is None when not needed."""
+        st, cfg = self.st, self.cfg
+        bm, bn = cfg.block_m, cfg.block_n
+        rows = q_start + iota(bm)
+        cols = kv_start + iota(bn)
+        dynamic = cfg.dynamic
+        s = common.contract_chunks(q_chunk, k_chunk, st.n_chunks(st.head_dim),
+                                   dynamic=dynamic, shape=(bm, bn)) * (st.scale * LOG2E)
+        if st.bias_shape is not None:
+            bias = common.load_broadcast_tile(
+                self.refs["bias"], common.broadcast_index(self.b, st.bias_shape[0]),
+                common.broadcast_index(h, st.bias_shape[1]), q_start, bm, kv_start, bn,
+                n_rows=st.seq_q, n_cols=st.seq_k, other=0)
+            s = s + bias.astype(jnp.float32) * LOG2E
+        if with_mask:
+            keep = common.load_broadcast_tile(
+                self.refs["mask"], common.broadcast_index(self.b, st.mask_shape[0]),
+                common.broadcast_index(h, st.mask_shape[1]), q_start, bm, kv_start, bn,
+                n_rows=st.seq_q, n_cols=st.seq_k, other=False)
+            s = jnp.where(keep, s, -jnp.inf)
+        if causal_mask:
+            s = jnp.where(cols[None, :] <= rows[:, None] + (st.seq_k - st.seq_q), s, -jnp.inf)
+        if st.seq_k % bn != 0:
+            s = jnp.where((cols < st.seq_k)[None, :], s, -jnp.inf)
+        if st.seq_q % bm != 0:
+            s = jnp.where((rows < st.seq_q)[:, None], s, -jnp.inf)
+        p = jnp.exp2(s - lse2[:, None])
+        if not need_ds:
+            return p, None
+        dp = common.contract_chunks(do_chunk, v_chunk, st.n_chunks(st.head_dim_v),
+                                    dynamic=dynamic, shape=(bm, bn))
+        return p, p * (dp - delta[:, None])
+
+    def row_stats(self, h, q_start):
+        """(lse·log2(e), δ) for the tile's rows. A row with lse = -inf (no visible
+        key) has S = -inf everywhere, so any finite stand-in gives P = 0 there."""
+        st, bm = self.st, self.cfg.block_m
+        rows_ok = (q_start + iota(bm)) < st.seq_q
+        view = lambda name: self.refs[name].at[self.b, h, common.ds(q_start, bm)]
+        lse = plgpu.load(view("lse"), mask=rows_ok, other=0.0)
+        delta = plgpu.load(view("delta"), mask=rows_ok, other=0.0)
+        lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
+        return lse2, delta
+
+
+def _ref_dict(names, refs):
+    return dict(zip(names, refs))
+
+
+def _input_names(st: _Static, *, with_lists: bool) -> list[str]:
+    names = ["q", "k", "v", "do", "lse", "delta"]
+    if st.bias_shape is not None:
+        names.append("bias")
+    if st.mask_shape is not None:
+        names.append("mask")
+        if with_lists:
+            names += ["counts", "indices"]
+    return names
+
+
+# ----------------------------------------------------------------------------- preproc
+def _preproc_kernel(o_ref, do_ref, dlse_ref, delta_ref, *, seq_q, heads_q, head_dim_v, bm, bd):
+    pid, bh = pl.program_id(0), pl.program_id(1)
+    b, h = bh // heads_q, bh % heads_q
+    q_start = pid * bm
+    acc = jnp.zeros((bm,), jnp.float32)
+    for c in range(cdiv(head_dim_v, bd)):
+        o = common.load_tile(o_ref, b, q_start, bm, h, c * bd, bd, n_rows=seq_q, n_cols=head_dim_v)
+        do = common.load_tile(do_ref, b, q_start, bm, h, c * bd, bd, n_rows=seq_q,
+                              n_cols=head_dim_v)
+        acc += jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=1)
+    rows_ok = (q_start + iota(bm)) < seq_q
+    view = lambda ref: ref.at[b, h, common.ds(q_start, bm)]
+    dlse = plgpu.load(view(dlse_ref), mask=rows_ok, other=0.0)
+    plgpu.store(view(delta_ref), acc - dlse, mask=rows_ok)
+
+
+def bwd_preproc(o, do, dlse, *, config: BwdConfig, interpret: bool = False) -> jax.Array:
+    """δ = rowsum(dO ∘ O) − dlse, float32 [B, Hq, T] (dlse: the lse output's cotangent)."""
+    batch, seq_q, heads_q, head_dim_v = o.shape
+    bm = fit_block(config.block_m, seq_q)
+    bd = fit_block(config.block_slice, head_dim_v)
+    compat.silence_triton_deprecation()
+    kernel = functools.partial(_preproc_kernel, seq_q=seq_q, heads_q=heads_q,
+                               head_dim_v=head_dim_v, bm=bm, bd=bd)
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((batch, heads_q, seq_q), jnp.float32),
+        grid=(cdiv(seq_q, bm), batch * heads_q),
+        compiler_params=compat.compiler_params(config.num_warps, config.num_stages),
+        interpret=interpret, name="bwd_preproc")(o, do, dlse)
+
+
+# ----------------------------------------------------------------------------- dq
+def _dq_kernel(*refs, st: _Static):
+    names = _input_names(st, with_lists=True)
+    r = _ref_dict(names, refs[:len(names)])
+    dq_ref = refs[len(names)]
+    cfg = st.cfg
+    bm, bn, width = cfg.block_m, cfg.block_n, cfg.block_slice
+    n_slices = st.n_slices(st.head_dim)
+    pid, bh = pl.program_id(0), pl.program_id(1)
+    q_block, sl = (pid, i32(0)) if n_slices == 1 else (pid // n_slices, pid % n_slices)
+    b, h = bh // st.heads_q, bh % st.heads_q
+    hk = h // st.group
+    q_start = q_block * bm
+    tile = _Tile(st, r, b, hk)
+    lse2, delta = tile.row_stats(h, q_start)
+    q_chunk, do_chunk = tile.q_chunks("q", q_start, h), tile.q_chunks("do", q_start, h)
+    if not cfg.dynamic:
+        q_chunk = tile.resident(q_chunk, st.n_chunks(st.head_dim))
+        do_chunk = tile.resident(do_chunk, st.n_chunks(st.head_dim_v))
+
+    def visit(kv_block, acc, *, causal_mask, with_mask):
+        kv_start = kv_block * bn
+        _, ds = tile.probs_and_ds(h, q_start, kv_start, lse2, delta, q_chunk=q_chunk,
+                                  k_chunk=tile.kv_chunks("k", kv_start), do_chunk=do_chunk,
+                                  v_chunk=tile.kv_chunks("v", kv_start),
+                                  causal_mask=causal_mask, with_mask=with_mask)
+        k_slice = common.load_tile(r["k"], b, kv_start, bn, hk, sl * width, width,
+                                   n_rows=st.seq_k, n_cols=st.head_dim)
+        return acc + dot(ds.astype(k_slice.dtype), k_slice)
+
+    acc = jnp.zeros((bm, width), jnp.float32)
+    if st.mask_shape is not None:
+        lb = i32(common.broadcast_index(b, r["counts"].shape[0]))
+        lh = i32(common.broadcast_index(h, r["counts"].shape[1]))
+        lq = q_block if st.list_outer != 1 else i32(0)
+        listed = lambda i, a: visit(r["indices"][lb, lh, lq, i], a, causal_mask=st.causal,
+                                    with_mask=True)
+        acc = jax.lax.fori_loop(i32(0), r["counts"][lb, lh, lq], listed, acc)
+    elif st.causal:
+        n_unmasked, n_total = common.causal_block_limits(q_start, bm, bn, st.seq_q, st.seq_k)
+        acc = jax.lax.fori_loop(i32(0), n_unmasked,
+                                functools.partial(visit, causal_mask=False, with_mask=False), acc)
+        acc = jax.lax.fori_loop(n_unmasked, n_total,
+                                functools.partial(visit, causal_mask=True, with_mask=False), acc)
+    else:
+        acc = jax.lax.fori_loop(i32(0), i32(cdiv(st.seq_k, bn)),
+                                functools.partial(visit, causal_mask=False, with_mask=False), acc)
+    common.store_tile(dq_ref, acc * st.scale, b, q_start, bm, h, sl * width, width,
+                      n_rows=st.seq_q, n_cols=st.head_dim)
+
+
+def bwd_generic_dq(q, k, v, do, lse, delta, bias=None, mask=None, *, scale: float, causal: bool,
+                   config: BwdConfig, interpret: bool = False) -> jax.Array:
+    """dQ [B, T, Hq, D] in q's dtype."""
+    cfg = config.fitted(q.shape[1], k.shape[1], q.shape[3], v.shape[3])
+    inputs = [q, k, v, do, lse, delta]
+    list_outer = 1
+    if bias is not None:
+        inputs.append(bias)
+    if mask is not None:
+        counts, indices = common.mask_block_lists(
+            mask, block_m=cfg.block_m, block_n=cfg.block_n, seq_q=q.shape[1], seq_k=k.shape[1],
+            causal=causal, over_kv=True)
+        list_outer = counts.shape[2]
+        inputs += [mask, counts, indices]
+    st = _static(q, k, v, bias, mask, scale, causal, cfg, list_outer)
+    compat.silence_triton_deprecation()
+    grid = (cdiv(st.seq_q, cfg.block_m) * st.n_slices(st.head_dim), st.batch * st.heads_q)
+    return pl.pallas_call(
+        functools.partial(_dq_kernel, st=st), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=grid, compiler_params=compat.compiler_params(cfg.num_warps, cfg.num_stages),
+        interpret=interpret, name="bwd_generic_dq")(*inputs)
+
+
+# ----------------------------------------------------------------------------- dk, dv
+def _dkdv_kernel(*refs, st: _Static, tasks: tuple[tuple[str, int], ...]):
+    """`tasks` lists, per program along grid axis 0 (after the KV block), which
+    accumulator(s) it computes: ("dkdv" | "dk" | "dv", slice index)."""
+    names = _input_names(st, with_lists=True)
+    r = _ref_dict(names, refs[:len(names)])
+    dk_ref, dv_ref = refs[len(names):]
+    cfg = st.cfg
+    bm, bn, width = cfg.block_m, cfg.block_n, cfg.block_slice
+    pid, bhk = pl.program_id(0), pl.program_id(1)
+    kv_block, task = pid // len(tasks), pid % len(tasks)
+    b, hk = bhk // st.heads_kv, bhk % st.heads_kv
+    kv_start = kv_block * bn
+
+    if len(tasks) == 1:
+        (kind, sl), = tasks
+        _dkdv_program(st, r, dk_ref, dv_ref, b, hk, kv_block, kv_start,
+                      with_dk=kind in ("dkdv", "dk"), with_dv=kind in ("dkdv", "dv"), sl=sl)
+        return
+    # Each task is its own branch; a program runs exactly one.
+    for task_id, (kind, sl) in enumerate(tasks):
+        @pl.when(task == task_id)
+        def _run(kind=kind, sl=sl):
+            _dkdv_program(st, r, dk_ref, dv_ref, b, hk, kv_block, kv_start,
+                          with_dk=kind in ("dkdv", "dk"), with_dv=kind in ("dkdv", "dv"), sl=sl)
+
+
+def _dkdv_program(st, r, dk_ref, dv_ref, b, hk, kv_block, kv_start, *, with_dk, with_dv, sl):
+    cfg = st.cfg
+    bm, bn, width = cfg.block_m, cfg.block_n, cfg.block_slice
+    tile = _Tile(st, r, b, hk)
+    k_chunk, v_chunk = tile.kv_chunks("k", kv_start), tile.kv_chunks("v", kv_start)
+    if not cfg.dynamic:
+        k_chunk = tile.resident(k_chunk, st.n_chunks(st.head_dim))
+        if with_dk:
+            v_chunk = tile.resident(v_chunk, st.n_chunks(st.head_dim_v))
+
+    def visit(q_block, accs, h, *, causal_mask, with_mask):
+        dk_acc, dv_acc = accs
+        q_start = q_block * bm
+        lse2, delta = tile.row_stats(h, q_start)
+        p, ds = tile.probs_and_ds(h, q_start, kv_start, lse2, delta,
+                                  q_chunk=tile.q_chunks("q", q_start, h), k_chunk=k_chunk,
+                                  do_chunk=tile.q_chunks("do", q_start, h), v_chunk=v_chunk,
+                                  causal_mask=causal_mask, with_mask=with_mask, need_ds=with_dk)
+        if with_dv:
+            do_slice = common.load_tile(r["do"], b, q_start, bm, h, sl * width, width,
+                                        n_rows=st.seq_q, n_cols=st.head_dim_v)
+            dv_acc = dv_acc + dot(p.astype(do_slice.dtype), do_slice, trans_a=True)
+        if with_dk:
+            q_slice = common.load_tile(r["q"], b, q_start, bm, h, sl * width, width,
+                                       n_rows=st.seq_q, n_cols=st.head_dim)
+            dk_acc = dk_acc + dot(ds.astype(q_slice.dtype), q_slice, trans_a=True)
+        return dk_acc, dv_acc
+
+    def over_q_blocks(h, accs):
+        partial = lambda **kw: (lambda i, a: visit(i, a, h, **kw))
+        if st.mask_shape is not None:
+            lb = i32(common.broadcast_index(b, r["counts"].shape[0]))
+            lh = i32(common.broadcast_index(h, r["counts"].shape[1]))
+            lk = kv_block if st.list_outer != 1 else i32(0)
+            listed = lambda i, a: visit(r["indices"][lb, lh, lk, i], a, h,
+                                        causal_mask=st.causal, with_mask=True)
+            return jax.lax.fori_loop(i32(0), r["counts"][lb, lh, lk], listed, accs)
+        n_q = i32(cdiv(st.seq_q, bm))
+        if st.causal:
+            first, first_unmasked = common.causal_q_block_limits(kv_start, bm, bn, st.seq_q,
+                                                                 st.seq_k)
+            accs = jax.lax.fori_loop(first, first_unmasked,
+                                     partial(causal_mask=True, with_mask=False), accs)
+            return jax.lax.fori_loop(first_unmasked, n_q,
+                                     partial(causal_mask=False, with_mask=False), accs)
+        return jax.lax.fori_loop(i32(0), n_q, partial(causal_mask=False, with_mask=False), accs)
+
+    zeros = jnp.zeros((bn, width), jnp.float32)
+    accs = (zeros if with_dk else None, zeros if with_dv else None)
+    h0 = hk * st.group
+    if st.group == 1:
+        accs = over_q_blocks(h0, accs)
+    else:
+        accs = jax.lax.fori_loop(i32(0), i32(st.group),
+                                 lambda g, a: over_q_blocks(h0 + g, a), accs)
+    dk_acc, dv_acc = accs
+    if with_dk:
+        common.store_tile(dk_ref, dk_acc * st.scale, b, kv_start, bn, hk, sl * width, width,
+                          n_rows=st.seq_k, n_cols=st.head_dim)
+    if with_dv:
+        common.store_tile(dv_ref, dv_acc, b, kv_start, bn, hk, sl * width, width,
+                          n_rows=st.seq_k, n_cols=st.head_dim_v)
+
+
+def dkdv_tasks(head_dim: int, head_dim_v: int, width: int, split: bool):
+    """Per-KV-block programs: which accumulators each computes, over which slice."""
+    n_k, n_v = cdiv(head_dim, width), cdiv(head_dim_v, width)
+    if split:
+        return tuple(("dk", s) for s in range(n_k)) + tuple(("dv", s) for s in range(n_v))
+    return tuple(("dkdv" if s < min(n_k, n_v) else ("dk" if s < n_k else "dv"), s)
+                 for s in range(max(n_k, n_v)))
+
+
+def bwd_generic_dkdv(q, k, v, do, lse, delta, bias=None, mask=None, *, scale: float,
+                     causal: bool, config: BwdConfig, interpret: bool = False):
+    """(dK [B, S, Hkv, D], dV [B, S, Hkv, Dv]) in k's / v's dtype."""
+    cfg = config.fitted(q.shape[1], k.shape[1], q.shape[3], v.shape[3])
+    inputs = [q, k, v, do, lse, delta]
+    list_outer = 1
+    if bias is not None:
+        inputs.append(bias)
+    if mask is not None:
+        counts, indices = common.mask_block_lists(
+            mask, block_m=cfg.block_m, block_n=cfg.block_n, seq_q=q.shape[1], seq_k=k.shape[1],
+            causal=causal, over_kv=False)
+        list_outer = counts.shape[2]
+        inputs += [mask, counts, indices]
+    st = _static(q, k, v, bias, mask, scale, causal, cfg, list_outer)
+    tasks = dkdv_tasks(st.head_dim, st.head_dim_v, cfg.block_slice, cfg.split_dkdv)
+    compat.silence_triton_deprecation()
+    grid = (cdiv(st.seq_k, cfg.block_n) * len(tasks), st.batch * st.heads_kv)
+    return pl.pallas_call(
+        functools.partial(_dkdv_kernel, st=st, tasks=tasks),
+        out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        grid=grid, compiler_params=compat.compiler_params(cfg.num_warps, cfg.num_stages),
+        interpret=interpret, name="bwd_generic_dkdv")(*inputs)
+
+
+# ----------------------------------------------------------------------------- dbias
+def _dbias_kernel(*refs, st: _Static):
+    names = _input_names(st, with_lists=False)
+    r = _ref_dict(names, refs[:len(names)])
+    dbias_ref = refs[len(names)]
+    cfg = st.cfg
+    bm, bn = cfg.block_m, cfg.block_n
+    bb, bh_, bt, bs = st.bias_shape
+    n_tq = cdiv(st.seq_q, bm) if bt != 1 else 1
+    n_tk = cdiv(st.seq_k, bn) if bs != 1 else 1
+    pid, owner = pl.program_id(0), pl.program_id(1)
+    tq, tk = (pid // n_tk, pid % n_tk) if n_tk > 1 else (pid, i32(0))
+    tb, th = owner // bh_, owner % bh_
+
+    # The program owns bias tile (tb, th, tq, tk) and sums dS over every dim the
+    # bias broadcasts: batch, heads, query blocks, KV blocks, flattened into one loop.
+    loop_b = st.batch if bb == 1 else 1
+    loop_h = st.heads_q if bh_ == 1 else 1
+    loop_q = cdiv(st.seq_q, bm) if bt == 1 else 1
+    loop_k = cdiv(st.seq_k, bn) if bs == 1 else 1
+
+    def body(it, acc):
+        ik = it % loop_k
+        iq = (it // loop_k) % loop_q
+        ih = (it // (loop_k * loop_q)) % loop_h
+        ib = it // (loop_k * loop_q * loop_h)
+        b = tb if bb != 1 else ib
+        h = th if bh_ != 1 else ih
+        q_block = tq if bt != 1 else iq
+        kv_block = tk if bs != 1 else ik
+        q_start, kv_start = q_block * bm, kv_block * bn
+        tile = _Tile(st, r, b, h // st.group)
+        lse2, delta = tile.row_stats(h, q_start)
+        _, ds = tile.probs_and_ds(h, q_start, kv_start, lse2, delta,
+                                  q_chunk=tile.q_chunks("q", q_start, h),
+                                  k_chunk=tile.kv_chunks("k", kv_start),
+                                  do_chunk=tile.q_chunks("do", q_start, h),
+                                  v_chunk=tile.kv_chunks("v", kv_start),
+                                  causal_mask=st.causal, with_mask=st.mask_shape is not None)
+        if bt == 1:
+            ds = jnp.sum(ds, axis=0, keepdims=True)
+        if bs == 1:
+            ds = jnp.sum(ds, axis=1, keepdims=True)
+        return acc + ds
+
+    acc = jnp.zeros((bm if bt != 1 else 1, bn if bs != 1 else 1), jnp.float32)
+    acc = jax.lax.fori_loop(i32(0), i32(loop_b * loop_h * loop_q * loop_k), body, acc)
+    rows = (tq * bm + iota(bm))[:, None] if bt != 1 else None
+    cols = (tk * bn + iota(bn))[None, :] if bs != 1 else None
+    mask = None
+    if rows is not None:
+        mask = rows < st.seq_q
+    if cols is not None:
+        mask = cols < st.seq_k if mask is None else mask & (cols < st.seq_k)
+    r_ds = common.ds(tq * bm, bm) if bt != 1 else common.ds(0, 1)
+    c_ds = common.ds(tk * bn, bn) if bs != 1 else common.ds(0, 1)
+    plgpu.store(dbias_ref.at[tb, th, r_ds, c_ds], acc, mask=mask)
+
+
+def bwd_dbias(q, k, v, do, lse, delta, bias, mask=None, *, scale: float, causal: bool,
+              config: BwdConfig, interpret: bool = False) -> jax.Array:
+    """dbias with bias's own 4-D shape (each dim 1 or full), float32."""
+    cfg = config.fitted(q.shape[1], k.shape[1], q.shape[3], v.shape[3])
+    cfg = dataclasses.replace(cfg, split_dkdv=False)
+    st = _static(q, k, v, bias, mask, scale, causal, cfg)
+    inputs = [q, k, v, do, lse, delta, bias] + ([mask] if mask is not None else [])
+    bb, bh, bt, bs = bias.shape
+    n_tq = cdiv(st.seq_q, cfg.block_m) if bt != 1 else 1
+    n_tk = cdiv(st.seq_k, cfg.block_n) if bs != 1 else 1
+    compat.silence_triton_deprecation()
+    return pl.pallas_call(
+        functools.partial(_dbias_kernel, st=st),
+        out_shape=jax.ShapeDtypeStruct(bias.shape, jnp.float32),
+        grid=(n_tq * n_tk, bb * bh),
+        compiler_params=compat.compiler_params(cfg.num_warps, cfg.num_stages),
+        interpret=interpret, name="bwd_dbias")(*inputs)

@@ -1,0 +1,146 @@
+"""Measure bwd_generic_dq / bwd_generic_dkdv launch variants on the GPU.
+
+For each head dim: one forward (default config) gives o and lse; each candidate
+config of dq and of dkdv is compiled, checked against XLA's gradients (dense
+path, same inputs) and timed on its own. Results: docs/bwd_variants.md.
+Usage: python scripts/bwd_variants.py --out results.json [--dims 128,512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from ffpa_jax.bench import _time_ms
+from pallas_kernels import (BwdConfig, FwdConfig, bwd_generic_dkdv, bwd_generic_dq, bwd_preproc,
+                            fwd_generic)
+from tuning import default_config
+
+
+def C(bm, bn, bd, sl, w, st, dyn=False, split=False):
+    return BwdConfig(block_m=bm, block_n=bn, block_d=bd, block_slice=sl, num_warps=w,
+                     num_stages=st, dynamic=dyn, split_dkdv=split)
+
+
+def _small(d):
+    return {
+        "dq": [C(128, 64, d, d, 8, 2), C(64, 64, d, d, 4, 2), C(128, 64, d, d, 8, 3),
+               C(64, 128, d, d, 8, 2), C(128, 32, d, d, 4, 3), C(128, 128, d, d, 8, 2),
+               C(64, 64, d, d, 4, 3)],
+        "dkdv": [C(64, 128, d, d, 8, 2), C(64, 64, d, d, 4, 2), C(32, 128, d, d, 4, 3),
+                 C(64, 128, d, d, 8, 3), C(128, 128, d, d, 8, 2), C(64, 64, d, d, 4, 3),
+                 C(32, 64, d, d, 4, 2), C(128, 64, d, d, 8, 2)],
+    }
+
+
+def _large(d):
+    return {
+        "dq": [C(64, 64, 64, 256, 8, 3, True), C(64, 64, 128, 256, 8, 3, True),
+               C(128, 64, 64, 256, 8, 3, True), C(64, 64, 64, 512, 8, 3, True),
+               C(128, 128, 64, 256, 8, 3, True), C(64, 128, 64, 256, 8, 3, True),
+               C(128, 64, 64, 128, 8, 3, True), C(64, 64, 64, 256, 4, 3, True)],
+        "dkdv": [C(64, 64, 64, 256, 8, 3, True, True), C(64, 64, 128, 256, 8, 3, True, True),
+                 C(64, 128, 64, 256, 8, 3, True, True), C(64, 64, 64, 512, 8, 3, True, True),
+                 C(128, 128, 64, 256, 8, 3, True, True), C(64, 64, 64, 128, 8, 3, True, False),
+                 C(64, 128, 64, 128, 8, 3, True, False), C(128, 64, 64, 256, 8, 3, True, True)],
+    }
+
+
+CANDIDATES = {
+    64: _small(64),
+    128: _small(128),
+    256: {
+        "dq": [C(64, 64, 64, 256, 8, 2), C(64, 64, 256, 256, 8, 2), C(128, 64, 64, 256, 8, 2),
+               C(64, 64, 64, 256, 8, 3, True), C(128, 64, 64, 128, 8, 2),
+               C(128, 64, 128, 256, 8, 2), C(64, 128, 64, 256, 8, 3, True)],
+        "dkdv": [C(64, 64, 64, 256, 8, 2, split=True), C(64, 64, 64, 128, 8, 2),
+                 C(64, 64, 64, 256, 8, 2), C(64, 64, 64, 256, 8, 3, True, True),
+                 C(64, 128, 64, 256, 8, 3, True, True), C(64, 128, 64, 128, 8, 2),
+                 C(128, 64, 64, 256, 8, 2, split=True)],
+    },
+    512: _large(512),
+    1024: _large(1024),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dims", default="64,128,256,512,1024")
+    parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--budget-s", type=float, default=300.0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    started = time.time()
+    results = []
+    for d in [int(x) for x in args.dims.split(",")]:
+        b, h, n = (4 if d <= 128 else 1), 32, args.seqlen
+        ks = jax.random.split(jax.random.key(d), 4)
+        q, k, v, do = (jax.random.normal(kk, (b, n, h, d), jnp.bfloat16) for kk in ks)
+        scale = 1.0 / math.sqrt(d)
+        fc = default_config("fwd_generic", headdim=d)
+        fwd_cfg = FwdConfig(block_m=fc["BLOCK_M"], block_n=fc["BLOCK_N"],
+                            block_d=fc["BLOCK_HEADDIM_QK"], block_dv=fc["BLOCK_HEADDIM_V"],
+                            num_warps=fc["num_warps"], num_stages=fc["num_stages"],
+                            q_mode=fc.get("Q_MODE", "resident"))
+        o, lse = jax.jit(lambda q, k, v: fwd_generic(q, k, v, scale=scale, causal=False,
+                                                      config=fwd_cfg))(q, k, v)
+        delta = jax.jit(lambda o, do: bwd_preproc(o, do, jnp.zeros(lse.shape), config=BwdConfig()))(o, do)
+        _, vjp = jax.vjp(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"),
+                         q, k, v)
+        ref = [g.astype(jnp.float32) for g in jax.jit(vjp)(do)]
+        unit = 2.0 * b * h * n * n * d  # one [T, S, D] matmul
+        for kernel, cands in CANDIDATES[d].items():
+            for cfg in cands:
+                if time.time() - started > args.budget_s:
+                    print("budget exhausted", flush=True)
+                    break
+                rec = {"d": d, "b": b, "h": h, "n": n, "kernel": kernel, **cfg.__dict__}
+                try:
+                    if kernel == "dq":
+                        fn = jax.jit(lambda *a, cfg=cfg: (bwd_generic_dq(
+                            *a, scale=scale, causal=False, config=cfg),))
+                        refs, flops = ref[:1], 3 * unit
+                    else:
+                        fn = jax.jit(lambda *a, cfg=cfg: bwd_generic_dkdv(
+                            *a, scale=scale, causal=False, config=cfg))
+                        refs, flops = ref[1:], 4 * unit
+                    argv = (q, k, v, do, lse, delta)
+                    t0 = time.time()
+                    compiled = fn.lower(*argv).compile()
+                    outs = compiled(*argv)
+                    jax.block_until_ready(outs)
+                    rec["compile_s"] = round(time.time() - t0, 1)
+                    rec["rel_err"] = max(
+                        float(jnp.max(jnp.abs(g.astype(jnp.float32) - r)) / jnp.max(jnp.abs(r)))
+                        for g, r in zip(outs, refs))
+                    if rec["rel_err"] > 3e-2:
+                        rec["status"] = "wrong result"
+                    else:
+                        rec["ms"] = _time_ms(compiled, argv, min_rep_s=0.05, reps=5)
+                        rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12
+                        rec["status"] = "ok"
+                except Exception as exc:
+                    rec["status"] = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+                results.append(rec)
+                print(json.dumps(rec), flush=True)
+                with open(args.out, "w") as f:
+                    json.dump(results, f, indent=1)
+    print("\nbest per head dim and kernel (TF/s counts the kernel's own matmuls):")
+    for d in sorted({r["d"] for r in results}):
+        for kernel in ("dq", "dkdv"):
+            ok = [r for r in results if r["d"] == d and r["kernel"] == kernel and r["status"] == "ok"]
+            for r in sorted(ok, key=lambda r: r["ms"])[:2]:
+                print(f"D={d:5d} {kernel:5s} {r['ms']:8.2f} ms {r['tflops']:6.1f} TF/s BM={r['block_m']} "
+                      f"BN={r['block_n']} BD={r['block_d']} slice={r['block_slice']} w={r['num_warps']} "
+                      f"st={r['num_stages']} dyn={r['dynamic']} split={r['split_dkdv']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
