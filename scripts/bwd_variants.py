@@ -74,12 +74,14 @@ def main() -> int:
     parser.add_argument("--dims", default="64,128,256,512,1024")
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--budget-s", type=float, default=300.0)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--interpret", action="store_true", help="CPU smoke run of this script")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     started = time.time()
     results = []
     for d in [int(x) for x in args.dims.split(",")]:
-        b, h, n = (4 if d <= 128 else 1), 32, args.seqlen
+        b, h, n = (4 if d <= 128 else 1), args.heads, args.seqlen
         ks = jax.random.split(jax.random.key(d), 4)
         q, k, v, do = (jax.random.normal(kk, (b, n, h, d), jnp.bfloat16) for kk in ks)
         scale = 1.0 / math.sqrt(d)
@@ -89,11 +91,16 @@ def main() -> int:
                             num_warps=fc["num_warps"], num_stages=fc["num_stages"],
                             q_mode=fc.get("Q_MODE", "resident"))
         o, lse = jax.jit(lambda q, k, v: fwd_generic(q, k, v, scale=scale, causal=False,
-                                                      config=fwd_cfg))(q, k, v)
-        delta = jax.jit(lambda o, do: bwd_preproc(o, do, jnp.zeros(lse.shape), config=BwdConfig()))(o, do)
-        _, vjp = jax.vjp(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"),
-                         q, k, v)
-        ref = [g.astype(jnp.float32) for g in jax.jit(vjp)(do)]
+                                                      config=fwd_cfg, interpret=args.interpret))(q, k, v)
+        delta = jax.jit(lambda o, do, dlse: bwd_preproc(o, do, dlse, config=BwdConfig(),
+                                                        interpret=args.interpret))(
+            o, do, jnp.zeros(lse.shape, jnp.float32))
+        @jax.jit
+        def xla_grads(q, k, v, do):  # arrays are arguments: nothing captured as a constant
+            _, vjp = jax.vjp(lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, implementation="xla"), q, k, v)
+            return [g.astype(jnp.float32) for g in vjp(do)]
+        ref = xla_grads(q, k, v, do)
         unit = 2.0 * b * h * n * n * d  # one [T, S, D] matmul
         for kernel, cands in CANDIDATES[d].items():
             for cfg in cands:
@@ -104,11 +111,12 @@ def main() -> int:
                 try:
                     if kernel == "dq":
                         fn = jax.jit(lambda *a, cfg=cfg: (bwd_generic_dq(
-                            *a, scale=scale, causal=False, config=cfg),))
+                            *a, scale=scale, causal=False, config=cfg,
+                            interpret=args.interpret),))
                         refs, flops = ref[:1], 3 * unit
                     else:
                         fn = jax.jit(lambda *a, cfg=cfg: bwd_generic_dkdv(
-                            *a, scale=scale, causal=False, config=cfg))
+                            *a, scale=scale, causal=False, config=cfg, interpret=args.interpret))
                         refs, flops = ref[1:], 4 * unit
                     argv = (q, k, v, do, lse, delta)
                     t0 = time.time()
@@ -122,7 +130,7 @@ def main() -> int:
                     if rec["rel_err"] > 3e-2:
                         rec["status"] = "wrong result"
                     else:
-                        rec["ms"] = _time_ms(compiled, argv, min_rep_s=0.05, reps=5)
+                        rec["ms"] = _time_ms(compiled, argv, min_rep_s=0.05, reps=1 if args.interpret else 5)
                         rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12
                         rec["status"] = "ok"
                 except Exception as exc:
