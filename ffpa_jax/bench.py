@@ -221,7 +221,8 @@ def gpu_cases(args) -> list[BenchCase]:
         for n in args.seqlens:
             b = args.batch if args.batch else (4 if d <= 128 else 1)
             for mode in _modes(args.mode):
-                cases.append(BenchCase(b=b, t=n, s=n, hq=args.heads, hkv=args.heads, d=d, dv=d,
+                cases.append(BenchCase(b=b, t=n, s=n, hq=args.heads, hkv=args.kv_heads or args.heads,
+                                       d=d, dv=d,
                                        causal=args.causal, dtype=args.dtype, mode=mode))
     return cases
 
@@ -277,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seqlens", type=lambda s: [int(x) for x in s.split(",")], default=[4096])
     parser.add_argument("--batch", type=int, default=0, help="default: 4 for D <= 128, else 1")
     parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=0, help="GQA/MQA: default = --heads")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--mode", choices=["fwd", "fwdbwd", "both"], default="both",
