@@ -69,11 +69,28 @@ CANDIDATES = {
 }
 
 
+def _round2(d):
+    """Round 2 for D >= 256: around round 1's winners (512-wide slices, dynamic chunks)."""
+    sl = min(d, 512)
+    return {
+        "dq": [C(64, 64, 64, sl, 8, 4, True), C(64, 64, 128, sl, 8, 3, True),
+               C(64, 32, 64, sl, 8, 3, True), C(64, 64, 64, sl, 4, 3, True),
+               C(64, 128, 64, sl, 8, 3, True), C(32, 64, 64, sl, 4, 3, True)],
+        "dkdv": [C(64, 64, 64, sl, 8, 4, True, True), C(64, 64, 128, sl, 8, 3, True, True),
+                 C(32, 64, 64, sl, 4, 3, True, True), C(128, 64, 64, sl, 8, 3, True, True),
+                 C(64, 32, 64, sl, 8, 3, True, True), C(32, 64, 64, sl, 8, 4, True, True)],
+    }
+
+
+ROUNDS = {1: CANDIDATES, 2: {256: _round2(256), 512: _round2(512), 1024: _round2(1024)}}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dims", default="64,128,256,512,1024")
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--budget-s", type=float, default=300.0)
+    parser.add_argument("--round", type=int, default=1, choices=sorted(ROUNDS))
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--interpret", action="store_true", help="CPU smoke run of this script")
     parser.add_argument("--out", required=True)
@@ -102,7 +119,7 @@ def main() -> int:
             return [g.astype(jnp.float32) for g in vjp(do)]
         ref = xla_grads(q, k, v, do)
         unit = 2.0 * b * h * n * n * d  # one [T, S, D] matmul
-        for kernel, cands in CANDIDATES[d].items():
+        for kernel, cands in ROUNDS[args.round][d].items():
             for cfg in cands:
                 if time.time() - started > args.budget_s:
                     print("budget exhausted", flush=True)

@@ -1,0 +1,106 @@
+"""Render the committed benchmark JSON (docs/data/) into markdown tables and plots.
+
+Usage: python scripts/make_docs_tables.py   (prints markdown; writes docs/*.png)
+The tables in docs/benchmarks.md and docs/*_variants.md are pasted from this output,
+so every figure there traces back to a JSON file written on the GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
+DATA = DOCS / "data"
+
+
+def bench_table(path: pathlib.Path) -> str:
+    doc = json.loads(path.read_text())
+    header = doc["header"]
+    rows = ["| case | impl | ms | TF/s | error | workspace MiB | ffpa speedup |",
+            "|---|---|---|---|---|---|---|"]
+    by_case: dict[str, dict] = {}
+    for r in doc["records"]:
+        by_case.setdefault(r["case"], {})[r["impl"]] = r
+    for case, impls in by_case.items():
+        ours = impls.get("ffpa")
+        for name, r in impls.items():
+            if r["status"] != "ok":
+                reason = r["status"].split(":")[0] + ": " + r["status"].split(":", 1)[-1].strip()[:70]
+                rows.append(f"| {case} | {name} | – | – | – | – | {reason} |")
+                continue
+            speedup = ""
+            if name != "ffpa" and ours and ours["status"] == "ok":
+                speedup = f"{r['ms'] / ours['ms']:.2f}×"
+            rows.append(f"| {case} | {name} | {r['ms']:.3f} | {r['tflops']:.1f} | "
+                        f"{r['error']:.1e} | {r['workspace_mib']:.0f} | {speedup} |")
+    meta = (f"Device {header['device']}, jax {header['jax']} / jaxlib {header['jaxlib']}, "
+            f"{header['date']}, command `{header['command']}`.")
+    return meta + "\n\n" + "\n".join(rows)
+
+
+def variant_table(path: pathlib.Path, keys: list[str]) -> str:
+    recs = json.loads(path.read_text())
+    rows = ["| " + " | ".join(keys + ["ms", "TF/s", "status"]) + " |",
+            "|" + "---|" * (len(keys) + 3)]
+    for r in recs:
+        ok = r["status"] == "ok"
+        status = "ok" if ok else r["status"][:60]
+        cells = [str(r.get(k)) for k in keys]
+        rows.append("| " + " | ".join(cells + [f"{r['ms']:.2f}" if ok else "–",
+                                               f"{r['tflops']:.1f}" if ok else "–", status]) + " |")
+    return "\n".join(rows)
+
+
+def plot(path: pathlib.Path, out: pathlib.Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    doc = json.loads(path.read_text())
+    recs = [r for r in doc["records"] if r["status"] == "ok" and r["mask"] is None]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    colors = {"ffpa": "C0", "cudnn": "C1", "xla": "C2", "pallas-mha": "C3"}
+    for ax, mode in zip(axes, ("fwd", "fwdbwd")):
+        labels = []
+        for r in recs:
+            if r["mode"] != mode:
+                continue
+            label = f"D={r['d']}\nN={r['t'] // 1024}K"
+            if label not in labels:
+                labels.append(label)
+        width = 0.2
+        for i, impl in enumerate(colors):
+            xs, ys = [], []
+            for r in recs:
+                if r["mode"] == mode and r["impl"] == impl:
+                    xs.append(labels.index(f"D={r['d']}\nN={r['t'] // 1024}K") + (i - 1.5) * width)
+                    ys.append(r["tflops"])
+            ax.bar(xs, ys, width, label=impl, color=colors[impl])
+        ax.set_xticks(range(len(labels)), labels, fontsize=8)
+        ax.set_title(f"{'forward' if mode == 'fwd' else 'forward + backward'} (bf16)")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("TF/s")
+    axes[0].legend()
+    fig.suptitle(f"{doc['header']['device']}, {doc['header']['date'][:10]}: missing bars = "
+                 "unsupported or out of memory")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+if __name__ == "__main__":
+    main_bench = DATA / "bench_H200_2026-11-21.json"
+    print(bench_table(main_bench))
+    for extra in ("bench_fwd_32k_H200_2026-11-21.json", "bench_512_32k_h8_H200_2026-11-21.json",
+                  "bench_gqa_H200_2026-11-21.json"):
+        print("\n" + bench_table(DATA / extra))
+    plot(main_bench, DOCS / "bench_H200_2026-11-21.png")
+    fwd_keys = ["d", "block_m", "block_n", "block_d", "block_dv", "num_warps", "num_stages",
+                "q_mode", "prefetch_v"]
+    for rnd in (1, 2, 3):
+        print(f"\n### forward round {rnd}\n")
+        print(variant_table(DATA / f"fwd_variants_round{rnd}_H200.json", fwd_keys))
+    print("\n### backward round 1\n")
+    print(variant_table(DATA / "bwd_variants_round1_H200.json",
+                        ["d", "kernel", "block_m", "block_n", "block_d", "block_slice",
+                         "num_warps", "num_stages", "dynamic", "split_dkdv"]))
