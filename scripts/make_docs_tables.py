@@ -100,7 +100,8 @@ if __name__ == "__main__":
     for rnd in (1, 2, 3):
         print(f"\n### forward round {rnd}\n")
         print(variant_table(DATA / f"fwd_variants_round{rnd}_H200.json", fwd_keys))
-    print("\n### backward round 1\n")
-    print(variant_table(DATA / "bwd_variants_round1_H200.json",
-                        ["d", "kernel", "block_m", "block_n", "block_d", "block_slice",
-                         "num_warps", "num_stages", "dynamic", "split_dkdv"]))
+    for rnd in (1, 2):
+        print(f"\n### backward round {rnd}\n")
+        print(variant_table(DATA / f"bwd_variants_round{rnd}_H200.json",
+                            ["d", "kernel", "block_m", "block_n", "block_d", "block_slice",
+                             "num_warps", "num_stages", "dynamic", "split_dkdv"]))

@@ -25,7 +25,7 @@ _FWD_GENERIC: tuple[tuple[int, dict], ...] = (
 
 # Backward: BLOCK_HEADDIM is the accumulated head-dim slice, BLOCK_HEADDIM_QK the
 # chunk of the S/dP reductions. H200, bf16, N=4096 (docs/bwd_variants.md): dq
-# 1.68 / 3.06 / 3.01 / 9.35 / 32.0 ms and dkdv 2.53 / 4.24 / 4.58 / 11.0 / 36.9 ms
+# 1.68 / 3.06 / 2.98 / 6.78 / 20.8 ms and dkdv 2.53 / 4.24 / 4.58 / 8.86 / 27.7 ms
 # at D = 64 / 128 / 256 / 512 / 1024.
 _BWD_DQ: tuple[tuple[int, dict], ...] = (
     (64, dict(BLOCK_M=128, BLOCK_N=64, BLOCK_HEADDIM=64, BLOCK_HEADDIM_QK=64,
@@ -34,8 +34,9 @@ _BWD_DQ: tuple[tuple[int, dict], ...] = (
                num_warps=8, num_stages=2)),
     (256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_HEADDIM=256, BLOCK_HEADDIM_QK=64,
                DYNAMIC_D=True, num_warps=8, num_stages=3)),
-    # A 512-wide slice halves the S/dP recomputation against 256 and still fits.
-    (1024, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_HEADDIM=512, BLOCK_HEADDIM_QK=64,
+    # A 512-wide slice halves the S/dP recomputation against 256 and still fits;
+    # BLOCK_N = 128 doubles the work per reloaded Q/dO chunk.
+    (1024, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_HEADDIM=512, BLOCK_HEADDIM_QK=64,
                 DYNAMIC_D=True, num_warps=8, num_stages=3)),
 )
 _BWD_DKDV: tuple[tuple[int, dict], ...] = (
@@ -45,7 +46,8 @@ _BWD_DKDV: tuple[tuple[int, dict], ...] = (
                num_warps=4, num_stages=2)),
     (256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_HEADDIM=256, BLOCK_HEADDIM_QK=64,
                DYNAMIC_D=True, SPLIT_DKDV=True, num_warps=8, num_stages=3)),
-    (1024, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_HEADDIM=512, BLOCK_HEADDIM_QK=64,
+    # BLOCK_M (the query tile walked by each KV program) = 128 likewise.
+    (1024, dict(BLOCK_M=128, BLOCK_N=64, BLOCK_HEADDIM=512, BLOCK_HEADDIM_QK=64,
                 DYNAMIC_D=True, SPLIT_DKDV=True, num_warps=8, num_stages=3)),
 )
 _BWD_PREPROC: tuple[tuple[int, dict], ...] = (
