@@ -93,7 +93,8 @@ def test_grad_shapes_bf16(case, kernel_mode):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-@pytest.mark.parametrize("case", [SHAPES[0], SHAPES[1], SHAPES[4]], ids=lambda c: f"D{c.d}")
+@pytest.mark.parametrize("case", [SHAPES[0], SHAPES[1], SHAPES[4], SHAPES[6]],
+                         ids=lambda c: f"D{c.d}")
 def test_grad_other_dtypes(case, dtype, kernel_mode):
     check_grads(dataclasses.replace(case, dtype=dtype), kernel_mode)
 

@@ -54,6 +54,15 @@ _BWD_PREPROC: tuple[tuple[int, dict], ...] = (
     (1024, dict(BLOCK_M=64, BLOCK_HEADDIM=128, num_warps=4, num_stages=1)),
 )
 
+# float32 tiles take twice the shared memory of 16-bit ones: where a 16-bit
+# default is sized to the limit, float32 gets the smaller tile it was measured
+# with first (dq with BLOCK_N=128 at D=320 requested 288 KiB of the 227 KiB).
+_FP32_OVERRIDES: dict[str, tuple[tuple[int, dict], ...]] = {
+    "bwd_generic_dq": ((1024, dict(BLOCK_N=64)),),
+    "bwd_dbias": ((1024, dict(BLOCK_N=64)),),
+    "bwd_generic_dkdv": ((1024, dict(BLOCK_M=64)),),
+}
+
 _TABLES = {
     "fwd_generic": _FWD_GENERIC,
     "bwd_preproc": _BWD_PREPROC,
@@ -63,10 +72,19 @@ _TABLES = {
 }
 
 
-def default_config(kernel: str, *, headdim: int) -> dict:
-    """The built-in config of `kernel` for head dim `headdim` (a fresh dict)."""
-    table = _TABLES[kernel]
+def _row(table: tuple[tuple[int, dict], ...], headdim: int) -> tuple[int, dict]:
     for max_dim, config in table:
         if headdim <= max_dim:
-            return dict(config, num_ctas=1)
-    return dict(table[-1][1], num_ctas=1)
+            return max_dim, config
+    return table[-1]
+
+
+def default_config(kernel: str, *, headdim: int, dtype: str = "bf16") -> dict:
+    """The built-in config of `kernel` for head dim `headdim` and dtype (a fresh dict)."""
+    max_dim, config = _row(_TABLES[kernel], headdim)
+    config = dict(config, num_ctas=1)
+    if dtype == "fp32":
+        for override_dim, changes in _FP32_OVERRIDES.get(kernel, ()):
+            if override_dim == max_dim:
+                config.update(changes)
+    return config

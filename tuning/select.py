@@ -30,4 +30,4 @@ def launch_config(kernel: str, *, direction: str, dtype: str, headdim: int, seql
         if problem is None:
             return dict(tuned)
         _log.debug("ignoring tuned %s config %s: %s", kernel, tuned, problem)
-    return default_config(kernel, headdim=headdim)
+    return default_config(kernel, headdim=headdim, dtype=dtype)
