@@ -52,13 +52,19 @@ def variant_table(path: pathlib.Path, keys: list[str]) -> str:
     return "\n".join(rows)
 
 
-def plot(path: pathlib.Path, out: pathlib.Path) -> None:
+def plot(paths: list[pathlib.Path], out: pathlib.Path) -> None:
+    """Bars per case; a later file's record replaces an earlier one for the same
+    (case, impl), so re-measured cases show their newest figure."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    doc = json.loads(path.read_text())
-    recs = [r for r in doc["records"] if r["status"] == "ok" and r["mask"] is None]
+    merged: dict[tuple[str, str], dict] = {}
+    for path in paths:
+        doc = json.loads(path.read_text())
+        for r in doc["records"]:
+            merged[(r["case"], r["impl"])] = r
+    recs = [r for r in merged.values() if r["status"] == "ok" and r["mask"] is None]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     colors = {"ffpa": "C0", "cudnn": "C1", "xla": "C2", "pallas-mha": "C3"}
     for ax, mode in zip(axes, ("fwd", "fwdbwd")):
@@ -91,10 +97,11 @@ def plot(path: pathlib.Path, out: pathlib.Path) -> None:
 if __name__ == "__main__":
     main_bench = DATA / "bench_H200_2026-11-21.json"
     print(bench_table(main_bench))
+    followup = DATA / "bench_large_fwdbwd_H200_2026-11-21.json"
     for extra in ("bench_fwd_32k_H200_2026-11-21.json", "bench_512_32k_h8_H200_2026-11-21.json",
-                  "bench_gqa_H200_2026-11-21.json"):
+                  "bench_gqa_H200_2026-11-21.json", followup.name):
         print("\n" + bench_table(DATA / extra))
-    plot(main_bench, DOCS / "bench_H200_2026-11-21.png")
+    plot([main_bench, followup], DOCS / "bench_H200_2026-11-21.png")
     fwd_keys = ["d", "block_m", "block_n", "block_d", "block_dv", "num_warps", "num_stages",
                 "q_mode", "prefetch_v"]
     for rnd in (1, 2, 3):
