@@ -56,45 +56,23 @@ class BwdConfig:
             block_d=fit_block(self.block_d, widest), block_slice=fit_block(self.block_slice, widest))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Static:
-    batch: int
-    seq_q: int
-    seq_k: int
-    heads_q: int
-    heads_kv: int
-    head_dim: int
-    head_dim_v: int
-    scale: float
-    causal: bool
-    bias_shape: tuple[int, ...] | None
-    mask_shape: tuple[int, ...] | None
-    list_outer: int  # outer extent of the mask block lists (1 when shared)
-    cfg: BwdConfig
-
-    @property
-    def group(self) -> int:
-        return self.heads_q // self.heads_kv
-
-    def n_chunks(self, size: int) -> int:
-        return cdiv(size, self.cfg.block_d)
-
-    def n_slices(self, size: int) -> int:
-        return cdiv(size, self.cfg.block_slice)
+def _n_chunks(st: common.KernelStatic, size: int) -> int:
+    """Chunks of the S/dP reductions over a head dim of `size`."""
+    return cdiv(size, st.cfg.block_d)
 
 
-def _static(q, k, v, bias, mask, scale, causal, cfg, list_outer=1) -> _Static:
-    batch, seq_q, heads_q, head_dim = q.shape
-    return _Static(batch=batch, seq_q=seq_q, seq_k=k.shape[1], heads_q=heads_q,
-                   heads_kv=k.shape[2], head_dim=head_dim, head_dim_v=v.shape[3],
-                   scale=float(scale), causal=causal,
-                   bias_shape=None if bias is None else tuple(bias.shape),
-                   mask_shape=None if mask is None else tuple(mask.shape),
-                   list_outer=list_outer, cfg=cfg)
+def _n_slices(st: common.KernelStatic, size: int) -> int:
+    """Accumulated head-dim slices over a head dim of `size`."""
+    return cdiv(size, st.cfg.block_slice)
 
 
-def _chunk_start(c, width: int):
-    return c * width if isinstance(c, int) else pl.multiple_of(c * width, width)
+def _inputs(q, k, v, do, lse, delta, bias, mask, *, cfg, causal, over_kv: bool):
+    """(kernel inputs, list extent) for dq (over_kv) or dkdv: tensors, bias, mask lists."""
+    mask_args, list_outer = common.mask_inputs(
+        mask, block_m=cfg.block_m, block_n=cfg.block_n, seq_q=q.shape[1], seq_k=k.shape[1],
+        causal=causal, over_kv=over_kv)
+    inputs = [q, k, v, do, lse, delta] + ([bias] if bias is not None else []) + mask_args
+    return inputs, list_outer
 
 
 class _Tile:
@@ -105,14 +83,14 @@ class _Tile:
     when the reductions are unrolled, so they are loaded once per program.
     """
 
-    def __init__(self, st: _Static, refs: dict, b, hk):
+    def __init__(self, st: common.KernelStatic, refs: dict, b, hk):
         self.st, self.refs, self.b, self.hk = st, refs, b, hk
         self.cfg = st.cfg
 
     def chunk(self, name: str, start_row, rows: int, c, head, n_rows: int, n_cols: int):
         cfg = self.cfg
         return common.load_tile(self.refs[name], self.b, start_row, rows, head,
-                                _chunk_start(c, cfg.block_d), cfg.block_d,
+                                common.chunk_start(c, cfg.block_d), cfg.block_d,
                                 n_rows=n_rows, n_cols=n_cols)
 
     def q_chunks(self, name: str, q_start, h):
@@ -138,7 +116,7 @@ class _Tile:
         rows = q_start + iota(bm)
         cols = kv_start + iota(bn)
         dynamic = cfg.dynamic
-        s = common.contract_chunks(q_chunk, k_chunk, st.n_chunks(st.head_dim),
+        s = common.contract_chunks(q_chunk, k_chunk, _n_chunks(st, st.head_dim),
                                    dynamic=dynamic, shape=(bm, bn)) * (st.scale * LOG2E)
         if st.bias_shape is not None:
             bias = common.load_broadcast_tile(
@@ -161,7 +139,7 @@ class _Tile:
         p = jnp.exp2(s - lse2[:, None])
         if not need_ds:
             return p, None
-        dp = common.contract_chunks(do_chunk, v_chunk, st.n_chunks(st.head_dim_v),
+        dp = common.contract_chunks(do_chunk, v_chunk, _n_chunks(st, st.head_dim_v),
                                     dynamic=dynamic, shape=(bm, bn))
         return p, p * (dp - delta[:, None])
 
@@ -181,7 +159,7 @@ def _ref_dict(names, refs):
     return dict(zip(names, refs))
 
 
-def _input_names(st: _Static, *, with_lists: bool) -> list[str]:
+def _input_names(st: common.KernelStatic, *, with_lists: bool) -> list[str]:
     names = ["q", "k", "v", "do", "lse", "delta"]
     if st.bias_shape is not None:
         names.append("bias")
@@ -225,13 +203,13 @@ def bwd_preproc(o, do, dlse, *, config: BwdConfig, interpret: bool = False) -> j
 
 
 # ----------------------------------------------------------------------------- dq
-def _dq_kernel(*refs, st: _Static):
+def _dq_kernel(*refs, st: common.KernelStatic):
     names = _input_names(st, with_lists=True)
     r = _ref_dict(names, refs[:len(names)])
     dq_ref = refs[len(names)]
     cfg = st.cfg
     bm, bn, width = cfg.block_m, cfg.block_n, cfg.block_slice
-    n_slices = st.n_slices(st.head_dim)
+    n_slices = _n_slices(st, st.head_dim)
     pid, bh = pl.program_id(0), pl.program_id(1)
     q_block, sl = (pid, i32(0)) if n_slices == 1 else (pid // n_slices, pid % n_slices)
     b, h = bh // st.heads_q, bh % st.heads_q
@@ -241,8 +219,8 @@ def _dq_kernel(*refs, st: _Static):
     lse2, delta = tile.row_stats(h, q_start)
     q_chunk, do_chunk = tile.q_chunks("q", q_start, h), tile.q_chunks("do", q_start, h)
     if not cfg.dynamic:
-        q_chunk = tile.resident(q_chunk, st.n_chunks(st.head_dim))
-        do_chunk = tile.resident(do_chunk, st.n_chunks(st.head_dim_v))
+        q_chunk = tile.resident(q_chunk, _n_chunks(st, st.head_dim))
+        do_chunk = tile.resident(do_chunk, _n_chunks(st, st.head_dim_v))
 
     def visit(kv_block, acc, *, causal_mask, with_mask):
         kv_start = kv_block * bn
@@ -279,19 +257,12 @@ def bwd_generic_dq(q, k, v, do, lse, delta, bias=None, mask=None, *, scale: floa
                    config: BwdConfig, interpret: bool = False) -> jax.Array:
     """dQ [B, T, Hq, D] in q's dtype."""
     cfg = config.fitted(q.shape[1], k.shape[1], q.shape[3], v.shape[3])
-    inputs = [q, k, v, do, lse, delta]
-    list_outer = 1
-    if bias is not None:
-        inputs.append(bias)
-    if mask is not None:
-        counts, indices = common.mask_block_lists(
-            mask, block_m=cfg.block_m, block_n=cfg.block_n, seq_q=q.shape[1], seq_k=k.shape[1],
-            causal=causal, over_kv=True)
-        list_outer = counts.shape[2]
-        inputs += [mask, counts, indices]
-    st = _static(q, k, v, bias, mask, scale, causal, cfg, list_outer)
+    inputs, list_outer = _inputs(q, k, v, do, lse, delta, bias, mask, cfg=cfg, causal=causal,
+                                 over_kv=True)
+    st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
+                              list_outer=list_outer)
     compat.silence_triton_deprecation()
-    grid = (cdiv(st.seq_q, cfg.block_m) * st.n_slices(st.head_dim), st.batch * st.heads_q)
+    grid = (cdiv(st.seq_q, cfg.block_m) * _n_slices(st, st.head_dim), st.batch * st.heads_q)
     return pl.pallas_call(
         functools.partial(_dq_kernel, st=st), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=grid, compiler_params=compat.compiler_params(cfg.num_warps, cfg.num_stages),
@@ -299,14 +270,13 @@ def bwd_generic_dq(q, k, v, do, lse, delta, bias=None, mask=None, *, scale: floa
 
 
 # ----------------------------------------------------------------------------- dk, dv
-def _dkdv_kernel(*refs, st: _Static, tasks: tuple[tuple[str, int], ...]):
+def _dkdv_kernel(*refs, st: common.KernelStatic, tasks: tuple[tuple[str, int], ...]):
     """`tasks` lists, per program along grid axis 0 (after the KV block), which
     accumulator(s) it computes: ("dkdv" | "dk" | "dv", slice index)."""
     names = _input_names(st, with_lists=True)
     r = _ref_dict(names, refs[:len(names)])
     dk_ref, dv_ref = refs[len(names):]
-    cfg = st.cfg
-    bm, bn, width = cfg.block_m, cfg.block_n, cfg.block_slice
+    bn = st.cfg.block_n
     pid, bhk = pl.program_id(0), pl.program_id(1)
     kv_block, task = pid // len(tasks), pid % len(tasks)
     b, hk = bhk // st.heads_kv, bhk % st.heads_kv
@@ -331,9 +301,9 @@ def _dkdv_program(st, r, dk_ref, dv_ref, b, hk, kv_block, kv_start, *, with_dk, 
     tile = _Tile(st, r, b, hk)
     k_chunk, v_chunk = tile.kv_chunks("k", kv_start), tile.kv_chunks("v", kv_start)
     if not cfg.dynamic:
-        k_chunk = tile.resident(k_chunk, st.n_chunks(st.head_dim))
+        k_chunk = tile.resident(k_chunk, _n_chunks(st, st.head_dim))
         if with_dk:
-            v_chunk = tile.resident(v_chunk, st.n_chunks(st.head_dim_v))
+            v_chunk = tile.resident(v_chunk, _n_chunks(st, st.head_dim_v))
 
     def visit(q_block, accs, h, *, causal_mask, with_mask):
         dk_acc, dv_acc = accs
@@ -402,17 +372,10 @@ def bwd_generic_dkdv(q, k, v, do, lse, delta, bias=None, mask=None, *, scale: fl
                      causal: bool, config: BwdConfig, interpret: bool = False):
     """(dK [B, S, Hkv, D], dV [B, S, Hkv, Dv]) in k's / v's dtype."""
     cfg = config.fitted(q.shape[1], k.shape[1], q.shape[3], v.shape[3])
-    inputs = [q, k, v, do, lse, delta]
-    list_outer = 1
-    if bias is not None:
-        inputs.append(bias)
-    if mask is not None:
-        counts, indices = common.mask_block_lists(
-            mask, block_m=cfg.block_m, block_n=cfg.block_n, seq_q=q.shape[1], seq_k=k.shape[1],
-            causal=causal, over_kv=False)
-        list_outer = counts.shape[2]
-        inputs += [mask, counts, indices]
-    st = _static(q, k, v, bias, mask, scale, causal, cfg, list_outer)
+    inputs, list_outer = _inputs(q, k, v, do, lse, delta, bias, mask, cfg=cfg, causal=causal,
+                                 over_kv=False)
+    st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
+                              list_outer=list_outer)
     tasks = dkdv_tasks(st.head_dim, st.head_dim_v, cfg.block_slice, cfg.split_dkdv)
     compat.silence_triton_deprecation()
     grid = (cdiv(st.seq_k, cfg.block_n) * len(tasks), st.batch * st.heads_kv)
@@ -424,14 +387,13 @@ def bwd_generic_dkdv(q, k, v, do, lse, delta, bias=None, mask=None, *, scale: fl
 
 
 # ----------------------------------------------------------------------------- dbias
-def _dbias_kernel(*refs, st: _Static):
+def _dbias_kernel(*refs, st: common.KernelStatic):
     names = _input_names(st, with_lists=False)
     r = _ref_dict(names, refs[:len(names)])
     dbias_ref = refs[len(names)]
     cfg = st.cfg
     bm, bn = cfg.block_m, cfg.block_n
     bb, bh_, bt, bs = st.bias_shape
-    n_tq = cdiv(st.seq_q, bm) if bt != 1 else 1
     n_tk = cdiv(st.seq_k, bn) if bs != 1 else 1
     pid, owner = pl.program_id(0), pl.program_id(1)
     tq, tk = (pid // n_tk, pid % n_tk) if n_tk > 1 else (pid, i32(0))
@@ -487,7 +449,7 @@ def bwd_dbias(q, k, v, do, lse, delta, bias, mask=None, *, scale: float, causal:
     """dbias with bias's own 4-D shape (each dim 1 or full), float32."""
     cfg = config.fitted(q.shape[1], k.shape[1], q.shape[3], v.shape[3])
     cfg = dataclasses.replace(cfg, split_dkdv=False)
-    st = _static(q, k, v, bias, mask, scale, causal, cfg)
+    st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg)
     inputs = [q, k, v, do, lse, delta, bias] + ([mask] if mask is not None else [])
     bb, bh, bt, bs = bias.shape
     n_tq = cdiv(st.seq_q, cfg.block_m) if bt != 1 else 1

@@ -10,7 +10,9 @@ Conventions used throughout `pallas_kernels`:
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,42 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 # Triton's dot needs every tile dim >= 16.
 MIN_TILE = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelStatic:
+    """What a kernel body knows at trace time: the problem's sizes and options, the
+    launch config (the kernel's own config class), and the outer extent of its mask
+    block lists (1 when one list serves every outer block)."""
+
+    batch: int
+    seq_q: int
+    seq_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    head_dim_v: int
+    scale: float
+    causal: bool
+    bias_shape: tuple[int, ...] | None
+    mask_shape: tuple[int, ...] | None
+    list_outer: int
+    cfg: Any
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_kv
+
+
+def kernel_static(q, k, v, bias, mask, *, scale: float, causal: bool, cfg,
+                  list_outer: int = 1) -> KernelStatic:
+    batch, seq_q, heads_q, head_dim = q.shape
+    return KernelStatic(batch=batch, seq_q=seq_q, seq_k=k.shape[1], heads_q=heads_q,
+                        heads_kv=k.shape[2], head_dim=head_dim, head_dim_v=v.shape[3],
+                        scale=float(scale), causal=causal,
+                        bias_shape=None if bias is None else tuple(bias.shape),
+                        mask_shape=None if mask is None else tuple(mask.shape),
+                        list_outer=list_outer, cfg=cfg)
 
 
 def i32(x) -> jax.Array:
@@ -36,6 +74,12 @@ def iota(n: int) -> jax.Array:
 def ds(start, size: int):
     """pl.ds with an int32 start."""
     return pl.ds(i32(start), size)
+
+
+def chunk_start(c, width: int):
+    """Start of head-dim chunk `c`: a Python int in static loops, a traced index
+    (marked as a multiple of `width` for the compiler) in dynamic ones."""
+    return c * width if isinstance(c, int) else pl.multiple_of(c * width, width)
 
 
 def next_pow2(x: int) -> int:
@@ -212,6 +256,17 @@ def visit_lists(visits: jax.Array, *, over_kv: bool):
     # A stable sort on "not visited" lists visited blocks first, in ascending order.
     indices = jnp.argsort(~visits, axis=-1, stable=True).astype(jnp.int32)
     return counts, indices
+
+
+def mask_inputs(mask4, *, block_m: int, block_n: int, seq_q: int, seq_k: int, causal: bool,
+                over_kv: bool) -> tuple[list, int]:
+    """The kernel inputs a boolean mask brings ([mask, counts, indices], or [] without
+    a mask) and the outer extent of its block lists."""
+    if mask4 is None:
+        return [], 1
+    counts, indices = mask_block_lists(mask4, block_m=block_m, block_n=block_n, seq_q=seq_q,
+                                       seq_k=seq_k, causal=causal, over_kv=over_kv)
+    return [mask4, counts, indices], counts.shape[2]
 
 
 def mask_block_lists(mask4: jax.Array, *, block_m: int, block_n: int, seq_q: int, seq_k: int,

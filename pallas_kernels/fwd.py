@@ -57,34 +57,15 @@ class FwdConfig:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class _Static:
-    """Everything the kernel body needs to know at trace time."""
-
-    batch: int
-    seq_q: int
-    seq_k: int
-    heads_q: int
-    heads_kv: int
-    head_dim: int
-    head_dim_v: int
-    scale: float
-    causal: bool
-    bias_shape: tuple[int, ...] | None
-    mask_shape: tuple[int, ...] | None
-    list_rows: int  # query-block extent of the mask block lists (1 or n_q_blocks)
-    cfg: FwdConfig
-
-    @property
-    def n_dchunks(self) -> int:
-        return cdiv(self.head_dim, self.cfg.block_d)
-
-    @property
-    def n_vslices(self) -> int:
-        return cdiv(self.head_dim_v, self.cfg.block_dv)
+def _n_dchunks(st: common.KernelStatic) -> int:
+    return cdiv(st.head_dim, st.cfg.block_d)
 
 
-def _fwd_kernel(*refs, st: _Static):
+def _n_vslices(st: common.KernelStatic) -> int:
+    return cdiv(st.head_dim_v, st.cfg.block_dv)
+
+
+def _fwd_kernel(*refs, st: common.KernelStatic):
     cfg = st.cfg
     bm, bn, bd, bdv = cfg.block_m, cfg.block_n, cfg.block_d, cfg.block_dv
     q_ref, k_ref, v_ref, *rest = refs
@@ -96,13 +77,13 @@ def _fwd_kernel(*refs, st: _Static):
 
     pid = pl.program_id(0)
     bh = pl.program_id(1)
-    if st.n_vslices == 1:
+    if _n_vslices(st) == 1:
         q_block, v_slice = pid, i32(0)
     else:
-        q_block, v_slice = pid // st.n_vslices, pid % st.n_vslices
+        q_block, v_slice = pid // _n_vslices(st), pid % _n_vslices(st)
     b = bh // st.heads_q
     h = bh % st.heads_q
-    hk = h // (st.heads_q // st.heads_kv)
+    hk = h // st.group
     q_start = q_block * bm
     v_start = v_slice * bdv
     rows = q_start + iota(bm)
@@ -112,23 +93,21 @@ def _fwd_kernel(*refs, st: _Static):
     if cfg.q_mode == "resident":
         resident_q = [common.load_tile(q_ref, b, q_start, bm, h, c * bd, bd,
                                        n_rows=st.seq_q, n_cols=st.head_dim)
-                      for c in range(st.n_dchunks)]
+                      for c in range(_n_dchunks(st))]
 
     def scores(kv_start):
         """scale·log2(e)·q·kᵀ for one KV block, [bm, bn] float32."""
         def q_chunk_at(c):
             if resident_q is not None:
                 return resident_q[c]
-            start = pl.multiple_of(c * bd, bd) if not isinstance(c, int) else c * bd
-            return common.load_tile(q_ref, b, q_start, bm, h, start, bd,
+            return common.load_tile(q_ref, b, q_start, bm, h, common.chunk_start(c, bd), bd,
                                     n_rows=st.seq_q, n_cols=st.head_dim)
 
         def k_chunk_at(c):
-            start = pl.multiple_of(c * bd, bd) if not isinstance(c, int) else c * bd
-            return common.load_tile(k_ref, b, kv_start, bn, hk, start, bd,
+            return common.load_tile(k_ref, b, kv_start, bn, hk, common.chunk_start(c, bd), bd,
                                     n_rows=st.seq_k, n_cols=st.head_dim)
 
-        qk = common.contract_chunks(q_chunk_at, k_chunk_at, st.n_dchunks,
+        qk = common.contract_chunks(q_chunk_at, k_chunk_at, _n_dchunks(st),
                                     dynamic=cfg.q_mode == "dynamic", shape=(bm, bn))
         return qk * qk_scale
 
@@ -178,10 +157,9 @@ def _fwd_kernel(*refs, st: _Static):
 
     if st.mask_shape is not None:
         # Block-sparse walk: only KV blocks whose mask tile holds a True.
-        lb = common.broadcast_index(b, count_ref.shape[0])
-        lh = common.broadcast_index(h, count_ref.shape[1])
-        lb, lh = i32(lb), i32(lh)
-        lq = q_block if st.list_rows != 1 else i32(0)
+        lb = i32(common.broadcast_index(b, count_ref.shape[0]))
+        lh = i32(common.broadcast_index(h, count_ref.shape[1]))
+        lq = q_block if st.list_outer != 1 else i32(0)
         n_visit = count_ref[lb, lh, lq]
 
         def listed(i, c):
@@ -208,7 +186,7 @@ def _fwd_kernel(*refs, st: _Static):
                       n_rows=st.seq_q, n_cols=st.head_dim_v)
     lse = jnp.where(has_keys, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
     lse_mask = rows < st.seq_q
-    if st.n_vslices > 1:
+    if _n_vslices(st) > 1:
         lse_mask = lse_mask & (v_slice == 0)  # one writer per row
     plgpu.store(lse_ref.at[b, h, common.ds(q_start, bm)], lse, mask=lse_mask)
 
@@ -227,22 +205,13 @@ def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None
         raise ValueError(f"q_mode must be one of {Q_MODES}; got {config.q_mode!r}")
     cfg = config.fitted(seq_q, seq_k, head_dim, head_dim_v)
     compat.silence_triton_deprecation()
-    inputs = [q, k, v]
-    list_rows = 1
-    if bias is not None:
-        inputs.append(bias)
-    if mask is not None:
-        counts, indices = common.mask_block_lists(
-            mask, block_m=cfg.block_m, block_n=cfg.block_n, seq_q=seq_q, seq_k=seq_k,
-            causal=causal)
-        list_rows = counts.shape[2]
-        inputs += [mask, counts, indices]
-    st = _Static(batch=batch, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, heads_kv=heads_kv,
-                 head_dim=head_dim, head_dim_v=head_dim_v, scale=float(scale), causal=causal,
-                 bias_shape=None if bias is None else tuple(bias.shape),
-                 mask_shape=None if mask is None else tuple(mask.shape),
-                 list_rows=list_rows, cfg=cfg)
-    grid = (cdiv(seq_q, cfg.block_m) * st.n_vslices, batch * heads_q)
+    mask_args, list_outer = common.mask_inputs(
+        mask, block_m=cfg.block_m, block_n=cfg.block_n, seq_q=seq_q, seq_k=seq_k, causal=causal,
+        over_kv=True)
+    inputs = [q, k, v] + ([bias] if bias is not None else []) + mask_args
+    st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
+                              list_outer=list_outer)
+    grid = (cdiv(seq_q, cfg.block_m) * _n_vslices(st), batch * heads_q)
     out_shape = (jax.ShapeDtypeStruct((batch, seq_q, heads_q, head_dim_v), q.dtype),
                  jax.ShapeDtypeStruct((batch, heads_q, seq_q), jnp.float32))
     return pl.pallas_call(

@@ -26,7 +26,8 @@ Q_MODES = ("resident", "reload", "dynamic")
 # BLOCK_HEADDIM_QK, the head-dim chunk of the S and dP reductions; DYNAMIC_D, walk
 # those chunks with a dynamic loop; SPLIT_DKDV, dK and dV in separate programs.
 _BWD_OPTIONAL = ("BLOCK_HEADDIM_QK", "DYNAMIC_D")
-_BOOL_KEYS = ("DYNAMIC_D", "SPLIT_DKDV", "D_CHUNK")
+# Only our own keys are type-checked: FFPA's D_CHUNK (unused here) is left as written.
+_BOOL_KEYS = ("DYNAMIC_D", "SPLIT_DKDV")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import logging
-
 from tuning.defaults import default_config
 from tuning.lookup import lookup_config
-from tuning.registry import config_problem
-
-_log = logging.getLogger("ffpa_jax.tuning")
 
 
 def launch_config(kernel: str, *, direction: str, dtype: str, headdim: int, seqlen_q: int,
@@ -19,15 +14,12 @@ def launch_config(kernel: str, *, direction: str, dtype: str, headdim: int, seql
     """The tuned config for this problem on this device, else the built-in default.
 
     Called at trace time; `lookup_config` caches, so a traced step pays nothing.
-    A tuned entry the kernel cannot launch is ignored (never an error).
+    Entries a kernel cannot launch never get this far: the file loader drops them.
     """
     tuned = lookup_config(direction, kernel, dtype=dtype, headdim=headdim, seqlen_q=seqlen_q,
                           seqlen_k=seqlen_k, causal=causal, has_attn_bias=has_attn_bias,
                           has_dropout=has_dropout, nheads_q=nheads_q, nheads_kv=nheads_kv,
                           bias_grad=bias_grad, device_name=device_name)
     if tuned is not None:
-        problem = config_problem(kernel, tuned)
-        if problem is None:
-            return dict(tuned)
-        _log.debug("ignoring tuned %s config %s: %s", kernel, tuned, problem)
+        return tuned
     return default_config(kernel, headdim=headdim, dtype=dtype)
