@@ -115,32 +115,16 @@ class _Tile:
         bm, bn = cfg.block_m, cfg.block_n
         rows = q_start + iota(bm)
         cols = kv_start + iota(bn)
-        dynamic = cfg.dynamic
         s = common.contract_chunks(q_chunk, k_chunk, _n_chunks(st, st.head_dim),
-                                   dynamic=dynamic, shape=(bm, bn)) * (st.scale * LOG2E)
-        if st.bias_shape is not None:
-            bias = common.load_broadcast_tile(
-                self.refs["bias"], common.broadcast_index(self.b, st.bias_shape[0]),
-                common.broadcast_index(h, st.bias_shape[1]), q_start, bm, kv_start, bn,
-                n_rows=st.seq_q, n_cols=st.seq_k, other=0)
-            s = s + bias.astype(jnp.float32) * LOG2E
-        if with_mask:
-            keep = common.load_broadcast_tile(
-                self.refs["mask"], common.broadcast_index(self.b, st.mask_shape[0]),
-                common.broadcast_index(h, st.mask_shape[1]), q_start, bm, kv_start, bn,
-                n_rows=st.seq_q, n_cols=st.seq_k, other=False)
-            s = jnp.where(keep, s, -jnp.inf)
-        if causal_mask:
-            s = jnp.where(cols[None, :] <= rows[:, None] + (st.seq_k - st.seq_q), s, -jnp.inf)
-        if st.seq_k % bn != 0:
-            s = jnp.where((cols < st.seq_k)[None, :], s, -jnp.inf)
-        if st.seq_q % bm != 0:
-            s = jnp.where((rows < st.seq_q)[:, None], s, -jnp.inf)
+                                   dynamic=cfg.dynamic, shape=(bm, bn)) * (st.scale * LOG2E)
+        s = common.bias_and_masks(s, st, self.refs.get("bias"), self.refs.get("mask"), self.b, h,
+                                  q_start, kv_start, rows, cols, causal_mask=causal_mask,
+                                  with_mask=with_mask, mask_rows=True)
         p = jnp.exp2(s - lse2[:, None])
         if not need_ds:
             return p, None
         dp = common.contract_chunks(do_chunk, v_chunk, _n_chunks(st, st.head_dim_v),
-                                    dynamic=dynamic, shape=(bm, bn))
+                                    dynamic=cfg.dynamic, shape=(bm, bn))
         return p, p * (dp - delta[:, None])
 
     def row_stats(self, h, q_start):

@@ -183,6 +183,35 @@ def load_broadcast_tile(ref, b, h, rows_start, rows, cols_start, cols, *, n_rows
     return plgpu.load(view, mask=mask, other=other)
 
 
+def bias_and_masks(s, st: KernelStatic, bias_ref, mask_ref, b, h, q_start, kv_start, rows,
+                   cols, *, causal_mask: bool, with_mask: bool, mask_rows: bool = False):
+    """Scores [bm, bn] (log2 domain) + bias, then mask, causal and bounds as -inf.
+
+    The order is the semantics' own (bias, then mask, then causal); forward and
+    backward both call this, so they can never disagree on which scores exist.
+    `rows`/`cols` are the tile's query/key indices; `mask_rows` also hides rows
+    past T, for kernels that sum over query rows.
+    """
+    bm, bn = s.shape
+    if st.bias_shape is not None:
+        bias = load_broadcast_tile(
+            bias_ref, broadcast_index(b, st.bias_shape[0]), broadcast_index(h, st.bias_shape[1]),
+            q_start, bm, kv_start, bn, n_rows=st.seq_q, n_cols=st.seq_k, other=0)
+        s = s + bias.astype(jnp.float32) * LOG2E
+    if with_mask:
+        keep = load_broadcast_tile(
+            mask_ref, broadcast_index(b, st.mask_shape[0]), broadcast_index(h, st.mask_shape[1]),
+            q_start, bm, kv_start, bn, n_rows=st.seq_q, n_cols=st.seq_k, other=False)
+        s = jnp.where(keep, s, -jnp.inf)
+    if causal_mask:
+        s = jnp.where(cols[None, :] <= rows[:, None] + (st.seq_k - st.seq_q), s, -jnp.inf)
+    if st.seq_k % bn != 0:
+        s = jnp.where((cols < st.seq_k)[None, :], s, -jnp.inf)
+    if mask_rows and st.seq_q % bm != 0:
+        s = jnp.where((rows < st.seq_q)[:, None], s, -jnp.inf)
+    return s
+
+
 def broadcast_index(index, size: int):
     """`index` for a full dim, 0 for a broadcast (size-1) dim."""
     return index if size != 1 else 0

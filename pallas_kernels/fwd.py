@@ -70,6 +70,7 @@ def _fwd_kernel(*refs, st: common.KernelStatic):
     bm, bn, bd, bdv = cfg.block_m, cfg.block_n, cfg.block_d, cfg.block_dv
     q_ref, k_ref, v_ref, *rest = refs
     bias_ref = rest.pop(0) if st.bias_shape is not None else None
+    mask_ref = count_ref = index_ref = None
     if st.mask_shape is not None:
         mask_ref, count_ref, index_ref = rest[:3]
         rest = rest[3:]
@@ -121,23 +122,9 @@ def _fwd_kernel(*refs, st: common.KernelStatic):
                                     n_rows=st.seq_k, n_cols=st.head_dim_v)
 
         v_tile = v_tile_load() if cfg.prefetch_v else None
-        s = scores(kv_start)
-        if bias_ref is not None:
-            bias = common.load_broadcast_tile(
-                bias_ref, common.broadcast_index(b, st.bias_shape[0]),
-                common.broadcast_index(h, st.bias_shape[1]), q_start, bm, kv_start, bn,
-                n_rows=st.seq_q, n_cols=st.seq_k, other=0)
-            s = s + bias.astype(jnp.float32) * LOG2E
-        if with_mask:
-            keep = common.load_broadcast_tile(
-                mask_ref, common.broadcast_index(b, st.mask_shape[0]),
-                common.broadcast_index(h, st.mask_shape[1]), q_start, bm, kv_start, bn,
-                n_rows=st.seq_q, n_cols=st.seq_k, other=False)
-            s = jnp.where(keep, s, -jnp.inf)
-        if causal_mask:
-            s = jnp.where(cols[None, :] <= rows[:, None] + (st.seq_k - st.seq_q), s, -jnp.inf)
-        if st.seq_k % bn != 0:
-            s = jnp.where((cols < st.seq_k)[None, :], s, -jnp.inf)
+        s = common.bias_and_masks(scores(kv_start), st, bias_ref, mask_ref, b, h, q_start,
+                                  kv_start, rows, cols, causal_mask=causal_mask,
+                                  with_mask=with_mask)
 
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         # A row with no visible key so far keeps m = -inf; subtracting 0 instead

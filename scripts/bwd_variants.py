@@ -9,7 +9,6 @@ Usage: python scripts/bwd_variants.py --out results.json [--dims 128,512]
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -17,9 +16,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from ffpa_jax.bench import _time_ms
 from pallas_kernels import (BwdConfig, FwdConfig, bwd_generic_dkdv, bwd_generic_dq, bwd_preproc,
                             fwd_generic)
+from sweep_common import measure_candidate, save
 from tuning import default_config
 
 
@@ -125,37 +124,20 @@ def main() -> int:
                     print("budget exhausted", flush=True)
                     break
                 rec = {"d": d, "b": b, "h": h, "n": n, "kernel": kernel, **cfg.__dict__}
-                try:
-                    if kernel == "dq":
-                        fn = jax.jit(lambda *a, cfg=cfg: (bwd_generic_dq(
-                            *a, scale=scale, causal=False, config=cfg,
-                            interpret=args.interpret),))
-                        refs, flops = ref[:1], 3 * unit
-                    else:
-                        fn = jax.jit(lambda *a, cfg=cfg: bwd_generic_dkdv(
-                            *a, scale=scale, causal=False, config=cfg, interpret=args.interpret))
-                        refs, flops = ref[1:], 4 * unit
-                    argv = (q, k, v, do, lse, delta)
-                    t0 = time.time()
-                    compiled = fn.lower(*argv).compile()
-                    outs = compiled(*argv)
-                    jax.block_until_ready(outs)
-                    rec["compile_s"] = round(time.time() - t0, 1)
-                    rec["rel_err"] = max(
-                        float(jnp.max(jnp.abs(g.astype(jnp.float32) - r)) / jnp.max(jnp.abs(r)))
-                        for g, r in zip(outs, refs))
-                    if rec["rel_err"] > 3e-2:
-                        rec["status"] = "wrong result"
-                    else:
-                        rec["ms"] = _time_ms(compiled, argv, min_rep_s=0.05, reps=1 if args.interpret else 5)
-                        rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12
-                        rec["status"] = "ok"
-                except Exception as exc:
-                    rec["status"] = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-                results.append(rec)
-                print(json.dumps(rec), flush=True)
-                with open(args.out, "w") as f:
-                    json.dump(results, f, indent=1)
+                kw = dict(scale=scale, causal=False, config=cfg, interpret=args.interpret)
+                if kernel == "dq":
+                    fn = lambda *a, kw=kw: (bwd_generic_dq(*a, **kw),)
+                    refs, flops = ref[:1], 3 * unit
+                else:
+                    fn = lambda *a, kw=kw: bwd_generic_dkdv(*a, **kw)
+                    refs, flops = ref[1:], 4 * unit
+
+                def error_of(outs, refs=refs):
+                    return max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r)) / jnp.max(jnp.abs(r)))
+                               for g, r in zip(outs, refs))
+                save(results, measure_candidate(rec, fn, (q, k, v, do, lse, delta),
+                                                error_of=error_of, tolerance=3e-2, flops=flops,
+                                                reps=1 if args.interpret else 5), args.out)
     print("\nbest per head dim and kernel (TF/s counts the kernel's own matmuls):")
     for d in sorted({r["d"] for r in results}):
         for kernel in ("dq", "dkdv"):

@@ -9,7 +9,6 @@ its error. Usage: python scripts/fwd_variants.py --out results.json [--dims 512,
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -17,8 +16,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from ffpa_jax.bench import _time_ms
 from pallas_kernels import FwdConfig, fwd_generic
+from sweep_common import measure_candidate, save
 
 
 def C(bm, bn, bd, bdv, w, st, mode="resident", pv=False):
@@ -54,12 +53,14 @@ def main() -> int:
     parser.add_argument("--dims", default="64,128,256,512,1024")
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--budget-s", type=float, default=400.0)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--interpret", action="store_true", help="CPU smoke run of this script")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     started = time.time()
     results = []
     for d in [int(x) for x in args.dims.split(",")]:
-        b, h, n = (4 if d <= 128 else 1), 32, args.seqlen
+        b, h, n = (4 if d <= 128 else 1), args.heads, args.seqlen
         kq, kk, kv = jax.random.split(jax.random.key(d), 3)
         q = jax.random.normal(kq, (b, n, h, d), jnp.bfloat16)
         k = jax.random.normal(kk, (b, n, h, d), jnp.bfloat16)
@@ -74,27 +75,12 @@ def main() -> int:
                 print("budget exhausted", flush=True)
                 break
             rec = {"d": d, "b": b, "h": h, "n": n, **cfg.__dict__}
-            try:
-                fn = jax.jit(lambda q, k, v, cfg=cfg: fwd_generic(
-                    q, k, v, scale=scale, causal=False, config=cfg)[0])
-                t0 = time.time()
-                compiled = fn.lower(q, k, v).compile()
-                out = compiled(q, k, v)
-                jax.block_until_ready(out)
-                rec["compile_s"] = round(time.time() - t0, 1)
-                rec["rel_err"] = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))) / ref_max
-                if rec["rel_err"] > 2e-2:
-                    rec["status"] = "wrong result"
-                else:
-                    rec["ms"] = _time_ms(compiled, (q, k, v), min_rep_s=0.05, reps=5)
-                    rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12
-                    rec["status"] = "ok"
-            except Exception as exc:
-                rec["status"] = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-            results.append(rec)
-            print(json.dumps(rec), flush=True)
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=1)
+            fn = lambda q, k, v, cfg=cfg: fwd_generic(q, k, v, scale=scale, causal=False,
+                                                      config=cfg, interpret=args.interpret)[0]
+            error_of = lambda out: float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))) / ref_max
+            save(results, measure_candidate(rec, fn, (q, k, v), error_of=error_of,
+                                            tolerance=2e-2, flops=flops,
+                                            reps=1 if args.interpret else 5), args.out)
     print("\nbest per head dim:")
     for d in sorted({r["d"] for r in results}):
         ok = [r for r in results if r["d"] == d and r["status"] == "ok"]
