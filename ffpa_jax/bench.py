@@ -250,7 +250,7 @@ def _device_description() -> dict:
             "command": " ".join(["python -m ffpa_jax.bench", *sys.argv[1:]])}
 
 
-def _print_table(records: list[dict], peers: list[str]) -> None:
+def _print_table(records: list[dict]) -> None:
     by_case: dict[str, dict[str, dict]] = {}
     for r in records:
         by_case.setdefault(r["case"], {})[r["impl"]] = r
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         for p in peers:
             records.append(measure(case, p, PEERS[p], min_rep_s=min_rep_s, reps=args.reps))
         print(f"  measured {case.label}", file=sys.stderr, flush=True)
-    _print_table(records, peers)
+    _print_table(records)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"header": header, "records": records}, f, indent=1)

@@ -49,7 +49,11 @@ def _launch_config(kernel: str, problem: Problem, *, has_bias: bool) -> dict:
 
 def fwd_config(problem: Problem, *, has_bias: bool) -> FwdConfig:
     """fwd_generic's launch parameters for this problem (tuned entry or default)."""
-    cfg = _launch_config("fwd_generic", problem, has_bias=has_bias)
+    return fwd_config_from_dict(_launch_config("fwd_generic", problem, has_bias=has_bias))
+
+
+def fwd_config_from_dict(cfg: dict) -> FwdConfig:
+    """A tuned-config `config` dict (FFPA's keys) as the kernel's FwdConfig."""
     return FwdConfig(block_m=cfg["BLOCK_M"], block_n=cfg["BLOCK_N"],
                      block_d=cfg["BLOCK_HEADDIM_QK"], block_dv=cfg["BLOCK_HEADDIM_V"],
                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

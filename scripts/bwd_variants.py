@@ -8,7 +8,6 @@ Usage: python scripts/bwd_variants.py --out results.json [--dims 128,512]
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -16,9 +15,10 @@ import time
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import (BwdConfig, FwdConfig, bwd_generic_dkdv, bwd_generic_dq, bwd_preproc,
+from ffpa_jax.pallas_path import fwd_config_from_dict
+from pallas_kernels import (BwdConfig, bwd_generic_dkdv, bwd_generic_dq, bwd_preproc,
                             fwd_generic)
-from sweep_common import measure_candidate, save
+from sweep_common import base_parser, measure_candidate, save
 from tuning import default_config
 
 
@@ -85,14 +85,8 @@ ROUNDS = {1: CANDIDATES, 2: {256: _round2(256), 512: _round2(512), 1024: _round2
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--dims", default="64,128,256,512,1024")
-    parser.add_argument("--seqlen", type=int, default=4096)
-    parser.add_argument("--budget-s", type=float, default=300.0)
+    parser = base_parser(budget_s=300.0)
     parser.add_argument("--round", type=int, default=1, choices=sorted(ROUNDS))
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--interpret", action="store_true", help="CPU smoke run of this script")
-    parser.add_argument("--out", required=True)
     args = parser.parse_args()
     started = time.time()
     results = []
@@ -101,11 +95,7 @@ def main() -> int:
         ks = jax.random.split(jax.random.key(d), 4)
         q, k, v, do = (jax.random.normal(kk, (b, n, h, d), jnp.bfloat16) for kk in ks)
         scale = 1.0 / math.sqrt(d)
-        fc = default_config("fwd_generic", headdim=d)
-        fwd_cfg = FwdConfig(block_m=fc["BLOCK_M"], block_n=fc["BLOCK_N"],
-                            block_d=fc["BLOCK_HEADDIM_QK"], block_dv=fc["BLOCK_HEADDIM_V"],
-                            num_warps=fc["num_warps"], num_stages=fc["num_stages"],
-                            q_mode=fc.get("Q_MODE", "resident"))
+        fwd_cfg = fwd_config_from_dict(default_config("fwd_generic", headdim=d))
         o, lse = jax.jit(lambda q, k, v: fwd_generic(q, k, v, scale=scale, causal=False,
                                                       config=fwd_cfg, interpret=args.interpret))(q, k, v)
         delta = jax.jit(lambda o, do, dlse: bwd_preproc(o, do, dlse, config=BwdConfig(),

@@ -8,7 +8,6 @@ its error. Usage: python scripts/fwd_variants.py --out results.json [--dims 512,
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -17,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import FwdConfig, fwd_generic
-from sweep_common import measure_candidate, save
+from sweep_common import base_parser, measure_candidate, save
 
 
 def C(bm, bn, bd, bdv, w, st, mode="resident", pv=False):
@@ -49,13 +48,7 @@ CANDIDATES = {
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--dims", default="64,128,256,512,1024")
-    parser.add_argument("--seqlen", type=int, default=4096)
-    parser.add_argument("--budget-s", type=float, default=400.0)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--interpret", action="store_true", help="CPU smoke run of this script")
-    parser.add_argument("--out", required=True)
+    parser = base_parser(budget_s=400.0)
     args = parser.parse_args()
     started = time.time()
     results = []

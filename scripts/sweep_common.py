@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 
 import jax
 
 from ffpa_jax.bench import _time_ms
+
+
+def base_parser(*, budget_s: float) -> argparse.ArgumentParser:
+    """The arguments every sweep takes."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dims", default="64,128,256,512,1024")
+    parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--budget-s", type=float, default=budget_s)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--interpret", action="store_true", help="CPU smoke run of the sweep")
+    parser.add_argument("--out", required=True)
+    return parser
 
 
 def measure_candidate(record: dict, fn, argv, *, error_of, tolerance: float, flops: float,
