@@ -49,24 +49,12 @@ def _launch_config(kernel: str, problem: Problem, *, has_bias: bool) -> dict:
 
 def fwd_config(problem: Problem, *, has_bias: bool) -> FwdConfig:
     """fwd_generic's launch parameters for this problem (tuned entry or default)."""
-    return fwd_config_from_dict(_launch_config("fwd_generic", problem, has_bias=has_bias))
-
-
-def fwd_config_from_dict(cfg: dict) -> FwdConfig:
-    """A tuned-config `config` dict (FFPA's keys) as the kernel's FwdConfig."""
-    return FwdConfig(block_m=cfg["BLOCK_M"], block_n=cfg["BLOCK_N"],
-                     block_d=cfg["BLOCK_HEADDIM_QK"], block_dv=cfg["BLOCK_HEADDIM_V"],
-                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                     q_mode=cfg.get("Q_MODE", "resident"))
+    return FwdConfig.from_tuned(_launch_config("fwd_generic", problem, has_bias=has_bias))
 
 
 def bwd_config(kernel: str, problem: Problem, *, has_bias: bool) -> BwdConfig:
     """A backward kernel's launch parameters (tuned entry or default)."""
-    cfg = _launch_config(kernel, problem, has_bias=has_bias)
-    return BwdConfig(block_m=cfg["BLOCK_M"], block_n=cfg.get("BLOCK_N", 64),
-                     block_d=cfg.get("BLOCK_HEADDIM_QK", 64), block_slice=cfg["BLOCK_HEADDIM"],
-                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                     dynamic=cfg.get("DYNAMIC_D", False), split_dkdv=cfg.get("SPLIT_DKDV", False))
+    return BwdConfig.from_tuned(_launch_config(kernel, problem, has_bias=has_bias))
 
 
 def make_plan(problem: Problem, *, has_bias: bool, interpret: bool) -> Plan:
@@ -78,20 +66,19 @@ def make_plan(problem: Problem, *, has_bias: bool, interpret: bool) -> Plan:
                 dbias=bwd_config("bwd_dbias", problem, has_bias=has_bias))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(plan: Plan, q, k, v, bias, mask):
+def forward_kernels(plan: Plan, q, k, v, bias, mask, seed):
+    """(out, lse) from the forward kernel. `seed` is the dropout seed (uint32[2]) or None.
+
+    Every argument array has batch as dim 0 and heads as dim 2 (q/k/v) or dim 1
+    (bias/mask), so this function is what a sharding wrapper partitions."""
+    del seed  # dropout: not wired yet
     return fwd_generic(q, k, v, bias, mask, scale=plan.scale, causal=plan.causal,
                        config=plan.fwd, interpret=plan.interpret)
 
 
-def _attention_fwd(plan: Plan, q, k, v, bias, mask):
-    out, lse = _attention(plan, q, k, v, bias, mask)
-    return (out, lse), (q, k, v, bias, mask, out, lse)
-
-
-def _attention_bwd(plan: Plan, residuals, cotangents):
-    q, k, v, bias, mask, out, lse = residuals
-    d_out, d_lse = cotangents
+def backward_kernels(plan: Plan, q, k, v, bias, mask, seed, out, lse, d_out, d_lse):
+    """(dq, dk, dv, dbias) from the backward kernels (dbias None without a bias)."""
+    del seed  # dropout: not wired yet
     # A row without keys has lse = -inf and no gradient path; drop its lse cotangent.
     d_lse = jnp.where(lse == -jnp.inf, 0.0, d_lse.astype(jnp.float32))
     common = dict(scale=plan.scale, causal=plan.causal, interpret=plan.interpret)
@@ -102,7 +89,24 @@ def _attention_bwd(plan: Plan, residuals, cotangents):
     if bias is not None:
         dbias = bwd_dbias(q, k, v, d_out, lse, delta, bias, mask, config=plan.dbias,
                           **common).astype(bias.dtype)
-    return dq, dk, dv, dbias, None  # the mask gets no gradient
+    return dq, dk, dv, dbias
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(plan: Plan, q, k, v, bias, mask, seed):
+    return forward_kernels(plan, q, k, v, bias, mask, seed)
+
+
+def _attention_fwd(plan: Plan, q, k, v, bias, mask, seed):
+    out, lse = forward_kernels(plan, q, k, v, bias, mask, seed)
+    return (out, lse), (q, k, v, bias, mask, seed, out, lse)
+
+
+def _attention_bwd(plan: Plan, residuals, cotangents):
+    q, k, v, bias, mask, seed, out, lse = residuals
+    d_out, d_lse = cotangents
+    dq, dk, dv, dbias = backward_kernels(plan, q, k, v, bias, mask, seed, out, lse, d_out, d_lse)
+    return dq, dk, dv, dbias, None, None  # the mask and the seed get no gradient
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -112,4 +116,4 @@ def pallas_attention(q, k, v, bias4, mask4, problem: Problem, *, interpret: bool
     """(out, lse) through the Pallas kernels, differentiable with respect to q, k, v and
     bias; q/k/v batched, bias4/mask4 4-D or None."""
     plan = make_plan(problem, has_bias=bias4 is not None, interpret=interpret)
-    return _attention(plan, q, k, v, bias4, mask4)
+    return _attention(plan, q, k, v, bias4, mask4, None)

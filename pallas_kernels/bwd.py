@@ -49,6 +49,14 @@ class BwdConfig:
     dynamic: bool = False  # fori_loop over the reduction chunks instead of a static unroll
     split_dkdv: bool = False  # dkdv only: dK and dV in separate programs
 
+    @classmethod
+    def from_tuned(cls, cfg: dict) -> "BwdConfig":
+        """A tuned-config `config` dict (FFPA's keys, plus ours) as a BwdConfig."""
+        return cls(block_m=cfg["BLOCK_M"], block_n=cfg.get("BLOCK_N", 64),
+                   block_d=cfg.get("BLOCK_HEADDIM_QK", 64), block_slice=cfg["BLOCK_HEADDIM"],
+                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                   dynamic=cfg.get("DYNAMIC_D", False), split_dkdv=cfg.get("SPLIT_DKDV", False))
+
     def fitted(self, seq_q: int, seq_k: int, head_dim: int, head_dim_v: int) -> "BwdConfig":
         widest = max(head_dim, head_dim_v)
         return dataclasses.replace(

@@ -46,6 +46,14 @@ class FwdConfig:
     # QKᵀ dots (the V load sits outside Triton's pipelined inner loop).
     prefetch_v: bool = False
 
+    @classmethod
+    def from_tuned(cls, cfg: dict) -> "FwdConfig":
+        """A tuned-config `config` dict (FFPA's keys) as a FwdConfig."""
+        return cls(block_m=cfg["BLOCK_M"], block_n=cfg["BLOCK_N"],
+                   block_d=cfg["BLOCK_HEADDIM_QK"], block_dv=cfg["BLOCK_HEADDIM_V"],
+                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                   q_mode=cfg.get("Q_MODE", "resident"))
+
     def fitted(self, seq_q: int, seq_k: int, head_dim: int, head_dim_v: int) -> "FwdConfig":
         """The same config with tiles shrunk to the problem (powers of two, >= 16)."""
         return dataclasses.replace(

@@ -15,8 +15,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from ffpa_jax.pallas_path import fwd_config_from_dict
-from pallas_kernels import (BwdConfig, bwd_generic_dkdv, bwd_generic_dq, bwd_preproc,
+from pallas_kernels import (BwdConfig, FwdConfig, bwd_generic_dkdv, bwd_generic_dq, bwd_preproc,
                             fwd_generic)
 from sweep_common import base_parser, measure_candidate, save
 from tuning import default_config
@@ -95,7 +94,7 @@ def main() -> int:
         ks = jax.random.split(jax.random.key(d), 4)
         q, k, v, do = (jax.random.normal(kk, (b, n, h, d), jnp.bfloat16) for kk in ks)
         scale = 1.0 / math.sqrt(d)
-        fwd_cfg = fwd_config_from_dict(default_config("fwd_generic", headdim=d))
+        fwd_cfg = FwdConfig.from_tuned(default_config("fwd_generic", headdim=d))
         o, lse = jax.jit(lambda q, k, v: fwd_generic(q, k, v, scale=scale, causal=False,
                                                       config=fwd_cfg, interpret=args.interpret))(q, k, v)
         delta = jax.jit(lambda o, do, dlse: bwd_preproc(o, do, dlse, config=BwdConfig(),
