@@ -7,8 +7,10 @@ import functools
 import jax
 
 from ffpa_jax import validation
+from ffpa_jax.dropout import seed_from_key
 from ffpa_jax.pallas_path import pallas_attention
 from ffpa_jax.reference import mha_reference
+from pallas_kernels.dropout import keep_mask_reference
 
 
 @functools.cache
@@ -69,21 +71,24 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng, return_lse=return_lse,
         implementation=implementation, interpret=interpret)
-    if problem.dropout_rate > 0.0:
-        raise NotImplementedError(
-            "dropout_rate > 0 is not implemented yet in ffpa_jax (in-kernel dropout is planned); "
-            "pass dropout_rate=0.0.")
     impl = resolve_implementation(implementation, interpret)
 
     batched = problem.batched
     q, k, v = (x if batched else x[None] for x in (query, key, value))
     bias4 = validation.as_4d(bias, batched)
     mask4 = validation.as_4d(mask, batched)
+    seed = seed_from_key(dropout_rng) if problem.dropout_rate > 0.0 else None
     if impl == "xla":
+        keep = None
+        if seed is not None:
+            shape = (q.shape[0], problem.heads_q, problem.seq_q, problem.seq_k)
+            keep = keep_mask_reference(seed, shape, problem.dropout_rate)
         out, lse = mha_reference(q, k, v, bias4, mask4, scale=problem.scale,
-                                 is_causal=problem.is_causal)
+                                 is_causal=problem.is_causal, keep_mask=keep,
+                                 dropout_rate=problem.dropout_rate)
     else:
-        out, lse = pallas_attention(q, k, v, bias4, mask4, problem, interpret=interpret)
+        out, lse = pallas_attention(q, k, v, bias4, mask4, problem, interpret=interpret,
+                                    seed=seed)
     if not batched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out

@@ -30,6 +30,7 @@ class Plan:
     scale: float
     causal: bool
     interpret: bool
+    dropout_rate: float
     fwd: FwdConfig
     preproc: BwdConfig
     dq: BwdConfig
@@ -59,6 +60,7 @@ def bwd_config(kernel: str, problem: Problem, *, has_bias: bool) -> BwdConfig:
 
 def make_plan(problem: Problem, *, has_bias: bool, interpret: bool) -> Plan:
     return Plan(scale=problem.scale, causal=problem.is_causal, interpret=interpret,
+                dropout_rate=problem.dropout_rate,
                 fwd=fwd_config(problem, has_bias=has_bias),
                 preproc=bwd_config("bwd_preproc", problem, has_bias=has_bias),
                 dq=bwd_config("bwd_generic_dq", problem, has_bias=has_bias),
@@ -71,17 +73,17 @@ def forward_kernels(plan: Plan, q, k, v, bias, mask, seed):
 
     Every argument array has batch as dim 0 and heads as dim 2 (q/k/v) or dim 1
     (bias/mask), so this function is what a sharding wrapper partitions."""
-    del seed  # dropout: not wired yet
     return fwd_generic(q, k, v, bias, mask, scale=plan.scale, causal=plan.causal,
-                       config=plan.fwd, interpret=plan.interpret)
+                       config=plan.fwd, interpret=plan.interpret,
+                       dropout_rate=plan.dropout_rate, seed=seed)
 
 
 def backward_kernels(plan: Plan, q, k, v, bias, mask, seed, out, lse, d_out, d_lse):
     """(dq, dk, dv, dbias) from the backward kernels (dbias None without a bias)."""
-    del seed  # dropout: not wired yet
     # A row without keys has lse = -inf and no gradient path; drop its lse cotangent.
     d_lse = jnp.where(lse == -jnp.inf, 0.0, d_lse.astype(jnp.float32))
-    common = dict(scale=plan.scale, causal=plan.causal, interpret=plan.interpret)
+    common = dict(scale=plan.scale, causal=plan.causal, interpret=plan.interpret,
+                  dropout_rate=plan.dropout_rate, seed=seed)
     delta = bwd_preproc(out, d_out, d_lse, config=plan.preproc, interpret=plan.interpret)
     dq = bwd_generic_dq(q, k, v, d_out, lse, delta, bias, mask, config=plan.dq, **common)
     dk, dv = bwd_generic_dkdv(q, k, v, d_out, lse, delta, bias, mask, config=plan.dkdv, **common)
@@ -112,8 +114,9 @@ def _attention_bwd(plan: Plan, residuals, cotangents):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def pallas_attention(q, k, v, bias4, mask4, problem: Problem, *, interpret: bool):
+def pallas_attention(q, k, v, bias4, mask4, problem: Problem, *, interpret: bool,
+                     seed: jax.Array | None = None):
     """(out, lse) through the Pallas kernels, differentiable with respect to q, k, v and
-    bias; q/k/v batched, bias4/mask4 4-D or None."""
+    bias; q/k/v batched, bias4/mask4 4-D or None; seed uint32[2] when dropping."""
     plan = make_plan(problem, has_bias=bias4 is not None, interpret=interpret)
-    return _attention(plan, q, k, v, bias4, mask4, None)
+    return _attention(plan, q, k, v, bias4, mask4, seed)

@@ -18,6 +18,7 @@ import numpy as np
 MAX_HEAD_DIM = 1024
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 IMPLEMENTATIONS = (None, "pallas", "xla")
+AUTOTUNE_MODES = (None, "fast", "max")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Problem:
     dropout_rate: float
     bias_shape: tuple[int, ...] | None  # as the caller passed it
     mask_shape: tuple[int, ...] | None
+    autotune: str | None = None  # None (off), "fast" or "max"
 
     @property
     def group(self) -> int:
@@ -95,11 +97,22 @@ def _check_dropout(rate: Any, rng: Any) -> float:
         raise TypeError(f"dropout_rate must be a float in [0, 1); got {rate!r}.") from None
     if math.isnan(rate) or not 0.0 <= rate < 1.0:
         raise ValueError(f"dropout_rate must be in [0, 1); got {rate}.")
-    if rate > 0.0:
-        if rng is None:
-            raise ValueError(f"dropout_rate={rate} needs dropout_rng (a jax PRNG key); got None.")
+    if rate > 0.0 and rng is None:
+        raise ValueError(f"dropout_rate={rate} needs dropout_rng (a jax PRNG key); got None.")
+    if rng is not None:  # checked even at rate 0: garbage here is a bug at the call site
         _check_prng_key(rng)
     return rate
+
+
+def _check_autotune(autotune: Any) -> str | None:
+    if autotune is None:
+        return None
+    if not isinstance(autotune, str):
+        raise TypeError(f"autotune must be None, 'fast' or 'max'; got {autotune!r} "
+                        f"({type(autotune).__name__}).")
+    if autotune not in AUTOTUNE_MODES:
+        raise ValueError(f"autotune must be None, 'fast' or 'max'; got {autotune!r}.")
+    return autotune
 
 
 def _check_prng_key(rng: Any) -> None:
@@ -117,7 +130,7 @@ def _check_prng_key(rng: Any) -> None:
 
 
 def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, dropout_rng,
-             return_lse, implementation, interpret) -> Problem:
+             return_lse, implementation, interpret, autotune=None) -> Problem:
     """Check every argument of `attention`; return the normalised `Problem`."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         _require_array(name, x)
@@ -157,18 +170,19 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, d
     if dk != d:
         raise ValueError(f"key head dim {dk} does not match query head dim {d} "
                          f"(query {tuple(query.shape)}, key {tuple(key.shape)}).")
+    shapes = f"(query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)})"
     for name, size in (("query sequence length T", t), ("key/value sequence length S", s)):
         if size < 1:
-            raise ValueError(f"{name} must be >= 1; got {size}.")
+            raise ValueError(f"{name} must be >= 1; got {size} {shapes}.")
     for name, size in (("query heads Hq", hq), ("key/value heads Hkv", hkv), ("batch B", b)):
         if size < 1:
-            raise ValueError(f"{name} must be >= 1; got {size}.")
+            raise ValueError(f"{name} must be >= 1; got {size} {shapes}.")
     if hq % hkv != 0:
         raise ValueError(f"query heads Hq={hq} must be a multiple of key/value heads Hkv={hkv} "
-                         "(GQA/MQA).")
+                         f"(GQA/MQA) {shapes}.")
     for name, size in (("head dim D (query/key last dim)", d), ("head dim Dv (value last dim)", dv)):
         if not 1 <= size <= MAX_HEAD_DIM:
-            raise ValueError(f"{name} must be in 1..{MAX_HEAD_DIM}; got {size}.")
+            raise ValueError(f"{name} must be in 1..{MAX_HEAD_DIM}; got {size} {shapes}.")
 
     target = (b, hq, t, s) if batched else (hq, t, s)
     dim_names = ("B", "Hq", "T", "S") if batched else ("Hq", "T", "S")
@@ -194,6 +208,7 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, d
 
     scale_value = _check_scale(scale, d)
     rate = _check_dropout(dropout_rate, dropout_rng)
+    autotune_mode = _check_autotune(autotune)
 
     return Problem(
         batched=batched, batch=b, seq_q=t, seq_k=s, heads_q=hq, heads_kv=hkv, head_dim=d,
@@ -201,6 +216,7 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, d
         dropout_rate=rate,
         bias_shape=None if bias is None else tuple(bias.shape),
         mask_shape=None if mask is None else tuple(mask.shape),
+        autotune=autotune_mode,
     )
 
 

@@ -74,12 +74,14 @@ def _n_slices(st: common.KernelStatic, size: int) -> int:
     return cdiv(size, st.cfg.block_slice)
 
 
-def _inputs(q, k, v, do, lse, delta, bias, mask, *, cfg, causal, over_kv: bool):
-    """(kernel inputs, list extent) for dq (over_kv) or dkdv: tensors, bias, mask lists."""
+def _inputs(q, k, v, do, lse, delta, bias, mask, seed, *, cfg, causal, over_kv: bool,
+            dropout_rate: float):
+    """(kernel inputs, list extent) for dq (over_kv) or dkdv: tensors, bias, mask lists, seed."""
     mask_args, list_outer = common.mask_inputs(
         mask, block_m=cfg.block_m, block_n=cfg.block_n, seq_q=q.shape[1], seq_k=k.shape[1],
         causal=causal, over_kv=over_kv)
-    inputs = [q, k, v, do, lse, delta] + ([bias] if bias is not None else []) + mask_args
+    inputs = ([q, k, v, do, lse, delta] + ([bias] if bias is not None else []) + mask_args
+              + common.seed_inputs(dropout_rate, seed))
     return inputs, list_outer
 
 
@@ -129,11 +131,20 @@ class _Tile:
                                   q_start, kv_start, rows, cols, causal_mask=causal_mask,
                                   with_mask=with_mask, mask_rows=True)
         p = jnp.exp2(s - lse2[:, None])
+        keep = None
+        if st.dropout_rate > 0:
+            # The forward's mask, regenerated: dV sees the dropped, rescaled P, and
+            # dP reaches dS only through kept elements.
+            keep = common.dropout_keep(st, self.refs["seed"], self.b, h, rows, kv_start, bn)
+            inv_keep = 1.0 / (1.0 - st.dropout_rate)
+        p_out = p if keep is None else jnp.where(keep, p * inv_keep, 0.0)
         if not need_ds:
-            return p, None
+            return p_out, None
         dp = common.contract_chunks(do_chunk, v_chunk, _n_chunks(st, st.head_dim_v),
                                     dynamic=cfg.dynamic, shape=(bm, bn))
-        return p, p * (dp - delta[:, None])
+        if keep is not None:
+            dp = jnp.where(keep, dp * inv_keep, 0.0)
+        return p_out, p * (dp - delta[:, None])
 
     def row_stats(self, h, q_start):
         """(lse·log2(e), δ) for the tile's rows. A row with lse = -inf (no visible
@@ -159,6 +170,8 @@ def _input_names(st: common.KernelStatic, *, with_lists: bool) -> list[str]:
         names.append("mask")
         if with_lists:
             names += ["counts", "indices"]
+    if st.dropout_rate > 0:
+        names.append("seed")
     return names
 
 
@@ -246,13 +259,15 @@ def _dq_kernel(*refs, st: common.KernelStatic):
 
 
 def bwd_generic_dq(q, k, v, do, lse, delta, bias=None, mask=None, *, scale: float, causal: bool,
-                   config: BwdConfig, interpret: bool = False) -> jax.Array:
+                   config: BwdConfig, interpret: bool = False, dropout_rate: float = 0.0,
+                   seed: jax.Array | None = None) -> jax.Array:
     """dQ [B, T, Hq, D] in q's dtype."""
     cfg = config.fitted(q.shape[1], k.shape[1], q.shape[3], v.shape[3])
-    inputs, list_outer = _inputs(q, k, v, do, lse, delta, bias, mask, cfg=cfg, causal=causal,
-                                 over_kv=True)
+    inputs, list_outer = _inputs(q, k, v, do, lse, delta, bias, mask, seed, cfg=cfg,
+                                 causal=causal, over_kv=True, dropout_rate=dropout_rate)
     st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
-                              list_outer=list_outer)
+                              list_outer=list_outer, dropout_rate=dropout_rate,
+                              interpret=interpret)
     compat.silence_triton_deprecation()
     grid = (cdiv(st.seq_q, cfg.block_m) * _n_slices(st, st.head_dim), st.batch * st.heads_q)
     return pl.pallas_call(
@@ -361,13 +376,15 @@ def dkdv_tasks(head_dim: int, head_dim_v: int, width: int, split: bool):
 
 
 def bwd_generic_dkdv(q, k, v, do, lse, delta, bias=None, mask=None, *, scale: float,
-                     causal: bool, config: BwdConfig, interpret: bool = False):
+                     causal: bool, config: BwdConfig, interpret: bool = False,
+                     dropout_rate: float = 0.0, seed: jax.Array | None = None):
     """(dK [B, S, Hkv, D], dV [B, S, Hkv, Dv]) in k's / v's dtype."""
     cfg = config.fitted(q.shape[1], k.shape[1], q.shape[3], v.shape[3])
-    inputs, list_outer = _inputs(q, k, v, do, lse, delta, bias, mask, cfg=cfg, causal=causal,
-                                 over_kv=False)
+    inputs, list_outer = _inputs(q, k, v, do, lse, delta, bias, mask, seed, cfg=cfg,
+                                 causal=causal, over_kv=False, dropout_rate=dropout_rate)
     st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
-                              list_outer=list_outer)
+                              list_outer=list_outer, dropout_rate=dropout_rate,
+                              interpret=interpret)
     tasks = dkdv_tasks(st.head_dim, st.head_dim_v, cfg.block_slice, cfg.split_dkdv)
     compat.silence_triton_deprecation()
     grid = (cdiv(st.seq_k, cfg.block_n) * len(tasks), st.batch * st.heads_kv)
@@ -437,12 +454,15 @@ def _dbias_kernel(*refs, st: common.KernelStatic):
 
 
 def bwd_dbias(q, k, v, do, lse, delta, bias, mask=None, *, scale: float, causal: bool,
-              config: BwdConfig, interpret: bool = False) -> jax.Array:
+              config: BwdConfig, interpret: bool = False, dropout_rate: float = 0.0,
+              seed: jax.Array | None = None) -> jax.Array:
     """dbias with bias's own 4-D shape (each dim 1 or full), float32."""
     cfg = config.fitted(q.shape[1], k.shape[1], q.shape[3], v.shape[3])
     cfg = dataclasses.replace(cfg, split_dkdv=False)
-    st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg)
-    inputs = [q, k, v, do, lse, delta, bias] + ([mask] if mask is not None else [])
+    st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
+                              dropout_rate=dropout_rate, interpret=interpret)
+    inputs = ([q, k, v, do, lse, delta, bias] + ([mask] if mask is not None else [])
+              + common.seed_inputs(dropout_rate, seed))
     bb, bh, bt, bs = bias.shape
     n_tq = cdiv(st.seq_q, cfg.block_m) if bt != 1 else 1
     n_tk = cdiv(st.seq_k, cfg.block_n) if bs != 1 else 1

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import dropout
+
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 # Triton's dot needs every tile dim >= 16.
@@ -44,6 +46,8 @@ class KernelStatic:
     mask_shape: tuple[int, ...] | None
     list_outer: int
     cfg: Any
+    dropout_rate: float = 0.0  # > 0: a uint32[2] seed input follows the mask inputs
+    interpret: bool = False  # Pallas' interpreter (no inline PTX)
 
     @property
     def group(self) -> int:
@@ -51,14 +55,16 @@ class KernelStatic:
 
 
 def kernel_static(q, k, v, bias, mask, *, scale: float, causal: bool, cfg,
-                  list_outer: int = 1) -> KernelStatic:
+                  list_outer: int = 1, dropout_rate: float = 0.0,
+                  interpret: bool = False) -> KernelStatic:
     batch, seq_q, heads_q, head_dim = q.shape
     return KernelStatic(batch=batch, seq_q=seq_q, seq_k=k.shape[1], heads_q=heads_q,
                         heads_kv=k.shape[2], head_dim=head_dim, head_dim_v=v.shape[3],
                         scale=float(scale), causal=causal,
                         bias_shape=None if bias is None else tuple(bias.shape),
                         mask_shape=None if mask is None else tuple(mask.shape),
-                        list_outer=list_outer, cfg=cfg)
+                        list_outer=list_outer, cfg=cfg, dropout_rate=float(dropout_rate),
+                        interpret=interpret)
 
 
 def i32(x) -> jax.Array:
@@ -210,6 +216,22 @@ def bias_and_masks(s, st: KernelStatic, bias_ref, mask_ref, b, h, q_start, kv_st
     if mask_rows and st.seq_q % bm != 0:
         s = jnp.where((rows < st.seq_q)[:, None], s, -jnp.inf)
     return s
+
+
+def seed_inputs(dropout_rate: float, seed) -> list:
+    """The kernel inputs that carry the dropout seed: [uint32[2]] when dropping, else []."""
+    if dropout_rate <= 0:
+        return []
+    if seed is None or seed.shape != (2,):
+        raise ValueError(f"dropout_rate={dropout_rate} needs seed, a uint32[2] array; got "
+                         f"{None if seed is None else seed.shape}")
+    return [dropout.as_bits(seed)]
+
+
+def dropout_keep(st: KernelStatic, seed_ref, b, h, rows, kv_start, n_cols: int) -> jax.Array:
+    """The tile's dropout keep-mask, bool [len(rows), n_cols] (see `dropout`)."""
+    return dropout.keep_tile(seed_ref, b, h, rows, kv_start, n_cols, rate=st.dropout_rate,
+                             on_gpu=not st.interpret)
 
 
 def broadcast_index(index, size: int):

@@ -82,6 +82,7 @@ def _fwd_kernel(*refs, st: common.KernelStatic):
     if st.mask_shape is not None:
         mask_ref, count_ref, index_ref = rest[:3]
         rest = rest[3:]
+    seed_ref = rest.pop(0) if st.dropout_rate > 0 else None
     o_ref, lse_ref = rest
 
     pid = pl.program_id(0)
@@ -141,6 +142,9 @@ def _fwd_kernel(*refs, st: common.KernelStatic):
         p = jnp.exp2(s - m_use[:, None])
         alpha = jnp.exp2(m_i - m_use)
         l_i = l_i * alpha + jnp.sum(p, axis=1)
+        if seed_ref is not None:
+            # Dropped after the statistics: lse stays the undropped normaliser.
+            p = jnp.where(common.dropout_keep(st, seed_ref, b, h, rows, kv_start, bn), p, 0.0)
         if v_tile is None:
             v_tile = v_tile_load()
         p = p if v_tile.dtype == jnp.float32 else p.astype(v_tile.dtype)
@@ -176,7 +180,8 @@ def _fwd_kernel(*refs, st: common.KernelStatic):
     m_i, l_i, acc = carry
     has_keys = l_i > 0.0
     l_safe = jnp.where(has_keys, l_i, 1.0)
-    out = acc / l_safe[:, None]
+    # Kept values are scaled by 1/(1-rate); lse below stays the undropped normaliser.
+    out = acc / (l_safe if st.dropout_rate == 0 else l_safe * (1.0 - st.dropout_rate))[:, None]
     common.store_tile(o_ref, out, b, q_start, bm, h, v_start, bdv,
                       n_rows=st.seq_q, n_cols=st.head_dim_v)
     lse = jnp.where(has_keys, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
@@ -188,10 +193,12 @@ def _fwd_kernel(*refs, st: common.KernelStatic):
 
 def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None = None,
                 mask: jax.Array | None = None, *, scale: float, causal: bool, config: FwdConfig,
-                interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                interpret: bool = False, dropout_rate: float = 0.0,
+                seed: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Attention forward on Pallas/Triton. Returns (o [B,T,Hq,Dv] in q's dtype, lse [B,Hq,T] f32).
 
-    bias/mask are 4-D, each dim 1 or full (see `common`).
+    bias/mask are 4-D, each dim 1 or full (see `common`). With dropout_rate > 0,
+    `seed` (uint32[2], a runtime input) picks the keep-mask (see `dropout`).
     """
     batch, seq_q, heads_q, head_dim = q.shape
     _, seq_k, heads_kv, _ = k.shape
@@ -203,9 +210,11 @@ def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None
     mask_args, list_outer = common.mask_inputs(
         mask, block_m=cfg.block_m, block_n=cfg.block_n, seq_q=seq_q, seq_k=seq_k, causal=causal,
         over_kv=True)
-    inputs = [q, k, v] + ([bias] if bias is not None else []) + mask_args
+    inputs = ([q, k, v] + ([bias] if bias is not None else []) + mask_args
+              + common.seed_inputs(dropout_rate, seed))
     st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
-                              list_outer=list_outer)
+                              list_outer=list_outer, dropout_rate=dropout_rate,
+                              interpret=interpret)
     grid = (cdiv(seq_q, cfg.block_m) * _n_vslices(st), batch * heads_q)
     out_shape = (jax.ShapeDtypeStruct((batch, seq_q, heads_q, head_dim_v), q.dtype),
                  jax.ShapeDtypeStruct((batch, heads_q, seq_q), jnp.float32))

@@ -1,16 +1,27 @@
 """Render the committed benchmark JSON (docs/data/) into markdown tables and plots.
 
-Usage: python scripts/make_docs_tables.py   (prints markdown; writes docs/*.png)
+Usage: python scripts/make_docs_tables.py [--bench FILE.json ...]
+(prints markdown; writes docs/*.png)
 The tables in docs/benchmarks.md and docs/*_variants.md are pasted from this output,
 so every figure there traces back to a JSON file written on the GPU.
+
+Two benchmark formats: the first (the H200 files of 2026-11-21, rendered exactly as
+before by `bench_table` and `plot`) and format 2 (`"format": 2`, written by the
+current `python -m ffpa_jax.bench`), rendered by `ffpa_jax.bench.report`: its table,
+and a plot of TF/s against seqlen per head dim next to it (docs/<file stem>.png).
+Every format-2 `docs/data/bench_*.json` is rendered by default; `--bench` picks files.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import pathlib
+import sys
 
-DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
 DATA = DOCS / "data"
 
 
@@ -94,14 +105,45 @@ def plot(paths: list[pathlib.Path], out: pathlib.Path) -> None:
     fig.savefig(out, dpi=110)
 
 
-if __name__ == "__main__":
+def bench_format(path: pathlib.Path) -> int:
+    """1 for the first benchmark JSON format (no "format" key), else its "format"."""
+    return json.loads(path.read_text()).get("format", 1)
+
+
+def _report():
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from ffpa_jax.bench import report
+    return report
+
+
+def render_format2(path: pathlib.Path, plot_dir: pathlib.Path | None = DOCS) -> str:
+    """A format-2 file's markdown table; with plot_dir, also draws plot_dir/<stem>.png
+    (TF/s against seqlen per head dim, forward and forward+backward, with the peers)."""
+    report = _report()
+    doc = report.load(path)
+    text = f"#### {path.name}\n\n" + report.markdown_table(doc)
+    if plot_dir is not None:
+        out = plot_dir / f"{path.stem}.png"
+        header = doc["header"]
+        report.plot_tflops(doc["records"], out,
+                           title=f"{header.get('device')}, {str(header.get('date'))[:10]}: "
+                                 "TF/s against seqlen (missing point: unsupported or OOM)")
+        link = pathlib.Path(os.path.relpath(out, DOCS)).as_posix()
+        text += f"\n\n![TF/s against seqlen]({link})"
+    return text
+
+
+def first_format_output(plot_dir: pathlib.Path | None = DOCS) -> None:
+    """The tables and plot of the first-format files, exactly as before."""
     main_bench = DATA / "bench_H200_2026-11-21.json"
     print(bench_table(main_bench))
     followup = DATA / "bench_large_fwdbwd_H200_2026-11-21.json"
     for extra in ("bench_fwd_32k_H200_2026-11-21.json", "bench_512_32k_h8_H200_2026-11-21.json",
                   "bench_gqa_H200_2026-11-21.json", followup.name):
         print("\n" + bench_table(DATA / extra))
-    plot([main_bench, followup], DOCS / "bench_H200_2026-11-21.png")
+    if plot_dir is not None:
+        plot([main_bench, followup], plot_dir / "bench_H200_2026-11-21.png")
     fwd_keys = ["d", "block_m", "block_n", "block_d", "block_dv", "num_warps", "num_stages",
                 "q_mode", "prefetch_v"]
     for rnd in (1, 2, 3):
@@ -112,3 +154,29 @@ if __name__ == "__main__":
         print(variant_table(DATA / f"bwd_variants_round{rnd}_H200.json",
                             ["d", "kernel", "block_m", "block_n", "block_d", "block_slice",
                              "num_warps", "num_stages", "dynamic", "split_dkdv"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Render docs/data benchmark JSON as markdown.")
+    parser.add_argument("--bench", nargs="+", type=pathlib.Path,
+                        help="render only these benchmark files (either format); default: the "
+                             "first-format tables as before, then every format-2 file in docs/data")
+    parser.add_argument("--plot-dir", type=pathlib.Path, default=DOCS,
+                        help="where the PNGs go (default: docs/)")
+    parser.add_argument("--no-plots", action="store_true", help="tables only, write no PNG")
+    args = parser.parse_args(argv)
+    plot_dir = None if args.no_plots else args.plot_dir
+    if args.bench:
+        for path in args.bench:
+            print(render_format2(path, plot_dir) if bench_format(path) >= 2 else bench_table(path))
+            print()
+        return 0
+    first_format_output(plot_dir)
+    for path in sorted(DATA.glob("bench_*.json")):
+        if bench_format(path) >= 2:
+            print("\n" + render_format2(path, plot_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

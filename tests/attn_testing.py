@@ -69,19 +69,21 @@ def scale_of(case: Case) -> float:
     return case.scale if case.scale is not None else 1.0 / np.sqrt(case.d)
 
 
-def reference64(case: Case, q, k, v, bias, mask):
-    """(out, lse) of the float64 reference on exactly the inputs given (already rounded)."""
+def reference64(case: Case, q, k, v, bias, mask, *, keep=None, rate: float = 0.0):
+    """(out, lse) of the float64 reference on exactly the inputs given (already rounded);
+    `keep`/`rate`: a dropout keep-mask [B, Hq, T, S] and its rate."""
     with jax.enable_x64(True):
         to64 = lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64))
         out, lse = mha_reference(to64(q), to64(k), to64(v), to64(as_4d(bias, True)),
-                                 as_4d(mask, True), scale=scale_of(case), is_causal=case.causal)
+                                 as_4d(mask, True), scale=scale_of(case), is_causal=case.causal,
+                                 keep_mask=keep, dropout_rate=rate)
         return np.asarray(out), np.asarray(lse)
 
 
-def xla_same_precision(case: Case, q, k, v, bias, mask):
+def xla_same_precision(case: Case, q, k, v, bias, mask, *, keep=None, rate: float = 0.0):
     """(out, lse) of the XLA path at the inputs' own precision."""
     out, lse = mha_reference(q, k, v, as_4d(bias, True), as_4d(mask, True), scale=scale_of(case),
-                             is_causal=case.causal)
+                             is_causal=case.causal, keep_mask=keep, dropout_rate=rate)
     return np.asarray(out.astype(jnp.float32)), np.asarray(lse)
 
 

@@ -18,17 +18,19 @@ sd = jax.ShapeDtypeStruct
 
 
 def lower_fwd(*, d, dv, causal=False, bias=False, mask=False, hq=4, hkv=2, t=300, s=257,
-              dtype=jnp.bfloat16, config=FwdConfig()):
-    args = [sd((2, t, hq, d), dtype), sd((2, s, hkv, d), dtype), sd((2, s, hkv, dv), dtype)]
+              dtype=jnp.bfloat16, config=FwdConfig(), dropout=0.0):
+    args = [sd((2, t, hq, d), dtype), sd((2, s, hkv, d), dtype), sd((2, s, hkv, dv), dtype),
+            sd((2,), jnp.uint32)]
     if bias:
         args.append(sd((1, hq, t, s), jnp.float32))
     if mask:
         args.append(sd((2, 1, t, s), jnp.bool_))
 
-    def f(q, k, v, *rest):
+    def f(q, k, v, seed, *rest):
         b = rest[0] if bias else None
         m = rest[-1] if mask else None
-        return fwd_generic(q, k, v, b, m, scale=0.125, causal=causal, config=config)
+        return fwd_generic(q, k, v, b, m, scale=0.125, causal=causal, config=config,
+                           dropout_rate=dropout, seed=seed)
 
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     # The kernel must be a Triton custom call (not something XLA expanded on its own).
@@ -68,19 +70,20 @@ def test_fwd_default_configs_lower_for_every_head_dim():
 
 
 def lower_bwd(*, d, dv, causal=False, bias_shape=None, mask=False, hq=4, hkv=2, t=300, s=257,
-              dtype=jnp.bfloat16, config=BwdConfig()):
+              dtype=jnp.bfloat16, config=BwdConfig(), dropout=0.0):
     """Lower all four backward kernels in one jitted function."""
     args = [sd((2, t, hq, d), dtype), sd((2, s, hkv, d), dtype), sd((2, s, hkv, dv), dtype),
-            sd((2, t, hq, dv), dtype), sd((2, t, hq, dv), dtype), sd((2, hq, t), jnp.float32)]
+            sd((2, t, hq, dv), dtype), sd((2, t, hq, dv), dtype), sd((2, hq, t), jnp.float32),
+            sd((2,), jnp.uint32)]
     if bias_shape:
         args.append(sd(bias_shape, jnp.float32))
     if mask:
         args.append(sd((2, 1, t, s), jnp.bool_))
 
-    def f(q, k, v, o, do, lse, *rest):
+    def f(q, k, v, o, do, lse, seed, *rest):
         b = rest[0] if bias_shape else None
         m = rest[-1] if mask else None
-        kw = dict(scale=0.1, causal=causal, config=config)
+        kw = dict(scale=0.1, causal=causal, config=config, dropout_rate=dropout, seed=seed)
         delta = bwd_preproc(o, do, lse, config=config)
         outs = [bwd_generic_dq(q, k, v, do, lse, delta, b, m, **kw),
                 *bwd_generic_dkdv(q, k, v, do, lse, delta, b, m, **kw)]
@@ -126,3 +129,20 @@ def test_bwd_default_configs_lower_for_every_head_dim():
         plan = make_plan(problem, has_bias=True, interpret=False)
         for config in (plan.dq, plan.dkdv, plan.dbias):
             lower_bwd(d=d, dv=d, t=128, s=128, bias_shape=(1, 2, 128, 128), config=config)
+
+
+DROPOUT_VARIANTS = [dict(), dict(causal=True, bias=True, mask=True), dict(hq=8, hkv=1, dv=40),
+                    dict(d=512, dv=512), dict(dtype=jnp.float32), dict(t=1, s=3000)]
+
+
+@pytest.mark.parametrize("variant", DROPOUT_VARIANTS,
+                         ids=lambda v: "-".join(f"{k}={getattr(x, '__name__', x)}"
+                                                for k, x in v.items()) or "plain")
+def test_dropout_variants(variant):
+    """Philox (inline mul.hi.u32, tt.join interleave) lowers in every kernel."""
+    kwargs = dict(d=111, dv=111, dropout=0.1)
+    kwargs.update(variant)
+    lower_fwd(**kwargs)
+    if kwargs.pop("bias", False):
+        kwargs["bias_shape"] = (1, kwargs.get("hq", 4), 1, kwargs.get("s", 257))
+    lower_bwd(**kwargs)

@@ -1,7 +1,15 @@
 """Bad input raises ValueError/TypeError at trace time, before any kernel runs, with a
-message naming the argument, what it got and what was expected."""
+message naming the argument, what it got (value or shape) and what was expected.
+
+Every bad call goes through the public `attention` on the Pallas path (interpret
+mode unless the case says otherwise) under `jax.eval_shape`, with every kernel
+and reference entry point of `ffpa_jax.api` replaced by a function that fails
+the test: a bad call must be stopped by validation, never by a kernel.
+"""
 
 from __future__ import annotations
+
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +17,9 @@ import numpy as np
 import pytest
 
 import ffpa_jax
+import ffpa_jax.api as api_module
+from conftest import HAS_GPU
+from ffpa_jax import validation
 
 B, T, S, HQ, HKV, D = 2, 5, 7, 4, 2, 8
 
@@ -18,91 +29,247 @@ def arr(shape, dtype=jnp.bfloat16):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
+def _attention_takes_autotune() -> bool:
+    return "autotune" in inspect.signature(ffpa_jax.attention).parameters
+
+
+@pytest.fixture
+def no_kernels(monkeypatch):
+    """Every kernel / reference entry point that ffpa_jax.api can reach fails the test."""
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a kernel or the reference was reached before validation failed")
+
+    patched = []
+    for name, obj in vars(api_module).items():
+        module = getattr(obj, "__module__", "") or ""
+        if callable(obj) and module.startswith(("ffpa_jax.pallas_path", "ffpa_jax.reference",
+                                                "ffpa_jax.dropout", "pallas_kernels",
+                                                "ffpa_jax.decode", "ffpa_jax.partitioning")):
+            monkeypatch.setattr(api_module, name, must_not_run)
+            patched.append(name)
+    assert "pallas_attention" in patched and "mha_reference" in patched, patched
+    return patched
+
+
 def call(q=None, k=None, v=None, bias=None, mask=None, **kw):
     q = arr((B, T, HQ, D)) if q is None else q
     k = arr((B, S, HKV, D)) if k is None else k
     v = arr((B, S, HKV, D)) if v is None else v
-    # eval_shape traces without running anything: an error here comes from
-    # validation at trace time, not from a kernel.
-    return jax.eval_shape(lambda q, k, v, bias, mask: ffpa_jax.attention(
-        q, k, v, bias, mask, implementation="xla", **kw), q, k, v, bias, mask)
+    kw.setdefault("implementation", "pallas")
+    kw.setdefault("interpret", True)
+    args = [q, k, v, bias, mask]
+    traced = [i for i, x in enumerate(args) if isinstance(x, jax.ShapeDtypeStruct)]
 
+    def f(*leaves):
+        full = list(args)
+        for i, leaf in zip(traced, leaves):
+            full[i] = leaf
+        return ffpa_jax.attention(*full, **kw)
+
+    # eval_shape traces without running anything: an error here comes from
+    # validation at trace time. Non-array arguments are passed as they are.
+    return jax.eval_shape(f, *[args[i] for i in traced])
+
+
+_KEY2 = jax.random.split(jax.random.key(0), 2)
+_QKV_SHAPES = "(query (2, 5, 4, 8), key"  # how the size errors list the shapes
 
 BAD_CALLS = [
-    # (id, kwargs for call(), exception, words the message must contain)
+    # (id, kwargs for call(), exception, words the message must contain: the argument,
+    #  what it got, what was expected)
+    # -- ranks
     ("query-rank-2", dict(q=arr((T, D))), ValueError, ["query", "(5, 8)", "[B, T, Hq, D]"]),
-    ("query-rank-5", dict(q=arr((1, B, T, HQ, D))), ValueError, ["query", "[B, T, Hq, D]"]),
+    ("query-rank-5", dict(q=arr((1, B, T, HQ, D))), ValueError,
+     ["query", "(1, 2, 5, 4, 8)", "[B, T, Hq, D]"]),
     ("key-rank", dict(k=arr((S, HKV, D))), ValueError, ["key", "rank 4", "(7, 2, 8)"]),
-    ("value-rank", dict(v=arr((B, S, HKV, D, 1))), ValueError, ["value", "rank 4"]),
+    ("value-rank", dict(v=arr((B, S, HKV, D, 1))), ValueError,
+     ["value", "rank 4", "(2, 7, 2, 8, 1)"]),
+    ("unbatched-query-batched-key", dict(q=arr((T, HQ, D))), ValueError,
+     ["key", "rank 3", "(2, 7, 2, 8)"]),
+    # -- not arrays
+    ("query-not-array", dict(q=[[1.0]]), TypeError, ["query", "list", "array"]),
+    ("key-none", dict(k="keys"), TypeError, ["key", "str", "array"]),
+    ("mask-list", dict(mask=[[True]]), TypeError, ["mask", "list", "array"]),
+    # -- batch / sequence / heads / head dim mismatches
     ("batch-mismatch", dict(k=arr((3, S, HKV, D)), v=arr((3, S, HKV, D))), ValueError,
      ["key batch size 3", "query batch size 2"]),
-    ("kv-seq-mismatch", dict(v=arr((B, S + 1, HKV, D))), ValueError, ["key and value", "(2, 8, 2, 8)"]),
-    ("kv-heads-mismatch", dict(v=arr((B, S, HKV + 1, D))), ValueError, ["key and value"]),
+    ("value-batch-mismatch", dict(v=arr((1, S, HKV, D))), ValueError,
+     ["key and value", "(2, 7, 2, 8)", "(1, 7, 2, 8)"]),
+    ("kv-seq-mismatch", dict(v=arr((B, S + 1, HKV, D))), ValueError,
+     ["key and value", "sequence", "(2, 8, 2, 8)"]),
+    ("kv-heads-mismatch", dict(v=arr((B, S, HKV + 1, D))), ValueError,
+     ["key and value", "heads", "(2, 7, 3, 8)"]),
     ("head-dim-mismatch", dict(k=arr((B, S, HKV, D + 1)), v=arr((B, S, HKV, D + 1))), ValueError,
-     ["key head dim 9", "query head dim 8"]),
+     ["key head dim 9", "query head dim 8", "(2, 7, 2, 9)"]),
     ("gqa-not-divisible", dict(k=arr((B, S, 3, D)), v=arr((B, S, 3, D))), ValueError,
-     ["Hq=4", "Hkv=3", "multiple"]),
-    ("mixed-dtypes", dict(k=arr((B, S, HKV, D), jnp.float16)), TypeError,
-     ["same dtype", "bfloat16", "float16"]),
+     ["Hq=4", "Hkv=3", "multiple", _QKV_SHAPES]),
+    ("kv-heads-above-q-heads", dict(k=arr((B, S, 8, D)), v=arr((B, S, 8, D))), ValueError,
+     ["Hq=4", "Hkv=8", "multiple"]),
+    ("kv-heads-zero", dict(k=arr((B, S, 0, D)), v=arr((B, S, 0, D))), ValueError,
+     ["Hkv", ">= 1", "got 0", "(2, 7, 0, 8)"]),
+    ("batch-zero", dict(q=arr((0, T, HQ, D)), k=arr((0, S, HKV, D)), v=arr((0, S, HKV, D))),
+     ValueError, ["batch B", ">= 1", "got 0", "(0, 5, 4, 8)"]),
+    # -- dtypes
+    ("mixed-dtypes-key", dict(k=arr((B, S, HKV, D), jnp.float16)), TypeError,
+     ["same dtype", "bfloat16, float16, bfloat16"]),
+    ("mixed-dtypes-value", dict(v=arr((B, S, HKV, D), jnp.float32)), TypeError,
+     ["same dtype", "bfloat16, bfloat16, float32"]),
     ("integer-dtype", dict(q=arr((B, T, HQ, D), jnp.int32), k=arr((B, S, HKV, D), jnp.int32),
-                           v=arr((B, S, HKV, D), jnp.int32)), TypeError, ["int32", "float16, bfloat16, float32"]),
-    ("mask-not-bool", dict(mask=arr((T, S), jnp.int32)), TypeError, ["mask", "bool", "int32"]),
+                           v=arr((B, S, HKV, D), jnp.int32)), TypeError,
+     ["query/key/value dtype", "int32", "float16, bfloat16, float32"]),
+    ("bool-dtype", dict(q=arr((B, T, HQ, D), jnp.bool_), k=arr((B, S, HKV, D), jnp.bool_),
+                        v=arr((B, S, HKV, D), jnp.bool_)), TypeError,
+     ["query/key/value dtype", "bool", "float16, bfloat16, float32"]),
+    ("mask-int", dict(mask=arr((T, S), jnp.int32)), TypeError,
+     ["mask", "bool", "int32", "(5, 7)"]),
     ("mask-float", dict(mask=arr((T, S), jnp.float32)), TypeError, ["mask", "bool", "float32"]),
-    ("bias-int", dict(bias=arr((T, S), jnp.int32)), TypeError, ["bias", "float", "int32"]),
+    ("bias-int", dict(bias=arr((T, S), jnp.int32)), TypeError,
+     ["bias", "float", "int32", "(5, 7)"]),
     ("bias-bool", dict(bias=arr((T, S), jnp.bool_)), TypeError, ["bias", "float", "bool"]),
-    ("bias-bad-S", dict(bias=arr((T, S + 1), jnp.float32)), ValueError, ["bias", "S", "8", "expected 1 or 7"]),
-    ("bias-bad-T", dict(bias=arr((T + 2, S), jnp.float32)), ValueError, ["bias", "T", "expected 1 or 5"]),
-    ("bias-bad-H", dict(bias=arr((3, T, S), jnp.float32)), ValueError, ["bias", "Hq", "expected 1 or 4"]),
-    ("bias-bad-B", dict(bias=arr((5, 1, T, S), jnp.float32)), ValueError, ["bias", "B", "expected 1 or 2"]),
+    # -- bias / mask broadcasting: each of the four dims, and too many dims
+    ("bias-bad-S", dict(bias=arr((T, S + 1), jnp.float32)), ValueError,
+     ["bias", "(5, 8)", "S", "expected 1 or 7"]),
+    ("bias-bad-T", dict(bias=arr((T + 2, S), jnp.float32)), ValueError,
+     ["bias", "(7, 7)", "T", "expected 1 or 5"]),
+    ("bias-bad-H", dict(bias=arr((3, T, S), jnp.float32)), ValueError,
+     ["bias", "(3, 5, 7)", "Hq", "expected 1 or 4"]),
+    ("bias-bad-B", dict(bias=arr((5, 1, T, S), jnp.float32)), ValueError,
+     ["bias", "(5, 1, 5, 7)", "B", "expected 1 or 2"]),
     ("bias-too-many-dims", dict(bias=arr((1, 1, 1, T, S), jnp.float32)), ValueError,
-     ["bias", "5 dims", "at most 4"]),
-    ("mask-bad-S", dict(mask=arr((T, 3), jnp.bool_)), ValueError, ["mask", "S", "expected 1 or 7"]),
-    ("mask-bad-T", dict(mask=arr((2, S), jnp.bool_)), ValueError, ["mask", "T", "expected 1 or 5"]),
-    ("mask-bad-H", dict(mask=arr((2, 1, S), jnp.bool_)), ValueError, ["mask", "Hq", "expected 1 or 4"]),
-    ("mask-bad-B", dict(mask=arr((3, HQ, T, S), jnp.bool_)), ValueError, ["mask", "B", "expected 1 or 2"]),
-    ("mask-too-many-dims", dict(mask=arr((1, B, HQ, T, S), jnp.bool_)), ValueError, ["mask", "at most 4"]),
-    ("head-dim-0", dict(q=arr((B, T, HQ, 0)), k=arr((B, S, HKV, 0))), ValueError, ["head dim D", "1..1024", "0"]),
+     ["bias", "5 dims", "at most 4", "(1, 1, 1, 5, 7)"]),
+    ("mask-bad-S", dict(mask=arr((T, 3), jnp.bool_)), ValueError,
+     ["mask", "(5, 3)", "S", "expected 1 or 7"]),
+    ("mask-bad-T", dict(mask=arr((2, S), jnp.bool_)), ValueError,
+     ["mask", "(2, 7)", "T", "expected 1 or 5"]),
+    ("mask-bad-H", dict(mask=arr((2, 1, S), jnp.bool_)), ValueError,
+     ["mask", "(2, 1, 7)", "Hq", "expected 1 or 4"]),
+    ("mask-bad-B", dict(mask=arr((3, HQ, T, S), jnp.bool_)), ValueError,
+     ["mask", "(3, 4, 5, 7)", "B", "expected 1 or 2"]),
+    ("mask-too-many-dims", dict(mask=arr((1, B, HQ, T, S), jnp.bool_)), ValueError,
+     ["mask", "5 dims", "at most 4"]),
+    ("mask-4d-for-unbatched", dict(q=arr((T, HQ, D)), k=arr((S, HKV, D)), v=arr((S, HKV, D)),
+                                   mask=arr((1, 1, T, S), jnp.bool_)), ValueError,
+     ["mask", "4 dims", "at most 3", "[Hq, T, S]"]),
+    ("mask-zero-dim", dict(mask=arr((T, 0), jnp.bool_)), ValueError,
+     ["mask", "(5, 0)", "expected 1 or 7"]),
+    # -- head dims and sequence lengths
+    ("head-dim-0", dict(q=arr((B, T, HQ, 0)), k=arr((B, S, HKV, 0))), ValueError,
+     ["head dim D", "1..1024", "got 0", "(2, 5, 4, 0)"]),
     ("head-dim-1025", dict(q=arr((B, T, HQ, 1025)), k=arr((B, S, HKV, 1025))), ValueError,
-     ["head dim D", "1..1024", "1025"]),
-    ("value-dim-0", dict(v=arr((B, S, HKV, 0))), ValueError, ["Dv", "1..1024", "0"]),
-    ("value-dim-2048", dict(v=arr((B, S, HKV, 2048))), ValueError, ["Dv", "1..1024", "2048"]),
-    ("T-zero", dict(q=arr((B, 0, HQ, D))), ValueError, ["query sequence length T", ">= 1", "0"]),
+     ["head dim D", "1..1024", "got 1025"]),
+    ("value-dim-0", dict(v=arr((B, S, HKV, 0))), ValueError,
+     ["Dv", "1..1024", "got 0", "(2, 7, 2, 0)"]),
+    ("value-dim-2048", dict(v=arr((B, S, HKV, 2048))), ValueError, ["Dv", "1..1024", "got 2048"]),
+    ("T-zero", dict(q=arr((B, 0, HQ, D))), ValueError,
+     ["query sequence length T", ">= 1", "got 0", "(2, 0, 4, 8)"]),
     ("S-zero", dict(k=arr((B, 0, HKV, D)), v=arr((B, 0, HKV, D))), ValueError,
-     ["key/value sequence length S", ">= 1", "0"]),
+     ["key/value sequence length S", ">= 1", "got 0", "(2, 0, 2, 8)"]),
+    # -- dropout
     ("dropout-negative", dict(dropout_rate=-0.1), ValueError, ["dropout_rate", "[0, 1)", "-0.1"]),
     ("dropout-one", dict(dropout_rate=1.0), ValueError, ["dropout_rate", "[0, 1)", "1.0"]),
-    ("dropout-nan", dict(dropout_rate=float("nan")), ValueError, ["dropout_rate", "nan"]),
-    ("dropout-not-number", dict(dropout_rate="0.1x"), TypeError, ["dropout_rate", "0.1x"]),
-    ("dropout-no-key", dict(dropout_rate=0.1), ValueError, ["dropout_rng", "None"]),
-    ("dropout-bad-key", dict(dropout_rate=0.1, dropout_rng=np.zeros((3,), np.float32)), TypeError,
-     ["dropout_rng", "PRNG key", "(3,)"]),
-    ("dropout-key-batch", dict(dropout_rate=0.1, dropout_rng=jax.random.split(jax.random.key(0), 2)),
-     ValueError, ["dropout_rng", "single", "(2,)"]),
+    ("dropout-above-one", dict(dropout_rate=1.5), ValueError, ["dropout_rate", "[0, 1)", "1.5"]),
+    ("dropout-nan", dict(dropout_rate=float("nan")), ValueError, ["dropout_rate", "[0, 1)", "nan"]),
+    ("dropout-not-number", dict(dropout_rate="0.1x"), TypeError,
+     ["dropout_rate", "'0.1x'", "float in [0, 1)"]),
+    ("dropout-no-key", dict(dropout_rate=0.1), ValueError,
+     ["dropout_rate=0.1", "dropout_rng", "PRNG key", "None"]),
+    ("dropout-float-key", dict(dropout_rate=0.1, dropout_rng=np.ones((3,), np.float32)),
+     TypeError, ["dropout_rng", "PRNG key", "(3,)", "float32"]),
+    ("dropout-int-key", dict(dropout_rate=0.1, dropout_rng=7), TypeError,
+     ["dropout_rng", "PRNG key", "int"]),
+    ("dropout-raw-key-wrong-shape", dict(dropout_rate=0.1, dropout_rng=np.ones((4,), np.uint32)),
+     TypeError, ["dropout_rng", "PRNG key", "(4,)", "uint32"]),
+    ("dropout-key-batch", dict(dropout_rate=0.1, dropout_rng=_KEY2), ValueError,
+     ["dropout_rng", "single", "(2,)"]),
+    ("dropout-garbage-key-at-rate-0", dict(dropout_rng="seed"), TypeError,
+     ["dropout_rng", "PRNG key", "str"]),
+    # -- scale
     ("scale-inf", dict(scale=float("inf")), ValueError, ["scale", "finite", "inf"]),
+    ("scale-neg-inf", dict(scale=float("-inf")), ValueError, ["scale", "finite", "-inf"]),
     ("scale-nan", dict(scale=float("nan")), ValueError, ["scale", "finite", "nan"]),
-    ("scale-string", dict(scale="big"), TypeError, ["scale", "'big'"]),
-    ("implementation-unknown", dict(implementation_override="cuda"), ValueError,
+    ("scale-string", dict(scale="big"), TypeError, ["scale", "'big'", "real number"]),
+    ("scale-complex", dict(scale=1j), TypeError, ["scale", "1j", "real number"]),
+    # -- implementation, flags
+    ("implementation-unknown", dict(implementation="cuda"), ValueError,
      ["implementation", "'cuda'", "'pallas'", "'xla'"]),
-    ("is-causal-not-bool", dict(is_causal="yes"), TypeError, ["is_causal", "'yes'"]),
-    ("return-lse-not-bool", dict(return_lse=1), TypeError, ["return_lse", "1"]),
-    ("query-not-array", dict(q=[[1.0]]), TypeError, ["query", "list"]),
+    ("implementation-wrong-case", dict(implementation="XLA"), ValueError,
+     ["implementation", "'XLA'", "'pallas'", "'xla'"]),
+    ("pallas-without-gpu", dict(interpret=False), ValueError,
+     ["implementation='pallas'", "NVIDIA GPU", "'cpu'", "interpret=True", "implementation='xla'"],
+     pytest.mark.skipif(HAS_GPU, reason="this machine has a GPU")),
+    ("is-causal-not-bool", dict(is_causal="yes"), TypeError, ["is_causal", "'yes'", "bool"]),
+    ("return-lse-not-bool", dict(return_lse=1), TypeError, ["return_lse", "1", "bool"]),
+    ("interpret-not-bool", dict(interpret="yes"), TypeError, ["interpret", "'yes'", "bool"]),
+    # -- autotune (needs api.py to pass `autotune` to validation.validate)
+    ("autotune-unknown", dict(autotune="slow"), ValueError,
+     ["autotune", "'slow'", "'fast'", "'max'"]),
+    ("autotune-wrong-case", dict(autotune="FAST"), ValueError, ["autotune", "'FAST'", "'fast'"]),
+    ("autotune-not-str", dict(autotune=1), TypeError, ["autotune", "1", "int", "'fast'"]),
+    ("autotune-bool", dict(autotune=True), TypeError, ["autotune", "True", "'max'"]),
 ]
 
 
-@pytest.mark.parametrize("kwargs,exc,words", [c[1:] for c in BAD_CALLS], ids=[c[0] for c in BAD_CALLS])
-def test_bad_input(kwargs, exc, words):
-    kwargs = dict(kwargs)
-    if "implementation_override" in kwargs:
-        impl = kwargs.pop("implementation_override")
-        with pytest.raises(exc) as info:
-            jax.eval_shape(lambda q, k, v: ffpa_jax.attention(q, k, v, implementation=impl),
-                           arr((B, T, HQ, D)), arr((B, S, HKV, D)), arr((B, S, HKV, D)))
-    else:
-        with pytest.raises(exc) as info:
-            call(**kwargs)
+def _as_param(case):
+    """(id, kwargs, exc, words[, mark]) -> pytest.param."""
+    return pytest.param(*case[1:4], id=case[0], marks=case[4:])
+
+
+def test_enough_distinct_bad_calls():
+    assert len(BAD_CALLS) >= 40
+    ids = [c[0] for c in BAD_CALLS]
+    assert len(set(ids)) == len(ids)
+
+
+@pytest.mark.parametrize("kwargs,exc,words", [_as_param(c) for c in BAD_CALLS])
+def test_bad_input(kwargs, exc, words, no_kernels):
+    if "autotune" in kwargs and not _attention_takes_autotune():
+        pytest.fail("ffpa_jax.attention has no `autotune` keyword yet: api.py must accept it "
+                    "and pass it to validation.validate")
+    with pytest.raises(exc) as info:
+        call(**kwargs)
     message = str(info.value)
     for word in words:
         assert word in message, f"{word!r} missing from: {message}"
+
+
+AUTOTUNE_BAD = [("slow", ValueError), ("", ValueError), ("Max", ValueError),
+                (1, TypeError), (True, TypeError), (b"fast", TypeError)]
+
+
+@pytest.mark.parametrize("mode,exc", AUTOTUNE_BAD, ids=repr)
+def test_validate_rejects_unknown_autotune(mode, exc):
+    q = arr((B, T, HQ, D))
+    kv = arr((B, S, HKV, D))
+    with pytest.raises(exc, match="autotune must be None, 'fast' or 'max'; got"):
+        validation.validate(q, kv, kv, None, None, scale=None, is_causal=False, dropout_rate=0.0,
+                            dropout_rng=None, return_lse=False, implementation=None,
+                            interpret=False, autotune=mode)
+
+
+@pytest.mark.parametrize("mode", [None, "fast", "max"])
+def test_validate_accepts_autotune_modes(mode):
+    q = arr((B, T, HQ, D))
+    kv = arr((B, S, HKV, D))
+    problem = validation.validate(q, kv, kv, None, None, scale=None, is_causal=False,
+                                  dropout_rate=0.0, dropout_rng=None, return_lse=False,
+                                  implementation=None, interpret=False, autotune=mode)
+    assert problem.autotune == mode
+    # The default is off.
+    default = validation.validate(q, kv, kv, None, None, scale=None, is_causal=False,
+                                  dropout_rate=0.0, dropout_rng=None, return_lse=False,
+                                  implementation=None, interpret=False)
+    assert default.autotune is None
+
+
+def test_valid_calls_pass_validation(no_kernels):
+    """The carriers above are valid when nothing is wrong: every bad call differs from a good
+    one only in what its id names (the fixture makes the call stop at the first kernel)."""
+    with pytest.raises(AssertionError, match="kernel or the reference was reached"):
+        call(bias=arr((1, HQ, 1, S), jnp.float32), mask=arr((T, 1), jnp.bool_), is_causal=True,
+             dropout_rate=0.1, dropout_rng=jax.random.key(1), scale=0.3)
+    with pytest.raises(AssertionError, match="kernel or the reference was reached"):
+        call(q=arr((T, HQ, D)), k=arr((S, HKV, D)), v=arr((S, HKV, 3)),
+             dropout_rng=jax.random.PRNGKey(2))
 
 
 def test_float64_inputs_are_rejected():
@@ -112,35 +279,21 @@ def test_float64_inputs_are_rejected():
         ffpa_jax.attention(q, q[:, :, :HKV], q[:, :, :HKV])
 
 
-def test_pallas_without_gpu_says_how_to_run():
-    if jax.devices()[0].platform == "gpu":
-        pytest.skip("this machine has a GPU")
-    q = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
-    with pytest.raises(ValueError) as info:
-        ffpa_jax.attention(q, q, q, implementation="pallas")
-    assert "interpret=True" in str(info.value) and "implementation='xla'" in str(info.value)
-
-
 def test_traced_scale_is_rejected():
     q = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
     with pytest.raises(TypeError, match="scale must be a static Python float"):
         jax.jit(lambda s: ffpa_jax.attention(q, q, q, scale=s, implementation="xla"))(0.5)
 
 
-def test_dropout_not_yet_implemented_is_clear():
+def test_traced_dropout_rate_is_rejected():
     q = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
-    with pytest.raises(NotImplementedError, match="dropout_rate"):
-        ffpa_jax.attention(q, q, q, dropout_rate=0.1, dropout_rng=jax.random.key(0))
+    with pytest.raises(TypeError, match="dropout_rate must be a static Python float"):
+        jax.jit(lambda r: ffpa_jax.attention(q, q, q, dropout_rate=r, dropout_rng=jax.random.key(0),
+                                             implementation="xla"))(0.5)
 
 
-def test_validation_runs_before_any_kernel(monkeypatch):
-    """A bad call on the Pallas path never reaches the kernel wrapper."""
-    import ffpa_jax.api as attention_module
-
-    def must_not_run(*args, **kwargs):
-        raise AssertionError("kernel reached")
-
-    monkeypatch.setattr(attention_module, "pallas_attention", must_not_run)
+def test_validation_runs_before_any_kernel_on_real_arrays(no_kernels):
+    """Outside eval_shape, with concrete arrays, a bad call still never reaches a kernel."""
     q = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
     with pytest.raises(ValueError, match="key head dim"):
         ffpa_jax.attention(q, jnp.ones((1, 4, 2, 9), jnp.bfloat16), q, interpret=True)

@@ -1,0 +1,33 @@
+"""`python -m ffpa_jax.bench`: ffpa_jax against its peers, measured side by side in one run.
+
+Case kinds (--case): self, cross (T != S), decode (T = 1), gqa, mqa, causal, attn-mask
+(90%-sparse block mask), bias-grad (a [1, H, T, S] bias, differentiated), dropout (p=0.1),
+non-aligned (N = 8191). With no shape option a GPU runs the issue's target shapes (see
+`cases.gpu_preset`, or `--list`); any shape option runs a grid instead.
+
+Peers: cudnn (jax.nn.dot_product_attention(implementation="cudnn")), xla (jax.nn's XLA
+path, or ffpa_jax's own where jax.nn has no equivalent: dropout, causal with T != S),
+pallas-mha (JAX's Pallas attention, Triton), pallas-mgpu (JAX's Mosaic GPU attention,
+Hopper), pallas-decode (JAX's Pallas decode kernel; decode rows only). A peer that cannot
+run a case gets a row saying why.
+
+Columns: median time of a warm call (compile excluded); TF/s = 4·B·Hq·T·S·D for the
+forward (D the mean of D and Dv), halved when causal, x3.5 for forward+backward; GB/s =
+the forward's fewest bytes (q, k, v, out, bias, mask once) over its time; error = max
+|out - ref| / max |ref| on sampled query rows against the float64 reference (dq error
+likewise, forward+backward); peak device memory of the compiled call (XLA's memory
+analysis); compile s = trace + compile of the first call; ffpa's speedup over each peer.
+
+Without a GPU it runs small shapes through the Pallas interpreter and XLA on the CPU,
+and says so: the times then mean nothing but that the code runs.
+"""
+
+from ffpa_jax.bench.cases import KINDS, BenchCase, make_case
+from ffpa_jax.bench.cli import main
+from ffpa_jax.bench.measure import _time_ms, make_inputs, sampled_errors, time_samples
+from ffpa_jax.bench.peers import FFPA, PEERS, Impl, Unsupported
+from ffpa_jax.bench.report import load, merge, plot_tflops
+
+__all__ = ["KINDS", "BenchCase", "make_case", "main", "_time_ms", "make_inputs",
+           "sampled_errors", "time_samples", "FFPA", "PEERS", "Impl", "Unsupported", "load",
+           "merge", "plot_tflops"]

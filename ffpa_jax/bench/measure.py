@@ -1,0 +1,264 @@
+"""Measuring one (case, implementation): inputs, compile, error against float64, timing.
+
+Every failure becomes the record's status ("unsupported: why" or "error: Type: what");
+nothing here raises for a peer that cannot run a case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ffpa_jax
+from ffpa_jax.bench.cases import BenchCase, sparse_block_mask
+from ffpa_jax.bench.peers import Impl, Unsupported
+from ffpa_jax.reference import mha_reference
+
+DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
+SAMPLE_ROWS = 64  # query rows per sampled (batch, head) in the error check
+SUSPECT_ERROR = 0.05  # an error above this (or NaN) flags the row as a wrong result
+
+
+class NoReference(Exception):
+    """The float64 reference cannot be built for this case (the message says why)."""
+
+
+# ---------------------------------------------------------------- inputs
+def make_inputs(case: BenchCase, seed: int = 0) -> dict:
+    """Fresh random normal q, k, v (never zeros); the case's mask, bias, dropout key and,
+    for forward+backward, a random output cotangent `do`."""
+    kq, kk, kv, kb, kd, kr = jax.random.split(jax.random.key(seed), 6)
+    dtype = DTYPES[case.dtype]
+    inputs = {
+        "q": jax.random.normal(kq, (case.b, case.t, case.hq, case.d), dtype),
+        "k": jax.random.normal(kk, (case.b, case.s, case.hkv, case.d), dtype),
+        "v": jax.random.normal(kv, (case.b, case.s, case.hkv, case.dv), dtype),
+        "bias": None, "mask": None, "rng": None, "do": None,
+    }
+    if case.bias == "heads":
+        inputs["bias"] = jax.random.normal(kb, (1, case.hq, case.t, case.s), dtype)
+    if case.mask == "sparse90":
+        inputs["mask"] = jnp.asarray(sparse_block_mask(case.t, case.s,
+                                                       np.random.default_rng(seed)))
+    if case.dropout:
+        inputs["rng"] = kr
+    if case.mode == "fwdbwd":
+        inputs["do"] = jax.random.normal(kd, (case.b, case.t, case.hq, case.dv), dtype)
+    return inputs
+
+
+ARG_ORDER = ("q", "k", "v", "bias", "mask", "rng", "do")
+
+
+def with_mode(case: BenchCase, forward):
+    """fn(q, k, v, bias, mask, rng, do): the forward's output, or for forward+backward
+    (out, dq, dk, dv[, dbias]) with `do` as the output cotangent (dbias for bias-grad)."""
+    if case.mode == "fwd":
+        def fwd(q, k, v, bias, mask, rng, do):
+            del do
+            return forward(q, k, v, bias, mask, rng)
+        return fwd
+
+    def fwd_bwd(q, k, v, bias, mask, rng, do):
+        if bias is not None:
+            out, vjp = jax.vjp(lambda q, k, v, b: forward(q, k, v, b, mask, rng), q, k, v, bias)
+        else:
+            out, vjp = jax.vjp(lambda q, k, v: forward(q, k, v, None, mask, rng), q, k, v)
+        return (out, *vjp(do))
+    return fwd_bwd
+
+
+# ---------------------------------------------------------------- the error column
+def sample_points(case: BenchCase) -> tuple[int, np.ndarray, np.ndarray]:
+    """(row step, batches, query heads): every step-th query row of up to three (b, h)
+    pairs: first, middle, last (the middle one tells a GQA mapping h // G from h % Hkv)."""
+    step = max(1, case.t // SAMPLE_ROWS)
+    pairs = sorted({(0, 0), (case.b // 2, case.hq // 2), (case.b - 1, case.hq - 1)})
+    return step, np.array([b for b, _ in pairs]), np.array([h for _, h in pairs])
+
+
+@functools.partial(jax.jit, static_argnames="step")
+def _rows(x, bs, hs, *, step: int):
+    """x[bs[p], ::step, hs[p]] for every pair p: [P, R, last dim] (one gather, one transfer)."""
+    return x[bs, ::step, hs].astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames="step")
+def _bias_rows(bias, hs, *, step: int):
+    return bias[0, hs, ::step].astype(jnp.float32)  # bias is [1, Hq, T, S]: [P, R, S]
+
+
+def _host(x) -> np.ndarray:
+    return np.asarray(jax.device_get(x), np.float64)
+
+
+def _dropout_keep(case: BenchCase, rng, bs, hs, step: int) -> np.ndarray:
+    """[P, R, S]: the keep-mask rows the kernel must have used (ffpa_jax.dropout_mask)."""
+    make = getattr(ffpa_jax, "dropout_mask", None)
+    if make is None:
+        raise NoReference("ffpa_jax.dropout_mask is not available")
+    shape = (case.b, case.hq, case.t, case.s)
+    rows = jax.jit(lambda key: make(key, shape, case.dropout)[bs, hs, ::step])(rng)
+    return np.asarray(jax.device_get(rows), bool)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "rate"))
+def _reference64(q, k, v, bias, visible, keep, do, *, scale: float, rate: float):
+    """float64 out [P, R, Dv] and dq [P, R, D] (None without `do`) of each sampled pair:
+    q [P, R, D], k [P, S, D], v [P, S, Dv], bias/visible/keep [P, R, S] or None."""
+    def one(q, k, v, bias, visible, keep, do):
+        as4 = lambda x: None if x is None else x[None, None]  # [1, 1, R, S]
+
+        def ref(q_rows):
+            out, _ = mha_reference(q_rows[None, :, None], k[None, :, None], v[None, :, None],
+                                   as4(bias), as4(visible), scale=scale, keep_mask=as4(keep),
+                                   dropout_rate=rate)
+            return out[0, :, 0]
+        if do is None:
+            return ref(q), None
+        out, vjp = jax.vjp(ref, q)
+        return out, vjp(do)[0]
+    return jax.vmap(one)(q, k, v, bias, visible, keep, do)
+
+
+_REFERENCE_CACHE: dict = {}  # (case, seed) -> reference of the last case (shared by its impls)
+
+
+def reference_rows(case: BenchCase, inputs: dict, seed: int):
+    """float64 reference (on the host CPU) of out[b, ::step, h] and, for forward+backward,
+    dq[b, ::step, h] (a query row's dq depends on that row only), for the sampled pairs."""
+    key = (case, seed)
+    if key in _REFERENCE_CACHE:
+        return _REFERENCE_CACHE[key]
+    step, bs, hs = sample_points(case)
+    kvs = hs // case.group
+    t_rows = np.arange(0, case.t, step)
+    q = _host(_rows(inputs["q"], bs, hs, step=step))
+    k = _host(_rows(inputs["k"], bs, kvs, step=1))
+    v = _host(_rows(inputs["v"], bs, kvs, step=1))
+    visible = np.ones((len(bs), len(t_rows), case.s), bool)
+    if inputs["mask"] is not None:
+        visible &= np.asarray(jax.device_get(inputs["mask"][::step]), bool)[None]
+    if case.causal:  # bottom-right aligned, written out since only some rows are kept
+        visible &= (np.arange(case.s)[None, :] <= t_rows[:, None] + (case.s - case.t))[None]
+    bias = None if inputs["bias"] is None else _host(_bias_rows(inputs["bias"], hs, step=step))
+    keep = None if not case.dropout else _dropout_keep(case, inputs["rng"], bs, hs, step)
+    do = None if inputs["do"] is None else _host(_rows(inputs["do"], bs, hs, step=step))
+    with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
+        out, dq = _reference64(q, k, v, bias, visible, keep, do, scale=1.0 / math.sqrt(case.d),
+                               rate=float(case.dropout))
+        result = np.asarray(out), None if dq is None else np.asarray(dq)
+    _REFERENCE_CACHE.clear()
+    _REFERENCE_CACHE[key] = result
+    return result
+
+
+def _relative(diff: np.ndarray, ref: np.ndarray) -> float:
+    """max |got - ref| / max |ref|; NaN when any sampled value is not finite."""
+    if not (np.all(np.isfinite(diff)) and np.all(np.isfinite(ref))):
+        return float("nan")
+    return float(np.max(diff) / max(np.max(ref), 1e-30))
+
+
+def sampled_errors(case: BenchCase, outputs, inputs: dict, seed: int = 0
+                   ) -> tuple[float, float | None]:
+    """(out error, dq error or None): max |got - ref| / max |ref| over the sampled rows."""
+    step, bs, hs = sample_points(case)
+    ref_out, ref_dq = reference_rows(case, inputs, seed)
+    out = outputs if case.mode == "fwd" else outputs[0]
+    error = _relative(np.abs(_host(_rows(out, bs, hs, step=step)) - ref_out), np.abs(ref_out))
+    if case.mode == "fwd":
+        return error, None
+    got_dq = _host(_rows(outputs[1], bs, hs, step=step))
+    return error, _relative(np.abs(got_dq - ref_dq), np.abs(ref_dq))
+
+
+# ---------------------------------------------------------------- timing and memory
+def time_samples(fn, args, *, min_rep_s: float, reps: int, budget_s: float = 5.0) -> list[float]:
+    """Per-call milliseconds, `reps` samples of a warm call (after one warm-up call).
+
+    Each sample times `inner` back-to-back calls (enough to last min_rep_s) and blocks at
+    the end; a call slower than budget_s / reps gets fewer samples (at least 3)."""
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    once = max(time.perf_counter() - start, 1e-6)
+    inner = max(1, int(min_rep_s / once))
+    if once * inner * reps > budget_s:
+        reps = min(reps, max(3, int(budget_s / (once * inner))))
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append(1e3 * (time.perf_counter() - start) / inner)
+    return samples
+
+
+def _time_ms(fn, args, *, min_rep_s: float, reps: int) -> float:
+    """Median warm per-call time in ms (kept for scripts/sweep_common.py)."""
+    return statistics.median(time_samples(fn, args, min_rep_s=min_rep_s, reps=reps))
+
+
+def memory_mib(compiled) -> tuple[float | None, float | None]:
+    """(peak, workspace) in MiB from XLA's memory analysis of the compiled call:
+    peak = arguments + outputs + temporaries - aliased; workspace = outputs + temporaries."""
+    try:
+        mem = compiled.memory_analysis()
+        arg, out = mem.argument_size_in_bytes, mem.output_size_in_bytes
+        tmp, alias = mem.temp_size_in_bytes, mem.alias_size_in_bytes
+        return (arg + out + tmp - alias) / 2**20, (out + tmp) / 2**20
+    except Exception:  # not every backend reports it
+        return None, None
+
+
+def _first_line(exc: BaseException, limit: int = 200) -> str:
+    return ((str(exc).strip().splitlines() or [""])[0] or type(exc).__name__)[:limit]
+
+
+# ---------------------------------------------------------------- one measurement
+def measure(case: BenchCase, impl: Impl, *, interpret: bool, min_rep_s: float, reps: int,
+            budget_s: float = 5.0, seed: int = 0) -> dict:
+    """A record for (case, impl); its status is "ok", "unsupported: why" or "error: ..."."""
+    record = {"case": case.label, **dataclasses.asdict(case), "impl": impl.name}
+    try:
+        forward = impl.make(case, interpret)
+        inputs = make_inputs(case, seed)
+        args = tuple(inputs[name] for name in ARG_ORDER)
+        start = time.perf_counter()
+        compiled = jax.jit(with_mode(case, forward)).lower(*args).compile()
+        record["compile_s"] = time.perf_counter() - start
+        record["peak_mib"], record["workspace_mib"] = memory_mib(compiled)
+        outputs = compiled(*args)
+        jax.block_until_ready(outputs)
+        record["first_call_s"] = time.perf_counter() - start
+        try:
+            record["error"], record["error_dq"] = sampled_errors(case, outputs, inputs, seed)
+        except NoReference as exc:
+            record["error"] = record["error_dq"] = None
+            record["error_note"] = str(exc)
+        del outputs
+        if record["error"] is not None:
+            errs = [e for e in (record["error"], record["error_dq"]) if e is not None]
+            record["suspect"] = not all(e <= SUSPECT_ERROR for e in errs)  # NaN included
+        samples = time_samples(compiled, args, min_rep_s=min_rep_s, reps=reps, budget_s=budget_s)
+        record["ms"] = statistics.median(samples)
+        record["ms_spread"] = (max(samples) - min(samples)) / record["ms"]
+        record["reps"] = len(samples)
+        record["tflops"] = case.flops() / (record["ms"] * 1e-3) / 1e12
+        nbytes = case.min_bytes()
+        record["gbps"] = None if nbytes is None else nbytes / (record["ms"] * 1e-3) / 1e9
+        record["status"] = "ok"
+    except (Unsupported, NotImplementedError) as exc:
+        record["status"] = f"unsupported: {_first_line(exc)}"
+    except Exception as exc:  # a failing implementation is reported, the run goes on
+        record["status"] = f"error: {type(exc).__name__}: {_first_line(exc)}"
+    return record

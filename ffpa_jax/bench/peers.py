@@ -1,0 +1,176 @@
+"""The implementations the benchmark runs: ffpa_jax itself and its peers.
+
+Each maker takes (case, interpret) and returns `run(q, k, v, bias, mask, rng) -> out`
+([B, T, Hq, Dv]), or raises `Unsupported` saying why the peer cannot run the case.
+`interpret` is True on a machine without a GPU: Pallas kernels then run in Pallas'
+interpreter, and GPU-only peers decline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+import ffpa_jax
+from ffpa_jax.bench.cases import BenchCase
+
+
+class Unsupported(Exception):
+    """This implementation cannot run this case; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+    name: str
+    make: Callable[[BenchCase, bool], Callable]
+    kinds: tuple[str, ...] | None = None  # rows only for these case kinds (None: every kind)
+    doc: str = ""
+
+
+def _scale(case: BenchCase) -> float:
+    return 1.0 / math.sqrt(case.d)
+
+
+# ---------------------------------------------------------------- ffpa_jax
+def _ffpa(case: BenchCase, interpret: bool):
+    def run(q, k, v, bias, mask, rng):
+        return ffpa_jax.attention(q, k, v, bias=bias, mask=mask, is_causal=case.causal,
+                                  dropout_rate=case.dropout,
+                                  dropout_rng=rng if case.dropout else None,
+                                  implementation="pallas", interpret=interpret)
+    return run
+
+
+# ---------------------------------------------------------------- jax.nn: cuDNN and XLA
+def _jax_nn_run(case: BenchCase, implementation: str):
+    def run(q, k, v, bias, mask, rng):
+        del rng
+        m = None if mask is None else mask[None, None]
+        return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=m, is_causal=case.causal,
+                                            implementation=implementation)
+    return run
+
+
+def _cudnn(case: BenchCase, interpret: bool):
+    if interpret:
+        raise Unsupported("cuDNN needs an NVIDIA GPU")
+    if case.dropout:
+        raise Unsupported("jax.nn.dot_product_attention has no dropout argument")
+    if case.causal and case.t != case.s:
+        raise Unsupported("jax.nn's causal mask is top-left aligned; ours (bottom-right) "
+                          "differs when T != S")
+    return _jax_nn_run(case, "cudnn")
+
+
+def _ffpa_xla_run(case: BenchCase):
+    def run(q, k, v, bias, mask, rng):
+        return ffpa_jax.attention(q, k, v, bias=bias, mask=mask, is_causal=case.causal,
+                                  dropout_rate=case.dropout,
+                                  dropout_rng=rng if case.dropout else None,
+                                  implementation="xla")
+    return run
+
+
+def _xla(case: BenchCase, interpret: bool):
+    """XLA's dense path: jax.nn's, or ffpa_jax's own XLA path where jax.nn has no equivalent
+    (dropout; causal with T != S)."""
+    del interpret
+    if case.dropout or (case.causal and case.t != case.s):
+        return _ffpa_xla_run(case)
+    return _jax_nn_run(case, "xla")
+
+
+# ---------------------------------------------------------------- JAX's Pallas kernels
+def _pallas_mha(case: BenchCase, interpret: bool):
+    """jax.experimental.pallas.ops.gpu.attention.mha (Triton lowering), [B, T, H, D]."""
+    if case.hq != case.hkv:
+        raise Unsupported("no GQA/MQA in JAX's Pallas mha (Hq must equal Hkv)")
+    if case.d != case.dv:
+        raise Unsupported("needs D == Dv")
+    if case.mask is not None:
+        raise Unsupported("takes segment ids, not a boolean mask")
+    if case.bias is not None:
+        raise Unsupported("has no bias argument")
+    if case.dropout:
+        raise Unsupported("has no dropout")
+    if case.causal and case.t != case.s:
+        raise Unsupported("causal with T != S is top-left aligned there")
+    for name, n in (("T", case.t), ("S", case.s)):
+        if n % min(128, n):
+            raise Unsupported(f"{name}={n} must be a multiple of its 128-wide block")
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+    def run(q, k, v, bias, mask, rng):
+        del bias, mask, rng
+        return pallas_attention.mha(q, k, v, segment_ids=None, sm_scale=_scale(case),
+                                    causal=case.causal, interpret=interpret)
+    return run
+
+
+def _pallas_mgpu(case: BenchCase, interpret: bool):
+    """jax.experimental.pallas.ops.gpu.attention_mgpu.attention (Mosaic GPU, Hopper)."""
+    if interpret:
+        raise Unsupported("a Mosaic GPU kernel: needs a Hopper GPU, no interpreter")
+    if case.dtype not in ("bf16", "fp16"):
+        raise Unsupported("bf16/fp16 only")
+    if case.d != case.dv or case.d % 64:
+        raise Unsupported("needs D == Dv and D a multiple of 64")
+    if case.mask is not None or case.bias is not None or case.dropout:
+        raise Unsupported("no mask, bias or dropout arguments")
+    if case.causal and (case.t != case.s or case.mode == "fwdbwd"):
+        raise Unsupported("causal only with T == S and forward only")
+    if case.t % 128 or case.s % 128:
+        raise Unsupported("T and S must be multiples of 128")
+    try:
+        from jax.experimental.pallas.ops.gpu import attention_mgpu
+    except Exception as exc:  # not in every jax build
+        raise Unsupported(f"not importable here: {type(exc).__name__}: {exc}") from None
+    config = attention_mgpu.TuningConfig(
+        block_q=64, block_kv=128, max_concurrent_steps=2, causal=case.causal,
+        block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+    scale = _scale(case)
+
+    def run(q, k, v, bias, mask, rng):
+        del bias, mask, rng
+        # The kernel has no scale argument: fold 1/sqrt(D) into q (one elementwise pass).
+        return attention_mgpu.attention((q * scale).astype(q.dtype), k, v, config, False)
+    return run
+
+
+def _pallas_decode(case: BenchCase, interpret: bool):
+    """jax.experimental.pallas.ops.gpu.decode_attention.gqa: one query token, split keys."""
+    if case.t != 1:
+        raise Unsupported("a decode kernel: T must be 1")
+    if case.mask is not None or case.bias is not None or case.dropout:
+        raise Unsupported("no mask, bias or dropout arguments")
+    if case.d != case.dv:
+        raise Unsupported("needs D == Dv")
+    if case.s % 16 or case.s // 16 < 16:
+        raise Unsupported("S must split into 16 chunks of >= 16 keys")
+    if case.mode != "fwd":
+        raise Unsupported("forward only")
+    from jax.experimental.pallas.ops.gpu import decode_attention
+
+    def run(q, k, v, bias, mask, rng):
+        del bias, mask, rng
+        out = decode_attention.gqa(q[:, 0], k, v, sm_scale=_scale(case), interpret=interpret)
+        return out[:, None]
+    return run
+
+
+FFPA = Impl("ffpa", _ffpa, doc="ffpa_jax.attention(implementation='pallas')")
+PEERS: dict[str, Impl] = {
+    "cudnn": Impl("cudnn", _cudnn, doc="jax.nn.dot_product_attention(implementation='cudnn')"),
+    "xla": Impl("xla", _xla, doc="jax.nn.dot_product_attention(implementation='xla'); "
+                "ffpa_jax's XLA path for dropout and causal with T != S"),
+    "pallas-mha": Impl("pallas-mha", _pallas_mha,
+                       doc="jax.experimental.pallas.ops.gpu.attention.mha (Triton)"),
+    "pallas-mgpu": Impl("pallas-mgpu", _pallas_mgpu,
+                        doc="jax.experimental.pallas.ops.gpu.attention_mgpu (Mosaic GPU, Hopper)"),
+    "pallas-decode": Impl("pallas-decode", _pallas_decode, kinds=("decode",),
+                          doc="jax.experimental.pallas.ops.gpu.decode_attention.gqa"),
+}

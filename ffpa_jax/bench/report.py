@@ -1,0 +1,256 @@
+"""Reading, summarising, tabulating and plotting benchmark records.
+
+Reads both JSON formats: the first one (`{"header", "records"}`, no "format" key; the
+committed H200 files of 2026-11-21) and format 2 (adds "format": 2, case kinds,
+peak memory, compile time, dq error, bandwidth). Records of the first format are
+normalised on load (their kind inferred); the files themselves are never rewritten.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+FORMAT = 2
+COLORS = {"ffpa": "C0", "cudnn": "C1", "xla": "C2", "pallas-mha": "C3", "pallas-mgpu": "C4",
+          "pallas-decode": "C5"}
+
+
+def infer_kind(r: dict) -> str:
+    """The case kind of a record (format-1 records have none)."""
+    if r.get("kind"):
+        return r["kind"]
+    if r.get("mask"):
+        return "attn-mask"
+    if r.get("bias"):
+        return "bias-grad"
+    if r.get("dropout"):
+        return "dropout"
+    if r["t"] == 1:
+        return "decode"
+    if r.get("causal"):
+        return "causal"
+    if r["hkv"] == 1 and r["hq"] > 1:
+        return "mqa"
+    if r["hkv"] != r["hq"]:
+        return "gqa"
+    if r["t"] != r["s"]:
+        return "cross"
+    if r["t"] % 2:
+        return "non-aligned"
+    return "self"
+
+
+def normalize(r: dict) -> dict:
+    """A copy of a record of either format with every format-2 key present."""
+    out = dict(r)
+    out.setdefault("bias", None)
+    out.setdefault("dropout", 0.0)
+    out["kind"] = infer_kind(out)
+    for key in ("ms", "tflops", "gbps", "error", "error_dq", "peak_mib", "workspace_mib",
+                "compile_s", "first_call_s"):
+        out.setdefault(key, None)
+    return out
+
+
+def is_ok(r: dict) -> bool:
+    return r.get("status") == "ok"
+
+
+def load(path) -> dict:
+    """{"format", "header", "records", "path"} of one benchmark JSON file, normalised."""
+    path = pathlib.Path(path)
+    doc = json.loads(path.read_text())
+    return {"format": doc.get("format", 1), "header": doc["header"], "path": str(path),
+            "records": [normalize(r) for r in doc["records"]]}
+
+
+def merge(docs: list[dict]) -> list[dict]:
+    """Records of several files, oldest file first by header date: a later record of the
+    same (case label, impl) replaces an earlier one (re-measured cases show their newest
+    figure). Each record gains "source" (its file name) and "date"."""
+    merged: dict[tuple[str, str], dict] = {}
+    for doc in sorted(docs, key=lambda d: d["header"].get("date", "")):
+        for r in doc["records"]:
+            merged[(r["case"], r["impl"])] = {**r, "source": pathlib.Path(doc["path"]).name,
+                                              "date": doc["header"].get("date")}
+    return list(merged.values())
+
+
+def annotate(records: list[dict]) -> None:
+    """In place: ffpa records get "speedup" {peer: peer_ms / ffpa_ms} over the peers that ran
+    the same case; dropout records get "dropout_overhead" (ms over the same problem's ms
+    without dropout, same impl) when that was measured."""
+    by_case: dict[str, dict[str, dict]] = {}
+    for r in records:
+        by_case.setdefault(r["case"], {})[r["impl"]] = r
+    for impls in by_case.values():
+        ours = impls.get("ffpa")
+        if ours is not None and is_ok(ours):
+            ours["speedup"] = {name: r["ms"] / ours["ms"] for name, r in impls.items()
+                               if name != "ffpa" and is_ok(r)}
+    twins = {}
+    for r in records:
+        if not r.get("dropout") and is_ok(r):
+            twins[_problem_key(r)] = r
+    for r in records:
+        if r.get("dropout") and is_ok(r):
+            twin = twins.get(_problem_key(r))
+            r["dropout_overhead"] = None if twin is None else r["ms"] / twin["ms"]
+
+
+def _problem_key(r: dict) -> tuple:
+    return (r["impl"], r["b"], r["t"], r["s"], r["hq"], r["hkv"], r["d"], r["dv"], r["causal"],
+            r["dtype"], r.get("mask"), r.get("bias"), r["mode"])
+
+
+# ---------------------------------------------------------------- tables
+def _f(x, fmt: str) -> str:
+    """x formatted, or a dash padded to the format's width."""
+    return format(x, fmt) if x is not None else format("-", ">" + fmt.split(".")[0])
+
+
+def text_table(records: list[dict]) -> str:
+    """The CLI's table: one row per (case, impl); a peer row ends with ffpa's speedup over it
+    (peer ms / ffpa ms) or the reason it did not run."""
+    head = (f"{'kind':<11} {'case':<46} {'impl':<13} {'ms':>9} {'TF/s':>7} {'GB/s':>7} "
+            f"{'err':>8} {'dq err':>8} {'peak MiB':>9} {'comp s':>6}  ffpa speedup / status")
+    lines = [head, "-" * len(head)]
+    by_case: dict[str, list[dict]] = {}
+    for r in records:
+        by_case.setdefault(r["case"], []).append(r)
+    for label, rows in by_case.items():
+        ours = next((r for r in rows if r["impl"] == "ffpa"), None)
+        kind = rows[0].get("kind") or infer_kind(rows[0])
+        for r in rows:
+            lead = f"{kind:<11} {label:<46} {r['impl']:<13}"
+            if not is_ok(r):
+                lines.append(f"{lead} {'-':>9} {'-':>7} {'-':>7} {'-':>8} {'-':>8} {'-':>9} "
+                             f"{'-':>6}  {r['status']}")
+            else:
+                note = ""
+                if r["impl"] != "ffpa" and ours is not None and is_ok(ours):
+                    note = f"x{r['ms'] / ours['ms']:.2f}"
+                if r.get("suspect"):
+                    note += " WRONG RESULT? (error above 5e-2 or NaN)"
+                if r.get("error_note"):
+                    note += f" (no error: {r['error_note']})"
+                lines.append(
+                    f"{lead} {r['ms']:>9.3f} {r['tflops']:>7.1f} {_f(r.get('gbps'), '7.0f')} "
+                    f"{_f(r.get('error'), '8.1e')} {_f(r.get('error_dq'), '8.1e')} "
+                    f"{_f(r.get('peak_mib'), '9.0f')} {_f(r.get('compile_s'), '6.1f')}  {note}")
+            kind, label = "", ""
+    return "\n".join(lines)
+
+
+def dropout_lines(records: list[dict]) -> list[str]:
+    out = []
+    for r in records:
+        if r.get("dropout") and is_ok(r) and r.get("dropout_overhead") is not None:
+            out.append(f"dropout {r['dropout']:g} costs x{r['dropout_overhead']:.2f} the time "
+                       f"without dropout: {r['impl']}, {r['case']}")
+    return out
+
+
+def markdown_table(doc: dict) -> str:
+    """A format-2 file (or any normalised doc) as a markdown table with its header line."""
+    header = doc["header"]
+    records = [dict(r) for r in doc["records"]]
+    annotate(records)
+    rows = ["| kind | case | impl | ms | TF/s | GB/s | error | dq error | peak MiB | "
+            "compile s | ffpa speedup |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    by_case: dict[str, list[dict]] = {}
+    for r in records:
+        by_case.setdefault(r["case"], []).append(r)
+    for label, group in by_case.items():
+        ours = next((r for r in group if r["impl"] == "ffpa"), None)
+        for r in group:
+            if not is_ok(r):
+                status = r["status"].replace("|", "/")[:90]
+                rows.append(f"| {r['kind']} | {label} | {r['impl']} | – | – | – | – | – | – | – "
+                            f"| {status} |")
+                continue
+            note = ""
+            if r["impl"] != "ffpa" and ours is not None and is_ok(ours):
+                note = f"{r['ms'] / ours['ms']:.2f}×"
+            if r.get("dropout_overhead") is not None:
+                note += f" dropout ×{r['dropout_overhead']:.2f}"
+            if r.get("suspect"):
+                note += " wrong result? (error > 5e-2 or NaN)"
+            m = lambda x, fmt: "–" if x is None else format(x, fmt)
+            rows.append(f"| {r['kind']} | {label} | {r['impl']} | {r['ms']:.3f} | "
+                        f"{r['tflops']:.1f} | {m(r.get('gbps'), '.0f')} | {m(r.get('error'), '.1e')}"
+                        f" | {m(r.get('error_dq'), '.1e')} | {m(r.get('peak_mib'), '.0f')} | "
+                        f"{m(r.get('compile_s'), '.1f')} | {note.strip()} |")
+    meta = (f"Device {header.get('device')}, jax {header.get('jax')} / jaxlib "
+            f"{header.get('jaxlib')}, {header.get('date')}, command `{header.get('command')}`.")
+    if header.get("cpu_fallback"):
+        meta += " CPU fallback: Pallas interpreter and XLA on the CPU; times say nothing of GPU speed."
+    return meta + "\n\n" + "\n".join(rows)
+
+
+# ---------------------------------------------------------------- plots
+def plot_tflops(records: list[dict], path=None, *, title: str | None = None,
+                kinds: tuple[str, ...] = ("self",), heads: int | None = None,
+                dtype: str | None = None):
+    """TF/s against seqlen, one panel per (mode, head dim): forward on the top row,
+    forward+backward below, a line per implementation. Only ok records of `kinds`
+    (default: plain self-attention, no causal/mask/bias/dropout), optionally only
+    `heads` query heads and one dtype (default: the most common). Returns the figure;
+    saves it when `path` is given."""
+    import matplotlib
+    if path is not None and "matplotlib.pyplot" not in sys.modules:
+        matplotlib.use("Agg")  # a file only: no display needed
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in records if is_ok(r) and (r.get("kind") or infer_kind(r)) in kinds
+            and not r.get("causal") and not r.get("mask") and not r.get("bias")
+            and not r.get("dropout") and (heads is None or r["hq"] == heads)]
+    if dtype is None and recs:
+        counts: dict[str, int] = {}
+        for r in recs:
+            counts[r["dtype"]] = counts.get(r["dtype"], 0) + 1
+        dtype = max(counts, key=counts.get)
+    recs = [r for r in recs if r["dtype"] == dtype]
+    dims = sorted({r["d"] for r in recs}) or [0]
+    fig, axes = plt.subplots(2, len(dims), figsize=(3.2 * len(dims) + 1, 6.4), squeeze=False,
+                             sharey="row")
+    impls = [i for i in COLORS if any(r["impl"] == i for r in recs)]
+    impls += sorted({r["impl"] for r in recs} - set(impls))
+    for row, mode in enumerate(("fwd", "fwdbwd")):
+        for col, d in enumerate(dims):
+            ax = axes[row][col]
+            drawn = False
+            for impl in impls:
+                pts = sorted((r["t"], r["tflops"]) for r in recs
+                             if r["mode"] == mode and r["d"] == d and r["impl"] == impl)
+                if pts:
+                    xs, ys = zip(*pts)
+                    ax.plot(xs, ys, "o-", label=impl, color=COLORS.get(impl))
+                    drawn = True
+            if not drawn:
+                ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{'forward' if mode == 'fwd' else 'fwd + bwd'}, D={d}", fontsize=9)
+            ax.grid(alpha=0.3)
+            if row == 1:
+                ax.set_xlabel("seqlen N (T = S)")
+            if col == 0:
+                ax.set_ylabel("TF/s")
+    handles = {}
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    for ax in axes.flat:
+        ax.set_ylim(bottom=0)
+    if handles:
+        fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles),
+                   fontsize=8, frameon=False)
+    fig.suptitle(title or f"TF/s against seqlen ({dtype}); a missing point: unsupported, "
+                 "out of memory or not measured", fontsize=10)
+    fig.tight_layout(rect=(0, 0.05, 1, 0.96))
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    return fig

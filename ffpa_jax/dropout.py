@@ -1,0 +1,33 @@
+"""Dropout on the attention probabilities: the seed taken from a PRNG key, and the
+keep-mask in plain JAX.
+
+The kernels draw the keep decision of score element (b, h, i, j) from Philox
+with a 64-bit seed; `seed_from_key` is the one place that seed comes from, so the
+Pallas path, the XLA path and `dropout_mask` agree bit for bit for the same key.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.dropout import keep_mask_reference
+
+
+def seed_from_key(rng: jax.Array) -> jax.Array:
+    """The kernels' dropout seed, uint32[2], drawn from a JAX PRNG key (typed or raw)."""
+    return jax.random.bits(rng, (2,), jnp.uint32)
+
+
+def dropout_mask(rng: jax.Array, shape: tuple[int, int, int, int], rate: float) -> jax.Array:
+    """The keep-mask bool[B, Hq, T, S] (True = kept) that `attention(...,
+    dropout_rate=rate, dropout_rng=rng)` applies to its probabilities, in plain JAX.
+
+    Each element is kept with probability 1 - round(rate·2^16)/2^16 (within 2^-17
+    of 1 - rate); kept probabilities are scaled by 1/(1 - rate).
+    """
+    if len(shape) != 4:
+        raise ValueError(f"shape must be (B, Hq, T, S); got {tuple(shape)!r}.")
+    if not 0.0 < float(rate) < 1.0:
+        raise ValueError(f"rate must be in (0, 1); got {rate!r}.")
+    return keep_mask_reference(seed_from_key(rng), tuple(int(d) for d in shape), float(rate))

@@ -1,0 +1,333 @@
+"""Shard-local Pallas kernels: `forward_kernels` / `backward_kernels` under sharded `jax.jit`.
+
+A `pallas_call` is opaque to XLA's partitioner: left alone, `jax.jit` with
+inputs sharded over a `Mesh` all-gathers q, k and v and runs the whole kernel on
+every device. Attention is independent across batch and heads, so every device
+can run the kernels on its own shard instead. This module does that with
+`jax.experimental.custom_partitioning` (chosen over a `shard_map` wrapper
+because under `jit` the inputs' shardings are only known to the partitioner,
+after tracing; a `shard_map` wrapper would have to be told the mesh and specs).
+
+How a call is partitioned, decided from the sharding the partitioner proposes for q:
+- batch (dim 0 of q/k/v/out, of lse, of a bias/mask whose batch dim is full):
+  kept sharded on q's batch mesh axes if they divide B;
+- heads (dim 2 of q/k/v/out, dim 1 of lse and of a full-head bias/mask): kept
+  sharded on q's head mesh axes if they divide both Hq and Hkv. Shards are
+  contiguous, so the query heads of a shard read exactly the kv heads of the
+  same shard (GQA group h // (Hq // Hkv));
+- everything else (sequence, head dims, broadcast size-1 dims of bias/mask,
+  the dropout seed) is replicated: the partitioner gathers a tensor sharded
+  along those dims before the call rather than computing a wrong result.
+- The backward's bias gradient of a bias broadcast over batch (or heads) is a
+  sum over the sharded dim: each shard's partial sum is `psum`-ed.
+- Dropout decisions depend on global (batch, head) indices; a shard's kernel
+  sees local ones, so the wrapper hands its global offsets to `shift_seed`
+  (provided by the caller) to fold them into the seed.
+
+Inside a user's `shard_map` (all mesh axes manual), under `pmap`, or on one
+device, the partitioner is not involved and the kernels run as they are.
+`jax.vmap` is handled by a `custom_vmap` rule that vmaps the plain kernels
+(custom_partitioning has no batching rule).
+
+Sharding rules are given both ways: a Shardy rule string (default partitioner)
+and `infer_sharding_from_operands` (GSPMD, `jax_use_shardy_partitioner=False`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+# Roles of the arrays that cross the kernel boundary (see `_spec`).
+QKV = "qkv"    # [B, L, H, D]: batch dim 0, heads dim 2
+BM = "bm"      # bias/mask [B|1, Hq|1, T|1, S|1]
+LSE = "lse"    # [B, Hq, T]
+REP = "rep"    # replicated (the dropout seed)
+
+_NEED_REPLICATION = ("t", "s", "d", "e")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Static description of one call: which arrays, their roles and shapes."""
+
+    kind: str                              # "forward" or "backward"
+    plan: Any                              # hashable kernel plan (static)
+    present: tuple[bool, bool, bool]       # bias, mask, seed given
+    in_roles: tuple[str, ...]
+    in_shapes: tuple[tuple[int, ...], ...]
+    out_roles: tuple[str, ...]
+    out_shapes: tuple[tuple[int, ...], ...]
+
+    @property
+    def batch(self) -> int:
+        return self.in_shapes[0][0]
+
+    @property
+    def heads_q(self) -> int:
+        return self.in_shapes[0][2]
+
+    @property
+    def heads_kv(self) -> int:
+        return self.in_shapes[1][2]
+
+
+def _axes_tuple(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    return tuple(entry)
+
+
+def _spec_entry(axes: tuple[str, ...]):
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
+
+def _axes_size(mesh, axes: tuple[str, ...]) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def choose_axes(layout: _Layout, q_sharding) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(batch mesh axes, head mesh axes) the kernels are split over, from q's sharding.
+
+    Axes that do not divide the dim they shard are dropped (that dim is then
+    replicated); head axes must divide both Hq and Hkv."""
+    if not isinstance(q_sharding, NamedSharding):
+        return (), ()
+    mesh = q_sharding.mesh
+    spec = tuple(q_sharding.spec) + (None,) * (4 - len(q_sharding.spec))
+    batch_axes, head_axes = _axes_tuple(spec[0]), _axes_tuple(spec[2])
+    if batch_axes and layout.batch % _axes_size(mesh, batch_axes):
+        batch_axes = ()
+    if head_axes:
+        n = _axes_size(mesh, head_axes)
+        if layout.heads_q % n or layout.heads_kv % n:
+            head_axes = ()
+    return batch_axes, head_axes
+
+
+def _spec(role: str, shape: tuple[int, ...], batch_axes, head_axes) -> PartitionSpec:
+    b, h = _spec_entry(batch_axes), _spec_entry(head_axes)
+    if role == QKV:
+        return PartitionSpec(b, None, h, None)
+    if role == LSE:
+        return PartitionSpec(b, h, None)
+    if role == BM:
+        return PartitionSpec(b if shape[0] != 1 else None, h if shape[1] != 1 else None,
+                             None, None)
+    return PartitionSpec(*(None,) * len(shape))
+
+
+def _shardings(mesh, roles, shapes, batch_axes, head_axes):
+    return tuple(NamedSharding(mesh, _spec(r, s, batch_axes, head_axes))
+                 for r, s in zip(roles, shapes))
+
+
+def _sharding_rule(layout: _Layout) -> tuple[str, dict]:
+    """The Shardy rule: q/k/v/out share the batch factor `b`; query heads are the
+    compound (k g) of kv heads k and group g so that only the kv-head part can
+    carry a mesh axis; size-1 broadcast dims get factors of their own."""
+    b, hq, hkv = layout.batch, layout.heads_q, layout.heads_kv
+    group = hq // hkv
+    heads_q = "(k g)" if group > 1 else "k"
+    t = layout.in_shapes[0][1]
+    s = layout.in_shapes[1][1]
+    fresh = iter(f"u{i}" for i in range(64))
+
+    def bm_mapping(shape):
+        names = []
+        for size, full, name in zip(shape, (b, hq, t, s), ("b", heads_q, "t", "s")):
+            names.append(name if size == full else next(fresh))
+        return " ".join(names)
+
+    def mapping(role, shape, which):
+        if role == QKV:
+            if which == "q":
+                return f"b t {heads_q} d"
+            if which == "k":
+                return "b s k d"
+            if which == "v":
+                return "b s k e"
+            return f"b t {heads_q} e"  # out / d_out
+        if role == LSE:
+            return f"b {heads_q} t"
+        if role == BM:
+            return bm_mapping(shape)
+        return " ".join(next(fresh) for _ in shape) if shape else ""
+
+    has_bias, has_mask, has_seed = layout.present
+    in_names = ["q", "k", "v"] + ["bias"] * has_bias + ["mask"] * has_mask + ["seed"] * has_seed
+    if layout.kind == "backward":
+        in_names += ["out", "lse", "d_out", "d_lse"]
+        out_names = ["q", "k", "v"] + ["bias"] * has_bias
+    else:
+        out_names = ["out", "lse"]
+    bias_mapping = None
+    operands = []
+    for name, role, shape in zip(in_names, layout.in_roles, layout.in_shapes):
+        m = mapping(role, shape, name)
+        if name == "bias":
+            bias_mapping = m
+        operands.append(m)
+    results = []
+    for name, role, shape in zip(out_names, layout.out_roles, layout.out_shapes):
+        results.append(bias_mapping if name == "bias" else mapping(role, shape, name))
+    rule = ", ".join(operands) + " -> " + ", ".join(results)
+    # Shardy wants the special factors in the order in which they first appear.
+    order = [w for w in rule.replace("(", " ").replace(")", " ").replace(",", " ").split()
+             if w != "->"]
+    special = _NEED_REPLICATION + (("g",) if group > 1 else ())
+    special = tuple(sorted(special, key=order.index))
+    kwargs: dict = {"need_replication_factors": special}
+    if group > 1:
+        kwargs["g"] = group
+    return rule, kwargs
+
+
+class ShardLocal:
+    """Wraps `forward_kernels` or `backward_kernels` so that they run shard-locally.
+
+    forward:  fn(plan, q, k, v, bias, mask, seed) -> (out, lse)
+    backward: fn(plan, q, k, v, bias, mask, seed, out, lse, d_out, d_lse)
+              -> (dq, dk, dv, dbias or None)
+
+    `shift_seed(seed, batch_offset, head_offset) -> seed` (traced int32 offsets of
+    the shard's first batch element and first query head) makes the dropout mask
+    of a shard equal to that slice of the unsharded one. Without it, a call with
+    a seed is not split (it runs replicated: correct, not shard-local).
+    """
+
+    def __init__(self, kernels: Callable, kind: str,
+                 shift_seed: Callable | None = None):
+        if kind not in ("forward", "backward"):
+            raise ValueError(f"kind must be 'forward' or 'backward'; got {kind!r}")
+        self.kernels = kernels
+        self.kind = kind
+        self.shift_seed = shift_seed
+        self._cache = functools.lru_cache(maxsize=256)(self._build)
+
+    # -- packing: None-free positional arrays <-> the kernels' signature --------
+    def _layout(self, plan, q, k, v, bias, mask, seed, extra) -> _Layout:
+        present = (bias is not None, mask is not None, seed is not None)
+        ins = [q, k, v] + [x for x in (bias, mask, seed) if x is not None] + list(extra)
+        in_roles = [QKV, QKV, QKV] + [BM] * present[0] + [BM] * present[1] + [REP] * present[2]
+        if self.kind == "forward":
+            out_roles = (QKV, LSE)
+            out_shapes = ((*q.shape[:3], v.shape[3]), (q.shape[0], q.shape[2], q.shape[1]))
+        else:
+            in_roles += [QKV, LSE, QKV, LSE]
+            out_roles = (QKV, QKV, QKV) + ((BM,) if present[0] else ())
+            out_shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape)) + (
+                (tuple(bias.shape),) if present[0] else ())
+        return _Layout(kind=self.kind, plan=plan, present=present, in_roles=tuple(in_roles),
+                       in_shapes=tuple(tuple(x.shape) for x in ins), out_roles=out_roles,
+                       out_shapes=out_shapes), ins
+
+    def _call_kernels(self, layout: _Layout, arrays, seed_offsets=None):
+        """The kernels on (local) arrays, returning a flat tuple of arrays."""
+        arrays = list(arrays)
+        q, k, v = arrays[:3]
+        rest = arrays[3:]
+        opt = []
+        for given in layout.present:
+            opt.append(rest.pop(0) if given else None)
+        bias, mask, seed = opt
+        if seed is not None and seed_offsets is not None:
+            seed = self.shift_seed(seed, *seed_offsets)
+        outs = self.kernels(layout.plan, q, k, v, bias, mask, seed, *rest)
+        if self.kind == "backward":
+            dq, dk, dv, dbias = outs
+            return (dq, dk, dv) + ((dbias,) if layout.present[0] else ())
+        return tuple(outs)
+
+    def __call__(self, plan, q, k, v, bias, mask, seed, *extra):
+        layout, arrays = self._layout(plan, q, k, v, bias, mask, seed, extra)
+        outs = self._cache(layout)(*arrays)
+        if self.kind == "backward":
+            dbias = outs[3] if layout.present[0] else None
+            return outs[0], outs[1], outs[2], dbias
+        return outs[0], outs[1]
+
+    # -- the custom_partitioning op for one layout ------------------------------
+    def _build(self, layout: _Layout):
+        n_out = len(layout.out_roles)
+
+        def plain(*arrays):
+            return self._call_kernels(layout, arrays)
+
+        def shardings_for(mesh, batch_axes, head_axes):
+            ins = _shardings(mesh, layout.in_roles, layout.in_shapes, batch_axes, head_axes)
+            outs = _shardings(mesh, layout.out_roles, layout.out_shapes, batch_axes, head_axes)
+            return ins, outs
+
+        def decide(arg_shapes):
+            q_sharding = arg_shapes[0].sharding
+            batch_axes, head_axes = choose_axes(layout, q_sharding)
+            if layout.present[2] and (batch_axes or head_axes) and self.shift_seed is None:
+                batch_axes, head_axes = (), ()
+            return batch_axes, head_axes
+
+        def partition(mesh, arg_shapes, result_shape):
+            q_sharding = arg_shapes[0].sharding
+            if isinstance(q_sharding, NamedSharding):
+                mesh = q_sharding.mesh
+            batch_axes, head_axes = decide(arg_shapes)
+            in_shardings, out_shardings = shardings_for(mesh, batch_axes, head_axes)
+            lower = functools.partial(self._local, layout, batch_axes, head_axes)
+            return mesh, lower, out_shardings, in_shardings
+
+        def infer(mesh, arg_shapes, result_shape):
+            q_sharding = arg_shapes[0].sharding
+            if isinstance(q_sharding, NamedSharding):
+                mesh = q_sharding.mesh
+            batch_axes, head_axes = decide(arg_shapes)
+            return shardings_for(mesh, batch_axes, head_axes)[1]
+
+        op = custom_partitioning(plain)
+        rule, rule_kwargs = _sharding_rule(layout)
+        op.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                         sharding_rule=rule, **rule_kwargs)
+
+        batched = jax.custom_batching.custom_vmap(lambda *arrays: tuple(op(*arrays)))
+
+        @batched.def_vmap
+        def _vmap_rule(axis_size, in_batched, *arrays):
+            del axis_size
+            in_axes = tuple(0 if flag else None for flag in in_batched)
+            outs = jax.vmap(plain, in_axes=in_axes)(*arrays)
+            return tuple(outs), (True,) * n_out
+
+        return batched
+
+    def _local(self, layout: _Layout, batch_axes, head_axes, *arrays):
+        """What one device runs: the kernels on its shard, plus the reductions that
+        a sharded batch/head dim needs for a broadcast bias's gradient."""
+        seed_offsets = None
+        if layout.present[2] and (batch_axes or head_axes):
+            q = arrays[0]
+            b0 = (jax.lax.axis_index(batch_axes) * q.shape[0]) if batch_axes else 0
+            h0 = (jax.lax.axis_index(head_axes) * q.shape[2]) if head_axes else 0
+            seed_offsets = (jax.numpy.asarray(b0, jax.numpy.int32),
+                            jax.numpy.asarray(h0, jax.numpy.int32))
+        outs = self._call_kernels(layout, arrays, seed_offsets)
+        if layout.kind == "backward" and layout.present[0]:
+            bias_shape = layout.in_shapes[3]
+            reduce_axes = ()
+            if batch_axes and bias_shape[0] == 1:
+                reduce_axes += batch_axes
+            if head_axes and bias_shape[1] == 1:
+                reduce_axes += head_axes
+            if reduce_axes:
+                dbias = jax.lax.psum(outs[3], reduce_axes)
+                outs = outs[:3] + (dbias,)
+        return outs

@@ -1,0 +1,311 @@
+"""In-kernel dropout: the keep-mask is a pure function of (seed, b, h, i, j), the same in
+every kernel and in `ffpa_jax.dropout_mask`; outputs and gradients are exact for the
+dropped forward; the seed is a runtime input; rate 0 compiles no dropout code."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ffpa_jax
+from attn_testing import (Case, assert_lse_matches, assert_matches_reference, make_inputs,
+                          reference64, scale_of, xla_same_precision)
+from conftest import interpret_flag
+from ffpa_jax.dropout import seed_from_key
+from ffpa_jax.reference import mha_reference
+from ffpa_jax.validation import as_4d
+from pallas_kernels import (BwdConfig, FwdConfig, bwd_generic_dkdv, bwd_preproc, fwd_generic)
+from pallas_kernels.dropout import keep_threshold
+
+RATE = 0.3
+
+
+def _keep(case: Case, key, rate=RATE):
+    return ffpa_jax.dropout_mask(key, (case.b, case.hq, case.t, case.s), rate)
+
+
+def _identity_probe(case: Case):
+    """q, k random; v = one-hot over keys (Dv = S), so out[b, i, h, j] = P'[b, h, i, j]:
+    non-zero exactly where the kernel kept the (visible) probability."""
+    q, k, _, _, _ = make_inputs(dataclasses.replace(case, dtype="float32"))
+    eye = jnp.eye(case.s, dtype=jnp.float32)[None, :, None, :]
+    v = jnp.broadcast_to(eye, (case.b, case.s, case.hkv, case.s))
+    return q, k, v
+
+
+def _visible(case: Case) -> np.ndarray:
+    """[1, 1, T, S] bool: the scores causal leaves visible (all when not causal)."""
+    rows = np.arange(case.t)[:, None]
+    cols = np.arange(case.s)[None, :]
+    vis = cols <= rows + (case.s - case.t) if case.causal else np.ones((case.t, case.s), bool)
+    return vis[None, None]
+
+
+PROBE_CASES = [
+    Case(b=2, t=37, s=75, hq=4, hkv=2),
+    Case(b=1, t=130, s=203, hq=3, hkv=1, causal=True),
+    Case(b=1, t=1, s=300, hq=8, hkv=2),
+]
+
+
+@pytest.mark.parametrize("case", PROBE_CASES, ids=lambda c: f"T{c.t}-S{c.s}-H{c.hq}.{c.hkv}")
+@pytest.mark.parametrize("config", [
+    FwdConfig(block_m=16, block_n=16, block_d=16, block_dv=128),
+    FwdConfig(block_m=64, block_n=128, block_d=32, block_dv=64, q_mode="dynamic"),
+], ids=["small-blocks", "large-blocks"])
+def test_forward_kernel_mask_is_dropout_mask(case, config, kernel_mode):
+    """Bit-identical keep decisions, whatever the block sizes and the V slicing."""
+    q, k, v = _identity_probe(case)
+    key = jax.random.key(case.seed())
+    out, lse = jax.jit(lambda q, k, v, s: fwd_generic(
+        q, k, v, scale=0.3, causal=case.causal, config=config, dropout_rate=RATE, seed=s,
+        interpret=interpret_flag(kernel_mode)))(q, k, v, seed_from_key(key))
+    kept = np.asarray(out).transpose(0, 2, 1, 3) != 0  # [B, Hq, T, S]
+    visible = _visible(case)
+    expected = np.asarray(_keep(case, key)) & visible
+    np.testing.assert_array_equal(kept, expected)
+    # The undropped normaliser: lse equals the no-dropout forward's.
+    _, lse_plain = fwd_generic(q, k, v, scale=0.3, causal=case.causal, config=config,
+                               interpret=interpret_flag(kernel_mode))
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_plain), rtol=1e-6)
+
+
+@pytest.mark.parametrize("case", PROBE_CASES[:2], ids=lambda c: f"T{c.t}-S{c.s}")
+@pytest.mark.parametrize("block_m,block_n", [(16, 32), (64, 64)])
+def test_backward_kernel_replays_the_mask(case, block_m, block_n, kernel_mode):
+    """dV = P'ᵀ·dO with dO = one-hot over queries gives dV[b, j, h, i] = P'[b, h, i, j]:
+    the backward regenerates exactly the forward's keep decisions."""
+    case = dataclasses.replace(case, hkv=case.hq)  # one query head per kv head: dV is per head
+    q, k, _ = _identity_probe(case)
+    v = jax.random.normal(jax.random.key(3), (case.b, case.s, case.hkv, case.t), jnp.float32)
+    key = jax.random.key(case.seed() + 1)
+    seed = seed_from_key(key)
+    interpret = interpret_flag(kernel_mode)
+    out, lse = fwd_generic(q, k, v, scale=0.3, causal=case.causal, config=FwdConfig(),
+                           dropout_rate=RATE, seed=seed, interpret=interpret)
+    d_out = jnp.broadcast_to(jnp.eye(case.t, dtype=jnp.float32)[None, :, None, :],
+                             (case.b, case.t, case.hq, case.t))
+    cfg = BwdConfig(block_m=block_m, block_n=block_n, block_d=32, block_slice=128)
+    delta = bwd_preproc(out, d_out, jnp.zeros_like(lse), config=cfg, interpret=interpret)
+    _, dv = bwd_generic_dkdv(q, k, v, d_out, lse, delta, scale=0.3, causal=case.causal,
+                             config=cfg, dropout_rate=RATE, seed=seed, interpret=interpret)
+    kept = np.asarray(dv).transpose(0, 2, 3, 1) != 0  # [B, H, T, S]
+    np.testing.assert_array_equal(kept, np.asarray(_keep(case, key)) & _visible(case))
+
+
+def _dropout_outputs(case: Case, mode: str, key, rate=RATE):
+    q, k, v, bias, mask = make_inputs(case)
+    keep = _keep(case, key, rate)
+    got_out, got_lse = ffpa_jax.attention(
+        q, k, v, bias, mask, scale=case.scale, is_causal=case.causal, return_lse=True,
+        dropout_rate=rate, dropout_rng=key, implementation="pallas",
+        interpret=interpret_flag(mode))
+    ref_out, ref_lse = reference64(case, q, k, v, bias, mask, keep=keep, rate=rate)
+    xla_out, xla_lse = xla_same_precision(case, q, k, v, bias, mask, keep=keep, rate=rate)
+    return (got_out, got_lse), (ref_out, ref_lse), (xla_out, xla_lse)
+
+
+FWD_CASES = [
+    Case(b=2, t=113, s=203, hq=4, hkv=2, d=40),
+    Case(b=1, t=203, s=113, hq=2, hkv=1, d=59, causal=True),
+    Case(b=2, t=37, s=70, hq=4, hkv=2, d=111, bias_shape=(1, 4, 37, 70), mask_shape=(2, 1, 1, 70)),
+    Case(b=1, t=64, s=77, hq=2, hkv=2, d=320, dv=192),
+    Case(b=1, t=1, s=339, hq=8, hkv=2, d=64),
+    Case(b=1, t=33, s=65, hq=2, hkv=1, d=512, dtype="float16"),
+    Case(b=1, t=40, s=50, hq=1, hkv=1, d=1000),
+]
+
+
+@pytest.mark.parametrize("case", FWD_CASES,
+                         ids=lambda c: f"T{c.t}-S{c.s}-H{c.hq}.{c.hkv}-D{c.d}-{c.dtype}")
+def test_forward_matches_reference(case, kernel_mode):
+    key = jax.random.key(case.seed() + 5)
+    (out, lse), (ref_out, ref_lse), (xla_out, xla_lse) = _dropout_outputs(case, kernel_mode, key)
+    assert_matches_reference("out", out, ref_out, xla_out, case.dtype)
+    assert_lse_matches(lse, ref_lse, xla_lse)
+
+
+def test_xla_and_pallas_agree_for_the_same_key(kernel_mode):
+    case = Case(b=2, t=50, s=90, hq=4, hkv=2, d=32, dtype="float32", causal=True)
+    q, k, v, _, _ = make_inputs(case)
+    key = jax.random.key(11)
+    run = lambda impl: ffpa_jax.attention(q, k, v, is_causal=True, dropout_rate=0.17,
+                                          dropout_rng=key, implementation=impl,
+                                          interpret=impl == "pallas" and
+                                          interpret_flag(kernel_mode))
+    np.testing.assert_allclose(np.asarray(run("pallas")), np.asarray(run("xla")),
+                               rtol=1e-5, atol=1e-6)
+
+
+def _grads(case: Case, mode: str, key, *, float64: bool | None):
+    """Gradients of <out, d_out> + <lse, d_lse>: Pallas (float64=None) or the reference."""
+    q, k, v, bias, mask = make_inputs(case)
+    kd, kl = jax.random.split(jax.random.key(case.seed() + 99))
+    d_out = jax.random.normal(kd, (case.b, case.t, case.hq, case.head_dim_v), jnp.float32)
+    d_out = d_out.astype(q.dtype).astype(jnp.float32)
+    d_lse = jax.random.normal(kl, (case.b, case.hq, case.t), jnp.float32)
+    if float64 is None:
+        f = lambda q, k, v, bias: ffpa_jax.attention(
+            q, k, v, bias, mask, scale=case.scale, is_causal=case.causal, return_lse=True,
+            dropout_rate=RATE, dropout_rng=key, implementation="pallas",
+            interpret=interpret_flag(mode))
+        (out, lse), vjp = jax.vjp(f, q, k, v, bias)
+        return vjp((d_out.astype(out.dtype), d_lse))
+    keep = _keep(case, key)
+
+    def run():
+        conv = (lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64))) \
+            if float64 else (lambda x: x)
+        f = lambda q, k, v, bias: mha_reference(
+            q, k, v, as_4d(bias, True), as_4d(mask, True), scale=scale_of(case),
+            is_causal=case.causal, keep_mask=keep, dropout_rate=RATE)
+        (out, lse), vjp = jax.vjp(f, conv(q), conv(k), conv(v), conv(bias))
+        dl = jnp.where(jnp.isfinite(lse), conv(d_lse).astype(lse.dtype), 0)
+        grads = vjp((conv(d_out).astype(out.dtype), dl))
+        return [None if g is None else np.asarray(g if float64 else g.astype(jnp.float32))
+                for g in grads]
+    if float64:
+        with jax.enable_x64(True):
+            return run()
+    return run()
+
+
+GRAD_CASES = [
+    Case(b=2, t=113, s=203, hq=4, hkv=2, d=40, causal=True),
+    Case(b=2, t=37, s=70, hq=4, hkv=2, d=48, bias_shape=(1, 4, 1, 70), mask_shape=(2, 1, 37, 70)),
+    Case(b=1, t=1, s=113, hq=6, hkv=2, d=59),
+    Case(b=1, t=64, s=77, hq=2, hkv=1, d=320, dv=192),
+    Case(b=1, t=40, s=50, hq=2, hkv=1, d=1000, dtype="float16"),
+]
+
+
+@pytest.mark.parametrize("case", GRAD_CASES,
+                         ids=lambda c: f"T{c.t}-S{c.s}-H{c.hq}.{c.hkv}-D{c.d}-{c.dtype}")
+def test_gradients_match_reference(case, kernel_mode):
+    key = jax.random.key(case.seed() + 7)
+    got = _grads(case, kernel_mode, key, float64=None)
+    ref = _grads(case, kernel_mode, key, float64=True)
+    xla = _grads(case, kernel_mode, key, float64=False)
+    q_dtype = jnp.dtype(case.dtype)
+    for name, g, r, x in zip(["dq", "dk", "dv", "dbias"], got, ref, xla):
+        if r is None:
+            assert g is None
+            continue
+        assert_matches_reference(name, g, r, x, q_dtype, factor=3.0)
+
+
+# ----------------------------------------------------------------------------- statistics
+@pytest.mark.parametrize("rate", [0.1, 0.17, 0.5])
+def test_kept_fraction(rate):
+    keep = np.asarray(ffpa_jax.dropout_mask(jax.random.key(1), (2, 4, 256, 520), rate))
+    assert keep.size >= 1_000_000
+    assert abs(keep.mean() - (1 - rate)) <= 0.01, keep.mean()
+    # The exact keep probability is 1 - round(rate·2^16)/2^16: check tighter, 5 sigma.
+    p_keep = 1 - keep_threshold(rate) / 2**16
+    sigma = np.sqrt(p_keep * (1 - p_keep) / keep.size)
+    assert abs(keep.mean() - p_keep) <= 5 * sigma
+
+
+def test_same_key_same_mask_new_key_new_mask():
+    shape, rate = (2, 4, 256, 520), 0.17
+    a = np.asarray(ffpa_jax.dropout_mask(jax.random.key(5), shape, rate))
+    np.testing.assert_array_equal(a, np.asarray(ffpa_jax.dropout_mask(jax.random.key(5), shape,
+                                                                      rate)))
+    b = np.asarray(ffpa_jax.dropout_mask(jax.random.key(6), shape, rate))
+    disagree = float(np.mean(a != b))
+    assert abs(disagree - 2 * rate * (1 - rate)) <= 0.005, disagree
+    # Raw (old-style) keys give the same mask as the typed key they wrap.
+    raw = jax.random.key_data(jax.random.key(5))
+    np.testing.assert_array_equal(a, np.asarray(ffpa_jax.dropout_mask(
+        jax.random.wrap_key_data(raw), shape, rate)))
+
+
+@pytest.mark.parametrize("axis,offset", [(3, 1), (3, 2), (3, 7), (3, 8), (3, 9), (2, 1), (1, 1),
+                                         (0, 1)], ids=lambda x: str(x))
+def test_no_correlation_between_neighbours(axis, offset):
+    """Pearson correlation of keep decisions offset along columns (within one Philox
+    call, across calls), rows, heads and batch: |r| below 5 standard errors."""
+    keep = np.asarray(ffpa_jax.dropout_mask(jax.random.key(9), (4, 8, 128, 512), 0.5),
+                      np.float64)
+    a = np.take(keep, np.arange(keep.shape[axis] - offset), axis=axis).ravel()
+    b = np.take(keep, np.arange(offset, keep.shape[axis]), axis=axis).ravel()
+    r = np.corrcoef(a, b)[0, 1]
+    assert abs(r) < 5 / np.sqrt(a.size), r
+
+
+# ----------------------------------------------------------------------------- compilation
+def test_new_key_reuses_the_compiled_kernel():
+    case = Case(b=1, t=40, s=48, hq=2, hkv=2, d=16, dtype="float32")
+    q, k, v, _, _ = make_inputs(case)
+    traces = []
+
+    @jax.jit
+    def f(q, k, v, key):
+        traces.append(1)
+        return ffpa_jax.attention(q, k, v, dropout_rate=0.2, dropout_rng=key,
+                                  implementation="pallas", interpret=True)
+
+    a = f(q, k, v, jax.random.key(0))
+    b = f(q, k, v, jax.random.key(1))
+    assert len(traces) == 1 and f._cache_size() == 1
+    assert not np.array_equal(np.asarray(a), np.asarray(b))  # the new seed did arrive
+
+
+def _primitive_names(jaxpr, inside_kernel: bool = False) -> set[str]:
+    """Primitives used inside pallas_call kernels anywhere in `jaxpr` (recursively)."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        if inside_kernel:
+            names.add(eqn.primitive.name)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+                if hasattr(sub, "eqns"):
+                    names |= _primitive_names(
+                        sub, inside_kernel or eqn.primitive.name == "pallas_call")
+    return names
+
+
+def _kernel_primitives(rate: float) -> set[str]:
+    q = jax.ShapeDtypeStruct((1, 32, 2, 16), jnp.bfloat16)
+    key = jax.random.key(0)
+    jaxpr = jax.make_jaxpr(lambda q, k, v: ffpa_jax.attention(
+        q, k, v, dropout_rate=rate, dropout_rng=key if rate else None,
+        implementation="pallas", interpret=True))(q, q, q)
+    return _primitive_names(jaxpr.jaxpr)
+
+
+def test_rate_zero_compiles_no_dropout_code():
+    """Philox's logical shifts appear in the kernel only when dropping."""
+    plain = _kernel_primitives(0.0)
+    assert "dot_general" in plain  # the walk did reach the kernel body
+    assert "shift_right_logical" not in plain
+    assert "shift_right_logical" in _kernel_primitives(0.25)
+
+
+def test_rate_and_key_errors():
+    q = jnp.ones((1, 8, 1, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match="dropout_rng"):
+        ffpa_jax.attention(q, q, q, dropout_rate=0.1)
+    for bad in (1.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="dropout_rate"):
+            ffpa_jax.attention(q, q, q, dropout_rate=bad, dropout_rng=jax.random.key(0))
+    with pytest.raises(ValueError, match="rate"):
+        ffpa_jax.dropout_mask(jax.random.key(0), (1, 1, 4, 4), 1.0)
+
+
+def test_vmap_over_a_leading_axis_matches_a_loop(kernel_mode):
+    case = Case(b=1, t=24, s=40, hq=2, hkv=1, d=16, dtype="float32")
+    q, k, v, _, _ = make_inputs(case)
+    qs = jnp.stack([q, q * 0.5 + 0.1, -q])
+    key = jax.random.key(4)
+    f = lambda q: ffpa_jax.attention(q, k, v, dropout_rate=0.3, dropout_rng=key,
+                                     implementation="pallas", interpret=interpret_flag(kernel_mode))
+    batched = jax.vmap(f)(qs)
+    for i in range(3):
+        np.testing.assert_allclose(np.asarray(batched[i]), np.asarray(f(qs[i])), rtol=1e-6,
+                                   atol=1e-7)

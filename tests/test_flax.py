@@ -1,0 +1,260 @@
+"""`ffpa_jax.flax_attention_fn` as the attention of Flax's modules.
+
+Flax linen and nnx attention modules with our `attention_fn` are compared with the
+same modules (same parameters, same inputs) using Flax's own attention: both are
+measured against the float64 run of Flax's attention, and ours must be within the
+tolerance rule (attn_testing.py) of it, for outputs and gradients. Dropout,
+broadcast_dropout, sown weights, extra batch dims and rectangular causal masks are
+checked against plain-JAX constructions.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+flax = pytest.importorskip("flax")
+from flax import linen as nn  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import ffpa_jax  # noqa: E402
+from attn_testing import assert_matches_reference  # noqa: E402
+from conftest import interpret_flag  # noqa: E402
+from ffpa_jax.flax_attention import flax_attention_fn  # noqa: E402
+
+
+def ours(kernel_mode, **kw):
+    return functools.partial(flax_attention_fn, implementation="pallas",
+                             interpret=interpret_flag(kernel_mode), **kw)
+
+
+def to64(tree):
+    return jax.tree.map(lambda x: jnp.asarray(np.asarray(x, np.float64)), tree)
+
+
+def check_tree(name, got, ref64, flax_same_precision, dtype, factor):
+    for (path, g), r, x in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(ref64),
+                               jax.tree.leaves(flax_same_precision)):
+        assert_matches_reference(f"{name}{jax.tree_util.keystr(path)}", g, r, x, dtype,
+                                 factor=factor)
+
+
+def padding_mask(key, batch, length):
+    """Flax-style float padding mask [B, 1, T, T]: every row keeps at least one key."""
+    lengths = jax.random.randint(key, (batch,), 2, length + 1)
+    valid = jnp.arange(length)[None, :] < lengths[:, None]
+    return nn.make_attention_mask(jnp.ones((batch, length)), valid)  # float32 0/1
+
+
+# --------------------------------------------------------------------------- linen
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_linen_mha_matches_flax_attention(kernel_mode, dtype):
+    kx, kc, km, kp = jax.random.split(jax.random.key(11), 4)
+    x = jax.random.normal(kx, (2, 13, 24))
+    ct = jax.random.normal(kc, (2, 13, 24))
+    mask = padding_mask(km, 2, 13)
+
+    def build(attention_fn, dt, param_dt=jnp.float32):
+        return nn.MultiHeadDotProductAttention(num_heads=3, qkv_features=48, dtype=dt,
+                                               param_dtype=param_dt, attention_fn=attention_fn)
+
+    params = build(nn.dot_product_attention, jnp.float32).init(kp, x)
+
+    def run(module, params, x, mask):
+        def loss(params, x):
+            out = module.apply(params, x, mask=mask)
+            return jnp.sum(out.astype(jnp.float32) * ct.astype(out.dtype)), out
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+        return out, grads
+
+    got, got_g = run(build(ours(kernel_mode), jnp.dtype(dtype)), params, x, mask)
+    flx, flx_g = run(build(nn.dot_product_attention, jnp.dtype(dtype)), params, x, mask)
+    with jax.enable_x64(True):
+        ref, ref_g = run(build(nn.dot_product_attention, jnp.float64, jnp.float64),
+                         to64(params), to64(x), to64(mask))
+        ref, ref_g = np.asarray(ref), jax.tree.map(np.asarray, ref_g)
+    assert got.dtype == jnp.dtype(dtype) and got.shape == (2, 13, 24)
+    assert_matches_reference("out", got, ref, flx, dtype)
+    check_tree("grad", got_g, ref_g, flx_g, dtype, factor=3.0)
+
+
+def test_flax_attention_fn_bias_mask_and_two_batch_dims(kernel_mode):
+    """Direct call as Flax calls it: two batch dims, a partly broadcast bias, a float mask."""
+    ks = jax.random.split(jax.random.key(5), 6)
+    q = jax.random.normal(ks[0], (2, 3, 11, 2, 16))
+    k = jax.random.normal(ks[1], (2, 3, 17, 2, 16))
+    v = jax.random.normal(ks[2], (2, 3, 17, 2, 8))
+    bias = jax.random.normal(ks[3], (3, 1, 11, 17))           # broadcast over the first batch dim
+    mask = (jax.random.uniform(ks[4], (2, 1, 1, 1, 17)) < 0.7).astype(jnp.float32)
+    mask = mask.at[..., 0].set(1.0)                         # every row keeps a key
+
+    def loss(fn, q, k, v, bias):
+        out = fn(q, k, v, bias, mask)
+        return jnp.sum(out * jnp.cos(out)), out
+
+    grad = jax.value_and_grad(loss, argnums=(1, 2, 3, 4), has_aux=True)
+    (_, got), got_g = grad(ours(kernel_mode), q, k, v, bias)
+    (_, flx), flx_g = grad(nn.dot_product_attention, q, k, v, bias)
+    with jax.enable_x64(True):
+        (_, ref), ref_g = grad(nn.dot_product_attention, *to64((q, k, v, bias)))
+        ref, ref_g = np.asarray(ref), jax.tree.map(np.asarray, ref_g)
+    assert got.shape == (2, 3, 11, 2, 8)
+    assert_matches_reference("out", got, ref, flx, "float32")
+    check_tree("grad", got_g, ref_g, flx_g, "float32", factor=3.0)
+
+    # Without batch dims ([T, H, D]) the call goes straight through.
+    one = ours(kernel_mode)(q[0, 0], k[0, 0], v[0, 0], bias[0], mask[0, 0])
+    np.testing.assert_allclose(np.asarray(one), np.asarray(got[0, 0]), rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- nnx
+def _nnx_mha(attention_fn, dtype, param_dtype=jnp.float32):
+    return nnx.MultiHeadAttention(num_heads=4, in_features=20, qkv_features=32, num_kv_heads=2,
+                                  dtype=dtype, param_dtype=param_dtype, decode=False,
+                                  keep_rngs=False, attention_fn=attention_fn, rngs=nnx.Rngs(3))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_nnx_mha_gqa_causal_matches_flax_attention(kernel_mode, dtype):
+    kx, kc, km = jax.random.split(jax.random.key(21), 3)
+    x = jax.random.normal(kx, (2, 12, 20))
+    ct = jax.random.normal(kc, (2, 12, 20))
+    mask = padding_mask(km, 2, 12).astype(bool)
+    mask = mask.at[..., 0].set(True)  # with causality, key 0 keeps every row alive
+    _, params = nnx.split(_nnx_mha(nnx.dot_product_attention, jnp.float32))
+
+    def run(attention_fn, dt, params, x, mask, param_dt=jnp.float32):
+        graphdef, _ = nnx.split(_nnx_mha(attention_fn, dt, param_dt))
+
+        def loss(params, x):
+            out = nnx.merge(graphdef, params)(x, mask=mask, is_causal=True)
+            return jnp.sum(out.astype(jnp.float32) * ct.astype(out.dtype)), out
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+        return out, grads
+
+    got, got_g = run(ours(kernel_mode), jnp.dtype(dtype), params, x, mask)
+    flx, flx_g = run(nnx.dot_product_attention, jnp.dtype(dtype), params, x, mask)
+    with jax.enable_x64(True):
+        ref, ref_g = run(nnx.dot_product_attention, jnp.float64, to64(params), to64(x), mask,
+                         jnp.float64)
+        ref, ref_g = np.asarray(ref), jax.tree.map(np.asarray, ref_g)
+    assert_matches_reference("out", got, ref, flx, dtype)
+    check_tree("grad", got_g, ref_g, flx_g, dtype, factor=3.0)
+
+
+def test_rectangular_causal_keeps_flax_top_left_alignment(kernel_mode):
+    """nnx passes is_causal; with T != S Flax's mask is tril(ones(T, S)) (top-left)."""
+    ks = jax.random.split(jax.random.key(8), 3)
+    q = jax.random.normal(ks[0], (2, 9, 2, 16))
+    k = jax.random.normal(ks[1], (2, 14, 2, 16))
+    v = jax.random.normal(ks[2], (2, 14, 2, 16))
+    got = ours(kernel_mode)(q, k, v, is_causal=True)
+    with jax.enable_x64(True):
+        ref = np.asarray(nnx.dot_product_attention(*to64((q, k, v)), is_causal=True))
+    flx = nnx.dot_product_attention(q, k, v, is_causal=True)
+    assert_matches_reference("out", got, ref, flx, "float32")
+    # ffpa_jax's own (bottom-right) convention differs here, so the test can tell them apart.
+    bottom_right = ffpa_jax.attention(q, k, v, is_causal=True, implementation="xla")
+    assert np.max(np.abs(np.asarray(bottom_right) - ref)) > 1e-2
+
+
+# ------------------------------------------------------------------ sown weights
+def test_sow_weights_linen_and_nnx(kernel_mode):
+    kx, km = jax.random.split(jax.random.key(4))
+    x = jax.random.normal(kx, (2, 10, 16))
+    mask = padding_mask(km, 2, 10)
+    mods = [nn.MultiHeadDotProductAttention(num_heads=2, attention_fn=fn)
+            for fn in (nn.dot_product_attention, ours(kernel_mode))]
+    params = mods[0].init(jax.random.key(0), x)
+    sown = [m.apply(params, x, mask=mask, sow_weights=True, mutable=["intermediates"])[1]
+            ["intermediates"]["attention_weights"][0] for m in mods]
+    assert sown[1].shape == (2, 2, 10, 10)
+    np.testing.assert_allclose(np.asarray(sown[1]), np.asarray(sown[0]), rtol=1e-5, atol=1e-6)
+
+    m = _nnx_mha(ours(kernel_mode), jnp.float32)
+    x = jax.random.normal(kx, (2, 10, 20))
+    m(x, is_causal=True, sow_weights=True)
+    weights = m.attention_weights[0]
+    assert weights.shape == (2, 4, 10, 10)
+    np.testing.assert_allclose(np.asarray(weights.sum(-1)), 1.0, rtol=1e-5)
+    assert float(jnp.max(jnp.triu(weights, k=1))) == 0.0  # causal
+
+
+# ------------------------------------------------------------------------ dropout
+def _dropout_reference(query, key, value, bias=None, mask=None, *, dropout_rng, dropout_rate,
+                       broadcast_dropout, deterministic, **_):
+    """Plain JAX with ffpa_jax's keep-mask for the same key: what the adapter must compute."""
+    del broadcast_dropout
+    b, t, h, d = query.shape
+    s = key.shape[1]
+    logits = jnp.einsum("bthd,bshd->bhts", query, key) / np.sqrt(d)
+    if mask is not None:
+        logits = jnp.where(mask, logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if not deterministic and dropout_rate > 0:
+        keep = ffpa_jax.dropout_mask(dropout_rng, (b, h, t, s), dropout_rate)
+        probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
+    return jnp.einsum("bhts,bshd->bthd", probs, value)
+
+
+def test_linen_dropout_passes_rng_and_rate(kernel_mode):
+    kx, km = jax.random.split(jax.random.key(9))
+    x = jax.random.normal(kx, (2, 16, 16))
+    mask = padding_mask(km, 2, 16)
+    kw = dict(num_heads=2, dropout_rate=0.25, broadcast_dropout=False)
+    mod = nn.MultiHeadDotProductAttention(attention_fn=ours(kernel_mode), **kw)
+    ref_mod = nn.MultiHeadDotProductAttention(attention_fn=_dropout_reference, **kw)
+    params = mod.init(jax.random.key(0), x, deterministic=True)
+    rngs = {"dropout": jax.random.key(123)}
+    got = mod.apply(params, x, mask=mask, deterministic=False, rngs=rngs)
+    ref = ref_mod.apply(params, x, mask=mask, deterministic=False, rngs=rngs)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-4, atol=1e-5)
+    # Deterministic: no dropout at all, so it differs from the dropped run.
+    det = mod.apply(params, x, mask=mask, deterministic=True)
+    det_ref = nn.MultiHeadDotProductAttention(**kw).apply(params, x, mask=mask,
+                                                          deterministic=True)
+    np.testing.assert_allclose(np.asarray(det), np.asarray(det_ref), rtol=1e-4, atol=1e-5)
+    assert np.max(np.abs(np.asarray(det) - np.asarray(got))) > 1e-2
+
+
+def test_broadcast_dropout_is_rejected_only_when_dropping():
+    q = jax.random.normal(jax.random.key(0), (1, 8, 2, 16))
+    fn = functools.partial(flax_attention_fn, implementation="xla")
+    with pytest.raises(ValueError, match="broadcast_dropout"):
+        fn(q, q, q, dropout_rate=0.1, dropout_rng=jax.random.key(1), broadcast_dropout=True)
+    with pytest.raises(ValueError, match="dropout_rng"):
+        fn(q, q, q, dropout_rate=0.1, broadcast_dropout=False)
+    # Flax's default broadcast_dropout=True is fine without dropout.
+    plain = ffpa_jax.attention(q, q, q, implementation="xla")
+    for kw in (dict(dropout_rate=0.1, deterministic=True), dict(dropout_rate=0.0)):
+        np.testing.assert_array_equal(np.asarray(fn(q, q, q, broadcast_dropout=True, **kw)),
+                                      np.asarray(plain))
+
+
+def test_custom_einsums_are_rejected():
+    x = jax.random.normal(jax.random.key(0), (1, 6, 8))
+    mod = nn.MultiHeadDotProductAttention(
+        num_heads=2, attention_fn=functools.partial(flax_attention_fn, implementation="xla"),
+        qk_attn_weights_einsum_cls=lambda: jnp.einsum,
+        attn_weights_value_einsum_cls=lambda: jnp.einsum)
+    with pytest.raises(ValueError, match="qk_attn_weights_einsum"):
+        mod.init(jax.random.key(0), x)
+
+
+def test_importing_ffpa_jax_does_not_import_flax():
+    code = ("import sys, ffpa_jax, jax.numpy as jnp\n"
+            "from ffpa_jax.flax_attention import flax_attention_fn\n"
+            "q = jnp.ones((4, 2, 8))\n"
+            "flax_attention_fn(q, q, q, implementation='xla')\n"
+            "assert 'flax' not in sys.modules, 'flax was imported'\n")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=root, env=env)
