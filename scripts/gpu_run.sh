@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything we run on the lent GPU, in one call: environment, GPU tests, variant
 # sweep, benchmark. Results land in $OUT (or ./gpu_out). Stages are chosen by
-# arguments: env tests sweep bwdsweep bench (default: all). Example, on the device tool:
+# arguments: env tests sweep bwdsweep dropout bench (default: all but dropout).
+# TEST_PATHS narrows the tests stage (default: tests/). Example, on the device tool:
 #   bash scripts/gpu_run.sh env tests bench
 set -u
 OUT=${OUT:-./gpu_out}
@@ -18,13 +19,16 @@ for stage in $stages; do
       python3 -c "import jax, jaxlib, triton; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'triton', triton.__version__, jax.devices())"
       ;;
     tests)
-      python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider tests/ 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+      python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider ${TEST_PATHS:-tests/} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
       ;;
     sweep)
       python3 scripts/fwd_variants.py --out "$OUT/fwd_variants.json" ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/fwd_variants.log" | tail -30
       ;;
     bwdsweep)
       python3 scripts/bwd_variants.py --out "$OUT/bwd_variants.json" ${BWD_SWEEP_ARGS:-} 2>&1 | tee "$OUT/bwd_variants.log" | tail -30
+      ;;
+    dropout)
+      python3 scripts/dropout_overhead.py --out "$OUT/dropout.json" ${DROPOUT_ARGS:-} 2>&1 | tee "$OUT/dropout.log" | tail -10
       ;;
     bench)
       python3 -m ffpa_jax.bench --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -40
