@@ -16,8 +16,14 @@ import jax.numpy as jnp
 
 import tuning
 from ffpa_jax.validation import Problem
-from pallas_kernels import (BwdConfig, FwdConfig, bwd_dbias, bwd_generic_dkdv, bwd_generic_dq,
-                            bwd_preproc, fwd_generic)
+from pallas_kernels import (BwdConfig, DecodeConfig, FwdConfig, bwd_dbias, bwd_generic_dkdv,
+                            bwd_generic_dq, bwd_preproc, decode_attention, decode_num_splits,
+                            fwd_generic)
+
+# The decode path (split-KV, GQA heads packed into the tile) serves a query block
+# this short against at least DECODE_MIN_KEYS keys; see `uses_decode`.
+DECODE_MAX_QUERIES = 16
+DECODE_MIN_KEYS = 128
 
 _DTYPE_NAMES = {jnp.dtype(jnp.float16): "fp16", jnp.dtype(jnp.bfloat16): "bf16",
                 jnp.dtype(jnp.float32): "fp32"}
@@ -36,11 +42,35 @@ class Plan:
     dq: BwdConfig
     dkdv: BwdConfig
     dbias: BwdConfig
+    decode: DecodeConfig | None = None  # the forward runs the decode kernels when set
+    decode_splits: int = 1
+
+
+def uses_decode(problem: Problem) -> bool:
+    """Decode path rule: T <= 16 queries against S >= 128 keys. There the generic
+    forward's grid (one program per 64-row query block and head) is a few dozen
+    programs reading all of K and V each; the decode kernels split the keys over
+    the GPU and read K/V once per GQA group."""
+    return problem.seq_q <= DECODE_MAX_QUERIES and problem.seq_k >= DECODE_MIN_KEYS
+
+
+def decode_config(problem: Problem, *, has_bias: bool) -> tuple[DecodeConfig, int]:
+    """The decode kernels' launch parameters and split count (tuned entry or default;
+    without a tuned NUM_SPLITS, the heuristic of `decode_num_splits`)."""
+    config = DecodeConfig.from_tuned(
+        _launch_config("decode_fwd_stage1", problem, has_bias=has_bias),
+        _launch_config("decode_fwd_stage2", problem, has_bias=has_bias))
+    splits = config.num_splits or decode_num_splits(
+        batch=problem.batch, heads_kv=problem.heads_kv,
+        packed_rows=problem.group * problem.seq_q, seq_k=problem.seq_k,
+        head_dim_v=problem.head_dim_v, config=config,
+        multiprocessors=tuning.multiprocessor_count())
+    return config, splits
 
 
 def _launch_config(kernel: str, problem: Problem, *, has_bias: bool) -> dict:
     return tuning.launch_config(
-        kernel, direction="forward" if kernel.startswith("fwd") else "backward",
+        kernel, direction="backward" if kernel.startswith("bwd") else "forward",
         dtype=_DTYPE_NAMES[problem.dtype], headdim=max(problem.head_dim, problem.head_dim_v),
         seqlen_q=problem.seq_q, seqlen_k=problem.seq_k, causal=problem.is_causal,
         has_attn_bias=has_bias, has_dropout=problem.dropout_rate > 0,
@@ -59,7 +89,9 @@ def bwd_config(kernel: str, problem: Problem, *, has_bias: bool) -> BwdConfig:
 
 
 def make_plan(problem: Problem, *, has_bias: bool, interpret: bool) -> Plan:
-    return Plan(scale=problem.scale, causal=problem.is_causal, interpret=interpret,
+    decode, splits = (decode_config(problem, has_bias=has_bias) if uses_decode(problem)
+                      else (None, 1))
+    return Plan(decode=decode, decode_splits=splits, scale=problem.scale, causal=problem.is_causal, interpret=interpret,
                 dropout_rate=problem.dropout_rate,
                 fwd=fwd_config(problem, has_bias=has_bias),
                 preproc=bwd_config("bwd_preproc", problem, has_bias=has_bias),
@@ -73,6 +105,11 @@ def forward_kernels(plan: Plan, q, k, v, bias, mask, seed):
 
     Every argument array has batch as dim 0 and heads as dim 2 (q/k/v) or dim 1
     (bias/mask), so this function is what a sharding wrapper partitions."""
+    if plan.decode is not None:
+        return decode_attention(q, k, v, bias, mask, scale=plan.scale, causal=plan.causal,
+                                config=plan.decode, num_splits=plan.decode_splits,
+                                interpret=plan.interpret, dropout_rate=plan.dropout_rate,
+                                seed=seed)
     return fwd_generic(q, k, v, bias, mask, scale=plan.scale, causal=plan.causal,
                        config=plan.fwd, interpret=plan.interpret,
                        dropout_rate=plan.dropout_rate, seed=seed)

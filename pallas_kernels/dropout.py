@@ -106,11 +106,14 @@ def _join_last(x: jax.Array, y: jax.Array) -> jax.Array:
 def draws_tile(seed0, seed1, b, h, rows: jax.Array, col_start, n_cols: int, *,
                on_gpu: bool) -> jax.Array:
     """The 16-bit draws (int32 in [0, 2^16)) of columns [col_start, col_start + n_cols)
-    for query rows `rows` [m] of head h, batch b: [m, n_cols]. col_start and n_cols
+    for query rows `rows` [m] of head h (a scalar, or [m]: each row's head), batch b:
+    [m, n_cols]. col_start and n_cols
     must be multiples of 8 (true for every kernel tile)."""
     groups = n_cols // COLUMNS_PER_CALL
     c0 = jnp.asarray(col_start, jnp.int32) // COLUMNS_PER_CALL + jnp.arange(groups,
                                                                             dtype=jnp.int32)
+    h = jnp.asarray(h, jnp.int32)
+    h = h[:, None] if h.ndim == 1 else h  # one head per row (decode's packed GQA rows)
     w = philox4x32(c0[None, :], rows.astype(jnp.int32)[:, None], h, b, seed0, seed1,
                    mulhi=mulhi_ptx if on_gpu else mulhi_limbs)
     # words[2a + b'] at [..., a, b'], then halves at [..., a, b', c]: column 8g + 4a + 2b' + c

@@ -31,7 +31,7 @@ for stage in $stages; do
       python3 scripts/dropout_overhead.py --out "$OUT/dropout.json" ${DROPOUT_ARGS:-} 2>&1 | tee "$OUT/dropout.log" | tail -10
       ;;
     bench)
-      python3 -m ffpa_jax.bench --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -40
+      python3 -m ffpa_jax.bench --json "$OUT/bench.json" --plot "$OUT/bench.png" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -80
       ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -5,7 +5,7 @@ this device and problem when one matches, else the built-in default.
 """
 
 from tuning.defaults import default_config
-from tuning.device import current_device, sanitize_device_name
+from tuning.device import current_device, multiprocessor_count, sanitize_device_name
 from tuning.lookup import lookup_config
 from tuning.registry import KERNELS, config_problem
 from tuning.schema import load_config_file, write_config_file
@@ -19,6 +19,7 @@ __all__ = [
     "launch_config",
     "load_config_file",
     "lookup_config",
+    "multiprocessor_count",
     "sanitize_device_name",
     "write_config_file",
 ]

@@ -57,7 +57,26 @@ _BWD_PREPROC: tuple[tuple[int, dict], ...] = (
 # float32 tiles take twice the shared memory of 16-bit ones: where a 16-bit
 # default is sized to the limit, float32 gets the smaller tile it was measured
 # with first (dq with BLOCK_N=128 at D=320 requested 288 KiB of the 227 KiB).
+# Decode (T <= 16 against long S): memory-bound, so each program keeps the whole
+# output head dim (V is read once) and only 16 packed query rows; the D chunks of
+# QKᵀ walk in a loop above 256 to keep one K chunk live.
+_DECODE_STAGE1: tuple[tuple[int, dict], ...] = (
+    (128, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_HEADDIM_QK=128, BLOCK_HEADDIM_V=128,
+               num_warps=4, num_stages=3)),
+    (256, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=256,
+               num_warps=4, num_stages=3, DYNAMIC_D=True)),
+    (512, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=512,
+               num_warps=4, num_stages=3, DYNAMIC_D=True)),
+    (1024, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=1024,
+                num_warps=8, num_stages=2, DYNAMIC_D=True)),
+)
+_DECODE_STAGE2: tuple[tuple[int, dict], ...] = (
+    (1024, dict(BLOCK_HEADDIM_V=128, num_warps=4, num_stages=1)),
+)
+
 _FP32_OVERRIDES: dict[str, tuple[tuple[int, dict], ...]] = {
+    # float32 V tiles are twice the bytes: fewer buffered stages / keys per step.
+    "decode_fwd_stage1": ((512, dict(num_stages=2)), (1024, dict(BLOCK_N=16))),
     "bwd_generic_dq": ((1024, dict(BLOCK_N=64)),),
     "bwd_dbias": ((1024, dict(BLOCK_N=64)),),
     "bwd_generic_dkdv": ((1024, dict(BLOCK_M=64)),),
@@ -69,6 +88,8 @@ _TABLES = {
     "bwd_generic_dq": _BWD_DQ,
     "bwd_generic_dkdv": _BWD_DKDV,
     "bwd_dbias": _BWD_DQ,  # same tile work as dq: recompute S and dP, reduce dS
+    "decode_fwd_stage1": _DECODE_STAGE1,
+    "decode_fwd_stage2": _DECODE_STAGE2,
 }
 
 

@@ -51,3 +51,19 @@ def current_device() -> tuple[str | None, str | None]:
         str(kind) if kind else None,
         str(capability) if capability is not None else None,
     )
+
+
+# Streaming multiprocessors of an H100 SXM / H200: the count assumed where JAX does
+# not report one (and on CPU, where it only shapes interpret-mode grids).
+DEFAULT_MULTIPROCESSORS = 132
+
+
+def multiprocessor_count() -> int:
+    """Streaming multiprocessors of JAX's first GPU (for split heuristics)."""
+    try:
+        import jax
+
+        count = getattr(jax.devices()[0], "core_count", None)
+    except Exception:  # A broken backend must not break a trace-time decision.
+        count = None
+    return int(count) if isinstance(count, int) and count > 0 else DEFAULT_MULTIPROCESSORS

@@ -47,7 +47,7 @@ KERNELS: dict[str, KernelSpec] = {
                    ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM_QK", "BLOCK_HEADDIM_V"), ("Q_MODE",)),
         KernelSpec("decode_fwd_stage1", "forward",
                    ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM_QK", "BLOCK_HEADDIM_V"),
-                   ("NUM_SPLITS",)),
+                   ("NUM_SPLITS", "DYNAMIC_D")),
         KernelSpec("decode_fwd_stage2", "forward", ("BLOCK_HEADDIM_V",)),
         KernelSpec("bwd_preproc", "backward", ("BLOCK_M", "BLOCK_HEADDIM"), ("D_CHUNK",)),
         KernelSpec("bwd_generic_dkdv", "backward", ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM"),

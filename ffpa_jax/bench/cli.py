@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import sys
 
@@ -17,6 +18,7 @@ from ffpa_jax.bench.cases import KINDS, BenchCase
 from ffpa_jax.bench.measure import DTYPES, measure
 from ffpa_jax.bench.peers import FFPA, PEERS
 
+COMPILE_TARGET_S = 10.0
 CPU_NOTE = ("No GPU found: running small shapes through the Pallas interpreter and XLA on the "
             "CPU. These times only show that the code runs; they say nothing about GPU speed.")
 
@@ -29,7 +31,8 @@ def _kinds(text: str) -> list[str]:
     kinds = [k.strip() for k in text.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown case kind(s) {unknown}; known: {', '.join(KINDS)}")
+        raise argparse.ArgumentTypeError(
+            f"unknown case kind(s) {unknown}; known: {', '.join(KINDS)}")
     return kinds
 
 
@@ -43,9 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     pick.add_argument("--quick", action="store_true",
                       help="one shape per kind and 3 timing samples: a quick look")
     pick.add_argument("--preset", choices=["auto", "gpu", "cpu"], default="auto",
-                      help="shape table when no shape option is given (auto: gpu if a GPU is found)")
+                      help="shape table when no shape option is given "
+                           "(auto: gpu if a GPU is found)")
     pick.add_argument("--mode", choices=["fwd", "fwdbwd", "both"], default="both",
-                      help="forward only, forward+backward, or both (default); decode is forward only")
+                      help="forward only, forward+backward, or both (default); "
+                           "decode is forward only")
     pick.add_argument("--peers", default=",".join(PEERS),
                       help=f"comma list from {', '.join(PEERS)}, or 'none' (default: all)")
     pick.add_argument("--list", action="store_true", help="print the cases and exit")
@@ -134,6 +139,9 @@ def device_header(argv: list[str]) -> dict:
 
 
 def _write_json(path: str, header: dict, records: list[dict]) -> None:
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
     with open(path, "w") as f:
         json.dump({"format": report.FORMAT, "header": header, "records": records}, f, indent=1)
 
@@ -183,6 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     print(report.text_table(records))
     for line in report.dropout_lines(records):
         print(line)
+    compiles = [r for r in records if r["impl"] == "ffpa" and r.get("compile_s") is not None]
+    if compiles:
+        slow = max(compiles, key=lambda r: r["compile_s"])
+        over = sum(r["compile_s"] > COMPILE_TARGET_S for r in compiles)
+        print(f"ffpa trace+compile: at most {slow['compile_s']:.1f} s ({slow['case']}); "
+              f"{over} of {len(compiles)} cases above the {COMPILE_TARGET_S:.0f} s target")
     if args.plot:
         title = f"{header['device']}, {header['date'][:10]}: TF/s against seqlen"
         if not on_gpu:

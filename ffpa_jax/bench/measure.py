@@ -113,8 +113,10 @@ def _dropout_keep(case: BenchCase, rng, bs, hs, step: int) -> np.ndarray:
 def _reference64(q, k, v, bias, visible, keep, do, *, scale: float, rate: float):
     """float64 out [P, R, Dv] and dq [P, R, D] (None without `do`) of each sampled pair:
     q [P, R, D], k [P, S, D], v [P, S, Dv], bias/visible/keep [P, R, S] or None."""
+    def as4(x):
+        return None if x is None else x[None, None]  # [1, 1, R, S]
+
     def one(q, k, v, bias, visible, keep, do):
-        as4 = lambda x: None if x is None else x[None, None]  # [1, 1, R, S]
 
         def ref(q_rows):
             out, _ = mha_reference(q_rows[None, :, None], k[None, :, None], v[None, :, None],

@@ -13,7 +13,6 @@ import math
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 
 import ffpa_jax
 from ffpa_jax.bench.cases import BenchCase
@@ -102,6 +101,9 @@ def _pallas_mha(case: BenchCase, interpret: bool):
     for name, n in (("T", case.t), ("S", case.s)):
         if n % min(128, n):
             raise Unsupported(f"{name}={n} must be a multiple of its 128-wide block")
+        if case.mode == "fwdbwd" and n % 32:
+            raise Unsupported(f"its backward's 32-wide blocks need {name}={n} to be a multiple "
+                              "of 32 (NaN gradients otherwise)")
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
     def run(q, k, v, bias, mask, rng):

@@ -59,17 +59,21 @@ def is_ok(r: dict) -> bool:
 
 
 def load(path) -> dict:
-    """{"format", "header", "records", "path"} of one benchmark JSON file, normalised."""
+    """{"format", "header", "records", "path"} of one benchmark JSON file, normalised and
+    annotated (speedups and dropout overheads among the records of this one run)."""
     path = pathlib.Path(path)
     doc = json.loads(path.read_text())
+    records = [normalize(r) for r in doc["records"]]
+    annotate(records)
     return {"format": doc.get("format", 1), "header": doc["header"], "path": str(path),
-            "records": [normalize(r) for r in doc["records"]]}
+            "records": records}
 
 
 def merge(docs: list[dict]) -> list[dict]:
     """Records of several files, oldest file first by header date: a later record of the
     same (case label, impl) replaces an earlier one (re-measured cases show their newest
-    figure). Each record gains "source" (its file name) and "date"."""
+    figure). Each record gains "source" (its file name) and "date". Speedups stay those
+    of the record's own run: never re-annotate merged records, which mixes runs."""
     merged: dict[tuple[str, str], dict] = {}
     for doc in sorted(docs, key=lambda d: d["header"].get("date", "")):
         for r in doc["records"]:
@@ -153,6 +157,10 @@ def dropout_lines(records: list[dict]) -> list[str]:
     return out
 
 
+def _md(x, fmt: str) -> str:
+    return "–" if x is None else format(x, fmt)
+
+
 def markdown_table(doc: dict) -> str:
     """A format-2 file (or any normalised doc) as a markdown table with its header line."""
     header = doc["header"]
@@ -179,15 +187,16 @@ def markdown_table(doc: dict) -> str:
                 note += f" dropout ×{r['dropout_overhead']:.2f}"
             if r.get("suspect"):
                 note += " wrong result? (error > 5e-2 or NaN)"
-            m = lambda x, fmt: "–" if x is None else format(x, fmt)
             rows.append(f"| {r['kind']} | {label} | {r['impl']} | {r['ms']:.3f} | "
-                        f"{r['tflops']:.1f} | {m(r.get('gbps'), '.0f')} | {m(r.get('error'), '.1e')}"
-                        f" | {m(r.get('error_dq'), '.1e')} | {m(r.get('peak_mib'), '.0f')} | "
-                        f"{m(r.get('compile_s'), '.1f')} | {note.strip()} |")
+                        f"{r['tflops']:.1f} | {_md(r.get('gbps'), '.0f')} | "
+                        f"{_md(r.get('error'), '.1e')} | {_md(r.get('error_dq'), '.1e')} | "
+                        f"{_md(r.get('peak_mib'), '.0f')} | {_md(r.get('compile_s'), '.1f')} | "
+                        f"{note.strip()} |")
     meta = (f"Device {header.get('device')}, jax {header.get('jax')} / jaxlib "
             f"{header.get('jaxlib')}, {header.get('date')}, command `{header.get('command')}`.")
     if header.get("cpu_fallback"):
-        meta += " CPU fallback: Pallas interpreter and XLA on the CPU; times say nothing of GPU speed."
+        meta += (" CPU fallback: Pallas interpreter and XLA on the CPU; times say nothing of "
+                 "GPU speed.")
     return meta + "\n\n" + "\n".join(rows)
 
 
@@ -241,7 +250,7 @@ def plot_tflops(records: list[dict], path=None, *, title: str | None = None,
                 ax.set_ylabel("TF/s")
     handles = {}
     for ax in axes.flat:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(lab, h)
     for ax in axes.flat:
         ax.set_ylim(bottom=0)

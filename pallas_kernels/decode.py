@@ -1,0 +1,295 @@
+"""Decode: split-KV attention for a few queries (T = 1..16) over a long key sequence.
+
+One program per 64-row query block would leave most of the GPU idle when T is
+tiny, so the work is split along the keys instead:
+
+- `decode_fwd_stage1`: grid (splits × row blocks × V slices, B·Hkv). A program
+  takes one chunk of keys of one KV head and *all* the query rows that read that
+  head: the GQA group's Hq/Hkv heads × T queries are packed into the M dimension
+  (packed row r = g·T + t is query t of head hk·G + g), so K and V are read once
+  per group. It writes its normalised partial output and its partial lse, float32.
+- `decode_fwd_stage2`: merges the partials of each query row by their lse:
+  lse = log Σ_s exp(lse_s), out = Σ_s exp(lse_s - lse) · out_s.
+
+Semantics are the forward's: bias/mask broadcast with stride 0 (gathered per
+packed row), bottom-right causal, fully masked rows give 0 and lse -inf,
+dropout with the same keep-mask as every other kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import common, compat
+from pallas_kernels.common import LN2, LOG2E, cdiv, dot, fit_block, i32, iota
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of `decode_fwd_stage1` (FFPA's keys) and of stage 2."""
+
+    block_m: int = 16  # packed query rows (GQA group × T) per program
+    block_n: int = 64  # keys per step
+    block_d: int = 64  # BLOCK_HEADDIM_QK: chunk of D per QKᵀ partial product
+    block_dv: int = 128  # BLOCK_HEADDIM_V: output head-dim slice per program
+    num_warps: int = 4
+    num_stages: int = 2
+    dynamic: bool = False  # fori_loop over the D chunks (one Q and one K chunk live)
+    num_splits: int = 0  # key chunks; 0 = the caller's heuristic decides
+    stage2_block_dv: int = 128
+    stage2_num_warps: int = 4
+
+    @classmethod
+    def from_tuned(cls, stage1: dict, stage2: dict | None = None) -> DecodeConfig:
+        """Tuned-config `config` dicts (FFPA's keys) of the two stages as a DecodeConfig."""
+        stage2 = stage2 or {}
+        return cls(block_m=stage1["BLOCK_M"], block_n=stage1["BLOCK_N"],
+                   block_d=stage1["BLOCK_HEADDIM_QK"], block_dv=stage1["BLOCK_HEADDIM_V"],
+                   num_warps=stage1["num_warps"], num_stages=stage1["num_stages"],
+                   dynamic=stage1.get("DYNAMIC_D", False),
+                   num_splits=stage1.get("NUM_SPLITS", 0),
+                   stage2_block_dv=stage2.get("BLOCK_HEADDIM_V", 128),
+                   stage2_num_warps=stage2.get("num_warps", 4))
+
+    def fitted(self, packed_rows: int, seq_k: int, head_dim: int, head_dim_v: int):
+        return dataclasses.replace(
+            self, block_m=fit_block(self.block_m, packed_rows),
+            block_n=fit_block(self.block_n, seq_k), block_d=fit_block(self.block_d, head_dim),
+            block_dv=fit_block(self.block_dv, head_dim_v),
+            stage2_block_dv=fit_block(self.stage2_block_dv, head_dim_v))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Static sizes of one decode launch."""
+
+    st: common.KernelStatic
+    n_splits: int
+    blocks_per_split: int
+
+    @property
+    def packed(self) -> int:  # rows per KV head: G · T
+        return self.st.group * self.st.seq_q
+
+    @property
+    def n_mblocks(self) -> int:
+        return cdiv(self.packed, self.st.cfg.block_m)
+
+    @property
+    def n_vslices(self) -> int:
+        return cdiv(self.st.head_dim_v, self.st.cfg.block_dv)
+
+
+def _gather_tile(ref, b, h_rows, t_rows, cols, *, rows_ok, seq_k: int, other):
+    """[M, BN] tile of a 4-D bias/mask ref [b?, h?, t?, s?] (dims of size 1 broadcast),
+    rows given per packed row by their head and query index."""
+    bb, hb, tb, sb = ref.shape
+    b_idx = i32(b if bb != 1 else 0)
+    h_idx = (h_rows if hb != 1 else jnp.zeros_like(h_rows))[:, None]
+    t_idx = (t_rows if tb != 1 else jnp.zeros_like(t_rows))[:, None]
+    if sb != 1:
+        c_idx = cols[None, :]
+        mask = rows_ok[:, None] & (cols < seq_k)[None, :]
+    else:
+        c_idx = jnp.zeros((1, 1), jnp.int32)
+        mask = rows_ok[:, None]
+    return plgpu.load(ref.at[b_idx, h_idx, t_idx, c_idx], mask=mask, other=other)
+
+
+def _stage1_kernel(*refs, lay: _Layout):
+    st = lay.st
+    cfg = st.cfg
+    bm, bn, bd, bdv = cfg.block_m, cfg.block_n, cfg.block_d, cfg.block_dv
+    q_ref, k_ref, v_ref, *rest = refs
+    bias_ref = rest.pop(0) if st.bias_shape is not None else None
+    mask_ref = rest.pop(0) if st.mask_shape is not None else None
+    seed_ref = rest.pop(0) if st.dropout_rate > 0 else None
+    o_ref, lse_ref = rest
+
+    pid, bhk = pl.program_id(0), pl.program_id(1)
+    v_slice = pid % lay.n_vslices
+    m_block = (pid // lay.n_vslices) % lay.n_mblocks
+    split = pid // (lay.n_vslices * lay.n_mblocks)
+    b, hk = bhk // st.heads_kv, bhk % st.heads_kv
+    v_start = v_slice * bdv
+
+    # Packed rows of this program: r = g·T + t -> query t of head hk·G + g.
+    r = m_block * bm + iota(bm)
+    rows_ok = r < lay.packed
+    r_safe = jnp.where(rows_ok, r, 0)
+    t_rows = r_safe % st.seq_q
+    h_rows = hk * st.group + r_safe // st.seq_q
+
+    def q_chunk_at(c):
+        cols = common.chunk_start(c, bd) + iota(bd)
+        mask = rows_ok[:, None] & (cols < st.head_dim)[None, :]
+        return plgpu.load(q_ref.at[i32(b), t_rows[:, None], h_rows[:, None], cols[None, :]],
+                          mask=mask, other=0)
+
+    n_dchunks = cdiv(st.head_dim, bd)
+    if not cfg.dynamic:
+        q_chunks = [q_chunk_at(c) for c in range(n_dchunks)]
+        q_chunk = lambda c: q_chunks[c]
+    else:
+        q_chunk = q_chunk_at
+    qk_scale = st.scale * LOG2E
+
+    def visit(kv_block, carry):
+        m_i, l_i, acc = carry
+        kv_start = kv_block * bn
+        cols = kv_start + iota(bn)
+        k_chunk = lambda c: common.load_tile(k_ref, b, kv_start, bn, hk,
+                                             common.chunk_start(c, bd), bd, n_rows=st.seq_k,
+                                             n_cols=st.head_dim)
+        s = common.contract_chunks(q_chunk, k_chunk, n_dchunks, dynamic=cfg.dynamic,
+                                   shape=(bm, bn)) * qk_scale
+        if bias_ref is not None:
+            bias = _gather_tile(bias_ref, b, h_rows, t_rows, cols, rows_ok=rows_ok,
+                                seq_k=st.seq_k, other=0)
+            s = s + bias.astype(jnp.float32) * LOG2E
+        if mask_ref is not None:
+            keep = _gather_tile(mask_ref, b, h_rows, t_rows, cols, rows_ok=rows_ok,
+                                seq_k=st.seq_k, other=False)
+            s = jnp.where(keep, s, -jnp.inf)
+        if st.causal:
+            s = jnp.where(cols[None, :] <= t_rows[:, None] + (st.seq_k - st.seq_q), s, -jnp.inf)
+        if st.seq_k % bn != 0:
+            s = jnp.where((cols < st.seq_k)[None, :], s, -jnp.inf)
+
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp2(s - m_use[:, None])
+        alpha = jnp.exp2(m_i - m_use)
+        l_i = l_i * alpha + jnp.sum(p, axis=1)
+        if seed_ref is not None:
+            keep = common.dropout.keep_tile(seed_ref, b, h_rows, t_rows, kv_start, bn,
+                                            rate=st.dropout_rate, on_gpu=not st.interpret)
+            p = jnp.where(keep, p, 0.0)
+        v_tile = common.load_tile(v_ref, b, kv_start, bn, hk, v_start, bdv, n_rows=st.seq_k,
+                                  n_cols=st.head_dim_v)
+        p = p if v_tile.dtype == jnp.float32 else p.astype(v_tile.dtype)
+        acc = acc * alpha[:, None] + dot(p, v_tile)
+        return m_new, l_i, acc
+
+    first = split * lay.blocks_per_split
+    last = jnp.minimum(first + lay.blocks_per_split, cdiv(st.seq_k, bn))
+    carry = (jnp.full((bm,), -jnp.inf, jnp.float32), jnp.zeros((bm,), jnp.float32),
+             jnp.zeros((bm, bdv), jnp.float32))
+    m_i, l_i, acc = jax.lax.fori_loop(i32(first), i32(last), visit, carry)
+
+    has_keys = l_i > 0.0
+    l_safe = jnp.where(has_keys, l_i, 1.0)
+    out = acc / (l_safe if st.dropout_rate == 0 else l_safe * (1.0 - st.dropout_rate))[:, None]
+    # Output rows h·T + t = hk·G·T + r: one contiguous slab per KV head.
+    row0 = hk * lay.packed + m_block * bm
+    out_cols = v_start + iota(bdv)
+    plgpu.store(o_ref.at[i32(b), i32(split), common.ds(row0, bm), common.ds(v_start, bdv)],
+                out, mask=rows_ok[:, None] & (out_cols < st.head_dim_v)[None, :])
+    lse = jnp.where(has_keys, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
+    plgpu.store(lse_ref.at[i32(b), i32(split), common.ds(row0, bm)], lse,
+                mask=rows_ok & (v_slice == 0))
+
+
+def decode_num_splits(*, batch: int, heads_kv: int, packed_rows: int, seq_k: int,
+                      head_dim_v: int, config: DecodeConfig, multiprocessors: int) -> int:
+    """The split count when the config leaves it open: enough programs for about four
+    waves over the multiprocessors, each split at least two key blocks long."""
+    cfg = config.fitted(packed_rows, seq_k, 1, head_dim_v)
+    programs = batch * heads_kv * cdiv(packed_rows, cfg.block_m) * cdiv(head_dim_v, cfg.block_dv)
+    n_blocks = cdiv(seq_k, cfg.block_n)
+    wanted = cdiv(4 * multiprocessors, programs)
+    return max(1, min(wanted, n_blocks // 2, 128))
+
+
+def decode_fwd_stage1(q, k, v, bias=None, mask=None, *, scale: float, causal: bool,
+                      config: DecodeConfig, num_splits: int, interpret: bool = False,
+                      dropout_rate: float = 0.0, seed: jax.Array | None = None):
+    """Partial outputs float32 [B, splits, Hq·T, Dv] (row h·T + t) and partial lse
+    float32 [B, splits, Hq·T], one per key chunk."""
+    batch, seq_q, heads_q, head_dim = q.shape
+    _, seq_k, heads_kv, _ = k.shape
+    head_dim_v = v.shape[3]
+    group = heads_q // heads_kv
+    cfg = config.fitted(group * seq_q, seq_k, head_dim, head_dim_v)
+    n_blocks = cdiv(seq_k, cfg.block_n)
+    blocks_per_split = cdiv(n_blocks, max(1, num_splits))
+    n_splits = cdiv(n_blocks, blocks_per_split)  # no empty split
+    st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
+                              dropout_rate=dropout_rate, interpret=interpret)
+    lay = _Layout(st=st, n_splits=n_splits, blocks_per_split=blocks_per_split)
+    inputs = ([q, k, v] + [x for x in (bias, mask) if x is not None]
+              + common.seed_inputs(dropout_rate, seed))
+    compat.silence_triton_deprecation()
+    rows = heads_q * seq_q
+    return pl.pallas_call(
+        functools.partial(_stage1_kernel, lay=lay),
+        out_shape=(jax.ShapeDtypeStruct((batch, n_splits, rows, head_dim_v), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, n_splits, rows), jnp.float32)),
+        grid=(n_splits * lay.n_mblocks * lay.n_vslices, batch * heads_kv),
+        compiler_params=compat.compiler_params(cfg.num_warps, cfg.num_stages),
+        interpret=interpret, name="decode_fwd_stage1")(*inputs)
+
+
+def _stage2_kernel(o_part_ref, lse_part_ref, o_ref, lse_ref, *, n_splits: int, seq_q: int,
+                   heads_q: int, head_dim_v: int, bs: int, bdv: int):
+    row, b = pl.program_id(0), pl.program_id(1)  # row = h·T + t
+    v_slice = pl.program_id(2)
+    splits = iota(bs)
+    split_ok = splits < n_splits
+    lse_s = plgpu.load(lse_part_ref.at[i32(b), splits, i32(row)], mask=split_ok,
+                       other=-jnp.inf)
+    m = jnp.max(lse_s)
+    m_use = jnp.where(m == -jnp.inf, 0.0, m)
+    w = jnp.exp(lse_s - m_use)  # 0 for empty splits and padding
+    total = jnp.sum(w)
+    has_keys = total > 0.0
+    w = w / jnp.where(has_keys, total, 1.0)
+    cols = v_slice * bdv + iota(bdv)
+    parts = plgpu.load(o_part_ref.at[i32(b), splits[:, None], i32(row), cols[None, :]],
+                       mask=split_ok[:, None] & (cols < head_dim_v)[None, :], other=0.0)
+    out = jnp.sum(parts * w[:, None], axis=0)
+    h, t = row // seq_q, row % seq_q
+    plgpu.store(o_ref.at[i32(b), i32(t), i32(h), cols], out.astype(o_ref.dtype),
+                mask=cols < head_dim_v)
+
+    @pl.when(v_slice == 0)
+    def _():
+        lse = jnp.where(has_keys, m_use + jnp.log(jnp.where(has_keys, total, 1.0)), -jnp.inf)
+        plgpu.store(lse_ref.at[i32(b), pl.ds(i32(row), 1)], jnp.full((1,), lse, jnp.float32))
+
+
+def decode_fwd_stage2(o_part, lse_part, *, seq_q: int, heads_q: int, dtype,
+                      config: DecodeConfig, interpret: bool = False):
+    """Merge the partials: (out [B, T, Hq, Dv] in `dtype`, lse [B, Hq, T] float32)."""
+    batch, n_splits, rows, head_dim_v = o_part.shape
+    bdv = fit_block(config.stage2_block_dv, head_dim_v)
+    bs = max(2, common.next_pow2(n_splits))
+    kernel = functools.partial(_stage2_kernel, n_splits=n_splits, seq_q=seq_q, heads_q=heads_q,
+                               head_dim_v=head_dim_v, bs=bs, bdv=bdv)
+    compat.silence_triton_deprecation()
+    out, lse = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((batch, seq_q, heads_q, head_dim_v), dtype),
+                   jax.ShapeDtypeStruct((batch, rows), jnp.float32)),
+        grid=(rows, batch, cdiv(head_dim_v, bdv)),
+        compiler_params=compat.compiler_params(config.stage2_num_warps, 1),
+        interpret=interpret, name="decode_fwd_stage2")(o_part, lse_part)
+    return out, lse.reshape(batch, heads_q, seq_q)
+
+
+def decode_attention(q, k, v, bias=None, mask=None, *, scale: float, causal: bool,
+                     config: DecodeConfig, num_splits: int, interpret: bool = False,
+                     dropout_rate: float = 0.0, seed: jax.Array | None = None):
+    """Both stages: (out [B, T, Hq, Dv] in q's dtype, lse [B, Hq, T] float32)."""
+    o_part, lse_part = decode_fwd_stage1(q, k, v, bias, mask, scale=scale, causal=causal,
+                                         config=config, num_splits=num_splits,
+                                         interpret=interpret, dropout_rate=dropout_rate,
+                                         seed=seed)
+    return decode_fwd_stage2(o_part, lse_part, seq_q=q.shape[1], heads_q=q.shape[2],
+                             dtype=q.dtype, config=config, interpret=interpret)
