@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything we run on the lent GPU, in one call: environment, GPU tests, variant
 # sweep, benchmark. Results land in $OUT (or ./gpu_out). Stages are chosen by
-# arguments: env tests sweep bwdsweep dropout bench (default: all but dropout).
+# arguments: env tests sweep bwdsweep dropvar decvar dropout bench (default: env tests sweep
+# bwdsweep bench).
 # TEST_PATHS narrows the tests stage (default: tests/). Example, on the device tool:
 #   bash scripts/gpu_run.sh env tests bench
 set -u
@@ -26,6 +27,12 @@ for stage in $stages; do
       ;;
     bwdsweep)
       python3 scripts/bwd_variants.py --out "$OUT/bwd_variants.json" ${BWD_SWEEP_ARGS:-} 2>&1 | tee "$OUT/bwd_variants.log" | tail -30
+      ;;
+    dropvar)
+      python3 scripts/dropout_variants.py --out "$OUT/dropout_variants.json" ${DROPVAR_ARGS:-} 2>&1 | tee "$OUT/dropout_variants.log" | tail -14
+      ;;
+    decvar)
+      python3 scripts/decode_variants.py --out "$OUT/decode_variants.json" ${DECVAR_ARGS:-} 2>&1 | tee "$OUT/decode_variants.log" | tail -16
       ;;
     dropout)
       python3 scripts/dropout_overhead.py --out "$OUT/dropout.json" ${DROPOUT_ARGS:-} 2>&1 | tee "$OUT/dropout.log" | tail -10
