@@ -31,6 +31,9 @@ for stage in $stages; do
     dropvar)
       python3 scripts/dropout_variants.py --out "$OUT/dropout_variants.json" ${DROPVAR_ARGS:-} 2>&1 | tee "$OUT/dropout_variants.log" | tail -14
       ;;
+    dropcfg)
+      python3 scripts/dropout_configs.py --out "$OUT/dropout_configs.json" ${DROPCFG_ARGS:-} 2>&1 | tee "$OUT/dropout_configs.log" | tail -40
+      ;;
     decvar)
       python3 scripts/decode_variants.py --out "$OUT/decode_variants.json" ${DECVAR_ARGS:-} 2>&1 | tee "$OUT/decode_variants.log" | tail -16
       ;;

@@ -82,6 +82,12 @@ _FP32_OVERRIDES: dict[str, tuple[tuple[int, dict], ...]] = {
     "bwd_generic_dkdv": ((1024, dict(BLOCK_M=64)),),
 }
 
+# With dropout each tile also generates its keep-mask; the layout shuffles of that
+# generator need shared memory (fwd D=128 with 3 stages asked 240 KiB of 227 KiB).
+_DROPOUT_OVERRIDES: dict[str, tuple[tuple[int, dict], ...]] = {
+    "fwd_generic": ((128, dict(num_stages=2)),),
+}
+
 _TABLES = {
     "fwd_generic": _FWD_GENERIC,
     "bwd_preproc": _BWD_PREPROC,
@@ -100,12 +106,17 @@ def _row(table: tuple[tuple[int, dict], ...], headdim: int) -> tuple[int, dict]:
     return table[-1]
 
 
-def default_config(kernel: str, *, headdim: int, dtype: str = "bf16") -> dict:
-    """The built-in config of `kernel` for head dim `headdim` and dtype (a fresh dict)."""
+def default_config(kernel: str, *, headdim: int, dtype: str = "bf16",
+                   has_dropout: bool = False) -> dict:
+    """The built-in config of `kernel` for head dim `headdim`, dtype and dropout (a
+    fresh dict)."""
     max_dim, config = _row(_TABLES[kernel], headdim)
     config = dict(config, num_ctas=1)
-    if dtype == "fp32":
-        for override_dim, changes in _FP32_OVERRIDES.get(kernel, ()):
+    overrides = [_FP32_OVERRIDES] if dtype == "fp32" else []
+    if has_dropout:
+        overrides.append(_DROPOUT_OVERRIDES)
+    for table in overrides:
+        for override_dim, changes in table.get(kernel, ()):
             if override_dim == max_dim:
                 config.update(changes)
     return config

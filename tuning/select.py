@@ -22,4 +22,4 @@ def launch_config(kernel: str, *, direction: str, dtype: str, headdim: int, seql
                           bias_grad=bias_grad, device_name=device_name)
     if tuned is not None:
         return tuned
-    return default_config(kernel, headdim=headdim, dtype=dtype)
+    return default_config(kernel, headdim=headdim, dtype=dtype, has_dropout=has_dropout)
