@@ -60,13 +60,15 @@ _BWD_PREPROC: tuple[tuple[int, dict], ...] = (
 # Decode (T <= 16 against long S): memory-bound, so each program keeps the whole
 # output head dim (V is read once) and only 16 packed query rows; the D chunks of
 # QKᵀ walk in a loop above 256 to keep one K chunk live.
+# H200, bf16, B8 Hq32 Hkv8 T1 S32768 (scripts/decode_variants.py): D=128 4.17 TB/s
+# (3 stages: 3.95); D=512 3.44 TB/s with the whole D chunk static (dynamic BD=64: 2.26).
 _DECODE_STAGE1: tuple[tuple[int, dict], ...] = (
     (128, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_HEADDIM_QK=128, BLOCK_HEADDIM_V=128,
-               num_warps=4, num_stages=3)),
+               num_warps=4, num_stages=4)),
     (256, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=256,
                num_warps=4, num_stages=3, DYNAMIC_D=True)),
-    (512, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=512,
-               num_warps=4, num_stages=3, DYNAMIC_D=True)),
+    (512, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_HEADDIM_QK=512, BLOCK_HEADDIM_V=512,
+               num_warps=8, num_stages=2)),
     (1024, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=1024,
                 num_warps=8, num_stages=2, DYNAMIC_D=True)),
 )
@@ -76,7 +78,7 @@ _DECODE_STAGE2: tuple[tuple[int, dict], ...] = (
 
 _FP32_OVERRIDES: dict[str, tuple[tuple[int, dict], ...]] = {
     # float32 V tiles are twice the bytes: fewer buffered stages / keys per step.
-    "decode_fwd_stage1": ((512, dict(num_stages=2)), (1024, dict(BLOCK_N=16))),
+    "decode_fwd_stage1": ((512, dict(BLOCK_N=16)), (1024, dict(BLOCK_N=16))),
     "bwd_generic_dq": ((1024, dict(BLOCK_N=64)),),
     "bwd_dbias": ((1024, dict(BLOCK_N=64)),),
     "bwd_generic_dkdv": ((1024, dict(BLOCK_M=64)),),
