@@ -6,7 +6,7 @@ import functools
 
 import jax
 
-from ffpa_jax import validation
+from ffpa_jax import runtime_autotune, validation
 from ffpa_jax.dropout import seed_from_key
 from ffpa_jax.pallas_path import pallas_attention
 from ffpa_jax.reference import mha_reference
@@ -46,7 +46,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
               bias: jax.Array | None = None, mask: jax.Array | None = None, *,
               scale: float | None = None, is_causal: bool = False, dropout_rate: float = 0.0,
               dropout_rng: jax.Array | None = None, return_lse: bool = False,
-              implementation: str | None = None, interpret: bool = False):
+              implementation: str | None = None, interpret: bool = False,
+              autotune: str | None = None):
     """Exact scaled dot-product attention, memory-efficient on NVIDIA GPUs.
 
     Args:
@@ -62,6 +63,10 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
       return_lse: also return the log-sum-exp of the logits, [B, Hq, T] float32.
       implementation: None (Pallas on an NVIDIA GPU, XLA elsewhere), "pallas" or "xla".
       interpret: run the Pallas kernels in Pallas' interpreter (CPU testing).
+      autotune: None (default: tuned-config files, else built-in configs), "fast" or
+        "max": when the call is traced, benchmark each kernel's candidate configs for
+        this exact shape on the current GPU and use the fastest correct one (cached
+        per process; needs a GPU, else a one-time warning). See docs/tuning.md.
 
     Returns:
       out [B, T, Hq, Dv] in query's dtype, or (out, lse) when return_lse is True.
@@ -71,6 +76,7 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng, return_lse=return_lse,
         implementation=implementation, interpret=interpret)
+    autotune = runtime_autotune.validate_mode(autotune)
     impl = resolve_implementation(implementation, interpret)
 
     batched = problem.batched
@@ -88,7 +94,7 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
                                  dropout_rate=problem.dropout_rate)
     else:
         out, lse = pallas_attention(q, k, v, bias4, mask4, problem, interpret=interpret,
-                                    seed=seed)
+                                    seed=seed, autotune=autotune)
     if not batched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out

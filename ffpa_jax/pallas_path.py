@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 import tuning
+from ffpa_jax import runtime_autotune
 from ffpa_jax.validation import Problem
 from pallas_kernels import (BwdConfig, DecodeConfig, FwdConfig, bwd_dbias, bwd_generic_dkdv,
                             bwd_generic_dq, bwd_preproc, decode_attention, decode_num_splits,
@@ -54,12 +55,15 @@ def uses_decode(problem: Problem) -> bool:
     return problem.seq_q <= DECODE_MAX_QUERIES and problem.seq_k >= DECODE_MIN_KEYS
 
 
-def decode_config(problem: Problem, *, has_bias: bool) -> tuple[DecodeConfig, int]:
+def decode_config(problem: Problem, *, has_bias: bool, autotune: str | None = None,
+                  interpret: bool = False) -> tuple[DecodeConfig, int]:
     """The decode kernels' launch parameters and split count (tuned entry or default;
     without a tuned NUM_SPLITS, the heuristic of `decode_num_splits`)."""
     config = DecodeConfig.from_tuned(
-        _launch_config("decode_fwd_stage1", problem, has_bias=has_bias),
-        _launch_config("decode_fwd_stage2", problem, has_bias=has_bias))
+        _launch_config("decode_fwd_stage1", problem, has_bias=has_bias, autotune=autotune,
+                       interpret=interpret),
+        _launch_config("decode_fwd_stage2", problem, has_bias=has_bias, autotune=autotune,
+                       interpret=interpret))
     splits = config.num_splits or decode_num_splits(
         batch=problem.batch, heads_kv=problem.heads_kv,
         packed_rows=problem.group * problem.seq_q, seq_k=problem.seq_k,
@@ -68,7 +72,15 @@ def decode_config(problem: Problem, *, has_bias: bool) -> tuple[DecodeConfig, in
     return config, splits
 
 
-def _launch_config(kernel: str, problem: Problem, *, has_bias: bool) -> dict:
+def _launch_config(kernel: str, problem: Problem, *, has_bias: bool,
+                   autotune: str | None = None, interpret: bool = False) -> dict:
+    """Runtime autotune's winner when `autotune` is set (and it found one), else the
+    tuned entry for this device, else the built-in default."""
+    if autotune is not None:
+        tuned = runtime_autotune.autotuned_config(kernel, problem, has_bias=has_bias,
+                                                  mode=autotune, interpret=interpret)
+        if tuned is not None:
+            return tuned
     return tuning.launch_config(
         kernel, direction="backward" if kernel.startswith("bwd") else "forward",
         dtype=_DTYPE_NAMES[problem.dtype], headdim=max(problem.head_dim, problem.head_dim_v),
@@ -78,26 +90,35 @@ def _launch_config(kernel: str, problem: Problem, *, has_bias: bool) -> dict:
         bias_grad=has_bias if kernel.startswith("bwd") else None)
 
 
-def fwd_config(problem: Problem, *, has_bias: bool) -> FwdConfig:
-    """fwd_generic's launch parameters for this problem (tuned entry or default)."""
-    return FwdConfig.from_tuned(_launch_config("fwd_generic", problem, has_bias=has_bias))
+def fwd_config(problem: Problem, *, has_bias: bool, autotune: str | None = None,
+               interpret: bool = False) -> FwdConfig:
+    """fwd_generic's launch parameters for this problem (autotuned, tuned entry or default)."""
+    return FwdConfig.from_tuned(_launch_config("fwd_generic", problem, has_bias=has_bias,
+                                               autotune=autotune, interpret=interpret))
 
 
-def bwd_config(kernel: str, problem: Problem, *, has_bias: bool) -> BwdConfig:
-    """A backward kernel's launch parameters (tuned entry or default)."""
-    return BwdConfig.from_tuned(_launch_config(kernel, problem, has_bias=has_bias))
+def bwd_config(kernel: str, problem: Problem, *, has_bias: bool, autotune: str | None = None,
+               interpret: bool = False) -> BwdConfig:
+    """A backward kernel's launch parameters (autotuned, tuned entry or default)."""
+    return BwdConfig.from_tuned(_launch_config(kernel, problem, has_bias=has_bias,
+                                               autotune=autotune, interpret=interpret))
 
 
-def make_plan(problem: Problem, *, has_bias: bool, interpret: bool) -> Plan:
-    decode, splits = (decode_config(problem, has_bias=has_bias) if uses_decode(problem)
-                      else (None, 1))
-    return Plan(decode=decode, decode_splits=splits, scale=problem.scale, causal=problem.is_causal, interpret=interpret,
+def make_plan(problem: Problem, *, has_bias: bool, interpret: bool,
+              autotune: str | None = None) -> Plan:
+    tune = dict(has_bias=has_bias, autotune=autotune, interpret=interpret)
+    decode, splits = (decode_config(problem, **tune) if uses_decode(problem) else (None, 1))
+    plan = Plan(decode=decode, decode_splits=splits, scale=problem.scale,
+                causal=problem.is_causal, interpret=interpret,
                 dropout_rate=problem.dropout_rate,
-                fwd=fwd_config(problem, has_bias=has_bias),
-                preproc=bwd_config("bwd_preproc", problem, has_bias=has_bias),
-                dq=bwd_config("bwd_generic_dq", problem, has_bias=has_bias),
-                dkdv=bwd_config("bwd_generic_dkdv", problem, has_bias=has_bias),
-                dbias=bwd_config("bwd_dbias", problem, has_bias=has_bias))
+                fwd=fwd_config(problem, **tune),
+                preproc=bwd_config("bwd_preproc", problem, **tune),
+                dq=bwd_config("bwd_generic_dq", problem, **tune),
+                dkdv=bwd_config("bwd_generic_dkdv", problem, **tune),
+                dbias=bwd_config("bwd_dbias", problem, **tune))
+    if autotune is not None:
+        runtime_autotune.release_inputs()  # the benchmark's own inputs
+    return plan
 
 
 def forward_kernels(plan: Plan, q, k, v, bias, mask, seed):
@@ -152,8 +173,9 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def pallas_attention(q, k, v, bias4, mask4, problem: Problem, *, interpret: bool,
-                     seed: jax.Array | None = None):
+                     seed: jax.Array | None = None, autotune: str | None = None):
     """(out, lse) through the Pallas kernels, differentiable with respect to q, k, v and
     bias; q/k/v batched, bias4/mask4 4-D or None; seed uint32[2] when dropping."""
-    plan = make_plan(problem, has_bias=bias4 is not None, interpret=interpret)
+    plan = make_plan(problem, has_bias=bias4 is not None, interpret=interpret,
+                     autotune=autotune)
     return _attention(plan, q, k, v, bias4, mask4, seed)

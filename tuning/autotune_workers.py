@@ -32,7 +32,7 @@ import sys
 import threading
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 DEFAULT_BACKEND = "tuning.autotune_measure:MeasureBackend"
 _REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -15,8 +15,8 @@ the measurement step drops candidates that fit to the same launch. Every
 candidate passes `registry.config_problem`; whether it compiles (shared memory)
 and computes the right thing is for the measurement to find out.
 
-The decode kernels (`decode_fwd_stage1` / `decode_fwd_stage2`) have no built-in
-default in `tuning.defaults` yet; their spaces start from `_DECODE_BASE`.
+A kernel without a row in `tuning.defaults` (the decode kernels in older
+checkouts) starts from `_DECODE_BASE` instead.
 """
 
 from __future__ import annotations
@@ -159,11 +159,10 @@ def _preproc_grid(headdim: int) -> Iterable[dict]:
         yield dict(BLOCK_M=bm, BLOCK_HEADDIM=bh, num_warps=w, num_stages=st)
 
 
-# Decode: no built-in default exists yet (pallas_kernels has no decode kernel at
-# the time of writing); these are starting points in the registry's keys.
+# Decode: used when tuning.defaults has no row for a decode kernel (older checkouts).
 _DECODE_BASE = {
     "decode_fwd_stage1": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=128,
-                              NUM_SPLITS=16, num_warps=4, num_stages=2),
+                              num_warps=4, num_stages=2),
     "decode_fwd_stage2": dict(BLOCK_HEADDIM_V=128, num_warps=4, num_stages=1),
 }
 
@@ -171,9 +170,11 @@ _DECODE_BASE = {
 def _decode_moves(kernel: str) -> list[Move]:
     if kernel == "decode_fwd_stage2":
         return [_scale("BLOCK_HEADDIM_V", 2), _scale("BLOCK_HEADDIM_V", 0.5), _set("num_warps", 8),
-                _set("num_warps", 2)]
-    return [_scale("NUM_SPLITS", 2), _scale("NUM_SPLITS", 0.5), _scale("BLOCK_N", 2),
-            _scale("BLOCK_N", 0.5), _scale("BLOCK_HEADDIM_V", 2), _toggle_warps, _stages(1)]
+                _set("num_warps", 2), _scale("BLOCK_HEADDIM_V", 4)]
+    # Without NUM_SPLITS the kernel's heuristic picks the split count (about four
+    # waves of programs); explicit counts around it come first.
+    return [_set("NUM_SPLITS", 32), _set("NUM_SPLITS", 8), _scale("BLOCK_N", 2),
+            _scale("BLOCK_N", 0.5), _toggle_warps, _stages(1), _set("NUM_SPLITS", 64)]
 
 
 def _decode_grid(kernel: str, headdim: int) -> Iterable[dict]:
@@ -182,19 +183,21 @@ def _decode_grid(kernel: str, headdim: int) -> Iterable[dict]:
         for st, bdv, w in itertools.product((1, 2, 3), (64, 128, 256, 512, 1024), (1, 2, 4, 8)):
             yield dict(BLOCK_HEADDIM_V=bdv, num_warps=w, num_stages=st)
         return
-    for splits, bn, bdv, w in itertools.product((8, 16, 32, 64), (32, 64, 128), (128, 256),
-                                                 (4, 8)):
-        yield dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_HEADDIM_QK=min(d, 64), BLOCK_HEADDIM_V=bdv,
-                   NUM_SPLITS=splits, num_warps=w, num_stages=2)
+    dynamic = headdim > 256
+    for splits, bn, w, st in itertools.product((16, 32, 8, 64), (32, 64, 16), (4, 8), (3, 2)):
+        yield dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_HEADDIM_QK=min(d, 64 if dynamic else 128),
+                   BLOCK_HEADDIM_V=d, NUM_SPLITS=splits, num_warps=w, num_stages=st,
+                   **({"DYNAMIC_D": True} if dynamic else {}))
 
 
 # ------------------------------------------------------------------ public
 
 
 def _base(kernel: str, headdim: int, dtype: str) -> dict:
-    if kernel in _DECODE_BASE:
+    try:
+        return default_config(kernel, headdim=headdim, dtype=dtype)
+    except KeyError:  # no built-in default for this kernel
         return dict(_DECODE_BASE[kernel], num_ctas=1)
-    return default_config(kernel, headdim=headdim, dtype=dtype)
 
 
 def _moves_and_grid(kernel: str, headdim: int) -> tuple[list[Move], Iterable[dict]]:

@@ -1,0 +1,149 @@
+"""Runtime autotune: `ffpa_jax.attention(..., autotune="fast" | "max")`, for experiments.
+
+When a call is traced with `autotune` set, each of its kernels' candidate
+configs (`tuning.search_space`, the built-in default first) is compiled, checked
+against a float32 reference and timed on the current GPU, for this exact shape
+(batch, sequence lengths, heads, head dims, dtype, causal, bias and mask
+shapes), and the fastest is used. The winner is cached for the process: later
+traces of the same shape pay a dict probe. Off by default (`autotune=None`),
+where the tuned-config files and the built-in defaults decide.
+
+Notes:
+- It runs while JAX traces the call (inside `jax.jit` too). It allocates its own
+  random inputs of the call's shapes (the caller's values are tracers), so it
+  needs about as much free device memory again as q, k, v and the output; they
+  are freed by `release_inputs()` (pallas_path calls it once a plan is made).
+- A masked call is benchmarked with an all-True mask of the same shape (every
+  tile visited); dropout calls with the call's rate and a fixed seed.
+- Without a GPU (Pallas' interpreter, `interpret=True`, or a CPU backend) it
+  returns None after one warning per process: timings of interpreted kernels
+  mean nothing, so the tuned/default config is used instead.
+- The winners are not written anywhere: for persistent configs use
+  `python -m tuning.autotune` (docs/tuning.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+MODES = ("fast", "max")
+logger = logging.getLogger("ffpa_jax.tuning")
+
+_DTYPE_NAMES = {jnp.dtype(jnp.float16): "fp16", jnp.dtype(jnp.bfloat16): "bf16",
+                jnp.dtype(jnp.float32): "fp32"}
+
+_lock = threading.RLock()
+_cache: dict[tuple, dict | None] = {}
+_inputs: dict[str, Any] = {}  # {"key": spec, "value": Inputs} of the problem being tuned
+_warned: set[str] = set()
+_stats = {"tuned": 0}  # kernels measured (not served from the cache), for tests
+
+
+def validate_mode(mode: Any) -> str | None:
+    """`mode` normalised (None = off); ValueError naming the argument otherwise."""
+    if mode is None or mode is False:
+        return None
+    if mode not in MODES:
+        raise ValueError(f"autotune must be None, 'fast' or 'max'; got {mode!r}")
+    return mode
+
+
+def _pad4(shape: tuple[int, ...] | None) -> tuple[int, int, int, int] | None:
+    if shape is None:
+        return None
+    return (1,) * (4 - len(shape)) + tuple(int(d) for d in shape)  # type: ignore[return-value]
+
+
+def _spec(problem, *, has_bias: bool):
+    from tuning.autotune_measure import ProblemSpec  # noqa: PLC0415 - imports the kernels
+
+    return ProblemSpec(
+        batch=problem.batch, seq_q=problem.seq_q, seq_k=problem.seq_k,
+        heads_q=problem.heads_q, heads_kv=problem.heads_kv, head_dim=problem.head_dim,
+        head_dim_v=problem.head_dim_v, dtype=_DTYPE_NAMES[jnp.dtype(problem.dtype)],
+        causal=bool(problem.is_causal),
+        bias_shape=_pad4(problem.bias_shape) if has_bias else None,
+        mask_shape=_pad4(problem.mask_shape), dropout_rate=float(problem.dropout_rate))
+
+
+def _on_nvidia_gpu() -> bool:
+    try:
+        return jax.devices()[0].platform in ("gpu", "cuda")
+    except RuntimeError:
+        return False
+
+
+def _warn_once(key: str, message: str) -> None:
+    with _lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def autotuned_config(kernel: str, problem, *, has_bias: bool, mode: str | None,
+                     interpret: bool = False, measure_interpret: bool = False) -> dict | None:
+    """The fastest correct config of `kernel` for `problem` on this GPU (FFPA keys), or None.
+
+    None means "use the tuned/default config": autotune off, no GPU (one
+    warning per process), or no candidate passed. `measure_interpret=True` runs
+    the measurement on interpreted kernels anyway (tests of the mechanism only;
+    the timings are meaningless).
+    """
+    mode = validate_mode(mode)
+    if mode is None:
+        return None
+    if (interpret or not _on_nvidia_gpu()) and not measure_interpret:
+        _warn_once("no-gpu", "ffpa_jax: autotune needs an NVIDIA GPU running the compiled "
+                   "kernels (not interpret mode); using the tuned or built-in configs instead.")
+        return None
+    from tuning import autotune_measure  # noqa: PLC0415
+
+    spec = _spec(problem, has_bias=has_bias)
+    device = str(getattr(jax.devices()[0], "device_kind", "?"))
+    key = (kernel, spec, mode, device, bool(interpret))
+    with _lock:
+        if key in _cache:
+            cached = _cache[key]
+            return None if cached is None else dict(cached)
+        if autotune_measure.unsupported(kernel, spec) is not None:
+            _cache[key] = None
+            return None
+        # Concrete computation while the caller is being traced.
+        with jax.ensure_compile_time_eval():
+            if _inputs.get("key") != spec:
+                _inputs.clear()
+                _inputs.update(key=spec, value=autotune_measure.Inputs(spec,
+                                                                      interpret=interpret))
+            result = autotune_measure.tune(kernel, spec, mode=mode, interpret=interpret,
+                                           inputs=_inputs["value"])
+        _stats["tuned"] += 1
+        _cache[key] = result.best
+    if result.best is None:
+        _warn_once(f"none-{kernel}", f"ffpa_jax: autotune found no working config of {kernel} "
+                   f"for {spec} ({result.summary()}); using the tuned or built-in config.")
+        return None
+    logger.info("autotune %s %s: %s, %.4f ms (default %s ms) [%s]", kernel, spec, result.best,
+                result.best_ms, "n/a" if result.default_ms is None else f"{result.default_ms:.4f}",
+                result.summary())
+    return dict(result.best)
+
+
+def release_inputs() -> None:
+    """Free the random inputs kept while one problem's kernels are tuned."""
+    with _lock:
+        _inputs.clear()
+
+
+def clear_cache() -> None:
+    """Forget every winner (the next trace measures again) and the warnings given."""
+    with _lock:
+        _cache.clear()
+        _inputs.clear()
+        _warned.clear()

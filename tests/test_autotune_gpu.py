@@ -1,0 +1,103 @@
+"""The autotuner on a real GPU (marker `gpu`): a smoke run of the CLI end to end, the
+same on two GPUs, and runtime autotune. Skipped on machines without an NVIDIA GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tuning.autotune_workers import visible_gpus
+from tuning.device import current_device, sanitize_device_name
+from tuning.lookup import clear_cache, lookup_config
+from tuning.schema import load_config_file
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.gpu
+
+
+def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, FFPA_AUTOTUNE_MAX_CONFIGS="4", PYTHONPATH=str(REPO),
+               # This test process already holds JAX's default share of GPU memory.
+               XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    return subprocess.run([sys.executable, "-m", "tuning.autotune", "--mode", "fast",
+                           "--directions", "both", "--overwrite", "--output-dir", str(tmp_path),
+                           *args], capture_output=True, text=True, cwd=REPO, env=env,
+                          timeout=900)
+
+
+def check_file(tmp_path: Path, entries: int) -> Path:
+    name, _ = current_device()
+    path = tmp_path / f"{sanitize_device_name(name)}.json"
+    loaded = load_config_file(path)
+    assert loaded is not None and loaded.skipped == 0
+    assert len(loaded.entries) == entries
+    assert loaded.header["autotune_status"]["failed"] == []
+    return path
+
+
+def test_smoke_autotune_end_to_end(tmp_path):
+    done = run_cli(tmp_path, "--headdims", "64", "--seqlens", "1,512")
+    assert done.returncode == 0, done.stderr[-4000:]
+    # The first 4 tasks: decode stage 1 and 2 at Nkv = 512 (each also written as its
+    # causal twin), then fwd_generic and bwd_preproc at T = S = 512.
+    check_file(tmp_path, 6)
+    os.environ["FFPA_TUNED_CONFIG_DIR"] = str(tmp_path)
+    clear_cache()
+    try:
+        for direction, kernel, seqlen_q in (("forward", "decode_fwd_stage1", 1),
+                                            ("forward", "fwd_generic", 500),
+                                            ("backward", "bwd_preproc", 500)):
+            found = lookup_config(direction, kernel, dtype="bf16", headdim=64,
+                                  seqlen_q=seqlen_q, seqlen_k=500, causal=seqlen_q == 1,
+                                  bias_grad=False if direction == "backward" else None)
+            assert found is not None, kernel
+    finally:
+        del os.environ["FFPA_TUNED_CONFIG_DIR"]
+        clear_cache()
+
+
+def test_smoke_autotune_two_gpus(tmp_path):
+    if len(visible_gpus()) < 2:
+        pytest.skip("needs 2 GPUs")
+    done = run_cli(tmp_path, "--num-gpus", "2", "--seqlens", "512,1024", "--headdims", "64,128")
+    assert done.returncode == 0, done.stderr[-4000:]
+    check_file(tmp_path, 4)
+
+
+def test_runtime_autotune_on_gpu():
+    from ffpa_jax import runtime_autotune as rt
+    from ffpa_jax.validation import Problem
+    from pallas_kernels import FwdConfig, fwd_generic
+
+    rt.clear_cache()
+    problem = Problem(batched=True, batch=2, seq_q=1000, seq_k=1000, heads_q=8, heads_kv=2,
+                      head_dim=192, head_dim_v=192, dtype=jnp.dtype(jnp.bfloat16),
+                      scale=192 ** -0.5, is_causal=True, dropout_rate=0.0, bias_shape=None,
+                      mask_shape=None)
+    cfg = {}
+
+    @jax.jit
+    def traced(q, k, v):
+        cfg["fwd"] = rt.autotuned_config("fwd_generic", problem, has_bias=False, mode="fast")
+        return fwd_generic(q, k, v, scale=problem.scale, causal=True,
+                           config=FwdConfig.from_tuned(cfg["fwd"]))[0]
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (2, 1000, 8, 192), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (2, 1000, 2, 192), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (2, 1000, 2, 192), jnp.bfloat16)
+    out = traced(q, k, v)
+    ref = jax.nn.dot_product_attention(q, jnp.repeat(k, 4, axis=2), jnp.repeat(v, 4, axis=2),
+                                       is_causal=True, implementation="xla")
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
+    assert cfg["fwd"] is not None and err < 3e-2 * float(jnp.max(jnp.abs(ref)))
+    tuned = rt._stats["tuned"]
+    assert rt.autotuned_config("fwd_generic", problem, has_bias=False, mode="fast") == cfg["fwd"]
+    assert rt._stats["tuned"] == tuned  # cached
+    rt.release_inputs()
