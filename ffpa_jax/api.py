@@ -6,7 +6,7 @@ import functools
 
 import jax
 
-from ffpa_jax import runtime_autotune, validation
+from ffpa_jax import validation
 from ffpa_jax.dropout import seed_from_key
 from ffpa_jax.pallas_path import pallas_attention
 from ffpa_jax.reference import mha_reference
@@ -75,8 +75,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
     problem = validation.validate(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng, return_lse=return_lse,
-        implementation=implementation, interpret=interpret)
-    autotune = runtime_autotune.validate_mode(autotune)
+        implementation=implementation, interpret=interpret, autotune=autotune)
+    autotune = problem.autotune
     impl = resolve_implementation(implementation, interpret)
 
     batched = problem.batched

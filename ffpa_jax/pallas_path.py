@@ -45,6 +45,10 @@ class Plan:
     dbias: BwdConfig
     decode: DecodeConfig | None = None  # the forward runs the decode kernels when set
     decode_splits: int = 1
+    # The forward writes its output in float32 (the vjp's forward: the backward's
+    # δ = rowsum(dO·O) must not see O rounded to 16 bits, or gradients that cancel
+    # lose the precision XLA's own gradient keeps).
+    float32_out: bool = False
 
 
 def uses_decode(problem: Problem) -> bool:
@@ -126,14 +130,15 @@ def forward_kernels(plan: Plan, q, k, v, bias, mask, seed):
 
     Every argument array has batch as dim 0 and heads as dim 2 (q/k/v) or dim 1
     (bias/mask), so this function is what a sharding wrapper partitions."""
+    out_dtype = jnp.float32 if plan.float32_out else None
     if plan.decode is not None:
         return decode_attention(q, k, v, bias, mask, scale=plan.scale, causal=plan.causal,
                                 config=plan.decode, num_splits=plan.decode_splits,
                                 interpret=plan.interpret, dropout_rate=plan.dropout_rate,
-                                seed=seed)
+                                seed=seed, out_dtype=out_dtype)
     return fwd_generic(q, k, v, bias, mask, scale=plan.scale, causal=plan.causal,
                        config=plan.fwd, interpret=plan.interpret,
-                       dropout_rate=plan.dropout_rate, seed=seed)
+                       dropout_rate=plan.dropout_rate, seed=seed, out_dtype=out_dtype)
 
 
 def backward_kernels(plan: Plan, q, k, v, bias, mask, seed, out, lse, d_out, d_lse):
@@ -158,8 +163,11 @@ def _attention(plan: Plan, q, k, v, bias, mask, seed):
 
 
 def _attention_fwd(plan: Plan, q, k, v, bias, mask, seed):
-    out, lse = forward_kernels(plan, q, k, v, bias, mask, seed)
-    return (out, lse), (q, k, v, bias, mask, seed, out, lse)
+    out32, lse = forward_kernels(dataclasses.replace(plan, float32_out=True), q, k, v, bias,
+                                 mask, seed)
+    # Rounding the float32 result here equals the kernel's own rounding on store, so
+    # the primal output is bit-identical to the undifferentiated call's.
+    return (out32.astype(q.dtype), lse), (q, k, v, bias, mask, seed, out32, lse)
 
 
 def _attention_bwd(plan: Plan, residuals, cotangents):

@@ -285,11 +285,12 @@ def decode_fwd_stage2(o_part, lse_part, *, seq_q: int, heads_q: int, dtype,
 
 def decode_attention(q, k, v, bias=None, mask=None, *, scale: float, causal: bool,
                      config: DecodeConfig, num_splits: int, interpret: bool = False,
-                     dropout_rate: float = 0.0, seed: jax.Array | None = None):
-    """Both stages: (out [B, T, Hq, Dv] in q's dtype, lse [B, Hq, T] float32)."""
+                     dropout_rate: float = 0.0, seed: jax.Array | None = None, out_dtype=None):
+    """Both stages: (out [B, T, Hq, Dv] in `out_dtype` (default q's dtype), lse [B, Hq, T]
+    float32)."""
     o_part, lse_part = decode_fwd_stage1(q, k, v, bias, mask, scale=scale, causal=causal,
                                          config=config, num_splits=num_splits,
                                          interpret=interpret, dropout_rate=dropout_rate,
                                          seed=seed)
     return decode_fwd_stage2(o_part, lse_part, seq_q=q.shape[1], heads_q=q.shape[2],
-                             dtype=q.dtype, config=config, interpret=interpret)
+                             dtype=out_dtype or q.dtype, config=config, interpret=interpret)

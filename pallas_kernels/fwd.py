@@ -194,8 +194,10 @@ def _fwd_kernel(*refs, st: common.KernelStatic):
 def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None = None,
                 mask: jax.Array | None = None, *, scale: float, causal: bool, config: FwdConfig,
                 interpret: bool = False, dropout_rate: float = 0.0,
-                seed: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Attention forward on Pallas/Triton. Returns (o [B,T,Hq,Dv] in q's dtype, lse [B,Hq,T] f32).
+                seed: jax.Array | None = None,
+                out_dtype=None) -> tuple[jax.Array, jax.Array]:
+    """Attention forward on Pallas/Triton. Returns (o [B,T,Hq,Dv] in `out_dtype` (default
+    q's dtype), lse [B,Hq,T] f32).
 
     bias/mask are 4-D, each dim 1 or full (see `common`). With dropout_rate > 0,
     `seed` (uint32[2], a runtime input) picks the keep-mask (see `dropout`).
@@ -216,7 +218,7 @@ def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None
                               list_outer=list_outer, dropout_rate=dropout_rate,
                               interpret=interpret)
     grid = (cdiv(seq_q, cfg.block_m) * _n_vslices(st), batch * heads_q)
-    out_shape = (jax.ShapeDtypeStruct((batch, seq_q, heads_q, head_dim_v), q.dtype),
+    out_shape = (jax.ShapeDtypeStruct((batch, seq_q, heads_q, head_dim_v), out_dtype or q.dtype),
                  jax.ShapeDtypeStruct((batch, heads_q, seq_q), jnp.float32))
     return pl.pallas_call(
         functools.partial(_fwd_kernel, st=st),

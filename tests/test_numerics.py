@@ -160,6 +160,23 @@ def path(request, kernel_mode):
     return request.param, kernel_mode
 
 
+# Interpret mode pays a compile per distinct static configuration (shapes, dtypes, bias
+# and mask shapes, scale, causal), so the tests below share a few: config A is bf16 with a
+# float32 bias [1, Hq, T, S], a mask [B, 1, T, S], causal with T > S (GQA 4/2); B is the
+# same shapes without bias or mask; C is B without causality.
+B_, T_, S_, HQ_, HKV_, D_ = 2, 40, 29, 4, 2, 24
+SCALE_A = 0.3
+
+
+def _inputs_a(seed, *, dtype="bfloat16"):
+    q, k, v, d_out, d_lse = random_inputs(seed, b=B_, t=T_, s=S_, hq=HQ_, hkv=HKV_, d=D_, dv=D_,
+                                          dtype=dtype)
+    rng = np.random.default_rng(seed)
+    mask = rng.random((B_, 1, T_, S_)) < 0.7
+    bias = rng.standard_normal((1, HQ_, T_, S_)).astype(np.float32)
+    return q, k, v, d_out, d_lse, mask, bias
+
+
 # ----------------------------------------------------------------------------- masked rows
 
 
@@ -169,22 +186,17 @@ def test_fully_masked_rows_from_mask_bias_and_causal(path):
     dbias 0 on those rows, exactly; everything matches the float64 reference; no NaN even
     with a nonzero lse cotangent on the empty rows."""
     impl, mode = path
-    b, t, s, hq, hkv, d = 2, 40, 29, 4, 2, 24
-    q, k, v, d_out, d_lse = random_inputs(1, b=b, t=t, s=s, hq=hq, hkv=hkv, d=d, dv=d,
-                                          dtype="bfloat16")
-    rng = np.random.default_rng(1)
-    mask = rng.random((b, 1, t, s)) < 0.7
+    q, k, v, d_out, d_lse, mask, bias = _inputs_a(1)
     mask[0, 0, 20, :] = False  # row 20 of batch 0, every head
     mask[1, 0, 33, :] = False
-    bias = rng.standard_normal((1, hq, t, s)).astype(np.float32)
     bias[0, 3, 25, :] = -np.inf  # row 25 of head 3, both batches
     bias[0, 1, 30, ::2] = -np.inf  # a partly -inf row stays a normal row
     mask, bias = jnp.asarray(mask), jnp.asarray(bias)
     out, lse, (dq, dk, dv, dbias) = _check_path(impl, mode, q, k, v, bias, mask, d_out, d_lse,
-                                                scale=0.3, causal=True)
+                                                scale=SCALE_A, causal=True)
 
-    empty = np.zeros((b, hq, t), bool)  # [B, Hq, T]
-    empty[:, :, : t - s] = True  # causal, T > S
+    empty = np.zeros((B_, HQ_, T_), bool)  # [B, Hq, T]
+    empty[:, :, : T_ - S_] = True  # causal, T > S
     empty[0, :, 20] = True
     empty[1, :, 33] = True
     empty[:, 3, 25] = True
@@ -202,60 +214,59 @@ def test_fully_masked_rows_from_mask_bias_and_causal(path):
         assert not np.isnan(g).any()
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["mask", "mask+causal"])
-def test_every_key_masked(path, causal):
+def test_every_key_masked(path):
     """A mask with no True at all: out 0, lse -inf, and zero gradient into q, k, v and bias."""
     impl, mode = path
-    b, t, s, hq, hkv, d = 1, 19, 23, 2, 1, 16
-    q, k, v, d_out, d_lse = random_inputs(2, b=b, t=t, s=s, hq=hq, hkv=hkv, d=d, dv=8,
-                                          dtype="float16")
-    bias = jax.random.normal(jax.random.key(3), (hq, 1, s), jnp.float32)
-    mask = jnp.zeros((t, s), bool)
-    out, lse, grads = _check_path(impl, mode, q, k, v, bias, mask, d_out, d_lse, scale=0.25,
-                                  causal=causal)
+    q, k, v, d_out, d_lse, _, bias = _inputs_a(2)
+    mask = jnp.zeros((B_, 1, T_, S_), bool)
+    out, lse, grads = _check_path(impl, mode, q, k, v, jnp.asarray(bias), mask, d_out, d_lse,
+                                  scale=SCALE_A, causal=True)
     assert np.all(out == 0.0) and np.all(lse == -np.inf)
     for g in grads:
         assert np.all(g == 0.0)
 
 
-@pytest.mark.parametrize("t,s", [(64, 16), (33, 1)])
-def test_causal_more_queries_than_keys(path, t, s):
+def test_causal_more_queries_than_keys(path):
     """Causal, no mask or bias, T > S: rows 0 .. T-S-1 are empty (bottom-right alignment)."""
     impl, mode = path
-    q, k, v, d_out, d_lse = random_inputs(4, b=1, t=t, s=s, hq=3, hkv=1, d=40, dv=40,
-                                          dtype="bfloat16")
+    q, k, v, d_out, d_lse, _, _ = _inputs_a(4)
     out, lse, (dq, dk, dv, _) = _check_path(impl, mode, q, k, v, None, None, d_out, d_lse,
                                             scale=None, causal=True)
-    assert np.all(out[:, : t - s] == 0.0) and np.all(lse[:, :, : t - s] == -np.inf)
-    assert np.all(dq[:, : t - s] == 0.0)
-    assert np.any(out[:, t - s:] != 0.0) and np.all(np.isfinite(lse[:, :, t - s:]))
+    cut = T_ - S_
+    assert np.all(out[:, :cut] == 0.0) and np.all(lse[:, :, :cut] == -np.inf)
+    assert np.all(dq[:, :cut] == 0.0)
+    assert np.any(out[:, cut:] != 0.0) and np.all(np.isfinite(lse[:, :, cut:]))
 
 
 # ----------------------------------------------------------------------------- large logits
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("source", ["scale", "bias", "bias-16bit"])
+@pytest.mark.parametrize("dtype,source", [("float16", "scale"), ("bfloat16", "scale"),
+                                          ("float16", "bias-16bit"), ("bfloat16", "bias")])
 def test_large_logits(path, dtype, source):
-    """Logits of magnitude up to ~1e4 (from a large scale or a large bias) in 16-bit inputs:
-    finite, and within the tolerance rule of the float64 reference."""
+    """Logits of magnitude up to ~1e4 (from a large scale, or a large bias in float32 or in
+    the inputs' dtype) with 16-bit inputs: finite, and within the tolerance rule of the
+    float64 reference, forward and gradients."""
     impl, mode = path
-    b, t, s, hq, hkv, d = 1, 33, 47, 2, 1, 32
-    q, k, v, d_out, d_lse = random_inputs(5, b=b, t=t, s=s, hq=hq, hkv=hkv, d=d, dv=d,
-                                          dtype=dtype)
-    bias, scale = None, None
+    q, k, v, d_out, d_lse, mask, _ = _inputs_a(5, dtype=dtype)
+    bias, scale, causal = None, None, False
     if source == "scale":
-        raw = np.einsum("bthd,bsd->bhts", np.asarray(q, np.float64),
-                        np.asarray(k, np.float64)[:, :, 0])
+        raw = np.einsum("bthgd,bsgd->bhgts",
+                        np.asarray(q, np.float64).reshape(B_, T_, HKV_, HQ_ // HKV_, D_),
+                        np.asarray(k, np.float64))
         scale = float(1e4 / np.max(np.abs(raw)))  # the largest logit is exactly ±1e4
+        mask = None
+    elif source == "bias":  # config A's statics: float32 bias, a mask (all True), causal
+        bias = jax.random.uniform(jax.random.key(6), (1, HQ_, T_, S_), jnp.float32, -1e4, 1e4)
+        mask, scale, causal = jnp.ones((B_, 1, T_, S_), bool), SCALE_A, True
     else:
-        bias_dtype = jnp.float32 if source == "bias" else jnp.dtype(dtype)
-        bias = jax.random.uniform(jax.random.key(6), (hq, t, s), jnp.float32, -1e4, 1e4)
-        bias = bias.astype(bias_dtype)
-    out, lse, grads = _check_path(impl, mode, q, k, v, bias, None, d_out, d_lse, scale=scale,
-                                  causal=False)
-    assert np.max(np.abs(lse)) > 5e3  # the logits really are that large
-    for x in (out, lse, *[g for g in grads if g is not None]):
+        bias = jax.random.uniform(jax.random.key(6), (HQ_, T_, S_), jnp.float32, -1e4, 1e4)
+        bias, mask = bias.astype(dtype), None
+    out, lse, grads = _check_path(impl, mode, q, k, v, bias, mask, d_out, d_lse, scale=scale,
+                                  causal=causal)
+    finite = np.isfinite(lse)
+    assert np.max(np.abs(lse[finite])) > 5e3  # the logits really are that large
+    for x in (out, *[g for g in grads if g is not None]):
         assert np.all(np.isfinite(x))
 
 
@@ -289,22 +300,19 @@ def test_nonfinite_inputs_propagate_like_the_reference(path, operand, index, val
 
     Forward: out and lse have NaN and ±inf exactly where the float64 reference has them,
     and their finite entries match it. Gradients: outside the (batch, KV head group) that
-    holds the non-finite entry they match the reference exactly as usual; inside it, dq is
+    holds the non-finite entry they match the reference as usual; inside it, dq is
     non-finite wherever the reference's is (dk/dv there are unspecified: see README)."""
     impl, mode = path
-    b, t, s, hq, hkv, d = 2, 20, 24, 4, 2, 16
-    q, k, v, d_out, d_lse = random_inputs(7, b=b, t=t, s=s, hq=hq, hkv=hkv, d=d, dv=d,
-                                          dtype="bfloat16")
+    q, k, v, d_out, d_lse, _, _ = _inputs_a(7)
     arrays = {"q": q, "k": k, "v": v}
     arrays[operand] = arrays[operand].at[index].set(value)
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
     interpret = impl == "pallas" and interpret_flag(mode)
-    got = run_attention(q, k, v, None, None, None, d_out, d_lse, scale=0.25, causal=False,
-                        impl=impl, interpret=interpret)
-    ref = run_reference(q, k, v, None, None, d_out, d_lse, scale=0.25, causal=False,
-                        float64=True)
-    xla = run_reference(q, k, v, None, None, d_out, d_lse, scale=0.25, causal=False,
-                        float64=False)
+    kw = dict(scale=0.25, causal=False)
+    got = run_attention(q, k, v, None, None, None, d_out, d_lse, impl=impl, interpret=interpret,
+                        **kw)
+    ref = run_reference(q, k, v, None, None, d_out, d_lse, float64=True, **kw)
+    xla = run_reference(q, k, v, None, None, d_out, d_lse, float64=False, **kw)
     assert not np.isfinite(np.asarray(ref[0], np.float64)).all()  # the case is not vacuous
 
     # Forward: the exact non-finite pattern, and the finite entries within tolerance.
@@ -320,8 +328,8 @@ def test_nonfinite_inputs_propagate_like_the_reference(path, operand, index, val
 
     # Gradients: the poisoned (batch, kv head) slice, and everything else.
     batch = index[0]
-    kv_head = index[2] // (hq // hkv) if operand == "q" else index[2]
-    q_heads = slice(kv_head * (hq // hkv), (kv_head + 1) * (hq // hkv))
+    kv_head = index[2] // (HQ_ // HKV_) if operand == "q" else index[2]
+    q_heads = slice(kv_head * (HQ_ // HKV_), (kv_head + 1) * (HQ_ // HKV_))
     slices = {"dq": (batch, slice(None), q_heads), "dk": (batch, slice(None), kv_head),
               "dv": (batch, slice(None), kv_head)}
     for name, g, r, x in zip(("dq", "dk", "dv"), got[2], ref[2], xla[2]):
@@ -340,39 +348,36 @@ def test_nan_key_hidden_by_causality_does_not_leak(path):
     """A NaN key that causality hides from a row leaves that row finite (and exact), as in
     the reference: masking happens on the logits, before the softmax."""
     impl, mode = path
-    b, t, s, hq, hkv, d = 1, 24, 24, 2, 1, 16
-    q, k, v, d_out, d_lse = random_inputs(8, b=b, t=t, s=s, hq=hq, hkv=hkv, d=d, dv=d,
-                                          dtype="bfloat16")
-    j = 17
-    k = k.at[0, j, 0, 3].set(np.nan)
+    q, k, v, d_out, d_lse, _, _ = _inputs_a(8)
+    j = 17  # seen by query rows i >= j + T - S
+    k = k.at[1, j, 0, 3].set(np.nan)
     interpret = impl == "pallas" and interpret_flag(mode)
-    out, lse, _ = run_attention(q, k, v, None, None, None, d_out, d_lse, scale=0.25, causal=True,
-                                impl=impl, interpret=interpret, with_grads=False)
-    ref_out, ref_lse, _ = run_reference(q, k, v, None, None, d_out, d_lse, scale=0.25,
-                                        causal=True, float64=True, with_grads=False)
-    xla_out, xla_lse, _ = run_reference(q, k, v, None, None, d_out, d_lse, scale=0.25,
-                                        causal=True, float64=False, with_grads=False)
+    kw = dict(scale=None, causal=True)
+    out, lse, _ = run_attention(q, k, v, None, None, None, d_out, d_lse, impl=impl,
+                                interpret=interpret, **kw)
+    ref_out, ref_lse, _ = run_reference(q, k, v, None, None, d_out, d_lse, float64=True, **kw)
+    xla_out, _, _ = run_reference(q, k, v, None, None, d_out, d_lse, float64=False, **kw)
     _assert_same_nonfinite("out", out, ref_out)
     _assert_same_nonfinite("lse", lse, ref_lse)
     out = np.asarray(out, np.float32)
-    assert np.isfinite(out[0, :j]).all() and np.isnan(out[0, j:]).all()
-    assert_matches_reference("out rows before the NaN key", out[0, :j], ref_out[0, :j],
-                             xla_out[0, :j], q.dtype)
+    first = j + T_ - S_
+    heads = slice(0, HQ_ // HKV_)  # the query heads of kv head 0
+    assert np.isnan(out[1, first:, heads]).all()
+    assert np.isfinite(out[1, :first]).all() and np.isfinite(out[0]).all()
+    assert_matches_reference("rows before the NaN key", out[1, :first], ref_out[1, :first],
+                             xla_out[1, :first], q.dtype)
 
 
 # ----------------------------------------------------------------------------- bias dtypes
 
 
-@pytest.mark.parametrize("dtype,bias_dtype", [("bfloat16", "float32"), ("float16", "float32"),
-                                              ("bfloat16", "float16"), ("float32", "bfloat16")])
+@pytest.mark.parametrize("dtype,bias_dtype", [("bfloat16", "float32"), ("float32", "bfloat16")])
 def test_bias_dtype_differs_from_inputs(path, dtype, bias_dtype):
     """A bias of another float dtype than q/k/v: the forward and gradients match the
     reference, and the bias gradient comes back in the bias's own dtype and shape."""
     impl, mode = path
-    b, t, s, hq, hkv, d = 2, 21, 35, 2, 2, 24
-    q, k, v, d_out, d_lse = random_inputs(9, b=b, t=t, s=s, hq=hq, hkv=hkv, d=d, dv=d,
-                                          dtype=dtype)
-    bias = (2.0 * jax.random.normal(jax.random.key(10), (b, 1, t, s))).astype(bias_dtype)
-    _, _, grads = _check_path(impl, mode, q, k, v, bias, None, d_out, d_lse, scale=None,
-                              causal=True)
+    q, k, v, d_out, d_lse, mask, bias = _inputs_a(9, dtype=dtype)
+    bias = jnp.asarray(2.0 * bias, bias_dtype)
+    _, _, grads = _check_path(impl, mode, q, k, v, bias, jnp.asarray(mask), d_out, d_lse,
+                              scale=SCALE_A, causal=True)
     assert grads[3].shape == bias.shape

@@ -39,6 +39,12 @@ _BWD_DQ: tuple[tuple[int, dict], ...] = (
     (1024, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_HEADDIM=512, BLOCK_HEADDIM_QK=64,
                 DYNAMIC_D=True, num_warps=8, num_stages=3)),
 )
+# dbias recomputes S and dP like dq, but no operand is resident: Q, dO, K and V are
+# all reloaded per tile and pipelined, so dq's D=128 tiles (4 x 32 KiB x 2 stages)
+# overflow shared memory (272 KiB asked at T=S=1000 on the H200); half-size tiles.
+_BWD_DBIAS: tuple[tuple[int, dict], ...] = tuple(
+    (dim, dict(cfg, BLOCK_M=64, BLOCK_N=64, num_warps=4) if dim == 128 else cfg)
+    for dim, cfg in _BWD_DQ)
 _BWD_DKDV: tuple[tuple[int, dict], ...] = (
     (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_HEADDIM=64, BLOCK_HEADDIM_QK=64,
               num_warps=4, num_stages=3)),
@@ -99,7 +105,7 @@ _TABLES = {
     "bwd_preproc": _BWD_PREPROC,
     "bwd_generic_dq": _BWD_DQ,
     "bwd_generic_dkdv": _BWD_DKDV,
-    "bwd_dbias": _BWD_DQ,  # same tile work as dq: recompute S and dP, reduce dS
+    "bwd_dbias": _BWD_DBIAS,
     "decode_fwd_stage1": _DECODE_STAGE1,
     "decode_fwd_stage2": _DECODE_STAGE2,
 }
