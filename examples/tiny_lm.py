@@ -146,7 +146,8 @@ def make_sharded_train_step(model: TinyLM, tx, mesh: jax.sharding.Mesh,
                             batch_axis: str = "data") -> Callable:
     """`jax.jit` with the tokens sharded over `batch_axis` of `mesh` and everything else
     replicated. The attention kernels run on each device's batch shard."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
     replicated = NamedSharding(mesh, P())
     data = NamedSharding(mesh, P(batch_axis))
     return jax.jit(functools.partial(_update, model, tx),

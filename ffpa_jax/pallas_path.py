@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 import tuning
-from ffpa_jax import runtime_autotune
+from ffpa_jax import partitioning, runtime_autotune
 from ffpa_jax.validation import Problem
 from pallas_kernels import (BwdConfig, DecodeConfig, FwdConfig, bwd_dbias, bwd_generic_dkdv,
                             bwd_generic_dq, bwd_preproc, decode_attention, decode_num_splits,
@@ -157,14 +157,20 @@ def backward_kernels(plan: Plan, q, k, v, bias, mask, seed, out, lse, d_out, d_l
     return dq, dk, dv, dbias
 
 
+# Shard-local under jit when the inputs are sharded over batch and/or heads: each
+# shard runs its own kernels, q/k/v are never gathered (see partitioning.py).
+_forward = partitioning.ShardLocal(forward_kernels, "forward")
+_backward = partitioning.ShardLocal(backward_kernels, "backward")
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(plan: Plan, q, k, v, bias, mask, seed):
-    return forward_kernels(plan, q, k, v, bias, mask, seed)
+    return _forward(plan, q, k, v, bias, mask, seed)
 
 
 def _attention_fwd(plan: Plan, q, k, v, bias, mask, seed):
-    out32, lse = forward_kernels(dataclasses.replace(plan, float32_out=True), q, k, v, bias,
-                                 mask, seed)
+    out32, lse = _forward(dataclasses.replace(plan, float32_out=True), q, k, v, bias, mask,
+                          seed)
     # Rounding the float32 result here equals the kernel's own rounding on store, so
     # the primal output is bit-identical to the undifferentiated call's.
     return (out32.astype(q.dtype), lse), (q, k, v, bias, mask, seed, out32, lse)
@@ -173,7 +179,7 @@ def _attention_fwd(plan: Plan, q, k, v, bias, mask, seed):
 def _attention_bwd(plan: Plan, residuals, cotangents):
     q, k, v, bias, mask, seed, out, lse = residuals
     d_out, d_lse = cotangents
-    dq, dk, dv, dbias = backward_kernels(plan, q, k, v, bias, mask, seed, out, lse, d_out, d_lse)
+    dq, dk, dv, dbias = _backward(plan, q, k, v, bias, mask, seed, out, lse, d_out, d_lse)
     return dq, dk, dv, dbias, None, None  # the mask and the seed get no gradient
 
 

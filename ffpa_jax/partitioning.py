@@ -42,6 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -130,7 +131,7 @@ def _spec(role: str, shape: tuple[int, ...], batch_axes, head_axes) -> Partition
 
 def _shardings(mesh, roles, shapes, batch_axes, head_axes):
     return tuple(NamedSharding(mesh, _spec(r, s, batch_axes, head_axes))
-                 for r, s in zip(roles, shapes))
+                 for r, s in zip(roles, shapes, strict=True))
 
 
 def _sharding_rule(layout: _Layout) -> tuple[str, dict]:
@@ -139,14 +140,16 @@ def _sharding_rule(layout: _Layout) -> tuple[str, dict]:
     carry a mesh axis; size-1 broadcast dims get factors of their own."""
     b, hq, hkv = layout.batch, layout.heads_q, layout.heads_kv
     group = hq // hkv
-    heads_q = "(k g)" if group > 1 else "k"
+    compound = group > 1 and hkv > 1  # Shardy rejects a size-1 factor inside a compound
+    heads_q = "(k g)" if compound else ("h" if group > 1 else "k")
+    heads_kv = "k" if hkv > 1 or group == 1 else "kv1"  # MQA: kv heads are a size-1 dim
     t = layout.in_shapes[0][1]
     s = layout.in_shapes[1][1]
     fresh = iter(f"u{i}" for i in range(64))
 
     def bm_mapping(shape):
         names = []
-        for size, full, name in zip(shape, (b, hq, t, s), ("b", heads_q, "t", "s")):
+        for size, full, name in zip(shape, (b, hq, t, s), ("b", heads_q, "t", "s"), strict=True):
             names.append(name if size == full else next(fresh))
         return " ".join(names)
 
@@ -155,9 +158,9 @@ def _sharding_rule(layout: _Layout) -> tuple[str, dict]:
             if which == "q":
                 return f"b t {heads_q} d"
             if which == "k":
-                return "b s k d"
+                return f"b s {heads_kv} d"
             if which == "v":
-                return "b s k e"
+                return f"b s {heads_kv} e"
             return f"b t {heads_q} e"  # out / d_out
         if role == LSE:
             return f"b {heads_q} t"
@@ -174,22 +177,22 @@ def _sharding_rule(layout: _Layout) -> tuple[str, dict]:
         out_names = ["out", "lse"]
     bias_mapping = None
     operands = []
-    for name, role, shape in zip(in_names, layout.in_roles, layout.in_shapes):
+    for name, role, shape in zip(in_names, layout.in_roles, layout.in_shapes, strict=True):
         m = mapping(role, shape, name)
         if name == "bias":
             bias_mapping = m
         operands.append(m)
     results = []
-    for name, role, shape in zip(out_names, layout.out_roles, layout.out_shapes):
+    for name, role, shape in zip(out_names, layout.out_roles, layout.out_shapes, strict=True):
         results.append(bias_mapping if name == "bias" else mapping(role, shape, name))
     rule = ", ".join(operands) + " -> " + ", ".join(results)
     # Shardy wants the special factors in the order in which they first appear.
     order = [w for w in rule.replace("(", " ").replace(")", " ").replace(",", " ").split()
              if w != "->"]
-    special = _NEED_REPLICATION + (("g",) if group > 1 else ())
+    special = _NEED_REPLICATION + (("g",) if compound else ())
     special = tuple(sorted(special, key=order.index))
     kwargs: dict = {"need_replication_factors": special}
-    if group > 1:
+    if compound:
         kwargs["g"] = group
     return rule, kwargs
 
@@ -217,7 +220,7 @@ class ShardLocal:
         self._cache = functools.lru_cache(maxsize=256)(self._build)
 
     # -- packing: None-free positional arrays <-> the kernels' signature --------
-    def _layout(self, plan, q, k, v, bias, mask, seed, extra) -> _Layout:
+    def _layout(self, plan, q, k, v, bias, mask, seed, extra) -> tuple[_Layout, list]:
         present = (bias is not None, mask is not None, seed is not None)
         ins = [q, k, v] + [x for x in (bias, mask, seed) if x is not None] + list(extra)
         in_roles = [QKV, QKV, QKV] + [BM] * present[0] + [BM] * present[1] + [REP] * present[2]
@@ -317,8 +320,7 @@ class ShardLocal:
             q = arrays[0]
             b0 = (jax.lax.axis_index(batch_axes) * q.shape[0]) if batch_axes else 0
             h0 = (jax.lax.axis_index(head_axes) * q.shape[2]) if head_axes else 0
-            seed_offsets = (jax.numpy.asarray(b0, jax.numpy.int32),
-                            jax.numpy.asarray(h0, jax.numpy.int32))
+            seed_offsets = (jnp.asarray(b0, jnp.int32), jnp.asarray(h0, jnp.int32))
         outs = self._call_kernels(layout, arrays, seed_offsets)
         if layout.kind == "backward" and layout.present[0]:
             bias_shape = layout.in_shapes[3]
@@ -327,7 +329,8 @@ class ShardLocal:
                 reduce_axes += batch_axes
             if head_axes and bias_shape[1] == 1:
                 reduce_axes += head_axes
-            if reduce_axes:
-                dbias = jax.lax.psum(outs[3], reduce_axes)
-                outs = outs[:3] + (dbias,)
+            if reduce_axes:  # sum the shards' partial sums in float32
+                partial = outs[3]
+                dbias = jax.lax.psum(partial.astype(jnp.float32), reduce_axes)
+                outs = outs[:3] + (dbias.astype(partial.dtype),)
         return outs

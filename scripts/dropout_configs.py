@@ -62,13 +62,13 @@ def main() -> int:
         scale = 1.0 / math.sqrt(d)
         common = {"scale": scale, "causal": False, "interpret": args.interpret,
                   "dropout_rate": rate, "seed": seed}
-        fwd0 = FwdConfig.from_tuned(default_config("fwd_generic", headdim=d))
+        fwd0 = FwdConfig.from_tuned(default_config("fwd_generic", headdim=d, has_dropout=True))
         o, lse = jax.jit(lambda q, k, v: fwd_generic(q, k, v, config=fwd0, **common))(q, k, v)
         delta = jax.jit(lambda o, do: bwd_preproc(o, do, jnp.zeros(lse.shape, jnp.float32),
                                                   config=BwdConfig(),
                                                   interpret=args.interpret))(o, do)
-        dq0 = BwdConfig.from_tuned(default_config("bwd_generic_dq", headdim=d))
-        dkdv0 = BwdConfig.from_tuned(default_config("bwd_generic_dkdv", headdim=d))
+        dq0 = BwdConfig.from_tuned(default_config("bwd_generic_dq", headdim=d, has_dropout=True))
+        dkdv0 = BwdConfig.from_tuned(default_config("bwd_generic_dkdv", headdim=d, has_dropout=True))
         refs = {"fwd": [o],
                 "dq": [jax.jit(lambda *a: bwd_generic_dq(*a, config=dq0, **common))(
                     q, k, v, do, lse, delta)],

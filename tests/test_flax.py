@@ -22,18 +22,35 @@ import numpy as np
 import pytest
 
 flax = pytest.importorskip("flax")
-from flax import linen as nn  # noqa: E402
-from flax import nnx  # noqa: E402
+from attn_testing import assert_matches_reference
+from conftest import interpret_flag
+from flax import linen as nn
+from flax import nnx
 
-import ffpa_jax  # noqa: E402
-from attn_testing import assert_matches_reference  # noqa: E402
-from conftest import interpret_flag  # noqa: E402
-from ffpa_jax.flax_attention import flax_attention_fn  # noqa: E402
+import ffpa_jax
+from ffpa_jax.flax_attention import flax_attention_fn
+
+
+@pytest.fixture(autouse=True)
+def _full_precision_matmuls():
+    """Flax's dense layers and einsums at full float32 precision: on GPUs the default (TF32)
+    error of the surrounding model would swamp the comparison of the attention."""
+    with jax.default_matmul_precision("highest"):
+        yield
 
 
 def ours(kernel_mode, **kw):
+    """Our attention_fn on the Pallas kernels (interpreted on CPU)."""
     return functools.partial(flax_attention_fn, implementation="pallas",
                              interpret=interpret_flag(kernel_mode), **kw)
+
+
+def ours_mapping(kernel_mode, **kw):
+    """For tests of the argument mapping: the Pallas kernels on a GPU; on CPU the XLA path,
+    whose semantics are the kernels' (tested elsewhere), to keep the CPU suite short."""
+    if interpret_flag(kernel_mode):
+        return functools.partial(flax_attention_fn, implementation="xla", **kw)
+    return ours(kernel_mode, **kw)
 
 
 def to64(tree):
@@ -42,7 +59,7 @@ def to64(tree):
 
 def check_tree(name, got, ref64, flax_same_precision, dtype, factor):
     for (path, g), r, x in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(ref64),
-                               jax.tree.leaves(flax_same_precision)):
+                               jax.tree.leaves(flax_same_precision), strict=True):
         assert_matches_reference(f"{name}{jax.tree_util.keystr(path)}", g, r, x, dtype,
                                  factor=factor)
 
@@ -55,7 +72,7 @@ def padding_mask(key, batch, length):
 
 
 # --------------------------------------------------------------------------- linen
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.gpu)])
 def test_linen_mha_matches_flax_attention(kernel_mode, dtype):
     kx, kc, km, kp = jax.random.split(jax.random.key(11), 4)
     x = jax.random.normal(kx, (2, 13, 24))
@@ -72,7 +89,8 @@ def test_linen_mha_matches_flax_attention(kernel_mode, dtype):
         def loss(params, x):
             out = module.apply(params, x, mask=mask)
             return jnp.sum(out.astype(jnp.float32) * ct.astype(out.dtype)), out
-        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+            params, x)
         return out, grads
 
     got, got_g = run(build(ours(kernel_mode), jnp.dtype(dtype)), params, x, mask)
@@ -100,8 +118,8 @@ def test_flax_attention_fn_bias_mask_and_two_batch_dims(kernel_mode):
         out = fn(q, k, v, bias, mask)
         return jnp.sum(out * jnp.cos(out)), out
 
-    grad = jax.value_and_grad(loss, argnums=(1, 2, 3, 4), has_aux=True)
-    (_, got), got_g = grad(ours(kernel_mode), q, k, v, bias)
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(1, 2, 3, 4), has_aux=True), static_argnums=0)
+    (_, got), got_g = grad(ours_mapping(kernel_mode), q, k, v, bias)
     (_, flx), flx_g = grad(nn.dot_product_attention, q, k, v, bias)
     with jax.enable_x64(True):
         (_, ref), ref_g = grad(nn.dot_product_attention, *to64((q, k, v, bias)))
@@ -111,7 +129,7 @@ def test_flax_attention_fn_bias_mask_and_two_batch_dims(kernel_mode):
     check_tree("grad", got_g, ref_g, flx_g, "float32", factor=3.0)
 
     # Without batch dims ([T, H, D]) the call goes straight through.
-    one = ours(kernel_mode)(q[0, 0], k[0, 0], v[0, 0], bias[0], mask[0, 0])
+    one = ours_mapping(kernel_mode)(q[0, 0], k[0, 0], v[0, 0], bias[0], mask[0, 0])
     np.testing.assert_allclose(np.asarray(one), np.asarray(got[0, 0]), rtol=1e-5, atol=1e-6)
 
 
@@ -122,7 +140,7 @@ def _nnx_mha(attention_fn, dtype, param_dtype=jnp.float32):
                                   keep_rngs=False, attention_fn=attention_fn, rngs=nnx.Rngs(3))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.gpu), "bfloat16"])
 def test_nnx_mha_gqa_causal_matches_flax_attention(kernel_mode, dtype):
     kx, kc, km = jax.random.split(jax.random.key(21), 3)
     x = jax.random.normal(kx, (2, 12, 20))
@@ -137,7 +155,8 @@ def test_nnx_mha_gqa_causal_matches_flax_attention(kernel_mode, dtype):
         def loss(params, x):
             out = nnx.merge(graphdef, params)(x, mask=mask, is_causal=True)
             return jnp.sum(out.astype(jnp.float32) * ct.astype(out.dtype)), out
-        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+            params, x)
         return out, grads
 
     got, got_g = run(ours(kernel_mode), jnp.dtype(dtype), params, x, mask)
@@ -156,10 +175,11 @@ def test_rectangular_causal_keeps_flax_top_left_alignment(kernel_mode):
     q = jax.random.normal(ks[0], (2, 9, 2, 16))
     k = jax.random.normal(ks[1], (2, 14, 2, 16))
     v = jax.random.normal(ks[2], (2, 14, 2, 16))
-    got = ours(kernel_mode)(q, k, v, is_causal=True)
+    got = jax.jit(ours_mapping(kernel_mode, is_causal=True))(q, k, v)
+    flax_causal = jax.jit(lambda q, k, v: nnx.dot_product_attention(q, k, v, is_causal=True))
     with jax.enable_x64(True):
-        ref = np.asarray(nnx.dot_product_attention(*to64((q, k, v)), is_causal=True))
-    flx = nnx.dot_product_attention(q, k, v, is_causal=True)
+        ref = np.asarray(flax_causal(*to64((q, k, v))))
+    flx = flax_causal(q, k, v)
     assert_matches_reference("out", got, ref, flx, "float32")
     # ffpa_jax's own (bottom-right) convention differs here, so the test can tell them apart.
     bottom_right = ffpa_jax.attention(q, k, v, is_causal=True, implementation="xla")
@@ -172,17 +192,18 @@ def test_sow_weights_linen_and_nnx(kernel_mode):
     x = jax.random.normal(kx, (2, 10, 16))
     mask = padding_mask(km, 2, 10)
     mods = [nn.MultiHeadDotProductAttention(num_heads=2, attention_fn=fn)
-            for fn in (nn.dot_product_attention, ours(kernel_mode))]
+            for fn in (nn.dot_product_attention, ours_mapping(kernel_mode))]
     params = mods[0].init(jax.random.key(0), x)
-    sown = [m.apply(params, x, mask=mask, sow_weights=True, mutable=["intermediates"])[1]
-            ["intermediates"]["attention_weights"][0] for m in mods]
+    sow = lambda m: jax.jit(lambda p, x: m.apply(
+        p, x, mask=mask, sow_weights=True, mutable=["intermediates"])[1])
+    sown = [sow(m)(params, x)["intermediates"]["attention_weights"][0] for m in mods]
     assert sown[1].shape == (2, 2, 10, 10)
     np.testing.assert_allclose(np.asarray(sown[1]), np.asarray(sown[0]), rtol=1e-5, atol=1e-6)
 
-    m = _nnx_mha(ours(kernel_mode), jnp.float32)
+    m = _nnx_mha(ours_mapping(kernel_mode), jnp.float32)
     x = jax.random.normal(kx, (2, 10, 20))
-    m(x, is_causal=True, sow_weights=True)
-    weights = m.attention_weights[0]
+    _, captured = nnx.capture(m, nnx.Intermediate)(x, is_causal=True, sow_weights=True)
+    weights = captured["attention_weights"][0]
     assert weights.shape == (2, 4, 10, 10)
     np.testing.assert_allclose(np.asarray(weights.sum(-1)), 1.0, rtol=1e-5)
     assert float(jnp.max(jnp.triu(weights, k=1))) == 0.0  # causal
@@ -210,7 +231,7 @@ def test_linen_dropout_passes_rng_and_rate(kernel_mode):
     x = jax.random.normal(kx, (2, 16, 16))
     mask = padding_mask(km, 2, 16)
     kw = dict(num_heads=2, dropout_rate=0.25, broadcast_dropout=False)
-    mod = nn.MultiHeadDotProductAttention(attention_fn=ours(kernel_mode), **kw)
+    mod = nn.MultiHeadDotProductAttention(attention_fn=ours_mapping(kernel_mode), **kw)
     ref_mod = nn.MultiHeadDotProductAttention(attention_fn=_dropout_reference, **kw)
     params = mod.init(jax.random.key(0), x, deterministic=True)
     rngs = {"dropout": jax.random.key(123)}

@@ -1,0 +1,234 @@
+"""`ffpa_jax.attention` under `jax.jit` with inputs sharded over a `Mesh`.
+
+CPU: a subprocess with 4 fake CPU devices (XLA_FLAGS must be set before JAX starts)
+runs every check below once; each test reads its part of the report. GPU (marked
+`gpu`, needs >= 2 GPUs): the same checks in-process on the real kernels.
+
+What is checked, for forward + backward (jit of value_and_grad):
+- batch-sharded, head-sharded (GQA 8/4) and both (2x2 mesh): the compiled HLO
+  has no all-gather and no all-to-all (the kernels run on local shards; the only
+  collectives are all-reduces of the loss and of a broadcast bias's gradient),
+  outputs keep the input sharding, and every result equals the unsharded call;
+- control: the same call on the bare kernels (no partitioning wrapper) *does*
+  all-gather, so the HLO check can fail;
+- fallbacks stay correct: a sequence-sharded input, and MQA (Hkv = 1) sharded over
+  heads (not divisible: replicated) give the unsharded result;
+- the XLA path (GSPMD partitions plain jnp) has no all-gather either;
+- dropout under batch/head sharding gives the unsharded result (same mask);
+- inside a user's `shard_map` (check_vma=False) the result equals the unsharded one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GATHERS = ("all-gather", "all-to-all")
+COLLECTIVES = GATHERS + ("all-reduce", "collective-permute", "reduce-scatter")
+
+
+# ----------------------------------------------------------------- the checks
+def _collectives(compiled) -> list[str]:
+    text = compiled.as_text()
+    return sorted(c for c in COLLECTIVES if c in text)
+
+
+def _gather_lines(compiled) -> list[str]:
+    """The HLO instructions that gather (for the failure message)."""
+    return [line.strip()[:240] for line in compiled.as_text().splitlines()
+            if any(f" {g}(" in line or f"{g}-start(" in line for g in GATHERS)][:6]
+
+
+def _rel_diff(got, ref) -> float:
+    """max over leaves of max|got - ref| / max(max|ref|, 1): relative to each leaf's scale."""
+    worst = 0.0
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        scale = max(float(np.max(np.abs(y), initial=0.0)), 1.0)
+        worst = max(worst, float(np.max(np.abs(x - y), initial=0.0)) / scale)
+    return worst
+
+
+def _spec_str(spec) -> str:
+    entries = list(spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return repr(tuple(entries))
+
+
+def run_checks(interpret: bool) -> dict:
+    """Every check on the local devices (4 CPU devices, or >= 2 GPUs); a JSON-able report."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import ffpa_jax
+    from ffpa_jax import pallas_path, validation
+
+    devices = jax.devices()
+    n = len(devices)
+    report: dict = {"devices": n}
+    b, t, s, hq, hkv, d = 4, 16, 16, 8, 4, 16
+    ks = jax.random.split(jax.random.key(0), 6)
+    q = jax.random.normal(ks[0], (b, t, hq, d))
+    k = jax.random.normal(ks[1], (b, s, hkv, d))
+    v = jax.random.normal(ks[2], (b, s, hkv, d))
+    bias = jax.random.normal(ks[3], (1, hq, t, s))          # broadcast over batch
+    mask = jax.random.bernoulli(ks[4], 0.8, (b, 1, t, s))  # broadcast over heads
+    pallas = dict(implementation="pallas", interpret=interpret)
+
+    def loss_fn(**kw):
+        def loss(q, k, v, bias):
+            out, lse = ffpa_jax.attention(q, k, v, bias, mask, is_causal=True, return_lse=True,
+                                          **kw)
+            finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
+            return jnp.sum(out * jnp.cos(out)) + jnp.sum(finite), out
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
+
+    def sharded_run(fn, mesh, spec, *args):
+        sh = NamedSharding(mesh, spec)
+        placed = [jax.device_put(x, sh) for x in args[:3]] + list(args[3:])
+        compiled = jax.jit(fn).lower(*placed).compile()
+        return compiled, compiled(*placed)
+
+    line = Mesh(np.array(devices), ("x",))
+    cases = {"batch": (line, P("x")), "heads": (line, P(None, None, "x"))}
+    if n >= 4:
+        cases["batch_and_heads"] = (Mesh(np.array(devices[:4]).reshape(2, 2), ("d", "m")),
+                                    P("d", None, "m"))
+    for impl_name, kw in (("pallas", pallas), ("xla", dict(implementation="xla"))):
+        fn = loss_fn(**kw)
+        reference = jax.jit(fn)(q, k, v, bias)
+        for name, (mesh, spec) in cases.items():
+            if impl_name == "xla" and name == "batch_and_heads":
+                continue
+            compiled, got = sharded_run(fn, mesh, spec, q, k, v, bias)
+            (_, out), _ = got
+            report[f"{impl_name}/{name}"] = dict(
+                collectives=_collectives(compiled), gathers=_gather_lines(compiled),
+                rel_diff=_rel_diff(got, reference),
+                out_spec=_spec_str(out.sharding.spec), in_spec=_spec_str(spec))
+
+    # Control: the bare kernels, not wrapped, gather under the same batch sharding.
+    problem = validation.validate(q, k, v, bias, mask, scale=None, is_causal=True,
+                                  dropout_rate=0.0, dropout_rng=None, return_lse=False,
+                                  **pallas)
+    plan = pallas_path.make_plan(problem, has_bias=True, interpret=interpret)
+    bare = lambda q, k, v, bias: pallas_path.forward_kernels(plan, q, k, v, bias, mask, None)
+    compiled, _ = sharded_run(bare, line, P("x"), q, k, v, bias)
+    report["control/bare_kernels"] = dict(collectives=_collectives(compiled))
+
+    # Fallbacks: sequence-sharded inputs; MQA heads that the mesh cannot divide.
+    fwd = lambda q, k, v: ffpa_jax.attention(q, k, v, bias, mask, is_causal=True, **pallas)
+    compiled, got = sharded_run(fwd, line, P(None, "x"), q, k, v)
+    report["fallback/sequence"] = dict(rel_diff=_rel_diff(got, jax.jit(fwd)(q, k, v)))
+    k1, v1 = k[:, :, :1], v[:, :, :1]
+    sh_q = NamedSharding(line, P(None, None, "x"))
+    got = jax.jit(fwd)(jax.device_put(q, sh_q), k1, v1)
+    report["fallback/mqa_heads"] = dict(rel_diff=_rel_diff(got, jax.jit(fwd)(q, k1, v1)))
+
+    # Dropout: the same keep-mask whether or not the call is sharded.
+    drop = lambda q, k, v, rng: ffpa_jax.attention(q, k, v, dropout_rate=0.3, dropout_rng=rng,
+                                                   **pallas)
+    rng = jax.random.key(7)
+    reference = jax.jit(drop)(q, k, v, rng)
+    for name, (mesh, spec) in cases.items():
+        compiled, got = sharded_run(drop, mesh, spec, q, k, v, rng)
+        report[f"dropout/{name}"] = dict(rel_diff=_rel_diff(got, reference),
+                                         collectives=_collectives(compiled))
+
+    # Inside a user's shard_map (batch split by the user).
+    from jax import shard_map
+    smap = shard_map(lambda q, k, v: ffpa_jax.attention(q, k, v, is_causal=True, **pallas),
+                     mesh=line, in_specs=P("x"), out_specs=P("x"), check_vma=False)
+    got = jax.jit(smap)(q, k, v)
+    plain = jax.jit(lambda q, k, v: ffpa_jax.attention(q, k, v, is_causal=True, **pallas))
+    report["shard_map"] = dict(rel_diff=_rel_diff(got, plain(q, k, v)))
+    # shard_map's default check_vma=True: the kernels must type their outputs as varying.
+    try:
+        smap = shard_map(lambda q, k, v: ffpa_jax.attention(q, k, v, is_causal=True, **pallas),
+                         mesh=line, in_specs=P("x"), out_specs=P("x"))
+        got = jax.jit(smap)(q, k, v)
+        report["shard_map_check_vma"] = dict(rel_diff=_rel_diff(got, plain(q, k, v)))
+    except Exception as e:  # reported, asserted by the test
+        report["shard_map_check_vma"] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+    return report
+
+
+# ------------------------------------------------------------ CPU: subprocess
+@pytest.fixture(scope="module")
+def cpu_report() -> dict:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    proc = subprocess.run([sys.executable, str(pathlib.Path(__file__).resolve()), "--worker"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _check_shard_local(entry: dict, name: str) -> None:
+    gathered = [c for c in entry["collectives"] if c in GATHERS]
+    assert not gathered, f"{name}: compiled HLO contains {gathered}: {entry['gathers']}"
+    assert entry["out_spec"] == entry["in_spec"], (
+        f"{name}: output sharding {entry['out_spec']} != input sharding {entry['in_spec']}")
+    assert entry["rel_diff"] <= 1e-5, f"{name}: {entry}"
+
+
+@pytest.mark.parametrize("case", ["batch", "heads", "batch_and_heads"])
+def test_pallas_sharded_call_runs_shard_local(cpu_report, case):
+    assert cpu_report["devices"] == 4
+    _check_shard_local(cpu_report[f"pallas/{case}"], case)
+
+
+def test_bare_kernels_gather_so_the_hlo_check_can_fail(cpu_report):
+    assert "all-gather" in cpu_report["control/bare_kernels"]["collectives"]
+
+
+@pytest.mark.parametrize("case", ["batch", "heads"])
+def test_xla_path_sharded_call_runs_shard_local(cpu_report, case):
+    _check_shard_local(cpu_report[f"xla/{case}"], case)
+
+
+@pytest.mark.parametrize("case", ["fallback/sequence", "fallback/mqa_heads", "shard_map",
+                                  "dropout/batch", "dropout/heads", "dropout/batch_and_heads"])
+def test_fallbacks_dropout_and_shard_map_match_unsharded(cpu_report, case):
+    entry = cpu_report[case]
+    assert entry["rel_diff"] <= 1e-5, f"{case}: {entry}"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "inside shard_map with check_vma=True (its default) the kernels' pallas_call outputs need "
+    "a manual_axis_type (vma) and their padding constants must be pvary'd: a pallas_kernels/"
+    "compat change; check_vma=False works (test above)"))
+def test_shard_map_with_check_vma(cpu_report):
+    entry = cpu_report["shard_map_check_vma"]
+    assert "error" not in entry, entry["error"]
+    assert entry["rel_diff"] <= 1e-5, entry
+
+
+# ----------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_gpu_sharded_calls():
+    if len(jax.devices()) < 2:
+        pytest.skip("needs >= 2 GPUs")
+    report = run_checks(interpret=False)
+    for case in ("batch", "heads", "batch_and_heads"):
+        if f"pallas/{case}" in report:
+            _check_shard_local(report[f"pallas/{case}"], case)
+    assert "all-gather" in report["control/bare_kernels"]["collectives"]
+    for case in ("fallback/sequence", "fallback/mqa_heads", "shard_map", "dropout/batch"):
+        entry = report[case]
+        assert entry["rel_diff"] <= 1e-5, f"{case}: {entry}"
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    jnp.zeros(())  # start the backend with the XLA_FLAGS the parent set
+    print(json.dumps(run_checks(interpret=True)))
