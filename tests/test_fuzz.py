@@ -276,11 +276,13 @@ def test_pool_covers_the_ranges():
 
 
 @pytest.mark.skipif(HAS_GPU, reason="interpret-mode run; the GPU runs test_fuzz_gpu")
-def test_fuzz_cpu():
-    """CI: 200 examples (Pallas in interpret mode, and the XLA path) against float64."""
-    _fuzz_test(limits=CPU_LIMITS, pool_size=_env_int("FFPA_FUZZ_POOL", 16),
-               examples=_env_int("FFPA_FUZZ_EXAMPLES", 200),
-               seed=_env_int("FFPA_FUZZ_SEED", 0),
+@pytest.mark.parametrize("part", [0, 1])
+def test_fuzz_cpu(part):
+    """CI: 2 x 100 examples (Pallas in interpret mode, and the XLA path) against float64;
+    two halves with their own seeds and shape pools so pytest-xdist runs them side by side."""
+    _fuzz_test(limits=CPU_LIMITS, pool_size=_env_int("FFPA_FUZZ_POOL", 8),
+               examples=_env_int("FFPA_FUZZ_EXAMPLES", 100),
+               seed=_env_int("FFPA_FUZZ_SEED", 0) + part,
                impls=(("pallas", True), ("pallas", True), ("pallas", True), ("xla", False)))
 
 
