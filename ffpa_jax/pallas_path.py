@@ -159,8 +159,15 @@ def backward_kernels(plan: Plan, q, k, v, bias, mask, seed, out, lse, d_out, d_l
 
 # Shard-local under jit when the inputs are sharded over batch and/or heads: each
 # shard runs its own kernels, q/k/v are never gathered (see partitioning.py).
-_forward = partitioning.ShardLocal(forward_kernels, "forward")
-_backward = partitioning.ShardLocal(backward_kernels, "backward")
+def _shift_seed(seed, batch_offset, head_offset):
+    """A shard's dropout seed: the key's two words, then its global batch and head offsets
+    (the kernels add them, so each shard draws its slice of the unsharded mask)."""
+    offsets = jnp.stack([batch_offset, head_offset]).astype(jnp.uint32)
+    return jnp.concatenate([seed[:2].astype(jnp.uint32), offsets])
+
+
+_forward = partitioning.ShardLocal(forward_kernels, "forward", shift_seed=_shift_seed)
+_backward = partitioning.ShardLocal(backward_kernels, "backward", shift_seed=_shift_seed)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

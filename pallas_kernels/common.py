@@ -219,17 +219,22 @@ def bias_and_masks(s, st: KernelStatic, bias_ref, mask_ref, b, h, q_start, kv_st
 
 
 def seed_inputs(dropout_rate: float, seed) -> list:
-    """The kernel inputs that carry the dropout seed: [uint32[2]] when dropping, else []."""
+    """The kernel inputs that carry the dropout seed when dropping, else []: uint32[2], or
+    uint32[4] whose last two words are a shard's global (batch, head) offsets."""
     if dropout_rate <= 0:
         return []
-    if seed is None or seed.shape != (2,):
-        raise ValueError(f"dropout_rate={dropout_rate} needs seed, a uint32[2] array; got "
-                         f"{None if seed is None else seed.shape}")
+    if seed is None or seed.shape not in ((2,), (4,)):
+        raise ValueError(f"dropout_rate={dropout_rate} needs seed, a uint32[2] (or [4]) array; "
+                         f"got {None if seed is None else seed.shape}")
     return [dropout.as_bits(seed)]
 
 
 def dropout_keep(st: KernelStatic, seed_ref, b, h, rows, kv_start, n_cols: int) -> jax.Array:
-    """The tile's dropout keep-mask, bool [len(rows), n_cols] (see `dropout`)."""
+    """The tile's dropout keep-mask, bool [len(rows), n_cols] (see `dropout`). A shard of a
+    partitioned call draws with its global batch and head indices (seed words 2 and 3)."""
+    if seed_ref.shape[0] == 4:
+        b = b + seed_ref[2]
+        h = h + seed_ref[3]
     return dropout.keep_tile(seed_ref, b, h, rows, kv_start, n_cols, rate=st.dropout_rate,
                              on_gpu=not st.interpret)
 

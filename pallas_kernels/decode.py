@@ -168,8 +168,7 @@ def _stage1_kernel(*refs, lay: _Layout):
         alpha = jnp.exp2(m_i - m_use)
         l_i = l_i * alpha + jnp.sum(p, axis=1)
         if seed_ref is not None:
-            keep = common.dropout.keep_tile(seed_ref, b, h_rows, t_rows, kv_start, bn,
-                                            rate=st.dropout_rate, on_gpu=not st.interpret)
+            keep = common.dropout_keep(st, seed_ref, b, h_rows, t_rows, kv_start, bn)
             p = jnp.where(keep, p, 0.0)
         v_tile = common.load_tile(v_ref, b, kv_start, bn, hk, v_start, bdv, n_rows=st.seq_k,
                                   n_cols=st.head_dim_v)

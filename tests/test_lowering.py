@@ -18,9 +18,9 @@ sd = jax.ShapeDtypeStruct
 
 
 def lower_fwd(*, d, dv, causal=False, bias=False, mask=False, hq=4, hkv=2, t=300, s=257,
-              dtype=jnp.bfloat16, config=FwdConfig(), dropout=0.0):
+              dtype=jnp.bfloat16, config=FwdConfig(), dropout=0.0, seed_words=2):
     args = [sd((2, t, hq, d), dtype), sd((2, s, hkv, d), dtype), sd((2, s, hkv, dv), dtype),
-            sd((2,), jnp.uint32)]
+            sd((seed_words,), jnp.uint32)]
     if bias:
         args.append(sd((1, hq, t, s), jnp.float32))
     if mask:
@@ -70,11 +70,11 @@ def test_fwd_default_configs_lower_for_every_head_dim():
 
 
 def lower_bwd(*, d, dv, causal=False, bias_shape=None, mask=False, hq=4, hkv=2, t=300, s=257,
-              dtype=jnp.bfloat16, config=BwdConfig(), dropout=0.0):
+              dtype=jnp.bfloat16, config=BwdConfig(), dropout=0.0, seed_words=2):
     """Lower all four backward kernels in one jitted function."""
     args = [sd((2, t, hq, d), dtype), sd((2, s, hkv, d), dtype), sd((2, s, hkv, dv), dtype),
             sd((2, t, hq, dv), dtype), sd((2, t, hq, dv), dtype), sd((2, hq, t), jnp.float32),
-            sd((2,), jnp.uint32)]
+            sd((seed_words,), jnp.uint32)]
     if bias_shape:
         args.append(sd(bias_shape, jnp.float32))
     if mask:
@@ -132,6 +132,7 @@ def test_bwd_default_configs_lower_for_every_head_dim():
 
 
 DROPOUT_VARIANTS = [dict(), dict(causal=True, bias=True, mask=True), dict(hq=8, hkv=1, dv=40),
+                    dict(seed_words=4),  # a shard's seed: key words + (batch, head) offsets
                     dict(d=512, dv=512), dict(dtype=jnp.float32), dict(t=1, s=3000)]
 
 

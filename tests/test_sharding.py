@@ -188,6 +188,16 @@ def test_pallas_sharded_call_runs_shard_local(cpu_report, case):
     _check_shard_local(cpu_report[f"pallas/{case}"], case)
 
 
+@pytest.mark.parametrize("case", ["batch", "heads", "batch_and_heads"])
+def test_dropout_sharded_call_runs_shard_local(cpu_report, case):
+    """Each shard draws its slice of the unsharded keep-mask from its global (batch, head)
+    offsets, so dropout needs no gather either."""
+    entry = cpu_report[f"dropout/{case}"]
+    gathered = [c for c in entry["collectives"] if c in GATHERS]
+    assert not gathered, f"dropout/{case}: compiled HLO contains {gathered}"
+    assert entry["rel_diff"] <= 1e-5, entry
+
+
 def test_bare_kernels_gather_so_the_hlo_check_can_fail(cpu_report):
     assert "all-gather" in cpu_report["control/bare_kernels"]["collectives"]
 
