@@ -201,7 +201,7 @@ def bwd_preproc(o, do, dlse, *, config: BwdConfig, interpret: bool = False) -> j
     kernel = functools.partial(_preproc_kernel, seq_q=seq_q, heads_q=heads_q,
                                head_dim_v=head_dim_v, bm=bm, bd=bd)
     return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((batch, heads_q, seq_q), jnp.float32),
+        kernel, out_shape=compat.output_struct((batch, heads_q, seq_q), jnp.float32, do),
         grid=(cdiv(seq_q, bm), batch * heads_q),
         compiler_params=compat.compiler_params(config.num_warps, config.num_stages),
         interpret=interpret, name="bwd_preproc")(o, do, dlse)
@@ -271,7 +271,7 @@ def bwd_generic_dq(q, k, v, do, lse, delta, bias=None, mask=None, *, scale: floa
     compat.silence_triton_deprecation()
     grid = (cdiv(st.seq_q, cfg.block_m) * _n_slices(st, st.head_dim), st.batch * st.heads_q)
     return pl.pallas_call(
-        functools.partial(_dq_kernel, st=st), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        functools.partial(_dq_kernel, st=st), out_shape=compat.output_struct(q.shape, q.dtype, q),
         grid=grid, compiler_params=compat.compiler_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret, name="bwd_generic_dq")(*inputs)
 
@@ -390,7 +390,8 @@ def bwd_generic_dkdv(q, k, v, do, lse, delta, bias=None, mask=None, *, scale: fl
     grid = (cdiv(st.seq_k, cfg.block_n) * len(tasks), st.batch * st.heads_kv)
     return pl.pallas_call(
         functools.partial(_dkdv_kernel, st=st, tasks=tasks),
-        out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        out_shape=(compat.output_struct(k.shape, k.dtype, q),
+                   compat.output_struct(v.shape, v.dtype, q)),
         grid=grid, compiler_params=compat.compiler_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret, name="bwd_generic_dkdv")(*inputs)
 
@@ -469,7 +470,7 @@ def bwd_dbias(q, k, v, do, lse, delta, bias, mask=None, *, scale: float, causal:
     compat.silence_triton_deprecation()
     return pl.pallas_call(
         functools.partial(_dbias_kernel, st=st),
-        out_shape=jax.ShapeDtypeStruct(bias.shape, jnp.float32),
+        out_shape=compat.output_struct(bias.shape, jnp.float32, q),
         grid=(n_tq * n_tk, bb * bh),
         compiler_params=compat.compiler_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret, name="bwd_dbias")(*inputs)

@@ -34,3 +34,30 @@ def silence_triton_deprecation() -> None:
 def compiler_params(num_warps: int, num_stages: int):
     """Triton launch parameters for `pallas_call(compiler_params=...)`."""
     return TritonCompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _manual_axes_keyword() -> str | None:
+    """The ShapeDtypeStruct keyword that declares which manual (shard_map) mesh axes an
+    array varies over: `manual_axis_type` (JAX 0.10), `vma` (earlier), else None."""
+    import inspect
+    params = inspect.signature(jax.ShapeDtypeStruct).parameters
+    for keyword in ("manual_axis_type", "vma"):
+        if keyword in params:
+            return keyword
+    return None
+
+
+_MANUAL_AXES_KEYWORD = _manual_axes_keyword()
+_AVAL_ATTRIBUTE = {"manual_axis_type": "mat", "vma": "vma"}
+
+
+def output_struct(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
+    """A pallas_call output that varies over the same shard_map axes as `like` (the
+    query), as `shard_map(check_vma=True)` requires; a plain struct elsewhere."""
+    keyword = _MANUAL_AXES_KEYWORD
+    value = None
+    if keyword is not None:
+        value = getattr(jax.typeof(like), _AVAL_ATTRIBUTE[keyword], None)
+    if value is None:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype, **{keyword: value})

@@ -228,8 +228,8 @@ def decode_fwd_stage1(q, k, v, bias=None, mask=None, *, scale: float, causal: bo
     rows = heads_q * seq_q
     return pl.pallas_call(
         functools.partial(_stage1_kernel, lay=lay),
-        out_shape=(jax.ShapeDtypeStruct((batch, n_splits, rows, head_dim_v), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, n_splits, rows), jnp.float32)),
+        out_shape=(compat.output_struct((batch, n_splits, rows, head_dim_v), jnp.float32, q),
+                   compat.output_struct((batch, n_splits, rows), jnp.float32, q)),
         grid=(n_splits * lay.n_mblocks * lay.n_vslices, batch * heads_kv),
         compiler_params=compat.compiler_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret, name="decode_fwd_stage1")(*inputs)
@@ -274,8 +274,8 @@ def decode_fwd_stage2(o_part, lse_part, *, seq_q: int, heads_q: int, dtype,
     compat.silence_triton_deprecation()
     out, lse = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((batch, seq_q, heads_q, head_dim_v), dtype),
-                   jax.ShapeDtypeStruct((batch, rows), jnp.float32)),
+        out_shape=(compat.output_struct((batch, seq_q, heads_q, head_dim_v), dtype, o_part),
+                   compat.output_struct((batch, rows), jnp.float32, o_part)),
         grid=(rows, batch, cdiv(head_dim_v, bdv)),
         compiler_params=compat.compiler_params(config.stage2_num_warps, 1),
         interpret=interpret, name="decode_fwd_stage2")(o_part, lse_part)

@@ -218,8 +218,9 @@ def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None
                               list_outer=list_outer, dropout_rate=dropout_rate,
                               interpret=interpret)
     grid = (cdiv(seq_q, cfg.block_m) * _n_vslices(st), batch * heads_q)
-    out_shape = (jax.ShapeDtypeStruct((batch, seq_q, heads_q, head_dim_v), out_dtype or q.dtype),
-                 jax.ShapeDtypeStruct((batch, heads_q, seq_q), jnp.float32))
+    out_shape = (compat.output_struct((batch, seq_q, heads_q, head_dim_v),
+                                      out_dtype or q.dtype, q),
+                 compat.output_struct((batch, heads_q, seq_q), jnp.float32, q))
     return pl.pallas_call(
         functools.partial(_fwd_kernel, st=st),
         out_shape=out_shape,

@@ -147,3 +147,24 @@ def test_dropout_variants(variant):
     if kwargs.pop("bias", False):
         kwargs["bias_shape"] = (1, kwargs.get("hq", 4), 1, kwargs.get("s", 257))
     lower_bwd(**kwargs)
+
+
+def test_forward_and_backward_lower_inside_shard_map_with_check_vma(monkeypatch):
+    """Inside a user's shard_map (default check_vma=True) every pallas_call output must
+    declare the manual axes it varies over; lowering the Triton kernels checks it."""
+    import ffpa_jax
+    import ffpa_jax.api as api
+
+    monkeypatch.setattr(api, "_default_backend_is_nvidia_gpu", lambda: True)
+    mesh = jax.make_mesh((1,), ("b",))
+    spec = jax.sharding.PartitionSpec("b")
+    arg = sd((2, 96, 4, 64), jnp.bfloat16, sharding=jax.sharding.NamedSharding(mesh, spec))
+    attn = lambda q, k, v: ffpa_jax.attention(q, k, v, is_causal=True)
+    smap = jax.shard_map(attn, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+
+    def step(q, k, v):
+        out, vjp = jax.vjp(smap, q, k, v)
+        return out, vjp(out)
+
+    text = jax.jit(step).trace(arg, arg, arg).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 4  # forward, preproc, dq, dkdv
