@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything we run on the lent GPU, in one call: environment, GPU tests, variant
 # sweep, benchmark. Results land in $OUT (or ./gpu_out). Stages are chosen by
-# arguments: env tests sweep bwdsweep dropvar decvar dropout bench (default: env tests sweep
-# bwdsweep bench).
+# arguments: env tests fuzz sweep bwdsweep dropvar dropcfg decvar dropout bench (default:
+# env tests sweep bwdsweep bench).
 # TEST_PATHS narrows the tests stage (default: tests/). Example, on the device tool:
 #   bash scripts/gpu_run.sh env tests bench
 set -u
@@ -20,7 +20,11 @@ for stage in $stages; do
       python3 -c "import jax, jaxlib, triton; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'triton', triton.__version__, jax.devices())"
       ;;
     tests)
-      python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider ${TEST_PATHS:-tests/} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+      python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider -k "not test_fuzz_gpu" ${TEST_PATHS:-tests/} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+      ;;
+    fuzz)
+      # The 2000-example sweep alone takes most of a 10-minute call; FFPA_FUZZ_SEED reruns one.
+      python3 -m pytest -m gpu -q -p no:cacheprovider -s tests/test_fuzz.py -k test_fuzz_gpu 2>&1 | tee "$OUT/fuzz_gpu.log" | tail -30
       ;;
     sweep)
       python3 scripts/fwd_variants.py --out "$OUT/fwd_variants.json" ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/fwd_variants.log" | tail -30
