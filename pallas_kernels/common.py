@@ -218,6 +218,19 @@ def bias_and_masks(s, st: KernelStatic, bias_ref, mask_ref, b, h, q_start, kv_st
     return s
 
 
+def online_softmax_step(s, m_i, l_i):
+    """One KV block of the online softmax, scores `s` [bm, bn] in the log2 domain:
+    (new row max, unnormalised p = exp2(s - max), rescale factor for the running
+    sums, new row sum). The row statistics are the undropped ones."""
+    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+    # A row with no visible key so far keeps m = -inf; subtracting 0 instead
+    # keeps exp2 at exactly 0 for it and never produces NaN.
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp2(s - m_use[:, None])
+    alpha = jnp.exp2(m_i - m_use)
+    return m_new, p, alpha, l_i * alpha + jnp.sum(p, axis=1)
+
+
 def seed_inputs(dropout_rate: float, seed) -> list:
     """The kernel inputs that carry the dropout seed when dropping, else []: uint32[2], or
     uint32[4] whose last two words are a shard's global (batch, head) offsets."""

@@ -162,11 +162,7 @@ def _stage1_kernel(*refs, lay: _Layout):
         if st.seq_k % bn != 0:
             s = jnp.where((cols < st.seq_k)[None, :], s, -jnp.inf)
 
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp2(s - m_use[:, None])
-        alpha = jnp.exp2(m_i - m_use)
-        l_i = l_i * alpha + jnp.sum(p, axis=1)
+        m_new, p, alpha, l_i = common.online_softmax_step(s, m_i, l_i)
         if seed_ref is not None:
             keep = common.dropout_keep(st, seed_ref, b, h_rows, t_rows, kv_start, bn)
             p = jnp.where(keep, p, 0.0)

@@ -135,13 +135,7 @@ def _fwd_kernel(*refs, st: common.KernelStatic):
                                   kv_start, rows, cols, causal_mask=causal_mask,
                                   with_mask=with_mask)
 
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-        # A row with no visible key so far keeps m = -inf; subtracting 0 instead
-        # keeps exp2 at exactly 0 for it and never produces NaN.
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp2(s - m_use[:, None])
-        alpha = jnp.exp2(m_i - m_use)
-        l_i = l_i * alpha + jnp.sum(p, axis=1)
+        m_new, p, alpha, l_i = common.online_softmax_step(s, m_i, l_i)
         if seed_ref is not None:
             # Dropped after the statistics: lse stays the undropped normaliser.
             p = jnp.where(common.dropout_keep(st, seed_ref, b, h, rows, kv_start, bn), p, 0.0)
