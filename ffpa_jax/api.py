@@ -2,28 +2,14 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 
 from ffpa_jax import validation
+from ffpa_jax.backend import default_backend_is_nvidia_gpu as _default_backend_is_nvidia_gpu
 from ffpa_jax.dropout import seed_from_key
 from ffpa_jax.pallas_path import pallas_attention
 from ffpa_jax.reference import mha_reference
 from pallas_kernels.dropout import keep_mask_reference
-
-
-@functools.cache
-def _default_backend_is_nvidia_gpu() -> bool:
-    """Whether JAX's default device is a CUDA GPU (ROCm GPUs also report platform 'gpu')."""
-    try:
-        device = jax.devices()[0]
-    except RuntimeError:
-        return False
-    if device.platform != "gpu":
-        return False
-    version = str(getattr(device.client, "platform_version", "")).lower()
-    return "rocm" not in version and "hip" not in version
 
 
 def resolve_implementation(implementation: str | None, interpret: bool) -> str:

@@ -26,9 +26,6 @@ from pallas_kernels import (BwdConfig, DecodeConfig, FwdConfig, bwd_dbias, bwd_g
 DECODE_MAX_QUERIES = 16
 DECODE_MIN_KEYS = 128
 
-_DTYPE_NAMES = {jnp.dtype(jnp.float16): "fp16", jnp.dtype(jnp.bfloat16): "bf16",
-                jnp.dtype(jnp.float32): "fp32"}
-
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -87,7 +84,7 @@ def _launch_config(kernel: str, problem: Problem, *, has_bias: bool,
             return tuned
     return tuning.launch_config(
         kernel, direction="backward" if kernel.startswith("bwd") else "forward",
-        dtype=_DTYPE_NAMES[problem.dtype], headdim=max(problem.head_dim, problem.head_dim_v),
+        dtype=tuning.dtype_name(problem.dtype), headdim=max(problem.head_dim, problem.head_dim_v),
         seqlen_q=problem.seq_q, seqlen_k=problem.seq_k, causal=problem.is_causal,
         has_attn_bias=has_bias, has_dropout=problem.dropout_rate > 0,
         nheads_q=problem.heads_q, nheads_kv=problem.heads_kv,

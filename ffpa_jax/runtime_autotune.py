@@ -30,28 +30,19 @@ import warnings
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
-MODES = ("fast", "max")
+import tuning
+from ffpa_jax.backend import default_backend_is_nvidia_gpu
+from ffpa_jax.validation import check_autotune
+
 logger = logging.getLogger("ffpa_jax.tuning")
 
-_DTYPE_NAMES = {jnp.dtype(jnp.float16): "fp16", jnp.dtype(jnp.bfloat16): "bf16",
-                jnp.dtype(jnp.float32): "fp32"}
 
 _lock = threading.RLock()
 _cache: dict[tuple, dict | None] = {}
 _inputs: dict[str, Any] = {}  # {"key": spec, "value": Inputs} of the problem being tuned
 _warned: set[str] = set()
 _stats = {"tuned": 0}  # kernels measured (not served from the cache), for tests
-
-
-def validate_mode(mode: Any) -> str | None:
-    """`mode` normalised (None = off); ValueError naming the argument otherwise."""
-    if mode is None or mode is False:
-        return None
-    if mode not in MODES:
-        raise ValueError(f"autotune must be None, 'fast' or 'max'; got {mode!r}")
-    return mode
 
 
 def _pad4(shape: tuple[int, ...] | None) -> tuple[int, int, int, int] | None:
@@ -66,17 +57,10 @@ def _spec(problem, *, has_bias: bool):
     return ProblemSpec(
         batch=problem.batch, seq_q=problem.seq_q, seq_k=problem.seq_k,
         heads_q=problem.heads_q, heads_kv=problem.heads_kv, head_dim=problem.head_dim,
-        head_dim_v=problem.head_dim_v, dtype=_DTYPE_NAMES[jnp.dtype(problem.dtype)],
+        head_dim_v=problem.head_dim_v, dtype=tuning.dtype_name(problem.dtype),
         causal=bool(problem.is_causal),
         bias_shape=_pad4(problem.bias_shape) if has_bias else None,
         mask_shape=_pad4(problem.mask_shape), dropout_rate=float(problem.dropout_rate))
-
-
-def _on_nvidia_gpu() -> bool:
-    try:
-        return jax.devices()[0].platform in ("gpu", "cuda")
-    except RuntimeError:
-        return False
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -96,10 +80,10 @@ def autotuned_config(kernel: str, problem, *, has_bias: bool, mode: str | None,
     the measurement on interpreted kernels anyway (tests of the mechanism only;
     the timings are meaningless).
     """
-    mode = validate_mode(mode)
+    mode = check_autotune(mode)
     if mode is None:
         return None
-    if (interpret or not _on_nvidia_gpu()) and not measure_interpret:
+    if (interpret or not default_backend_is_nvidia_gpu()) and not measure_interpret:
         _warn_once("no-gpu", "ffpa_jax: autotune needs an NVIDIA GPU running the compiled "
                    "kernels (not interpret mode); using the tuned or built-in configs instead.")
         return None

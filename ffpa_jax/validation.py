@@ -104,7 +104,8 @@ def _check_dropout(rate: Any, rng: Any) -> float:
     return rate
 
 
-def _check_autotune(autotune: Any) -> str | None:
+def check_autotune(autotune: Any) -> str | None:
+    """`autotune` normalised: None (off), "fast" or "max"; TypeError/ValueError otherwise."""
     if autotune is None:
         return None
     if not isinstance(autotune, str):
@@ -208,7 +209,7 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, d
 
     scale_value = _check_scale(scale, d)
     rate = _check_dropout(dropout_rate, dropout_rng)
-    autotune_mode = _check_autotune(autotune)
+    autotune_mode = check_autotune(autotune)
 
     return Problem(
         batched=batched, batch=b, seq_q=t, seq_k=s, heads_q=hq, heads_kv=hkv, head_dim=d,

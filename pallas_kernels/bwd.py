@@ -74,15 +74,20 @@ def _n_slices(st: common.KernelStatic, size: int) -> int:
     return cdiv(size, st.cfg.block_slice)
 
 
-def _inputs(q, k, v, do, lse, delta, bias, mask, seed, *, cfg, causal, over_kv: bool,
-            dropout_rate: float):
-    """(kernel inputs, list extent) for dq (over_kv) or dkdv: tensors, bias, mask lists, seed."""
+def _prepare(q, k, v, do, lse, delta, bias, mask, seed, *, config: BwdConfig, scale: float,
+             causal: bool, over_kv: bool, dropout_rate: float, interpret: bool):
+    """(kernel inputs, KernelStatic) for dq (over_kv) or dkdv: the config fitted to the
+    problem; inputs are the tensors, bias, mask block lists and seed."""
+    cfg = config.fitted(q.shape[1], k.shape[1], q.shape[3], v.shape[3])
     mask_args, list_outer = common.mask_inputs(
         mask, block_m=cfg.block_m, block_n=cfg.block_n, seq_q=q.shape[1], seq_k=k.shape[1],
         causal=causal, over_kv=over_kv)
     inputs = ([q, k, v, do, lse, delta] + ([bias] if bias is not None else []) + mask_args
               + common.seed_inputs(dropout_rate, seed))
-    return inputs, list_outer
+    st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
+                              list_outer=list_outer, dropout_rate=dropout_rate,
+                              interpret=interpret)
+    return inputs, st
 
 
 class _Tile:
@@ -262,12 +267,10 @@ def bwd_generic_dq(q, k, v, do, lse, delta, bias=None, mask=None, *, scale: floa
                    config: BwdConfig, interpret: bool = False, dropout_rate: float = 0.0,
                    seed: jax.Array | None = None) -> jax.Array:
     """dQ [B, T, Hq, D] in q's dtype."""
-    cfg = config.fitted(q.shape[1], k.shape[1], q.shape[3], v.shape[3])
-    inputs, list_outer = _inputs(q, k, v, do, lse, delta, bias, mask, seed, cfg=cfg,
-                                 causal=causal, over_kv=True, dropout_rate=dropout_rate)
-    st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
-                              list_outer=list_outer, dropout_rate=dropout_rate,
-                              interpret=interpret)
+    inputs, st = _prepare(q, k, v, do, lse, delta, bias, mask, seed, config=config, scale=scale,
+                          causal=causal, over_kv=True, dropout_rate=dropout_rate,
+                          interpret=interpret)
+    cfg = st.cfg
     compat.silence_triton_deprecation()
     grid = (cdiv(st.seq_q, cfg.block_m) * _n_slices(st, st.head_dim), st.batch * st.heads_q)
     return pl.pallas_call(
@@ -379,12 +382,10 @@ def bwd_generic_dkdv(q, k, v, do, lse, delta, bias=None, mask=None, *, scale: fl
                      causal: bool, config: BwdConfig, interpret: bool = False,
                      dropout_rate: float = 0.0, seed: jax.Array | None = None):
     """(dK [B, S, Hkv, D], dV [B, S, Hkv, Dv]) in k's / v's dtype."""
-    cfg = config.fitted(q.shape[1], k.shape[1], q.shape[3], v.shape[3])
-    inputs, list_outer = _inputs(q, k, v, do, lse, delta, bias, mask, seed, cfg=cfg,
-                                 causal=causal, over_kv=False, dropout_rate=dropout_rate)
-    st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
-                              list_outer=list_outer, dropout_rate=dropout_rate,
-                              interpret=interpret)
+    inputs, st = _prepare(q, k, v, do, lse, delta, bias, mask, seed, config=config, scale=scale,
+                          causal=causal, over_kv=False, dropout_rate=dropout_rate,
+                          interpret=interpret)
+    cfg = st.cfg
     tasks = dkdv_tasks(st.head_dim, st.head_dim_v, cfg.block_slice, cfg.split_dkdv)
     compat.silence_triton_deprecation()
     grid = (cdiv(st.seq_k, cfg.block_n) * len(tasks), st.batch * st.heads_kv)

@@ -6,7 +6,7 @@ this device and problem when one matches, else the built-in default.
 
 from tuning.defaults import default_config
 from tuning.device import current_device, multiprocessor_count, sanitize_device_name
-from tuning.lookup import lookup_config
+from tuning.lookup import dtype_name, lookup_config
 from tuning.registry import KERNELS, config_problem
 from tuning.schema import load_config_file, write_config_file
 from tuning.select import launch_config
@@ -16,6 +16,7 @@ __all__ = [
     "config_problem",
     "current_device",
     "default_config",
+    "dtype_name",
     "launch_config",
     "load_config_file",
     "lookup_config",

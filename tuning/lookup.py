@@ -87,7 +87,7 @@ class _Env(NamedTuple):
     skip: bool
 
 
-def _normalize_dtype(dtype: Any) -> str:
+def dtype_name(dtype: Any) -> str:
     """"bf16"/"fp16"/"fp32" for the usual spellings and dtype objects."""
     if isinstance(dtype, str):
         name = dtype.lower()
@@ -296,7 +296,7 @@ def lookup_config(
     """
     _configure_debug_logging()
     query = _Query(
-        direction=str(direction), kernel=str(kernel), dtype=_normalize_dtype(dtype),
+        direction=str(direction), kernel=str(kernel), dtype=dtype_name(dtype),
         headdim=int(headdim), seqlen_q=int(seqlen_q), seqlen_k=int(seqlen_k),
         causal=bool(causal), has_attn_bias=bool(has_attn_bias), has_dropout=bool(has_dropout),
         nheads_q=_optional_int(nheads_q), nheads_kv=_optional_int(nheads_kv),
