@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything we run on the lent GPU, in one call: environment, GPU tests, variant
 # sweep, benchmark. Results land in $OUT (or ./gpu_out). Stages are chosen by
-# arguments: env tests fuzz sweep bwdsweep dropvar dropcfg decvar dropout bench (default:
-# env tests sweep bwdsweep bench).
+# arguments: env multigpu tests fuzz autotune ab sweep bwdsweep dropvar dropcfg decvar dropout
+# bench (default: env tests sweep bwdsweep bench). On a machine of several GPUs, run two
+# lists side by side with CUDA_VISIBLE_DEVICES set per list (each stage sees its GPUs).
 # TEST_PATHS narrows the tests stage (default: tests/). Example, on the device tool:
 #   bash scripts/gpu_run.sh env tests bench
 set -u
@@ -19,12 +20,27 @@ for stage in $stages; do
       nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
       python3 -c "import jax, jaxlib, triton; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'triton', triton.__version__, jax.devices())"
       ;;
+    multigpu)
+      # The tests that need two GPUs: pmap/sharded training step, sharded calls, --num-gpus 2.
+      python3 -m pytest -m gpu -q -p no:cacheprovider -k "two_gpus or pmap_and_sharded or gpu_sharded_calls" tests/ 2>&1 | tee "$OUT/pytest_multigpu.log" | tail -15
+      ;;
     tests)
-      python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider -k "not test_fuzz_gpu" ${TEST_PATHS:-tests/} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+      python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider --durations=15 -k "not test_fuzz_gpu" ${TEST_PATHS:-tests/} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
       ;;
     fuzz)
-      # The 2000-example sweep alone takes most of a 10-minute call; FFPA_FUZZ_SEED reruns one.
-      python3 -m pytest -m gpu -q -p no:cacheprovider -s tests/test_fuzz.py -k test_fuzz_gpu 2>&1 | tee "$OUT/fuzz_gpu.log" | tail -30
+      # 2000 examples in four parts (FUZZ_PARTS narrows, e.g. "0 or 1"); each prints its rerun.
+      python3 -m pytest -m gpu -q -n ${FUZZ_WORKERS:-4} -p no:cacheprovider -rA tests/test_fuzz.py -k "test_fuzz_gpu and (${FUZZ_PARTS:-0 or 1 or 2 or 3})" 2>&1 | tee "$OUT/fuzz_gpu${FUZZ_TAG:-}.log" | grep -E "fuzz seed|passed|failed|Error|FFPA_FUZZ" | tail -30
+      ;;
+    autotune)
+      # Tune (or, with --resume, finish) this device's packaged file; AUTOTUNE_SEED copies a
+      # partial file in first. The result comes back under $OUT.
+      name=$(python3 -c "import tuning; print(tuning.sanitize_device_name(tuning.current_device()[0]))")
+      [ -n "${AUTOTUNE_SEED:-}" ] && [ ! -f "tuning/configs/$name.json" ] && cp "$AUTOTUNE_SEED" "tuning/configs/$name.json"
+      python3 -m tuning.autotune ${AUTOTUNE_ARGS:---mode fast --directions both --headdims 64,128,256,512,1024 --seqlens 1,1024,4096,16384 --resume} 2>&1 | tee "$OUT/autotune.log" | tr '\r' '\n' | tail -8
+      cp "tuning/configs/$name.json" "$OUT/" 2>/dev/null
+      ;;
+    ab)
+      python3 scripts/tuned_ab.py --out "$OUT/tuned_ab.json" ${AB_ARGS:-} 2>&1 | tee "$OUT/tuned_ab.log" | tail -12
       ;;
     sweep)
       python3 scripts/fwd_variants.py --out "$OUT/fwd_variants.json" ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/fwd_variants.log" | tail -30

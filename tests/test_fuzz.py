@@ -16,11 +16,12 @@ static configurations come from a pool drawn once per run from the seed (a few
 hand-picked edge cases, then random draws); hypothesis draws a configuration from the
 pool plus everything dynamic. CPU (CI): 200 examples over a pool of 16 configurations
 with ranges small enough for the interpreter (T, S <= 160; D <= 160, or up to 1000 with
-T, S <= 48). GPU (marker `gpu`): 2000 examples over a pool of 200 configurations drawn
-from the full ranges (T, S <= 400; D <= 160, or up to 1024).
+T, S <= 48). GPU (marker `gpu`): 2000 examples over 200 configurations drawn
+from the full ranges (T, S <= 400; D <= 160, or up to 1024), in four parts that
+pytest-xdist runs side by side.
 
 Reproduce: the seed is printed at the start (pytest shows it with a failure); rerun with
-FFPA_FUZZ_SEED=<seed>. FFPA_FUZZ_EXAMPLES and FFPA_FUZZ_POOL override the example count
+FFPA_FUZZ_SEED=<seed> (a GPU part prints its own rerun command). FFPA_FUZZ_EXAMPLES and FFPA_FUZZ_POOL override the example count
 and pool size (e.g. a longer GPU sweep). The CPU run uses seed 0 unless told otherwise, so
 CI is deterministic; the GPU run draws a fresh seed each time.
 """
@@ -222,12 +223,16 @@ def check_example(cfg: Config, *, seed: int, magnitude: float, mask_density: flo
 # --------------------------------------------------------------------- the tests
 
 
+_GPU_BASE_SEED = random.SystemRandom().randrange(2**31)  # per process; each part prints it
+
+
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return default if value in (None, "") else int(value)
 
 
-def _fuzz_test(*, limits: Limits, pool_size: int, examples: int, seed: int, impls):
+def _fuzz_test(*, limits: Limits, pool_size: int, examples: int, seed: int, impls,
+               rerun: str | None = None):
     pool = make_pool(seed, pool_size, limits)
 
     @settings(max_examples=examples, deadline=None, database=None, print_blob=True,
@@ -242,11 +247,12 @@ def _fuzz_test(*, limits: Limits, pool_size: int, examples: int, seed: int, impl
            impl=st.sampled_from(impls))
     def run(index, data_seed, magnitude, mask_density, neg_inf_bias_rows, impl):
         cfg = pool[index]
-        note(f"FFPA_FUZZ_SEED={seed} pool[{index}] = {cfg}")
+        note(f"{rerun} pool[{index}] = {cfg}")
         check_example(cfg, seed=data_seed, magnitude=magnitude, mask_density=mask_density,
                       neg_inf_bias_rows=neg_inf_bias_rows, impl=impl[0], interpret=impl[1])
 
-    print(f"fuzz seed: {seed} (rerun with FFPA_FUZZ_SEED={seed}); {examples} examples over "
+    rerun = rerun or f"FFPA_FUZZ_SEED={seed}"
+    print(f"fuzz seed: {seed} (rerun with {rerun}); {examples} examples over "
           f"a pool of {len(pool)} configurations")
     run()
 
@@ -266,7 +272,8 @@ def test_pool_covers_the_ranges():
         assert any(c.d > 256 for c in pool) and any(c.d != c.dv for c in pool)
         assert any(c.t == 1 for c in pool) and any(c.s == 1 for c in pool)
         assert any(c.causal and c.t > c.s for c in pool)
-    gpu_pool = make_pool(0, 200, GPU_LIMITS)
+    gpu_pool = [c for part in range(GPU_PARTS) for c in make_pool(part, 200 // GPU_PARTS,
+                                                                   GPU_LIMITS)]
     assert max(c.t for c in gpu_pool) > 200 and max(c.s for c in gpu_pool) > 200
     assert any(c.d == 1 for c in gpu_pool) and max(c.d for c in gpu_pool if c.d <= 160) > 140
     assert any(c.d >= 900 for c in gpu_pool)
@@ -286,10 +293,17 @@ def test_fuzz_cpu(part):
                impls=(("pallas", True), ("pallas", True), ("pallas", True), ("xla", False)))
 
 
+GPU_PARTS = 4  # pytest-xdist runs the parts side by side: compiling dominates
+
+
 @pytest.mark.gpu
-def test_fuzz_gpu():
-    """The larger sweep on the real kernels: 2000 examples over the full ranges."""
-    _fuzz_test(limits=GPU_LIMITS, pool_size=_env_int("FFPA_FUZZ_POOL", 200),
-               examples=_env_int("FFPA_FUZZ_EXAMPLES", 2000),
-               seed=_env_int("FFPA_FUZZ_SEED", random.SystemRandom().randrange(2**31)),
-               impls=(("pallas", False),))
+@pytest.mark.parametrize("part", range(GPU_PARTS))
+def test_fuzz_gpu(part):
+    """The larger sweep on the real kernels: 2000 examples over the full ranges, in four
+    parts of 500 examples over 50 configurations each, seeded base + part; each part
+    prints the command that reruns it (pytest-xdist workers draw their own base)."""
+    base = _env_int("FFPA_FUZZ_SEED", _GPU_BASE_SEED)
+    _fuzz_test(limits=GPU_LIMITS, pool_size=_env_int("FFPA_FUZZ_POOL", 200) // GPU_PARTS,
+               examples=_env_int("FFPA_FUZZ_EXAMPLES", 2000) // GPU_PARTS,
+               seed=base + part, impls=(("pallas", False),),
+               rerun=f"FFPA_FUZZ_SEED={base} pytest -m gpu -k 'test_fuzz_gpu[{part}]'")
