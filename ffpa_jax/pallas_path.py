@@ -87,7 +87,7 @@ def _launch_config(kernel: str, problem: Problem, *, has_bias: bool,
         dtype=tuning.dtype_name(problem.dtype), headdim=max(problem.head_dim, problem.head_dim_v),
         seqlen_q=problem.seq_q, seqlen_k=problem.seq_k, causal=problem.is_causal,
         has_attn_bias=has_bias, has_dropout=problem.dropout_rate > 0,
-        nheads_q=problem.heads_q, nheads_kv=problem.heads_kv,
+        nheads_q=problem.heads_q, nheads_kv=problem.heads_kv, batch=problem.batch,
         bias_grad=has_bias if kernel.startswith("bwd") else None)
 
 
@@ -148,10 +148,27 @@ def backward_kernels(plan: Plan, q, k, v, bias, mask, seed, out, lse, d_out, d_l
     dq = bwd_generic_dq(q, k, v, d_out, lse, delta, bias, mask, config=plan.dq, **common)
     dk, dv = bwd_generic_dkdv(q, k, v, d_out, lse, delta, bias, mask, config=plan.dkdv, **common)
     dbias = None
-    if bias is not None:
+    if bias is not None and bias.shape[-1] == 1:
+        dbias = _row_constant_dbias(d_lse, bias)
+    elif bias is not None:
         dbias = bwd_dbias(q, k, v, d_out, lse, delta, bias, mask, config=plan.dbias,
                           **common).astype(bias.dtype)
     return dq, dk, dv, dbias
+
+
+def _row_constant_dbias(d_lse, bias):
+    """dbias of a bias broadcast over the keys (last dim 1), in closed form.
+
+    Adding c to every logit of a row leaves P unchanged and adds c to lse, so
+    d out / d c = 0 and d lse / d c = 1: dbias is d_lse summed over the bias's
+    broadcast dims (rows without keys already carry d_lse = 0). The kernel's sum of
+    dS over the row would reach the same value only up to the rounding of P to 16
+    bits in the forward's P·V, which does not cancel in Σ_j dS_ij (it is exact in
+    XLA's autodiff); the closed form is exact, with or without dropout.
+    """
+    per_row = d_lse[..., None]  # [B, Hq, T, 1]
+    axes = tuple(i for i in range(3) if bias.shape[i] == 1 and per_row.shape[i] != 1)
+    return jnp.sum(per_row, axis=axes, keepdims=True).astype(bias.dtype)
 
 
 # Shard-local under jit when the inputs are sharded over batch and/or heads: each

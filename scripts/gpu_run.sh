@@ -32,12 +32,13 @@ for stage in $stages; do
       python3 -m pytest -m gpu -q -n ${FUZZ_WORKERS:-4} -p no:cacheprovider -rA tests/test_fuzz.py -k "test_fuzz_gpu and (${FUZZ_PARTS:-0 or 1 or 2 or 3})" 2>&1 | tee "$OUT/fuzz_gpu${FUZZ_TAG:-}.log" | grep -E "fuzz seed|passed|failed|Error|FFPA_FUZZ" | tail -30
       ;;
     autotune)
-      # Tune (or, with --resume, finish) this device's packaged file; AUTOTUNE_SEED copies a
-      # partial file in first. The result comes back under $OUT.
+      # Tune (or, with --resume, finish) this device's file in AUTOTUNE_DIR (default: the
+      # packaged tuning/configs); AUTOTUNE_SEED is copied in first when the file is absent.
+      dir=${AUTOTUNE_DIR:-tuning/configs}; mkdir -p "$dir"
       name=$(python3 -c "import tuning; print(tuning.sanitize_device_name(tuning.current_device()[0]))")
-      [ -n "${AUTOTUNE_SEED:-}" ] && [ ! -f "tuning/configs/$name.json" ] && cp "$AUTOTUNE_SEED" "tuning/configs/$name.json"
-      python3 -m tuning.autotune ${AUTOTUNE_ARGS:---mode fast --directions both --headdims 64,128,256,512,1024 --seqlens 1,1024,4096,16384 --resume} 2>&1 | tee "$OUT/autotune.log" | tr '\r' '\n' | tail -8
-      cp "tuning/configs/$name.json" "$OUT/" 2>/dev/null
+      [ -n "${AUTOTUNE_SEED:-}" ] && [ ! -f "$dir/$name.json" ] && cp "$AUTOTUNE_SEED" "$dir/$name.json"
+      python3 -m tuning.autotune --output-dir "$dir" ${AUTOTUNE_ARGS:---mode fast --directions both --headdims 64,128,256,512,1024 --seqlens 1,1024,4096,16384 --resume} 2>&1 | tee "$OUT/autotune.log" | tr '\r' '\n' | tail -8
+      cp "$dir/$name.json" "$OUT/" 2>/dev/null
       ;;
     ab)
       python3 scripts/tuned_ab.py --out "$OUT/tuned_ab.json" ${AB_ARGS:-} 2>&1 | tee "$OUT/tuned_ab.log" | tail -12

@@ -232,3 +232,45 @@ def test_unreadable_path_is_a_directory(fake_device, caplog):
     assert _launch("fwd_generic", "forward") == default_config("fwd_generic", headdim=D,
                                                                  dtype="bf16")
     assert "tuned config miss" in caplog.text
+
+
+# ------------------------------------------------- guards on top of the lookup rules
+def test_entry_tuned_at_a_narrower_head_dim_is_not_used(fake_device):
+    """Nearest-head-dim matching picks 256 for 320, but 320 pads to 512-wide tiles that a
+    256-tuned config was never compiled at (shared memory): the default is used."""
+    narrow = dict(TUNED_FWD, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=256)
+    wide = dict(TUNED_FWD, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=512)
+    (fake_device / FILE_NAME).write_text(_document([
+        _entry(headdim=256, config=narrow), _entry(headdim=1024, config=wide)]))
+
+    def launch(d):
+        return tuning.launch_config("fwd_generic", direction="forward", dtype="bf16", headdim=d,
+                                    seqlen_q=T, seqlen_k=S, nheads_q=HQ, nheads_kv=HKV)
+    # The lookup itself still follows the design's rule (320 -> 256; 700 -> 1024) ...
+    assert lookup_mod.lookup_config("forward", "fwd_generic", dtype="bf16", headdim=320,
+                                    seqlen_q=T, seqlen_k=S, nheads_q=HQ, nheads_kv=HKV) == narrow
+    # ... but the call does not launch a 256-wide config at 320 (padded to 512).
+    assert launch(320) == default_config("fwd_generic", headdim=320, dtype="bf16")
+    assert launch(200) == narrow  # 200 pads to 256: the same tiles
+    assert launch(700) == wide  # 700 pads to 1024: tuned at that width
+
+
+def test_tuned_split_count_is_used_only_on_its_own_problem(fake_device):
+    """NUM_SPLITS was measured for one (batch, KV heads, keys); elsewhere the heuristic
+    chooses the split count and the entry's block sizes still apply."""
+    config = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_HEADDIM_QK": 32, "BLOCK_HEADDIM_V": 32,
+              "NUM_SPLITS": 8, "num_warps": 4, "num_stages": 2, "num_ctas": 1}
+    (fake_device / FILE_NAME).write_text(_document(
+        [_entry(kernel="decode_fwd_stage1", case_name="decode-attn", seqlen_q=1, seqlen_k=4096,
+                seqlen_q_bucket=1, seqlen_k_bucket=4096, nheads_q=32, nheads_kv=32,
+                config=config)], B=1))
+
+    def launch(batch, heads_kv, seqlen_k):
+        return tuning.launch_config("decode_fwd_stage1", direction="forward", dtype="bf16",
+                                    headdim=D, seqlen_q=1, seqlen_k=seqlen_k, nheads_q=32,
+                                    nheads_kv=heads_kv, batch=batch)
+    assert launch(1, 32, 4096) == config
+    without_splits = {k: v for k, v in config.items() if k != "NUM_SPLITS"}
+    assert launch(8, 32, 4096) == without_splits  # another batch
+    assert launch(1, 8, 4096) == without_splits  # another KV-head count
+    assert launch(1, 32, 3000) == without_splits  # fewer keys, same bucket

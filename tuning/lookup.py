@@ -236,24 +236,25 @@ def _resolve_device(query: _Query) -> tuple[str | None, str | None]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_lookup(query: _Query, env: _Env) -> tuple[Mapping[str, Any] | None, str]:
-    """(config or None, why) for one query; the config must not be mutated."""
+def _cached_lookup(query: _Query, env: _Env) -> tuple[Mapping[str, Any] | None, Any, str]:
+    """(entry or None, the file's batch size "B" or None, why) for one query; the entry
+    must not be mutated."""
     if env.skip:
-        return None, "skipped: FFPA_SKIP_PERSIST_TUNED_CONFIG is set"
+        return None, None, "skipped: FFPA_SKIP_PERSIST_TUNED_CONFIG is set"
     device_name, capability = _resolve_device(query)
     if device_name is None:
-        return None, "no GPU device"
+        return None, None, "no GPU device"
     file = _find_file(device_name, capability, env)
     if file is None:
-        return None, f"no usable tuned-config file for {device_name!r} (cc {capability})"
+        return None, None, f"no usable tuned-config file for {device_name!r} (cc {capability})"
     entry = _select_entry(file, query)
     if entry is None:
-        return None, f"no compatible entry in {file.path}"
+        return None, None, f"no compatible entry in {file.path}"
     where = (f"{file.path}: headdim={entry['headdim']} "
              f"seqlen_q={_stored_seqlen(entry, 'seqlen_q')} "
              f"seqlen_k={_stored_seqlen(entry, 'seqlen_k')} "
              f"heads={entry['nheads_q']}/{entry['nheads_kv']}")
-    return entry["config"], where
+    return entry, file.header.get("B"), where
 
 
 _logged: set[tuple[_Query, _Env]] = set()
@@ -265,6 +266,54 @@ def _log_once(query: _Query, env: _Env, hit: bool, why: str) -> None:
     _logged.add((query, env))
     logger.debug("tuned config %s for %s %s: %s", "hit" if hit else "miss",
                  query.direction, query._asdict(), why)
+
+
+class TunedEntry(NamedTuple):
+    """A matched entry (a fresh copy) and the batch size its file was tuned at."""
+
+    entry: dict[str, Any]
+    file_batch: int | None
+
+
+def lookup_entry(
+    direction: str,
+    kernel: str,
+    *,
+    dtype: Any,
+    headdim: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    causal: bool = False,
+    has_attn_bias: bool = False,
+    has_dropout: bool = False,
+    nheads_q: int | None = None,
+    nheads_kv: int | None = None,
+    autotune_mode: str = "fast",
+    bias_grad: bool | None = None,
+    device_name: str | None = None,
+    compute_capability: str | None = None,
+) -> TunedEntry | None:
+    """The whole matched entry (as `lookup_config` matches it) with its file's "B", or
+    None. For callers that must know what problem a config was tuned on."""
+    _configure_debug_logging()
+    query = _Query(
+        direction=str(direction), kernel=str(kernel), dtype=dtype_name(dtype),
+        headdim=int(headdim), seqlen_q=int(seqlen_q), seqlen_k=int(seqlen_k),
+        causal=bool(causal), has_attn_bias=bool(has_attn_bias), has_dropout=bool(has_dropout),
+        nheads_q=_optional_int(nheads_q), nheads_kv=_optional_int(nheads_kv),
+        autotune_mode=str(autotune_mode),
+        bias_grad=None if bias_grad is None else bool(bias_grad),
+        device_name=None if device_name is None else str(device_name),
+        compute_capability=None if compute_capability is None else str(compute_capability),
+    )
+    env = _read_env()
+    entry, batch, why = _cached_lookup(query, env)
+    _log_once(query, env, entry is not None, why)
+    if entry is None:
+        return None
+    copied = dict(entry)
+    copied["config"] = dict(entry["config"])
+    return TunedEntry(copied, batch if isinstance(batch, int) and batch > 0 else None)
 
 
 def lookup_config(
@@ -294,21 +343,12 @@ def lookup_config(
     file. Returns a fresh copy each call, safe to mutate. Never raises for a
     bad or missing file; see the module docstring for the matching rules.
     """
-    _configure_debug_logging()
-    query = _Query(
-        direction=str(direction), kernel=str(kernel), dtype=dtype_name(dtype),
-        headdim=int(headdim), seqlen_q=int(seqlen_q), seqlen_k=int(seqlen_k),
-        causal=bool(causal), has_attn_bias=bool(has_attn_bias), has_dropout=bool(has_dropout),
-        nheads_q=_optional_int(nheads_q), nheads_kv=_optional_int(nheads_kv),
-        autotune_mode=str(autotune_mode),
-        bias_grad=None if bias_grad is None else bool(bias_grad),
-        device_name=None if device_name is None else str(device_name),
-        compute_capability=None if compute_capability is None else str(compute_capability),
-    )
-    env = _read_env()
-    config, why = _cached_lookup(query, env)
-    _log_once(query, env, config is not None, why)
-    return None if config is None else dict(config)
+    found = lookup_entry(direction, kernel, dtype=dtype, headdim=headdim, seqlen_q=seqlen_q,
+                         seqlen_k=seqlen_k, causal=causal, has_attn_bias=has_attn_bias,
+                         has_dropout=has_dropout, nheads_q=nheads_q, nheads_kv=nheads_kv,
+                         autotune_mode=autotune_mode, bias_grad=bias_grad,
+                         device_name=device_name, compute_capability=compute_capability)
+    return None if found is None else found.entry["config"]
 
 
 def clear_cache() -> None:

@@ -2,24 +2,62 @@
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 from tuning.defaults import default_config
-from tuning.lookup import lookup_config
+from tuning.lookup import TunedEntry, lookup_entry
+
+logger = logging.getLogger("ffpa_jax.tuning")
+
+
+def _padded(headdim: int) -> int:
+    """The power-of-two tile width a head dim is computed in."""
+    return 1 << max(0, (int(headdim) - 1).bit_length())
+
+
+def usable_config(kernel: str, found: TunedEntry, *, headdim: int, seqlen_k: int,
+                  nheads_kv: int | None, batch: int | None) -> dict[str, Any] | None:
+    """The matched entry's config as this call may use it, or None for the default.
+
+    Two guards on top of the lookup rules (which pick the *nearest* stored problem):
+    - A config tuned at a head dim whose padded tile is narrower than this call's
+      (e.g. 256 -> 320, which pads to 512) was never compiled at this width: its
+      tiles can overflow shared memory. The built-in default is used instead.
+    - A tuned decode split count (NUM_SPLITS) fits the problem it was tuned on: the
+      same keys, KV heads and batch. Elsewhere the split-count heuristic decides,
+      with the entry's block sizes.
+    """
+    entry, config = found.entry, dict(found.entry["config"])
+    if _padded(entry["headdim"]) < _padded(headdim):
+        logger.debug("tuned %s entry for headdim=%s not used at headdim=%s (narrower tiles)",
+                     kernel, entry["headdim"], headdim)
+        return None
+    if "NUM_SPLITS" in config and not (entry["seqlen_k"] == seqlen_k
+                                       and entry["nheads_kv"] == nheads_kv
+                                       and found.file_batch == batch):
+        del config["NUM_SPLITS"]
+    return config
 
 
 def launch_config(kernel: str, *, direction: str, dtype: str, headdim: int, seqlen_q: int,
                   seqlen_k: int, causal: bool = False, has_attn_bias: bool = False,
                   has_dropout: bool = False, nheads_q: int | None = None,
                   nheads_kv: int | None = None, bias_grad: bool | None = None,
-                  device_name: str | None = None) -> dict:
+                  batch: int | None = None, device_name: str | None = None) -> dict:
     """The tuned config for this problem on this device, else the built-in default.
 
-    Called at trace time; `lookup_config` caches, so a traced step pays nothing.
-    Entries a kernel cannot launch never get this far: the file loader drops them.
+    Called at trace time; the lookup caches, so a traced step pays nothing.
+    Entries a kernel cannot launch never get this far: the file loader drops them,
+    and `usable_config` drops those tuned for a narrower head dim.
     """
-    tuned = lookup_config(direction, kernel, dtype=dtype, headdim=headdim, seqlen_q=seqlen_q,
-                          seqlen_k=seqlen_k, causal=causal, has_attn_bias=has_attn_bias,
-                          has_dropout=has_dropout, nheads_q=nheads_q, nheads_kv=nheads_kv,
-                          bias_grad=bias_grad, device_name=device_name)
-    if tuned is not None:
-        return tuned
+    found = lookup_entry(direction, kernel, dtype=dtype, headdim=headdim, seqlen_q=seqlen_q,
+                         seqlen_k=seqlen_k, causal=causal, has_attn_bias=has_attn_bias,
+                         has_dropout=has_dropout, nheads_q=nheads_q, nheads_kv=nheads_kv,
+                         bias_grad=bias_grad, device_name=device_name)
+    if found is not None:
+        tuned = usable_config(kernel, found, headdim=headdim, seqlen_k=seqlen_k,
+                              nheads_kv=nheads_kv, batch=batch)
+        if tuned is not None:
+            return tuned
     return default_config(kernel, headdim=headdim, dtype=dtype, has_dropout=has_dropout)
