@@ -226,3 +226,14 @@ def test_grad_of_key_constant_bias(bias_shape, dropout_rate, kernel_mode):
                  scale=None, dropout_rate=dropout_rate, with_grads=True)
     check_example(cfg, seed=1, magnitude=1.0, mask_density=0.5, neg_inf_bias_rows=False,
                   impl="pallas", interpret=interpret_flag(kernel_mode))
+
+
+def test_grad_float32_d256_small_dv(kernel_mode):
+    """The GPU fuzz's shared-memory overflow (dq at float32, D=256: 238080 of 232448
+    bytes), with its row-constant bias and per-head mask."""
+    from test_fuzz import Config, check_example
+    cfg = Config(batched=False, b=1, t=68, s=42, hq=6, hkv=2, d=256, dv=26, dtype="float32",
+                 causal=False, bias_shape=(1, 68, 1), bias_dtype="float16",
+                 mask_shape=(6, 1, 42), scale=None, dropout_rate=0.0, with_grads=True)
+    check_example(cfg, seed=3, magnitude=1.0, mask_density=0.5, neg_inf_bias_rows=False,
+                  impl="pallas", interpret=interpret_flag(kernel_mode))

@@ -257,7 +257,7 @@ def test_entry_tuned_at_a_narrower_head_dim_is_not_used(fake_device):
 
 def test_tuned_split_count_is_used_only_on_its_own_problem(fake_device):
     """NUM_SPLITS was measured for one (batch, KV heads, keys); elsewhere the heuristic
-    chooses the split count and the entry's block sizes still apply."""
+    chooses the split count and the entry's block sizes still apply (same group size)."""
     config = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_HEADDIM_QK": 32, "BLOCK_HEADDIM_V": 32,
               "NUM_SPLITS": 8, "num_warps": 4, "num_stages": 2, "num_ctas": 1}
     (fake_device / FILE_NAME).write_text(_document(
@@ -265,12 +265,14 @@ def test_tuned_split_count_is_used_only_on_its_own_problem(fake_device):
                 seqlen_q_bucket=1, seqlen_k_bucket=4096, nheads_q=32, nheads_kv=32,
                 config=config)], B=1))
 
-    def launch(batch, heads_kv, seqlen_k):
+    def launch(batch, heads_q, heads_kv, seqlen_k):
         return tuning.launch_config("decode_fwd_stage1", direction="forward", dtype="bf16",
-                                    headdim=D, seqlen_q=1, seqlen_k=seqlen_k, nheads_q=32,
-                                    nheads_kv=heads_kv, batch=batch)
-    assert launch(1, 32, 4096) == config
+                                    headdim=D, seqlen_q=1, seqlen_k=seqlen_k,
+                                    nheads_q=heads_q, nheads_kv=heads_kv, batch=batch)
+    assert launch(1, 32, 32, 4096) == config
     without_splits = {k: v for k, v in config.items() if k != "NUM_SPLITS"}
-    assert launch(8, 32, 4096) == without_splits  # another batch
-    assert launch(1, 8, 4096) == without_splits  # another KV-head count
-    assert launch(1, 32, 3000) == without_splits  # fewer keys, same bucket
+    assert launch(8, 32, 32, 4096) == without_splits  # another batch
+    assert launch(1, 16, 16, 4096) == without_splits  # another KV-head count
+    assert launch(1, 32, 32, 3000) == without_splits  # fewer keys, same bucket
+    # Another GQA group size packs the tile differently: the entry is not used at all.
+    assert launch(1, 32, 8, 4096) == default_config("decode_fwd_stage1", headdim=D)

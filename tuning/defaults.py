@@ -88,8 +88,10 @@ _DECODE_STAGE2: tuple[tuple[int, dict], ...] = (
 _FP32_OVERRIDES: dict[str, tuple[tuple[int, dict], ...]] = {
     # float32 V tiles are twice the bytes: fewer buffered stages / keys per step.
     "decode_fwd_stage1": ((512, dict(BLOCK_N=16)), (1024, dict(BLOCK_N=16))),
-    "bwd_generic_dq": ((1024, dict(BLOCK_N=64)),),
-    "bwd_dbias": ((1024, dict(BLOCK_N=64)),),
+    # D <= 256: 3 stages of K, V (128 x 64) and dO chunks asked 238080 of 232448 bytes
+    # (GPU fuzz: float32, D=256, Dv=26); half the keys per step fit.
+    "bwd_generic_dq": ((256, dict(BLOCK_N=64)), (1024, dict(BLOCK_N=64))),
+    "bwd_dbias": ((256, dict(BLOCK_N=64)), (1024, dict(BLOCK_N=64))),
     "bwd_generic_dkdv": ((1024, dict(BLOCK_M=64)),),
 }
 
