@@ -88,11 +88,14 @@ _DECODE_STAGE2: tuple[tuple[int, dict], ...] = (
 _FP32_OVERRIDES: dict[str, tuple[tuple[int, dict], ...]] = {
     # float32 V tiles are twice the bytes: fewer buffered stages / keys per step.
     "decode_fwd_stage1": ((512, dict(BLOCK_N=16)), (1024, dict(BLOCK_N=16))),
-    # D <= 256: 3 stages of K, V (128 x 64) and dO chunks asked 238080 of 232448 bytes
-    # (GPU fuzz: float32, D=256, Dv=26); half the keys per step fit.
+    # D <= 256: a float32 call (D=256, Dv=26, T=68, S=42, with a mask) asked 238080 of
+    # 232448 bytes in the GPU fuzz, and still did with dq/dbias at BLOCK_N=64, so the
+    # forward and dkdv tiles shrink too (not yet re-run on a GPU; float32 is the
+    # accuracy path, not the speed one).
+    "fwd_generic": ((256, dict(BLOCK_M=64, BLOCK_N=32)),),
     "bwd_generic_dq": ((256, dict(BLOCK_N=64)), (1024, dict(BLOCK_N=64))),
     "bwd_dbias": ((256, dict(BLOCK_N=64)), (1024, dict(BLOCK_N=64))),
-    "bwd_generic_dkdv": ((1024, dict(BLOCK_M=64)),),
+    "bwd_generic_dkdv": ((256, dict(BLOCK_N=64)), (1024, dict(BLOCK_M=64))),
 }
 
 # With dropout each tile also generates its keep-mask; the layout shuffles of that
