@@ -29,7 +29,7 @@ import ffpa_jax
 import tuning
 from ffpa_jax import pallas_path, validation
 from ffpa_jax.bench.measure import time_samples
-from tuning.lookup import ENV_SKIP, PACKAGED_CONFIG_DIR, clear_cache
+from tuning.lookup import ENV_SKIP, PACKAGED_CONFIG_DIR
 
 SKIP = ENV_SKIP[0]
 
@@ -77,11 +77,11 @@ def make_fn(mode: str, causal: bool):
 
 
 def with_env(skip: bool):
+    """Tuned file on or off; lookups cache per environment, so no cache to clear."""
     if skip:
         os.environ[SKIP] = "1"
     else:
         os.environ.pop(SKIP, None)
-    clear_cache()
 
 
 def measure_point(point, *, batch: int, heads: int, rounds: int, time_all: bool) -> dict:
