@@ -114,22 +114,58 @@ def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = Fa
                                precision=precision, preferred_element_type=jnp.float32)
 
 
-def contract_chunks(load_a, load_b, n_chunks: int, *, dynamic: bool, shape: tuple[int, int]):
+# Depth of one accumulation chain, in head-dim elements, by operand width. The
+# error of a chained dot grows with its depth, and the chains here are deeper than
+# XLA's: Hopper's MMA adds each 16-bit product into the float32 accumulator with
+# less than float32 care (measured on an H200, one chained QKᵀ at D=768 has 4-5x
+# the error of XLA's bf16 path: scripts/lse_precision.py), and a float32 dot is a
+# sequential FMA chain where XLA's CPU/GPU dots sum in parallel lanes (the GPU fuzz
+# saw a float32 output at 1.06e-5 relative with logits near 90). Deeper
+# contractions are split into interleaved chains that meet in float32 adds.
+CHAIN_DEPTH = {16: 256, 32: 32}  # operand bits -> depth
+MAX_CHAINS = 4  # each chain is one more [BLOCK_M, BLOCK_N] float32 accumulator
+
+
+def n_chains(n_chunks: int, chunk_width: int, operand_bits: int = 16) -> int:
+    """How many independent accumulators a contraction of n_chunks chunks uses."""
+    depth = CHAIN_DEPTH[operand_bits]
+    return max(1, min(n_chunks, MAX_CHAINS, cdiv(n_chunks * chunk_width, depth)))
+
+
+def contract_chunks(load_a, load_b, n_chunks: int, *, chunk_width: int, operand_dtype,
+                    dynamic: bool, shape: tuple[int, int]):
     """Σ_c load_a(c) @ load_b(c)ᵀ over head-dim chunks c, float32 [shape].
 
-    `dynamic` walks the chunks with a fori_loop (one chunk of each operand live,
-    software-pipelined by Triton like a matmul's K loop); otherwise the loop is
-    unrolled in Python, and the loaders may return chunks loaded once up front.
+    Chunk c goes to accumulator c % n_chains (see CHAIN_DEPTH); the accumulators
+    are summed at the end. `dynamic` walks the chunks with a fori_loop (one chunk
+    of each operand live per accumulator, software-pipelined by Triton like a
+    matmul's K loop), the chunks that do not fill a whole round after it;
+    otherwise the loop is unrolled in Python, and the loaders may return chunks
+    loaded once up front.
     """
+    chains = n_chains(n_chunks, chunk_width, jnp.dtype(operand_dtype).itemsize * 8)
+    part = lambda c: dot(load_a(c), load_b(c), trans_b=True)
+    accs: list = [None] * chains
+    first_static = 0
     if dynamic and n_chunks > 1:
-        def body(c, acc):
-            return acc + dot(load_a(c), load_b(c), trans_b=True)
-        return jax.lax.fori_loop(i32(0), i32(n_chunks), body, jnp.zeros(shape, jnp.float32))
-    acc = None
-    for c in range(n_chunks):
-        part = dot(load_a(c), load_b(c), trans_b=True)
-        acc = part if acc is None else acc + part
-    return acc
+        rounds = n_chunks // chains
+
+        def chunk(r, j):  # chunk j of round r, with no index arithmetic where none is due
+            first = r if chains == 1 else r * chains
+            return first if j == 0 else first + j
+
+        def body(r, accs):
+            return tuple(acc + part(chunk(r, j)) for j, acc in enumerate(accs))
+        zeros = tuple(jnp.zeros(shape, jnp.float32) for _ in range(chains))
+        accs = list(jax.lax.fori_loop(i32(0), i32(rounds), body, zeros))
+        first_static = rounds * chains
+    for c in range(first_static, n_chunks):
+        j = c % chains
+        accs[j] = part(c) if accs[j] is None else accs[j] + part(c)
+    total = accs[0]
+    for acc in accs[1:]:
+        total = total + acc
+    return total
 
 
 def load_tile(ref, b, rows_start, rows, h, cols_start, cols, *, n_rows: int, n_cols: int,
