@@ -114,58 +114,49 @@ def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = Fa
                                precision=precision, preferred_element_type=jnp.float32)
 
 
-# Depth of one accumulation chain, in head-dim elements, by operand width. The
-# error of a chained dot grows with its depth, and the chains here are deeper than
-# XLA's: Hopper's MMA adds each 16-bit product into the float32 accumulator with
-# less than float32 care (measured on an H200, one chained QKᵀ at D=768 has 4-5x
-# the error of XLA's bf16 path: scripts/lse_precision.py), and a float32 dot is a
-# sequential FMA chain where XLA's CPU/GPU dots sum in parallel lanes (the GPU fuzz
-# saw a float32 output at 1.06e-5 relative with logits near 90). Deeper
-# contractions are split into interleaved chains that meet in float32 adds.
-CHAIN_DEPTH = {16: 256, 32: 32}  # operand bits -> depth
-MAX_CHAINS = 4  # each chain is one more [BLOCK_M, BLOCK_N] float32 accumulator
+# Depth of one tensor-core accumulation chain, in head-dim elements. Hopper's MMA
+# adds each 16-bit product into the float32 accumulator with less than float32
+# care, so the error of one chained dot grows with its depth: measured on an H200,
+# one chained QKᵀ at D=768 has 4-5x the error of XLA's bf16 path
+# (scripts/lse_precision.py), while depths up to 256 stay within the tolerance
+# rule. The dynamic chunk walk (every default and tuned config above D=256) splits
+# deeper contractions into consecutive chains, each its own loop from a zero
+# accumulator, summed with float32 adds. Consecutive loops, not interleaved
+# accumulators in one loop: the latter multiplied the pipelined chunk buffers and
+# overflowed shared memory on the H200.
+CHAIN_DEPTH = 256
+MAX_CHAINS = 4
 
 
-def n_chains(n_chunks: int, chunk_width: int, operand_bits: int = 16) -> int:
-    """How many independent accumulators a contraction of n_chunks chunks uses."""
-    depth = CHAIN_DEPTH[operand_bits]
-    return max(1, min(n_chunks, MAX_CHAINS, cdiv(n_chunks * chunk_width, depth)))
+def n_chains(n_chunks: int, chunk_width: int) -> int:
+    """How many consecutive accumulation chains a dynamic walk of n_chunks chunks uses."""
+    return max(1, min(n_chunks, MAX_CHAINS, cdiv(n_chunks * chunk_width, CHAIN_DEPTH)))
 
 
-def contract_chunks(load_a, load_b, n_chunks: int, *, chunk_width: int, operand_dtype,
-                    dynamic: bool, shape: tuple[int, int]):
+def contract_chunks(load_a, load_b, n_chunks: int, *, chunk_width: int, dynamic: bool,
+                    shape: tuple[int, int]):
     """Σ_c load_a(c) @ load_b(c)ᵀ over head-dim chunks c, float32 [shape].
 
-    Chunk c goes to accumulator c % n_chains (see CHAIN_DEPTH); the accumulators
-    are summed at the end. `dynamic` walks the chunks with a fori_loop (one chunk
-    of each operand live per accumulator, software-pipelined by Triton like a
-    matmul's K loop), the chunks that do not fill a whole round after it;
-    otherwise the loop is unrolled in Python, and the loaders may return chunks
-    loaded once up front.
+    `dynamic` walks the chunks with fori_loops (one chunk of each operand live,
+    software-pipelined by Triton like a matmul's K loop), one loop per accumulation
+    chain (see CHAIN_DEPTH); otherwise the loop is unrolled in Python, and the
+    loaders may return chunks loaded once up front.
     """
-    chains = n_chains(n_chunks, chunk_width, jnp.dtype(operand_dtype).itemsize * 8)
     part = lambda c: dot(load_a(c), load_b(c), trans_b=True)
-    accs: list = [None] * chains
-    first_static = 0
     if dynamic and n_chunks > 1:
-        rounds = n_chunks // chains
-
-        def chunk(r, j):  # chunk j of round r, with no index arithmetic where none is due
-            first = r if chains == 1 else r * chains
-            return first if j == 0 else first + j
-
-        def body(r, accs):
-            return tuple(acc + part(chunk(r, j)) for j, acc in enumerate(accs))
-        zeros = tuple(jnp.zeros(shape, jnp.float32) for _ in range(chains))
-        accs = list(jax.lax.fori_loop(i32(0), i32(rounds), body, zeros))
-        first_static = rounds * chains
-    for c in range(first_static, n_chunks):
-        j = c % chains
-        accs[j] = part(c) if accs[j] is None else accs[j] + part(c)
-    total = accs[0]
-    for acc in accs[1:]:
-        total = total + acc
-    return total
+        chains = n_chains(n_chunks, chunk_width)
+        total, start = None, 0
+        for j in range(chains):
+            stop = start + n_chunks // chains + (1 if j < n_chunks % chains else 0)
+            acc = jax.lax.fori_loop(i32(start), i32(stop), lambda c, acc: acc + part(c),
+                                    jnp.zeros(shape, jnp.float32))
+            total = acc if total is None else total + acc
+            start = stop
+        return total
+    acc = None
+    for c in range(n_chunks):
+        acc = part(c) if acc is None else acc + part(c)
+    return acc
 
 
 def load_tile(ref, b, rows_start, rows, h, cols_start, cols, *, n_rows: int, n_cols: int,

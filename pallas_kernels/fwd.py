@@ -118,7 +118,6 @@ def _fwd_kernel(*refs, st: common.KernelStatic):
                                     n_rows=st.seq_k, n_cols=st.head_dim)
 
         qk = common.contract_chunks(q_chunk_at, k_chunk_at, _n_dchunks(st), chunk_width=bd,
-                                    operand_dtype=q_ref.dtype,
                                     dynamic=cfg.q_mode == "dynamic", shape=(bm, bn))
         return qk * qk_scale
 

@@ -1,6 +1,6 @@
 """Accuracy and speed of split QKᵀ accumulation chains (GPU A/B, prints JSON lines).
 
-`pallas_kernels.common.CHAIN_DEPTH[16]` caps how deep one tensor-core accumulation
+`pallas_kernels.common.CHAIN_DEPTH` caps how deep one tensor-core accumulation
 chain of a head-dim contraction may be. This script traces the kernels twice,
 with the cap (the shipped kernels) and without it (one chain, the old kernels),
 and reports for each:
@@ -39,7 +39,7 @@ INTERPRET = False  # --interpret: a CPU smoke run through Pallas' interpreter
 
 def use_chain_depth(depth: int) -> None:
     """Trace the kernels anew with this cap (the kernel wrappers cache their ops)."""
-    common.CHAIN_DEPTH = {**common.CHAIN_DEPTH, 16: depth}
+    common.CHAIN_DEPTH = depth
     pallas_path._forward._cache.cache_clear()
     pallas_path._backward._cache.cache_clear()
     jax.clear_caches()
@@ -104,7 +104,7 @@ def main() -> None:
     global INTERPRET
     INTERPRET = args.interpret
     dims = [int(d) for d in args.dims.split(",")]
-    shipped = common.CHAIN_DEPTH[16]
+    shipped = common.CHAIN_DEPTH
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
     for label, depth in (("chains", shipped), ("one_chain", UNCAPPED)):
         result[label] = dict(depth=depth, lse=lse_errors(depth, args.seeds),

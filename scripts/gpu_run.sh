@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything we run on the lent GPU, in one call: environment, GPU tests, variant
 # sweep, benchmark. Results land in $OUT (or ./gpu_out). Stages are chosen by
-# arguments: env multigpu tests fuzz autotune ab chain sweep bwdsweep dropvar dropcfg decvar dropout
+# arguments: env multigpu tests fuzz autotune ab chain vma sweep bwdsweep dropvar dropcfg decvar dropout
 # bench (default: env tests sweep bwdsweep bench). On a machine of several GPUs, run two
 # lists side by side with CUDA_VISIBLE_DEVICES set per list (each stage sees its GPUs).
 # TEST_PATHS narrows the tests stage (default: tests/). Example, on the device tool:
@@ -45,6 +45,9 @@ for stage in $stages; do
       ;;
     chain)
       python3 scripts/chain_ab.py --out "$OUT/chain_ab.json" ${CHAIN_ARGS:-} 2>&1 | tee "$OUT/chain_ab.log" | tail -4 | cut -c1-400
+      ;;
+    vma)
+      python3 scripts/vma_probe.py 2>&1 | tee "$OUT/vma_probe.log" | cut -c1-400
       ;;
     sweep)
       python3 scripts/fwd_variants.py --out "$OUT/fwd_variants.json" ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/fwd_variants.log" | tail -30
