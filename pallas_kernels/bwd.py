@@ -131,7 +131,6 @@ class _Tile:
         rows = q_start + iota(bm)
         cols = kv_start + iota(bn)
         s = common.contract_chunks(q_chunk, k_chunk, _n_chunks(st, st.head_dim),
-                                   chunk_width=cfg.block_d,
                                    dynamic=cfg.dynamic, shape=(bm, bn)) * (st.scale * LOG2E)
         s = common.bias_and_masks(s, st, self.refs.get("bias"), self.refs.get("mask"), self.b, h,
                                   q_start, kv_start, rows, cols, causal_mask=causal_mask,
@@ -147,7 +146,6 @@ class _Tile:
         if not need_ds:
             return p_out, None
         dp = common.contract_chunks(do_chunk, v_chunk, _n_chunks(st, st.head_dim_v),
-                                    chunk_width=cfg.block_d,
                                     dynamic=cfg.dynamic, shape=(bm, bn))
         if keep is not None:
             dp = jnp.where(keep, dp * inv_keep, 0.0)

@@ -114,48 +114,21 @@ def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = Fa
                                precision=precision, preferred_element_type=jnp.float32)
 
 
-# Depth of one tensor-core accumulation chain, in head-dim elements. Hopper's MMA
-# adds each 16-bit product into the float32 accumulator with less than float32
-# care, so the error of one chained dot grows with its depth: measured on an H200,
-# one chained QKᵀ at D=768 has 4-5x the error of XLA's bf16 path
-# (scripts/lse_precision.py), while depths up to 256 stay within the tolerance
-# rule. The dynamic chunk walk (every default and tuned config above D=256) splits
-# deeper contractions into consecutive chains, each its own loop from a zero
-# accumulator, summed with float32 adds. Consecutive loops, not interleaved
-# accumulators in one loop: the latter multiplied the pipelined chunk buffers and
-# overflowed shared memory on the H200.
-CHAIN_DEPTH = 256
-MAX_CHAINS = 4
-
-
-def n_chains(n_chunks: int, chunk_width: int) -> int:
-    """How many consecutive accumulation chains a dynamic walk of n_chunks chunks uses."""
-    return max(1, min(n_chunks, MAX_CHAINS, cdiv(n_chunks * chunk_width, CHAIN_DEPTH)))
-
-
-def contract_chunks(load_a, load_b, n_chunks: int, *, chunk_width: int, dynamic: bool,
-                    shape: tuple[int, int]):
+def contract_chunks(load_a, load_b, n_chunks: int, *, dynamic: bool, shape: tuple[int, int]):
     """Σ_c load_a(c) @ load_b(c)ᵀ over head-dim chunks c, float32 [shape].
 
-    `dynamic` walks the chunks with fori_loops (one chunk of each operand live,
-    software-pipelined by Triton like a matmul's K loop), one loop per accumulation
-    chain (see CHAIN_DEPTH); otherwise the loop is unrolled in Python, and the
-    loaders may return chunks loaded once up front.
+    `dynamic` walks the chunks with a fori_loop (one chunk of each operand live,
+    software-pipelined by Triton like a matmul's K loop); otherwise the loop is
+    unrolled in Python, and the loaders may return chunks loaded once up front.
     """
-    part = lambda c: dot(load_a(c), load_b(c), trans_b=True)
     if dynamic and n_chunks > 1:
-        chains = n_chains(n_chunks, chunk_width)
-        total, start = None, 0
-        for j in range(chains):
-            stop = start + n_chunks // chains + (1 if j < n_chunks % chains else 0)
-            acc = jax.lax.fori_loop(i32(start), i32(stop), lambda c, acc: acc + part(c),
-                                    jnp.zeros(shape, jnp.float32))
-            total = acc if total is None else total + acc
-            start = stop
-        return total
+        def body(c, acc):
+            return acc + dot(load_a(c), load_b(c), trans_b=True)
+        return jax.lax.fori_loop(i32(0), i32(n_chunks), body, jnp.zeros(shape, jnp.float32))
     acc = None
     for c in range(n_chunks):
-        acc = part(c) if acc is None else acc + part(c)
+        part = dot(load_a(c), load_b(c), trans_b=True)
+        acc = part if acc is None else acc + part
     return acc
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything we run on the lent GPU, in one call: environment, GPU tests, variant
 # sweep, benchmark. Results land in $OUT (or ./gpu_out). Stages are chosen by
-# arguments: env multigpu tests fuzz autotune ab chain vma sweep bwdsweep dropvar dropcfg decvar dropout
+# arguments: env multigpu tests fuzz autotune ab vma sweep bwdsweep dropvar dropcfg decvar dropout
 # bench (default: env tests sweep bwdsweep bench). On a machine of several GPUs, run two
 # lists side by side with CUDA_VISIBLE_DEVICES set per list (each stage sees its GPUs).
 # TEST_PATHS narrows the tests stage (default: tests/). Example, on the device tool:
@@ -42,9 +42,6 @@ for stage in $stages; do
       ;;
     ab)
       python3 scripts/tuned_ab.py --out "$OUT/tuned_ab.json" ${AB_ARGS:-} 2>&1 | tee "$OUT/tuned_ab.log" | tail -12
-      ;;
-    chain)
-      python3 scripts/chain_ab.py --out "$OUT/chain_ab.json" ${CHAIN_ARGS:-} 2>&1 | tee "$OUT/chain_ab.log" | tail -4 | cut -c1-400
       ;;
     vma)
       python3 scripts/vma_probe.py 2>&1 | tee "$OUT/vma_probe.log" | cut -c1-400

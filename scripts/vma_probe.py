@@ -37,7 +37,7 @@ def _jax_pallas_mha(q, k, v):
     return attention.mha(q, k, v, segment_ids=None, causal=True)
 
 
-def probe(axis_type, check_vma: bool, retype: str, kernel: str) -> dict:
+def probe(axis_type, check_vma: bool, retype: str, kernel: str, closure: bool = False) -> dict:
     n = len(jax.devices())
     mesh = jax.make_mesh((n,), ("b",), axis_types=(axis_type,))
     spec = P("b")
@@ -55,10 +55,14 @@ def probe(axis_type, check_vma: bool, retype: str, kernel: str) -> dict:
 
     smap = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
                          check_vma=check_vma)
-    record = dict(axis_type=str(axis_type), check_vma=check_vma, retype=retype, kernel=kernel)
+    record = dict(axis_type=str(axis_type), check_vma=check_vma, retype=retype, kernel=kernel,
+                  closure=closure)
     try:
-        out, vjp = jax.jit(lambda q, k, v: jax.vjp(smap, q, k, v))(q, k, v)
-        grads = jax.jit(vjp)(out)
+        if closure:  # a jitted function of no arguments that closes over the arrays
+            out, *grads = jax.jit(lambda: (lambda o, f: (o, *f(o)))(*jax.vjp(smap, q, k, v)))()
+        else:
+            out, vjp = jax.jit(lambda q, k, v: jax.vjp(smap, q, k, v))(q, k, v)
+            grads = jax.jit(vjp)(out)
         want = ffpa_jax.attention(q, k, v, is_causal=True, implementation="xla")
         record["status"] = "ok"
         record["max_abs_diff"] = float(jnp.max(jnp.abs(out.astype(jnp.float32)
@@ -77,6 +81,8 @@ def main() -> None:
         for axis_type in (AxisType.Explicit, AxisType.Auto):
             for check_vma in (True, False):
                 print(json.dumps(probe(axis_type, check_vma, "none", kernel)), flush=True)
+    for axis_type in (AxisType.Explicit, AxisType.Auto):
+        print(json.dumps(probe(axis_type, True, "none", "ffpa", closure=True)), flush=True)
     for retype in ("reshard", "reshape_out_sharding"):
         print(json.dumps(probe(AxisType.Explicit, True, retype, "ffpa")), flush=True)
 

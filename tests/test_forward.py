@@ -159,23 +159,6 @@ def test_kernel_configs(cfg, causal, kernel_mode):
     assert_lse_matches(lse, ref_lse, xla_lse)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_split_accumulation_chains(dtype, kernel_mode):
-    """D=600 in 64-wide chunks, walked dynamically: 10 chunks in 3 consecutive
-    accumulation chains of 4, 3 and 3 chunks (common.CHAIN_DEPTH)."""
-    from pallas_kernels.common import n_chains
-    assert n_chains(10, 64) == 3 and n_chains(4, 64) == 1 and n_chains(16, 64) == 4
-    case = Case(b=1, t=20, s=45, hq=2, hkv=1, d=600, dv=72, dtype=dtype)
-    q, k, v, bias, mask = make_inputs(case)
-    cfg = FwdConfig(block_m=16, block_n=16, block_d=64, block_dv=64, q_mode="dynamic")
-    out, lse = fwd_generic(q, k, v, scale=scale_of(case), causal=False, config=cfg,
-                           interpret=interpret_flag(kernel_mode))
-    ref_out, ref_lse = reference64(case, q, k, v, bias, mask)
-    xla_out, xla_lse = xla_same_precision(case, q, k, v, bias, mask)
-    assert_matches_reference("out", out, ref_out, xla_out, q.dtype)
-    assert_lse_matches(lse, ref_lse, xla_lse)
-
-
 def _brute_force_visits(mask4, bm, bn, t, s, causal):
     """[mb, mh, n_q_blocks, n_kv_blocks]: does tile (i, j) hold a visible key?"""
     mb, mh = mask4.shape[:2]
