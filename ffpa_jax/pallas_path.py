@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import tuning
 from ffpa_jax import partitioning, runtime_autotune
 from ffpa_jax.validation import Problem
-from pallas_kernels import compat
 from pallas_kernels import (BwdConfig, DecodeConfig, FwdConfig, bwd_dbias, bwd_generic_dkdv,
                             bwd_generic_dq, bwd_preproc, decode_attention, decode_num_splits,
                             fwd_generic)
@@ -128,7 +127,6 @@ def forward_kernels(plan: Plan, q, k, v, bias, mask, seed):
 
     Every argument array has batch as dim 0 and heads as dim 2 (q/k/v) or dim 1
     (bias/mask), so this function is what a sharding wrapper partitions."""
-    q, k, v, bias, mask, seed = compat.without_manual_specs(q, k, v, bias, mask, seed)
     out_dtype = jnp.float32 if plan.float32_out else None
     if plan.decode is not None:
         return decode_attention(q, k, v, bias, mask, scale=plan.scale, causal=plan.causal,
@@ -142,8 +140,6 @@ def forward_kernels(plan: Plan, q, k, v, bias, mask, seed):
 
 def backward_kernels(plan: Plan, q, k, v, bias, mask, seed, out, lse, d_out, d_lse):
     """(dq, dk, dv, dbias) from the backward kernels (dbias None without a bias)."""
-    q, k, v, bias, mask, seed, out, lse, d_out, d_lse = compat.without_manual_specs(
-        q, k, v, bias, mask, seed, out, lse, d_out, d_lse)
     # A row without keys has lse = -inf and no gradient path; drop its lse cotangent.
     d_lse = jnp.where(lse == -jnp.inf, 0.0, d_lse.astype(jnp.float32))
     common = dict(scale=plan.scale, causal=plan.causal, interpret=plan.interpret,

@@ -24,6 +24,10 @@ How a call is partitioned, decided from the sharding the partitioner proposes fo
   sees local ones, so the wrapper hands its global offsets to `shift_seed`
   (provided by the caller) to fold them into the seed.
 
+Explicit mesh axes (sharding in types) are not the partitioner's: there the
+shardings are known at trace time, and `ShardLocal._explicit_call` runs the same
+shard-local function under a `shard_map` instead.
+
 Inside a user's `shard_map` (all mesh axes manual), under `pmap`, or on one
 device, the partitioner is not involved and the kernels run as they are.
 `jax.vmap` is handled by a `custom_vmap` rule that vmaps the plain kernels
@@ -197,6 +201,19 @@ def _sharding_rule(layout: _Layout) -> tuple[str, dict]:
     return rule, kwargs
 
 
+def _explicit_axes(x) -> bool:
+    """Does x's type name an Explicit mesh axis in its sharding spec?"""
+    try:
+        sharding = jax.typeof(x).sharding
+        mesh = sharding.mesh
+        explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+                    if kind == jax.sharding.AxisType.Explicit}
+        named = {a for entry in sharding.spec for a in _axes_tuple(entry)}
+    except (AttributeError, TypeError):
+        return False
+    return bool(named & explicit)
+
+
 class ShardLocal:
     """Wraps `forward_kernels` or `backward_kernels` so that they run shard-locally.
 
@@ -255,11 +272,45 @@ class ShardLocal:
 
     def __call__(self, plan, q, k, v, bias, mask, seed, *extra):
         layout, arrays = self._layout(plan, q, k, v, bias, mask, seed, extra)
-        outs = self._cache(layout)(*arrays)
+        if any(_explicit_axes(x) for x in arrays):
+            outs = self._explicit_call(layout, arrays)
+        else:
+            outs = self._cache(layout)(*arrays)
         if self.kind == "backward":
             dbias = outs[3] if layout.present[0] else None
             return outs[0], outs[1], outs[2], dbias
         return outs[0], outs[1]
+
+    # -- inputs whose types carry Explicit mesh axes (sharding in types) ---------
+    def _explicit_call(self, layout: _Layout, arrays):
+        """The kernels under a `shard_map` over q's batch/head axes.
+
+        With Explicit mesh axes the sharding is part of each array's type, and a
+        Pallas kernel ref of a sharded type rejects the integer (batch, head)
+        indexing the kernels do; custom_partitioning does not apply either (it is
+        for the partitioner's, i.e. Auto, axes). The shardings are known at trace
+        time here, so a `shard_map` gives each device its shard. Dims other than
+        batch and heads, and broadcast dims, are made replicated first with
+        `jax.sharding.reshard` (explicit data movement, visible in the user's
+        types, as Explicit mode intends)."""
+        q_sharding = jax.typeof(arrays[0]).sharding
+        batch_axes, head_axes = choose_axes(layout, q_sharding)
+        if layout.present[2] and (batch_axes or head_axes) and self.shift_seed is None:
+            batch_axes, head_axes = (), ()
+        in_specs = tuple(_spec(r, s, batch_axes, head_axes)
+                         for r, s in zip(layout.in_roles, layout.in_shapes, strict=True))
+        out_specs = tuple(_spec(r, s, batch_axes, head_axes)
+                          for r, s in zip(layout.out_roles, layout.out_shapes, strict=True))
+        mesh = q_sharding.mesh
+        arrays = [jax.sharding.reshard(x, NamedSharding(mesh, spec))
+                  for x, spec in zip(arrays, in_specs, strict=True)]
+        if not (batch_axes or head_axes):
+            return self._cache(layout)(*arrays)  # all replicated now: nothing to split
+        local = functools.partial(self._local, layout, batch_axes, head_axes)
+        # check_vma=False: out_specs above are exact, and Pallas' CPU interpreter
+        # cannot run under check_vma (see tests/test_sharding.py).
+        return jax.shard_map(lambda *xs: tuple(local(*xs)), mesh=mesh,
+                             in_specs=in_specs, out_specs=out_specs, check_vma=False)(*arrays)
 
     # -- the custom_partitioning op for one layout ------------------------------
     def _build(self, layout: _Layout):

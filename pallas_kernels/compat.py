@@ -62,31 +62,3 @@ def output_struct(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype)
     return jax.ShapeDtypeStruct(shape, dtype, **{keyword: value})
 
-
-def _manual_axes_in_spec(x) -> bool:
-    """Does x's type name a Manual (shard_map) mesh axis in its sharding spec?"""
-    try:
-        sharding = jax.typeof(x).sharding
-        mesh = sharding.mesh
-        manual = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
-                  if kind == jax.sharding.AxisType.Manual}
-        named = {axis for entry in sharding.spec if entry is not None
-                 for axis in (entry if isinstance(entry, tuple) else (entry,))}
-    except (AttributeError, TypeError):
-        return False
-    return bool(named & manual)
-
-
-def without_manual_specs(*arrays):
-    """The arrays, re-typed without Manual axes in their sharding specs (None stays None).
-
-    JAX 0.11 types a value inside `shard_map(check_vma=True)` over an Explicit mesh
-    axis with that axis in its spec in some traces (seen: "bfloat16[2@b,96,4,64]" for
-    arrays a jitted function closes over), and Pallas then refuses the integer
-    indexing of a kernel ref of that type ("sharded ref (array reference) can only
-    be indexed by slices, not integers"). Inside the shard_map the axis is already
-    manual, so the local block is the whole array and dropping the spec entry is a
-    retyping, not data movement. A no-op on JAX 0.10, which never types them so.
-    """
-    return tuple(jax.sharding.reshard(x, jax.sharding.PartitionSpec(*([None] * x.ndim)))
-                 if x is not None and _manual_axes_in_spec(x) else x for x in arrays)

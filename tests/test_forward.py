@@ -189,3 +189,18 @@ def test_mask_block_lists(mask_shape, causal):
     assert counts.shape == expected.shape[:3]
     for idx in np.ndindex(counts.shape):
         np.testing.assert_array_equal(indices[idx][: counts[idx]], np.flatnonzero(expected[idx]))
+
+
+@pytest.mark.parametrize("mask_density", [0.05, 0.9])
+def test_fuzz_case_causal_one_key_many_queries(mask_density, kernel_mode):
+    """From the H200 fuzz (2026-11-21): T=276 queries, S=1 key, causal (only the last
+    row sees the key), a per-(batch, head) mask and a scalar bias. On the GPU the
+    output was off by about |v| in 16 of 30 draws of this harness while a direct
+    call on other inputs matched; on CPU it passes. Not yet explained: kept as a
+    regression test for the GPU run."""
+    from test_fuzz import Config, check_example
+    cfg = Config(batched=True, b=3, t=276, s=1, hq=6, hkv=3, d=30, dv=100, dtype="bfloat16",
+                 causal=True, bias_shape=(1, 1, 1, 1), bias_dtype="bfloat16",
+                 mask_shape=(3, 6, 1, 1), scale=0.499, dropout_rate=0.0, with_grads=False)
+    check_example(cfg, seed=0, magnitude=1.0, mask_density=mask_density,
+                  neg_inf_bias_rows=False, impl="pallas", interpret=interpret_flag(kernel_mode))

@@ -149,6 +149,28 @@ def test_dropout_variants(variant):
     lower_bwd(**kwargs)
 
 
+def test_forward_and_backward_lower_with_explicit_sharding(monkeypatch):
+    """Inputs sharded over an Explicit mesh axis (jax.make_mesh's default) carry the
+    axis in their types; a Pallas ref of such a type rejects integer indexing, so
+    the call must go through ffpa_jax's own shard_map (the jax 0.11 GPU failure of
+    test_user_shard_map_with_default_check_vma_gpu's unsharded reference)."""
+    import ffpa_jax
+    import ffpa_jax.api as api
+
+    monkeypatch.setattr(api, "_default_backend_is_nvidia_gpu", lambda: True)
+    mesh = jax.make_mesh((1,), ("b",), axis_types=(jax.sharding.AxisType.Explicit,))
+    arg = sd((2, 96, 4, 64), jnp.bfloat16,
+             sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("b")))
+
+    def step(q, k, v):
+        out, vjp = jax.vjp(lambda q, k, v: ffpa_jax.attention(q, k, v, is_causal=True),
+                           q, k, v)
+        return out, vjp(out)
+
+    text = jax.jit(step).trace(arg, arg, arg).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 4  # forward, preproc, dq, dkdv
+
+
 def test_forward_and_backward_lower_inside_shard_map_with_check_vma(monkeypatch):
     """Inside a user's shard_map (default check_vma=True) every pallas_call output must
     declare the manual axes it varies over; lowering the Triton kernels checks it."""

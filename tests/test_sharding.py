@@ -119,6 +119,20 @@ def run_checks(interpret: bool) -> dict:
                 rel_diff=_rel_diff(got, reference),
                 out_spec=_spec_str(out.sharding.spec), in_spec=_spec_str(spec))
 
+    # Explicit mesh axes (sharding in types, jax.make_mesh's default): a shard_map path.
+    explicit = Mesh(np.array(devices), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    explicit_cases = {"explicit_batch": (explicit, P("x")),
+                      "explicit_heads": (explicit, P(None, None, "x"))}
+    fn = loss_fn(**pallas)
+    reference = jax.jit(fn)(q, k, v, bias)
+    for name, (mesh, spec) in explicit_cases.items():
+        compiled, got = sharded_run(fn, mesh, spec, q, k, v, bias)
+        (_, out), _ = got
+        report[f"pallas/{name}"] = dict(
+            collectives=_collectives(compiled), gathers=_gather_lines(compiled),
+            rel_diff=_rel_diff(got, reference),
+            out_spec=_spec_str(out.sharding.spec), in_spec=_spec_str(spec))
+
     # Control: the bare kernels, not wrapped, gather under the same batch sharding.
     problem = validation.validate(q, k, v, bias, mask, scale=None, is_causal=True,
                                   dropout_rate=0.0, dropout_rng=None, return_lse=False,
@@ -142,7 +156,7 @@ def run_checks(interpret: bool) -> dict:
                                                    **pallas)
     rng = jax.random.key(7)
     reference = jax.jit(drop)(q, k, v, rng)
-    for name, (mesh, spec) in cases.items():
+    for name, (mesh, spec) in {**cases, **explicit_cases}.items():
         compiled, got = sharded_run(drop, mesh, spec, q, k, v, rng)
         report[f"dropout/{name}"] = dict(rel_diff=_rel_diff(got, reference),
                                          collectives=_collectives(compiled))
@@ -184,13 +198,15 @@ def _check_shard_local(entry: dict, name: str) -> None:
     assert entry["rel_diff"] <= 1e-5, f"{name}: {entry}"
 
 
-@pytest.mark.parametrize("case", ["batch", "heads", "batch_and_heads"])
+@pytest.mark.parametrize("case", ["batch", "heads", "batch_and_heads", "explicit_batch",
+                                  "explicit_heads"])
 def test_pallas_sharded_call_runs_shard_local(cpu_report, case):
     assert cpu_report["devices"] == 4
     _check_shard_local(cpu_report[f"pallas/{case}"], case)
 
 
-@pytest.mark.parametrize("case", ["batch", "heads", "batch_and_heads"])
+@pytest.mark.parametrize("case", ["batch", "heads", "batch_and_heads", "explicit_batch",
+                                  "explicit_heads"])
 def test_dropout_sharded_call_runs_shard_local(cpu_report, case):
     """Each shard draws its slice of the unsharded keep-mask from its global (batch, head)
     offsets, so dropout needs no gather either."""
@@ -234,7 +250,7 @@ def test_gpu_sharded_calls():
     if len(jax.devices()) < 2:
         pytest.skip("needs >= 2 GPUs")
     report = run_checks(interpret=False)
-    for case in ("batch", "heads", "batch_and_heads"):
+    for case in ("batch", "heads", "batch_and_heads", "explicit_batch", "explicit_heads"):
         if f"pallas/{case}" in report:
             _check_shard_local(report[f"pallas/{case}"], case)
     assert "all-gather" in report["control/bare_kernels"]["collectives"]
