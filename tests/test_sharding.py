@@ -264,7 +264,10 @@ def test_user_shard_map_with_default_check_vma_gpu():
     """Inside a user's shard_map with its default check_vma=True, on however many GPUs
     there are (one is enough: the manual-axes check applies to any mesh). Every
     pallas_call output declares the query's varying axes (compat.output_struct).
-    (On CPU, JAX's Pallas interpreter itself trips the check: see the xfail above.)"""
+    (On CPU, JAX's Pallas interpreter itself trips the check: see the xfail above.)
+    The reference call outside the shard_map takes q/k/v sharded over jax.make_mesh's
+    Explicit axis: the path ffpa_jax's own shard_map serves (on jax 0.11.2 the
+    kernels' refs rejected those inputs before it existed)."""
     n = len(jax.devices())
     mesh = jax.make_mesh((n,), ("b",))
     spec = jax.sharding.PartitionSpec("b")
