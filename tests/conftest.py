@@ -7,8 +7,36 @@ kernels). Tests marked `gpu` are skipped where there is no GPU.
 
 from __future__ import annotations
 
-import jax
-import pytest
+import importlib.util
+import os
+
+# On a machine without JAX's CUDA plugin every test runs on XLA's CPU backend, and
+# the suite's time is mostly XLA compiling the interpreted kernels (each test its
+# own shapes). Less LLVM optimisation and the classic elemental emitters compile
+# 2.2x faster here (measured: 80 s -> 36 s for the bf16 backward and dropout
+# gradient tests on 2 cores) at no cost in precision (no fast-math either way).
+# Set before JAX starts; subprocesses that set XLA_FLAGS append to this value.
+_CPU_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",
+                      "--xla_llvm_disable_expensive_passes=true",
+                      "--xla_cpu_use_fusion_emitters=false")
+def _has_cuda_plugin() -> bool:
+    for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12",
+                 "jax_plugins.xla_cuda13"):
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except ModuleNotFoundError:  # a missing parent package
+            continue
+    return False
+
+
+if not _has_cuda_plugin():
+    _given = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = " ".join(
+        [_given] + [f for f in _CPU_COMPILE_FLAGS if f.split("=")[0] not in _given]).strip()
+
+import jax  # noqa: E402  (after XLA_FLAGS)
+import pytest  # noqa: E402
 
 
 def _has_gpu() -> bool:

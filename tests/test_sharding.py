@@ -182,7 +182,8 @@ def run_checks(interpret: bool) -> dict:
 # ------------------------------------------------------------ CPU: subprocess
 @pytest.fixture(scope="module")
 def cpu_report() -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+               + " --xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
     proc = subprocess.run([sys.executable, str(pathlib.Path(__file__).resolve()), "--worker"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)

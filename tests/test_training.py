@@ -62,7 +62,8 @@ def _multi_device_losses(interpret: bool, n_steps: int, modes=("jit", "pmap", "s
 def test_pmap_matches_single_device_on_4_cpu_devices():
     """(The batch-sharded attention itself is checked on 4 CPU devices in test_sharding.py;
     the sharded training step runs in the GPU test below and in the notebook.)"""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+               + " --xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
     proc = subprocess.run([sys.executable, str(pathlib.Path(__file__).resolve()), "--worker"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
