@@ -185,3 +185,35 @@ def _has_ray() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("ray") is not None
+
+
+def test_ray_cluster_runs_the_same_tasks_one_actor_per_gpu(env):
+    """--ray-address against a real local Ray cluster (a head started with two GPU
+    resources; the measurement is the fake one, so no GPU is needed): every task runs
+    once, on actors that each hold one GPU, and the merged file is complete."""
+    pytest.importorskip("ray")
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
+    started = subprocess.run(
+        [*ray_cli, "start", "--head", "--port", str(port), "--num-cpus", "2", "--num-gpus", "2",
+         "--include-dashboard=false", "--disable-usage-stats"],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert started.returncode == 0, started.stderr[-2000:]
+    try:
+        out = env / "configs"
+        run = cli("--ray-address", f"127.0.0.1:{port}", "--output-dir", str(out), *SMALL)
+        assert run.returncode == 0, run.stderr[-3000:]
+    finally:
+        subprocess.run([*ray_cli, "stop", "--force"], capture_output=True, timeout=120)
+    log = read_log(env / "log.jsonl")
+    tasks = [t for t in build_tasks(directions=("forward", "backward"), dtypes=("bf16",),
+                                    batch=1, heads=4, headdims=(64, 128), seqlens=(1, 512))
+             if not t.kernel.startswith("decode")]
+    assert sorted(r["key"] for r in log) == sorted(t.key for t in tasks)  # each task once
+    assert {r["gpu"] for r in log} == {"0", "1"}  # Ray gave each actor its own GPU
+    assert len({r["pid"] for r in log}) == 2  # one actor per GPU
+    merged = load_config_file(out / FILE_NAME)
+    assert len(merged.entries) == len(tasks)

@@ -196,7 +196,10 @@ def test_fuzz_case_causal_one_key_many_queries(mask_density, kernel_mode):
     """From the H200 fuzz (2026-11-21): T=276 queries, S=1 key, causal (only the last
     row sees the key), a per-(batch, head) mask and a scalar bias. On the GPU the
     output was off by about |v| in 16 of 30 draws of this harness while a direct
-    call on other inputs matched; on CPU it passes. Not yet explained: kept as a
+    call on other inputs matched an eagerly evaluated reference; on CPU it passes.
+    Not yet explained. One lead: the harness's references (float64 and same
+    precision, which agreed exactly) are jitted, the direct check's was not, so a
+    GPU miscompile of the jitted reference would look the same. Kept as a
     regression test for the GPU run."""
     from test_fuzz import Config, check_example
     cfg = Config(batched=True, b=3, t=276, s=1, hq=6, hkv=3, d=30, dv=100, dtype="bfloat16",
