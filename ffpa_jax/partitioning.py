@@ -133,9 +133,13 @@ def _spec(role: str, shape: tuple[int, ...], batch_axes, head_axes) -> Partition
     return PartitionSpec(*(None,) * len(shape))
 
 
+def _specs(roles, shapes, batch_axes, head_axes) -> tuple[PartitionSpec, ...]:
+    return tuple(_spec(r, s, batch_axes, head_axes) for r, s in zip(roles, shapes, strict=True))
+
+
 def _shardings(mesh, roles, shapes, batch_axes, head_axes):
-    return tuple(NamedSharding(mesh, _spec(r, s, batch_axes, head_axes))
-                 for r, s in zip(roles, shapes, strict=True))
+    return tuple(NamedSharding(mesh, spec)
+                 for spec in _specs(roles, shapes, batch_axes, head_axes))
 
 
 def _sharding_rule(layout: _Layout) -> tuple[str, dict]:
@@ -281,6 +285,13 @@ class ShardLocal:
             return outs[0], outs[1], outs[2], dbias
         return outs[0], outs[1]
 
+    def _split_axes(self, layout: _Layout, q_sharding):
+        """(batch axes, head axes) to split over; none for a seed that cannot be shifted."""
+        batch_axes, head_axes = choose_axes(layout, q_sharding)
+        if layout.present[2] and (batch_axes or head_axes) and self.shift_seed is None:
+            return (), ()
+        return batch_axes, head_axes
+
     # -- inputs whose types carry Explicit mesh axes (sharding in types) ---------
     def _explicit_call(self, layout: _Layout, arrays):
         """The kernels under a `shard_map` over q's batch/head axes.
@@ -294,13 +305,9 @@ class ShardLocal:
         `jax.sharding.reshard` (explicit data movement, visible in the user's
         types, as Explicit mode intends)."""
         q_sharding = jax.typeof(arrays[0]).sharding
-        batch_axes, head_axes = choose_axes(layout, q_sharding)
-        if layout.present[2] and (batch_axes or head_axes) and self.shift_seed is None:
-            batch_axes, head_axes = (), ()
-        in_specs = tuple(_spec(r, s, batch_axes, head_axes)
-                         for r, s in zip(layout.in_roles, layout.in_shapes, strict=True))
-        out_specs = tuple(_spec(r, s, batch_axes, head_axes)
-                          for r, s in zip(layout.out_roles, layout.out_shapes, strict=True))
+        batch_axes, head_axes = self._split_axes(layout, q_sharding)
+        in_specs = _specs(layout.in_roles, layout.in_shapes, batch_axes, head_axes)
+        out_specs = _specs(layout.out_roles, layout.out_shapes, batch_axes, head_axes)
         mesh = q_sharding.mesh
         arrays = [jax.sharding.reshard(x, NamedSharding(mesh, spec))
                   for x, spec in zip(arrays, in_specs, strict=True)]
@@ -325,11 +332,7 @@ class ShardLocal:
             return ins, outs
 
         def decide(arg_shapes):
-            q_sharding = arg_shapes[0].sharding
-            batch_axes, head_axes = choose_axes(layout, q_sharding)
-            if layout.present[2] and (batch_axes or head_axes) and self.shift_seed is None:
-                batch_axes, head_axes = (), ()
-            return batch_axes, head_axes
+            return self._split_axes(layout, arg_shapes[0].sharding)
 
         def partition(mesh, arg_shapes, result_shape):
             q_sharding = arg_shapes[0].sharding

@@ -61,4 +61,3 @@ def output_struct(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
     if value is None:
         return jax.ShapeDtypeStruct(shape, dtype)
     return jax.ShapeDtypeStruct(shape, dtype, **{keyword: value})
-

@@ -106,11 +106,15 @@ def run_checks(interpret: bool) -> dict:
     if n >= 4:
         cases["batch_and_heads"] = (Mesh(np.array(devices[:4]).reshape(2, 2), ("d", "m")),
                                     P("d", None, "m"))
+    # Explicit mesh axes (sharding in types, jax.make_mesh's default): a shard_map path.
+    explicit = Mesh(np.array(devices), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    explicit_cases = {"explicit_batch": (explicit, P("x")),
+                      "explicit_heads": (explicit, P(None, None, "x"))}
     for impl_name, kw in (("pallas", pallas), ("xla", dict(implementation="xla"))):
         fn = loss_fn(**kw)
         reference = jax.jit(fn)(q, k, v, bias)
-        for name, (mesh, spec) in cases.items():
-            if impl_name == "xla" and name == "batch_and_heads":
+        for name, (mesh, spec) in {**cases, **explicit_cases}.items():
+            if impl_name == "xla" and name not in ("batch", "heads"):
                 continue
             compiled, got = sharded_run(fn, mesh, spec, q, k, v, bias)
             (_, out), _ = got
@@ -118,20 +122,6 @@ def run_checks(interpret: bool) -> dict:
                 collectives=_collectives(compiled), gathers=_gather_lines(compiled),
                 rel_diff=_rel_diff(got, reference),
                 out_spec=_spec_str(out.sharding.spec), in_spec=_spec_str(spec))
-
-    # Explicit mesh axes (sharding in types, jax.make_mesh's default): a shard_map path.
-    explicit = Mesh(np.array(devices), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
-    explicit_cases = {"explicit_batch": (explicit, P("x")),
-                      "explicit_heads": (explicit, P(None, None, "x"))}
-    fn = loss_fn(**pallas)
-    reference = jax.jit(fn)(q, k, v, bias)
-    for name, (mesh, spec) in explicit_cases.items():
-        compiled, got = sharded_run(fn, mesh, spec, q, k, v, bias)
-        (_, out), _ = got
-        report[f"pallas/{name}"] = dict(
-            collectives=_collectives(compiled), gathers=_gather_lines(compiled),
-            rel_diff=_rel_diff(got, reference),
-            out_spec=_spec_str(out.sharding.spec), in_spec=_spec_str(spec))
 
     # Control: the bare kernels, not wrapped, gather under the same batch sharding.
     problem = validation.validate(q, k, v, bias, mask, scale=None, is_causal=True,
