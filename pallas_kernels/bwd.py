@@ -131,7 +131,8 @@ class _Tile:
         rows = q_start + iota(bm)
         cols = kv_start + iota(bn)
         s = common.contract_chunks(q_chunk, k_chunk, _n_chunks(st, st.head_dim),
-                                   dynamic=cfg.dynamic, shape=(bm, bn)) * (st.scale * LOG2E)
+                                   dynamic=cfg.dynamic, shape=(bm, bn),
+                                   scale=st.scale * LOG2E)
         s = common.bias_and_masks(s, st, self.refs.get("bias"), self.refs.get("mask"), self.b, h,
                                   q_start, kv_start, rows, cols, causal_mask=causal_mask,
                                   with_mask=with_mask, mask_rows=True)

@@ -117,9 +117,9 @@ def _fwd_kernel(*refs, st: common.KernelStatic):
             return common.load_tile(k_ref, b, kv_start, bn, hk, common.chunk_start(c, bd), bd,
                                     n_rows=st.seq_k, n_cols=st.head_dim)
 
-        qk = common.contract_chunks(q_chunk_at, k_chunk_at, _n_dchunks(st),
-                                    dynamic=cfg.q_mode == "dynamic", shape=(bm, bn))
-        return qk * qk_scale
+        return common.contract_chunks(q_chunk_at, k_chunk_at, _n_dchunks(st),
+                                      dynamic=cfg.q_mode == "dynamic", shape=(bm, bn),
+                                      scale=qk_scale)
 
     def visit(kv_block, carry, *, causal_mask: bool, with_mask: bool):
         m_i, l_i, acc = carry

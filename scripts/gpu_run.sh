@@ -2,9 +2,10 @@
 # Everything we run on the lent GPU, in one call: environment, GPU tests, variant
 # sweep, benchmark. Results land in $OUT (or ./gpu_out). Stages are chosen by
 # arguments: env multigpu tests fuzz autotune ab vma sweep bwdsweep dropvar dropcfg decvar dropout
-# bench (default: env tests sweep bwdsweep bench). On a machine of several GPUs, run two
+# chunkab debugcase bench (default: env tests sweep bwdsweep bench). On a machine of several GPUs, run two
 # lists side by side with CUDA_VISIBLE_DEVICES set per list (each stage sees its GPUs).
-# TEST_PATHS narrows the tests stage (default: tests/). Example, on the device tool:
+# TEST_PATHS narrows the tests stage (default: tests/; TEST_TAG names its log). Example,
+# on the device tool:
 #   bash scripts/gpu_run.sh env tests bench
 set -u
 OUT=${OUT:-./gpu_out}
@@ -25,7 +26,7 @@ for stage in $stages; do
       python3 -m pytest -m gpu -q -p no:cacheprovider -k "two_gpus or pmap_and_sharded or gpu_sharded_calls" tests/ 2>&1 | tee "$OUT/pytest_multigpu.log" | tail -15
       ;;
     tests)
-      python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider --durations=15 -k "not test_fuzz_gpu" ${TEST_PATHS:-tests/} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+      python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider --durations=15 -k "not test_fuzz_gpu" ${TEST_PATHS:-tests/} 2>&1 | tee "$OUT/pytest_gpu${TEST_TAG:-}.log" | tail -40
       ;;
     fuzz)
       # 2000 examples in four parts (FUZZ_PARTS narrows, e.g. "0 or 1"); each prints its rerun.
@@ -63,6 +64,12 @@ for stage in $stages; do
       ;;
     dropout)
       python3 scripts/dropout_overhead.py --out "$OUT/dropout.json" ${DROPOUT_ARGS:-} 2>&1 | tee "$OUT/dropout.log" | tail -10
+      ;;
+    chunkab)
+      python3 scripts/chunk_rounding_ab.py --out "$OUT/chunk_rounding_ab.json" 2>&1 | tee "$OUT/chunk_rounding_ab.log" | tail -20
+      ;;
+    debugcase)
+      PYTHONPATH=.:tests python3 scripts/debug_fuzz_case.py 2>&1 | tee "$OUT/debug_fuzz_case.log" | grep -v "^  \[" | tail -20
       ;;
     bench)
       python3 -m ffpa_jax.bench --json "$OUT/bench.json" --plot "$OUT/bench.png" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -80

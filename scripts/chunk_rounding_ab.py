@@ -1,0 +1,131 @@
+"""A/B on the GPU: one tensor-core accumulation chain over the whole head dim for q·kᵀ
+("chain") against a chain per head-dim chunk summed in float32 ("per-chunk", the
+`scale=` path of `pallas_kernels.common.contract_chunks`).
+
+Prints, for both variants in one process:
+- accuracy: max |lse - lse_float64| over 4 seeds for the problems of
+  scripts/lse_precision.py (plus D=1024), beside the XLA path's at the same precision
+  (the tolerance rule allows 2x XLA's);
+- speed: forward and forward+backward through `ffpa_jax.attention` (tuned configs),
+  bf16, timed alternately (A, B, A, B, ...), medians in ms.
+
+    python scripts/chunk_rounding_ab.py [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ffpa_jax
+from ffpa_jax.bench.measure import time_samples
+from ffpa_jax.reference import mha_reference
+from pallas_kernels import common
+
+VARIANTS = {"chain": False, "per-chunk": True}
+ACCURACY = (  # (b, t, s, hq, hkv, d, scale, magnitude)
+    (2, 6, 239, 8, 4, 768, 1.917, 2.0),
+    (1, 17, 40, 2, 1, 1000, None, 1.0),
+    (1, 64, 256, 4, 4, 512, None, 2.0),
+    (1, 64, 256, 4, 4, 1024, None, 1.0),
+    (1, 64, 256, 4, 4, 256, None, 2.0),
+)
+SPEED = (  # (b, h, n, d, causal)
+    (4, 32, 4096, 128, False),
+    (4, 32, 4096, 128, True),
+    (1, 32, 4096, 256, False),
+    (1, 32, 4096, 512, False),
+    (1, 32, 4096, 1024, False),
+    (1, 32, 16384, 512, True),
+)
+
+
+def _set_variant(per_chunk: bool) -> None:
+    common._ROUND_PER_CHUNK = per_chunk
+    jax.clear_caches()  # the kernels are traced again, under the new setting
+
+
+def accuracy() -> list[dict]:
+    rows = []
+    for b, t, s, hq, hkv, d, scale, mag in ACCURACY:
+        scale = scale or 1.0 / math.sqrt(d)
+        errs: dict[str, list[float]] = {}
+        for seed in range(4):
+            rng = np.random.default_rng(seed)
+            q = jnp.asarray(mag * rng.standard_normal((b, t, hq, d)), jnp.bfloat16)
+            k = jnp.asarray(mag * rng.standard_normal((b, s, hkv, d)), jnp.bfloat16)
+            v = jnp.asarray(rng.standard_normal((b, s, hkv, d)), jnp.bfloat16)
+            with jax.enable_x64(True):
+                f64 = lambda x: jnp.asarray(np.asarray(x, np.float64))
+                ref = np.asarray(mha_reference(f64(q), f64(k), f64(v), scale=scale)[1])
+            got = {"xla": mha_reference(q, k, v, scale=scale)[1]}
+            for name, per_chunk in VARIANTS.items():
+                _set_variant(per_chunk)
+                got[name] = ffpa_jax.attention(q, k, v, scale=scale, return_lse=True,
+                                               implementation="pallas")[1]
+            for name, lse in got.items():
+                errs.setdefault(name, []).append(
+                    float(np.max(np.abs(np.asarray(lse, np.float64) - ref))))
+        row = {"problem": dict(b=b, t=t, s=s, hq=hq, hkv=hkv, d=d, scale=scale, magnitude=mag),
+               "max_lse_error": {n: max(e) for n, e in errs.items()},
+               "per_seed": errs}
+        worst_xla = row["max_lse_error"]["xla"]
+        print(f"D={d} T={t} S={s} |q|~{mag}: " + ", ".join(
+            f"{n} {e:.2e} ({e / worst_xla:.2f}x xla)" for n, e in row["max_lse_error"].items()),
+            flush=True)
+        rows.append(row)
+    return rows
+
+
+def speed(rounds: int) -> list[dict]:
+    rows = []
+    for b, h, n, d, causal in SPEED:
+        keys = jax.random.split(jax.random.key(n + d), 4)
+        q, k, v, do = (jax.random.normal(kk, (b, n, h, d), jnp.bfloat16) for kk in keys)
+        fwd = lambda q, k, v: ffpa_jax.attention(q, k, v, is_causal=causal)
+
+        def fwdbwd(q, k, v, do):
+            out, vjp = jax.vjp(fwd, q, k, v)
+            return vjp(do)
+
+        compiled = {}
+        for name, per_chunk in VARIANTS.items():
+            _set_variant(per_chunk)
+            compiled[("fwd", name)] = jax.jit(fwd).lower(q, k, v).compile()
+            compiled[("fwdbwd", name)] = jax.jit(fwdbwd).lower(q, k, v, do).compile()
+        for mode, args in (("fwd", (q, k, v)), ("fwdbwd", (q, k, v, do))):
+            samples: dict[str, list[float]] = {name: [] for name in VARIANTS}
+            for _ in range(rounds):
+                for name in VARIANTS:
+                    samples[name] += time_samples(compiled[(mode, name)], args, min_rep_s=0.05,
+                                                  reps=2)
+            med = {name: statistics.median(x) for name, x in samples.items()}
+            row = dict(b=b, h=h, n=n, d=d, causal=causal, mode=mode, ms=med,
+                       ratio=med["per-chunk"] / med["chain"])
+            print(f"{mode:6s} B={b} H={h} N={n} D={d} causal={causal}: chain {med['chain']:.3f} "
+                  f"ms, per-chunk {med['per-chunk']:.3f} ms ({row['ratio']:.3f}x)", flush=True)
+            rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out")
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    print(jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
+    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "accuracy": accuracy(), "speed": speed(args.rounds)}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
