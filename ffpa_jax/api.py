@@ -46,7 +46,10 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
       is_causal: bottom-right aligned causal mask: query i sees key j iff j <= i + (S - T).
       dropout_rate: dropout on the attention probabilities (needs dropout_rng).
       dropout_rng: a JAX PRNG key.
-      return_lse: also return the log-sum-exp of the logits, [B, Hq, T] float32.
+      return_lse: also return the log-sum-exp of the logits, [B, Hq, T] float32. On
+        the Pallas path the forward then sums q·kᵀ over head-dim chunks in float32,
+        which keeps lse as accurate as XLA's at large D and is slower there (up to
+        1.6x the forward time at D >= 512; see docs/benchmarks.md).
       implementation: None (Pallas on an NVIDIA GPU, XLA elsewhere), "pallas" or "xla".
       interpret: run the Pallas kernels in Pallas' interpreter (CPU testing).
       autotune: None (default: tuned-config files, else built-in configs), "fast" or
@@ -79,8 +82,10 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
                                  is_causal=problem.is_causal, keep_mask=keep,
                                  dropout_rate=problem.dropout_rate)
     else:
+        # lse is computed either way (the backward needs it); its precise, slower
+        # form only when the caller sees it.
         out, lse = pallas_attention(q, k, v, bias4, mask4, problem, interpret=interpret,
-                                    seed=seed, autotune=autotune)
+                                    seed=seed, autotune=autotune, precise_lse=return_lse)
     if not batched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out

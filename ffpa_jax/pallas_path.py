@@ -46,6 +46,9 @@ class Plan:
     # δ = rowsum(dO·O) must not see O rounded to 16 bits, or gradients that cancel
     # lose the precision XLA's own gradient keeps).
     float32_out: bool = False
+    # The caller returns lse: the forward rounds q·kᵀ per head-dim chunk, which keeps lse
+    # within XLA's error at large D and costs speed (pallas_kernels.common.contract_chunks).
+    precise_lse: bool = False
 
 
 def uses_decode(problem: Problem) -> bool:
@@ -106,12 +109,12 @@ def bwd_config(kernel: str, problem: Problem, *, has_bias: bool, autotune: str |
 
 
 def make_plan(problem: Problem, *, has_bias: bool, interpret: bool,
-              autotune: str | None = None) -> Plan:
+              autotune: str | None = None, precise_lse: bool = False) -> Plan:
     tune = dict(has_bias=has_bias, autotune=autotune, interpret=interpret)
     decode, splits = (decode_config(problem, **tune) if uses_decode(problem) else (None, 1))
     plan = Plan(decode=decode, decode_splits=splits, scale=problem.scale,
                 causal=problem.is_causal, interpret=interpret,
-                dropout_rate=problem.dropout_rate,
+                dropout_rate=problem.dropout_rate, precise_lse=precise_lse,
                 fwd=fwd_config(problem, **tune),
                 preproc=bwd_config("bwd_preproc", problem, **tune),
                 dq=bwd_config("bwd_generic_dq", problem, **tune),
@@ -132,10 +135,11 @@ def forward_kernels(plan: Plan, q, k, v, bias, mask, seed):
         return decode_attention(q, k, v, bias, mask, scale=plan.scale, causal=plan.causal,
                                 config=plan.decode, num_splits=plan.decode_splits,
                                 interpret=plan.interpret, dropout_rate=plan.dropout_rate,
-                                seed=seed, out_dtype=out_dtype)
+                                seed=seed, out_dtype=out_dtype, precise_lse=plan.precise_lse)
     return fwd_generic(q, k, v, bias, mask, scale=plan.scale, causal=plan.causal,
                        config=plan.fwd, interpret=plan.interpret,
-                       dropout_rate=plan.dropout_rate, seed=seed, out_dtype=out_dtype)
+                       dropout_rate=plan.dropout_rate, seed=seed, out_dtype=out_dtype,
+                       precise_lse=plan.precise_lse)
 
 
 def backward_kernels(plan: Plan, q, k, v, bias, mask, seed, out, lse, d_out, d_lse):
@@ -208,9 +212,11 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def pallas_attention(q, k, v, bias4, mask4, problem: Problem, *, interpret: bool,
-                     seed: jax.Array | None = None, autotune: str | None = None):
+                     seed: jax.Array | None = None, autotune: str | None = None,
+                     precise_lse: bool = False):
     """(out, lse) through the Pallas kernels, differentiable with respect to q, k, v and
-    bias; q/k/v batched, bias4/mask4 4-D or None; seed uint32[2] when dropping."""
+    bias; q/k/v batched, bias4/mask4 4-D or None; seed uint32[2] when dropping;
+    `precise_lse` when the caller returns lse (see Plan)."""
     plan = make_plan(problem, has_bias=bias4 is not None, interpret=interpret,
-                     autotune=autotune)
+                     autotune=autotune, precise_lse=precise_lse)
     return _attention(plan, q, k, v, bias4, mask4, seed)

@@ -114,40 +114,46 @@ def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = Fa
                                precision=precision, preferred_element_type=jnp.float32)
 
 
-# Whether contract_chunks rounds each head-dim chunk's product into float32 on its
-# own (see there). A module constant only so that scripts/chunk_rounding_ab.py can
-# time and measure both ways in one process.
-_ROUND_PER_CHUNK = True
-
-
 def contract_chunks(load_a, load_b, n_chunks: int, *, dynamic: bool, shape: tuple[int, int],
-                    scale: float | None = None):
+                    scale: float | None = None, round_per_chunk: bool = False):
     """scale·Σ_c load_a(c) @ load_b(c)ᵀ over head-dim chunks c, float32 [shape].
 
     `dynamic` walks the chunks with a fori_loop (one chunk of each operand live,
     software-pipelined by Triton like a matmul's K loop); otherwise the loop is
     unrolled in Python, and the loaders may return chunks loaded once up front.
 
-    With `scale`, each chunk's product is scaled before it is added. Besides
-    folding the scale in for free (one FMA per element and chunk), this keeps
-    Triton from feeding the running sum to the next chunk's MMA as its
-    accumulator (it fuses `acc + dot(a, b)`, not `acc + dot(a, b) * s`): the
-    tensor cores' accumulation then spans one chunk, and the chunks are summed
-    by ordinary round-to-nearest float32 adds. One accumulation chain over the
-    whole head dim (D = 512-1024) gave logits, and so lse, 3-5x the error of
-    XLA's matmul (docs/benchmarks.md, "lse accuracy at large head dims").
+    Triton feeds the running sum to the next chunk's MMA as its accumulator
+    (it fuses `acc + dot(a, b)`), so by default one tensor-core accumulation
+    chain spans the whole head dim. At D = 512-1024 that chain gives logits,
+    and so lse, 3-5x the error of XLA's matmul. `round_per_chunk` (needs
+    `scale`) adds `dot(a, b) * scale` instead, which Triton does not fuse: each
+    chain then spans one chunk and the chunks are summed by round-to-nearest
+    float32 FMAs, within XLA's error, at the price of waiting for every chunk's
+    MMA (forward up to 1.6x slower at D >= 512; docs/benchmarks.md, "lse accuracy").
     """
-    if scale is not None and not _ROUND_PER_CHUNK:
-        return contract_chunks(load_a, load_b, n_chunks, dynamic=dynamic, shape=shape) * scale
+    if not (round_per_chunk and scale is not None):
+        acc = _sum_of_chunk_products(load_a, load_b, n_chunks, dynamic=dynamic, shape=shape)
+        return acc if scale is None else acc * scale
     if dynamic and n_chunks > 1:
         def body(c, acc):
-            part = dot(load_a(c), load_b(c), trans_b=True)
-            return acc + (part if scale is None else part * scale)
+            return acc + dot(load_a(c), load_b(c), trans_b=True) * scale
+        return jax.lax.fori_loop(i32(0), i32(n_chunks), body, jnp.zeros(shape, jnp.float32))
+    acc = None
+    for c in range(n_chunks):
+        part = dot(load_a(c), load_b(c), trans_b=True) * scale
+        acc = part if acc is None else acc + part
+    return acc
+
+
+def _sum_of_chunk_products(load_a, load_b, n_chunks: int, *, dynamic: bool,
+                           shape: tuple[int, int]):
+    if dynamic and n_chunks > 1:
+        def body(c, acc):
+            return acc + dot(load_a(c), load_b(c), trans_b=True)
         return jax.lax.fori_loop(i32(0), i32(n_chunks), body, jnp.zeros(shape, jnp.float32))
     acc = None
     for c in range(n_chunks):
         part = dot(load_a(c), load_b(c), trans_b=True)
-        part = part if scale is None else part * scale
         acc = part if acc is None else acc + part
     return acc
 

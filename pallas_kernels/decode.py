@@ -102,7 +102,7 @@ def _gather_tile(ref, b, h_rows, t_rows, cols, *, rows_ok, seq_k: int, other):
     return plgpu.load(ref.at[b_idx, h_idx, t_idx, c_idx], mask=mask, other=other)
 
 
-def _stage1_kernel(*refs, lay: _Layout):
+def _stage1_kernel(*refs, lay: _Layout, precise_lse: bool):
     st = lay.st
     cfg = st.cfg
     bm, bn, bd, bdv = cfg.block_m, cfg.block_n, cfg.block_d, cfg.block_dv
@@ -148,7 +148,7 @@ def _stage1_kernel(*refs, lay: _Layout):
                                              common.chunk_start(c, bd), bd, n_rows=st.seq_k,
                                              n_cols=st.head_dim)
         s = common.contract_chunks(q_chunk, k_chunk, n_dchunks, dynamic=cfg.dynamic,
-                                   shape=(bm, bn), scale=qk_scale)
+                                   shape=(bm, bn), scale=qk_scale, round_per_chunk=precise_lse)
         if bias_ref is not None:
             bias = _gather_tile(bias_ref, b, h_rows, t_rows, cols, rows_ok=rows_ok,
                                 seq_k=st.seq_k, other=0)
@@ -204,9 +204,10 @@ def decode_num_splits(*, batch: int, heads_kv: int, packed_rows: int, seq_k: int
 
 def decode_fwd_stage1(q, k, v, bias=None, mask=None, *, scale: float, causal: bool,
                       config: DecodeConfig, num_splits: int, interpret: bool = False,
-                      dropout_rate: float = 0.0, seed: jax.Array | None = None):
+                      dropout_rate: float = 0.0, seed: jax.Array | None = None,
+                      precise_lse: bool = False):
     """Partial outputs float32 [B, splits, Hq·T, Dv] (row h·T + t) and partial lse
-    float32 [B, splits, Hq·T], one per key chunk."""
+    float32 [B, splits, Hq·T], one per key chunk. `precise_lse` as in `fwd_generic`."""
     batch, seq_q, heads_q, head_dim = q.shape
     _, seq_k, heads_kv, _ = k.shape
     head_dim_v = v.shape[3]
@@ -223,7 +224,7 @@ def decode_fwd_stage1(q, k, v, bias=None, mask=None, *, scale: float, causal: bo
     compat.silence_triton_deprecation()
     rows = heads_q * seq_q
     return pl.pallas_call(
-        functools.partial(_stage1_kernel, lay=lay),
+        functools.partial(_stage1_kernel, lay=lay, precise_lse=precise_lse),
         out_shape=(compat.output_struct((batch, n_splits, rows, head_dim_v), jnp.float32, q),
                    compat.output_struct((batch, n_splits, rows), jnp.float32, q)),
         grid=(n_splits * lay.n_mblocks * lay.n_vslices, batch * heads_kv),
@@ -280,12 +281,13 @@ def decode_fwd_stage2(o_part, lse_part, *, seq_q: int, heads_q: int, dtype,
 
 def decode_attention(q, k, v, bias=None, mask=None, *, scale: float, causal: bool,
                      config: DecodeConfig, num_splits: int, interpret: bool = False,
-                     dropout_rate: float = 0.0, seed: jax.Array | None = None, out_dtype=None):
+                     dropout_rate: float = 0.0, seed: jax.Array | None = None, out_dtype=None,
+                     precise_lse: bool = False):
     """Both stages: (out [B, T, Hq, Dv] in `out_dtype` (default q's dtype), lse [B, Hq, T]
-    float32)."""
+    float32). `precise_lse` as in `fwd_generic`."""
     o_part, lse_part = decode_fwd_stage1(q, k, v, bias, mask, scale=scale, causal=causal,
                                          config=config, num_splits=num_splits,
                                          interpret=interpret, dropout_rate=dropout_rate,
-                                         seed=seed)
+                                         seed=seed, precise_lse=precise_lse)
     return decode_fwd_stage2(o_part, lse_part, seq_q=q.shape[1], heads_q=q.shape[2],
                              dtype=out_dtype or q.dtype, config=config, interpret=interpret)

@@ -73,7 +73,7 @@ def _n_vslices(st: common.KernelStatic) -> int:
     return cdiv(st.head_dim_v, st.cfg.block_dv)
 
 
-def _fwd_kernel(*refs, st: common.KernelStatic):
+def _fwd_kernel(*refs, st: common.KernelStatic, precise_lse: bool):
     cfg = st.cfg
     bm, bn, bd, bdv = cfg.block_m, cfg.block_n, cfg.block_d, cfg.block_dv
     q_ref, k_ref, v_ref, *rest = refs
@@ -119,7 +119,7 @@ def _fwd_kernel(*refs, st: common.KernelStatic):
 
         return common.contract_chunks(q_chunk_at, k_chunk_at, _n_dchunks(st),
                                       dynamic=cfg.q_mode == "dynamic", shape=(bm, bn),
-                                      scale=qk_scale)
+                                      scale=qk_scale, round_per_chunk=precise_lse)
 
     def visit(kv_block, carry, *, causal_mask: bool, with_mask: bool):
         m_i, l_i, acc = carry
@@ -188,13 +188,15 @@ def _fwd_kernel(*refs, st: common.KernelStatic):
 def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None = None,
                 mask: jax.Array | None = None, *, scale: float, causal: bool, config: FwdConfig,
                 interpret: bool = False, dropout_rate: float = 0.0,
-                seed: jax.Array | None = None,
-                out_dtype=None) -> tuple[jax.Array, jax.Array]:
+                seed: jax.Array | None = None, out_dtype=None,
+                precise_lse: bool = False) -> tuple[jax.Array, jax.Array]:
     """Attention forward on Pallas/Triton. Returns (o [B,T,Hq,Dv] in `out_dtype` (default
     q's dtype), lse [B,Hq,T] f32).
 
     bias/mask are 4-D, each dim 1 or full (see `common`). With dropout_rate > 0,
     `seed` (uint32[2], a runtime input) picks the keep-mask (see `dropout`).
+    `precise_lse` rounds q·kᵀ per head-dim chunk (`common.contract_chunks`): lse
+    within XLA's error at large D, for callers that return it, at a cost in speed.
     """
     batch, seq_q, heads_q, head_dim = q.shape
     _, seq_k, heads_kv, _ = k.shape
@@ -216,7 +218,7 @@ def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None
                                       out_dtype or q.dtype, q),
                  compat.output_struct((batch, heads_q, seq_q), jnp.float32, q))
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, st=st),
+        functools.partial(_fwd_kernel, st=st, precise_lse=precise_lse),
         out_shape=out_shape,
         grid=grid,
         compiler_params=compat.compiler_params(cfg.num_warps, cfg.num_stages),

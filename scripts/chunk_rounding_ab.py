@@ -1,13 +1,15 @@
 """A/B on the GPU: one tensor-core accumulation chain over the whole head dim for q·kᵀ
-("chain") against a chain per head-dim chunk summed in float32 ("per-chunk", the
-`scale=` path of `pallas_kernels.common.contract_chunks`).
+("chain", what `attention` runs when lse is not returned) against a chain per head-dim
+chunk summed in float32 ("per-chunk", `precise_lse`: what runs for return_lse=True;
+see `pallas_kernels.common.contract_chunks`).
 
 Prints, for both variants in one process:
 - accuracy: max |lse - lse_float64| over 4 seeds for the problems of
-  scripts/lse_precision.py (plus D=1024), beside the XLA path's at the same precision
-  (the tolerance rule allows 2x XLA's);
-- speed: forward and forward+backward through `ffpa_jax.attention` (tuned configs),
-  bf16, timed alternately (A, B, A, B, ...), medians in ms.
+  scripts/lse_precision.py (plus D=1024 and D=256), beside the XLA path's at the same
+  precision (the tolerance rule allows 2x XLA's);
+- speed: forward and forward+backward through `ffpa_jax.attention` (tuned configs)
+  with return_lse False and True, bf16, timed alternately (A, B, A, B, ...), medians
+  in ms.
 
     python scripts/chunk_rounding_ab.py [--out results.json]
 """
@@ -24,11 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import ffpa_jax
+from ffpa_jax import pallas_path, validation
 from ffpa_jax.bench.measure import time_samples
 from ffpa_jax.reference import mha_reference
-from pallas_kernels import common
 
-VARIANTS = {"chain": False, "per-chunk": True}
+VARIANTS = {"chain": False, "per-chunk": True}  # name -> precise_lse / return_lse
 ACCURACY = (  # (b, t, s, hq, hkv, d, scale, magnitude)
     (2, 6, 239, 8, 4, 768, 1.917, 2.0),
     (1, 17, 40, 2, 1, 1000, None, 1.0),
@@ -46,9 +48,12 @@ SPEED = (  # (b, h, n, d, causal)
 )
 
 
-def _set_variant(per_chunk: bool) -> None:
-    common._ROUND_PER_CHUNK = per_chunk
-    jax.clear_caches()  # the kernels are traced again, under the new setting
+def kernel_lse(q, k, v, scale: float, precise: bool):
+    problem = validation.validate(q, k, v, None, None, scale=scale, is_causal=False,
+                                  dropout_rate=0.0, dropout_rng=None, return_lse=True,
+                                  implementation="pallas", interpret=False)
+    return pallas_path.pallas_attention(q, k, v, None, None, problem, interpret=False,
+                                        precise_lse=precise)[1]
 
 
 def accuracy() -> list[dict]:
@@ -65,10 +70,8 @@ def accuracy() -> list[dict]:
                 f64 = lambda x: jnp.asarray(np.asarray(x, np.float64))
                 ref = np.asarray(mha_reference(f64(q), f64(k), f64(v), scale=scale)[1])
             got = {"xla": mha_reference(q, k, v, scale=scale)[1]}
-            for name, per_chunk in VARIANTS.items():
-                _set_variant(per_chunk)
-                got[name] = ffpa_jax.attention(q, k, v, scale=scale, return_lse=True,
-                                               implementation="pallas")[1]
+            for name, precise in VARIANTS.items():
+                got[name] = kernel_lse(q, k, v, scale, precise)
             for name, lse in got.items():
                 errs.setdefault(name, []).append(
                     float(np.max(np.abs(np.asarray(lse, np.float64) - ref))))
@@ -88,15 +91,17 @@ def speed(rounds: int) -> list[dict]:
     for b, h, n, d, causal in SPEED:
         keys = jax.random.split(jax.random.key(n + d), 4)
         q, k, v, do = (jax.random.normal(kk, (b, n, h, d), jnp.bfloat16) for kk in keys)
-        fwd = lambda q, k, v: ffpa_jax.attention(q, k, v, is_causal=causal)
-
-        def fwdbwd(q, k, v, do):
-            out, vjp = jax.vjp(fwd, q, k, v)
-            return vjp(do)
-
         compiled = {}
-        for name, per_chunk in VARIANTS.items():
-            _set_variant(per_chunk)
+        for name, with_lse in VARIANTS.items():
+            def fwd(q, k, v, with_lse=with_lse, causal=causal):
+                return ffpa_jax.attention(q, k, v, is_causal=causal, return_lse=with_lse)
+
+            def fwdbwd(q, k, v, do, fwd=fwd, with_lse=with_lse):
+                out, vjp = jax.vjp(fwd, q, k, v)
+                if with_lse:
+                    return vjp((do, jnp.zeros_like(out[1])))
+                return vjp(do)
+
             compiled[("fwd", name)] = jax.jit(fwd).lower(q, k, v).compile()
             compiled[("fwdbwd", name)] = jax.jit(fwdbwd).lower(q, k, v, do).compile()
         for mode, args in (("fwd", (q, k, v)), ("fwdbwd", (q, k, v, do))):

@@ -123,11 +123,58 @@ def run_case(name: str, cfg: Config, draws: int, mask_density: float) -> None:
           flush=True)
 
 
+def kernel_sweep() -> None:
+    """The base case (mask density 0.9, seed 0) through `fwd_generic` directly, under
+    several launch configs, and the block lists the mask path computes, on this device
+    and in numpy."""
+    from pallas_kernels import FwdConfig, common, fwd_generic
+
+    cfg = BASE
+    q, k, v, bias, mask, _, _ = draw(cfg, 0, 0.9)
+    want_out, want_lse = numpy_reference(q, k, v, bias, mask, scale=cfg.scale, causal=True)
+    for bm, bn, warps, stages, q_mode in ((128, 128, 8, 3, "resident"), (128, 16, 4, 2, "resident"),
+                                          (64, 16, 4, 2, "resident"), (32, 16, 4, 1, "resident"),
+                                          (16, 16, 4, 1, "resident"), (64, 16, 4, 2, "dynamic"),
+                                          (64, 16, 4, 2, "reload")):
+        config = FwdConfig(block_m=bm, block_n=bn, block_d=32, block_dv=128, num_warps=warps,
+                           num_stages=stages, q_mode=q_mode)
+        for with_bias in (True, False):
+            try:
+                out, lse = fwd_generic(q, k, v, bias if with_bias else None, mask,
+                                       scale=cfg.scale, causal=True, config=config)
+                ref_out, ref_lse = numpy_reference(q, k, v, bias if with_bias else None, mask,
+                                                   scale=cfg.scale, causal=True)
+                bad = np.argwhere(np.abs(np.asarray(out, np.float64) - ref_out).max(-1) > 0.05)
+                print(f"kernel bm={bm} bn={bn} warps={warps} stages={stages} {q_mode} "
+                      f"bias={with_bias}: out err {max_abs(out, ref_out):.2e}, lse err "
+                      f"{max_abs(lse, ref_lse):.2e}, bad (b,t,h) {bad[:4].tolist()}", flush=True)
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                print(f"kernel bm={bm} bn={bn}: {type(exc).__name__}: {str(exc)[:200]}")
+        fitted = config.fitted(cfg.t, cfg.s, cfg.d, cfg.dv)
+        counts, indices = common.mask_block_lists(mask, block_m=fitted.block_m,
+                                                  block_n=fitted.block_n, seq_q=cfg.t,
+                                                  seq_k=cfg.s, causal=True)
+        with jax.default_device(jax.devices("cpu")[0]):
+            c_cpu, i_cpu = common.mask_block_lists(np.asarray(mask), block_m=fitted.block_m,
+                                                   block_n=fitted.block_n, seq_q=cfg.t,
+                                                   seq_k=cfg.s, causal=True)
+        same = (np.array_equal(np.asarray(counts), np.asarray(c_cpu))
+                and np.array_equal(np.asarray(indices), np.asarray(i_cpu)))
+        print(f"  block lists (fitted bm={fitted.block_m} bn={fitted.block_n}): device == cpu: "
+              f"{same}; counts[0] {np.asarray(counts)[0].tolist()}", flush=True)
+    del want_out, want_lse
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draws", type=int, default=8)
+    parser.add_argument("--kernel-sweep", action="store_true",
+                        help="only the launch-config sweep of the base case")
     args = parser.parse_args()
     print(jax.devices(), flush=True)
+    if args.kernel_sweep:
+        kernel_sweep()
+        return
     variants = {
         "base": BASE,
         "no-bias": dataclasses.replace(BASE, bias_shape=None),
