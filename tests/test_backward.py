@@ -237,3 +237,14 @@ def test_grad_float32_d256_small_dv(kernel_mode):
                  mask_shape=(6, 1, 42), scale=None, dropout_rate=0.0, with_grads=True)
     check_example(cfg, seed=3, magnitude=1.0, mask_density=0.5, neg_inf_bias_rows=False,
                   impl="pallas", interpret=interpret_flag(kernel_mode))
+
+
+def test_grad_float32_d44_dv107_causal_mask(kernel_mode):
+    """The GPU fuzz's shared-memory overflow of 2026-11-21 (float32, D=44, Dv=107 in the
+    128-wide tiles: 245760 of 232448 bytes), causal with a per-head key mask."""
+    from test_fuzz import Config, check_example
+    cfg = Config(batched=True, b=1, t=57, s=358, hq=4, hkv=2, d=44, dv=107, dtype="float32",
+                 causal=True, bias_shape=None, bias_dtype="float32", mask_shape=(1, 4, 1, 358),
+                 scale=1.217, dropout_rate=0.0, with_grads=True)
+    check_example(cfg, seed=131071, magnitude=2.0, mask_density=0.9, neg_inf_bias_rows=False,
+                  impl="pallas", interpret=interpret_flag(kernel_mode))

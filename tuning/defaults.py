@@ -92,8 +92,12 @@ _FP32_OVERRIDES: dict[str, tuple[tuple[int, dict], ...]] = {
     # 232448 bytes in the GPU fuzz, and still did with dq/dbias at BLOCK_N=64, so the
     # forward and dkdv tiles shrink too (not yet re-run on a GPU; float32 is the
     # accuracy path, not the speed one).
-    "fwd_generic": ((256, dict(BLOCK_M=64, BLOCK_N=32)),),
-    "bwd_generic_dq": ((256, dict(BLOCK_N=64)), (1024, dict(BLOCK_N=64))),
+    # D <= 128: a float32 call (D=44, Dv=107, T=57, S=358, causal, with a mask) asked
+    # 245760 bytes in the GPU fuzz of 2026-11-21; the 128-wide KV (and query) tiles
+    # of the forward and dq halve.
+    "fwd_generic": ((128, dict(BLOCK_N=64)), (256, dict(BLOCK_M=64, BLOCK_N=32))),
+    "bwd_generic_dq": ((128, dict(BLOCK_M=64, BLOCK_N=64)), (256, dict(BLOCK_N=64)),
+                       (1024, dict(BLOCK_N=64))),
     "bwd_dbias": ((256, dict(BLOCK_N=64)), (1024, dict(BLOCK_N=64))),
     "bwd_generic_dkdv": ((256, dict(BLOCK_N=64)), (1024, dict(BLOCK_M=64))),
 }
