@@ -114,6 +114,12 @@ def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = Fa
                                precision=precision, preferred_element_type=jnp.float32)
 
 
+# The widest head-dim chunk of one tensor-core accumulation chain when lse must be
+# precise: per-chunk sums of 64 matched XLA's lse error on the H200 at D = 512-1024
+# (a chain over 256 did not always: docs/benchmarks.md, "lse accuracy").
+PRECISE_CHUNK = 64
+
+
 def contract_chunks(load_a, load_b, n_chunks: int, *, dynamic: bool, shape: tuple[int, int],
                     scale: float | None = None, round_per_chunk: bool = False):
     """scale·Σ_c load_a(c) @ load_b(c)ᵀ over head-dim chunks c, float32 [shape].

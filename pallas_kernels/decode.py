@@ -213,6 +213,8 @@ def decode_fwd_stage1(q, k, v, bias=None, mask=None, *, scale: float, causal: bo
     head_dim_v = v.shape[3]
     group = heads_q // heads_kv
     cfg = config.fitted(group * seq_q, seq_k, head_dim, head_dim_v)
+    if precise_lse:
+        cfg = dataclasses.replace(cfg, block_d=min(cfg.block_d, common.PRECISE_CHUNK))
     n_blocks = cdiv(seq_k, cfg.block_n)
     blocks_per_split = cdiv(n_blocks, max(1, num_splits))
     n_splits = cdiv(n_blocks, blocks_per_split)  # no empty split

@@ -183,15 +183,51 @@ def kernel_sweep() -> None:
     del want_out, want_lse
 
 
+def jit_probe() -> None:
+    """The failing jitted call with its block lists returned beside (out, lse), for S=1
+    (fails) and S=2 (passes): are the lists the kernel saw the eager ones? Run with
+    XLA_FLAGS=--xla_dump_to=DIR to keep the optimized HLO of both."""
+    from pallas_kernels import FwdConfig, common, fwd_generic
+
+    config = FwdConfig(block_m=128, block_n=128, block_d=32, block_dv=128, num_warps=8,
+                       num_stages=3)
+    for s in (1, 2):
+        cfg = dataclasses.replace(BASE, s=s)
+        q, k, v, bias, mask, _, _ = draw(cfg, 0, 0.9)
+        fitted = config.fitted(cfg.t, cfg.s, cfg.d, cfg.dv)
+        lists = dict(block_m=fitted.block_m, block_n=fitted.block_n, seq_q=cfg.t, seq_k=s,
+                     causal=True)
+
+        def f(q, k, v, b, m, lists=lists, scale=cfg.scale):
+            out, lse = fwd_generic(q, k, v, b, m, scale=scale, causal=True, config=config)
+            return out, lse, *common.mask_block_lists(m, **lists)
+        out, lse, counts, indices = jax.jit(f)(q, k, v, bias, mask)
+        c_eager, i_eager = common.mask_block_lists(mask, **lists)
+        want_out, want_lse = numpy_reference(q, k, v, bias, mask, scale=cfg.scale, causal=True)
+        print(f"S={s}: out err {max_abs(out, want_out):.2e}, lse err "
+              f"{max_abs(lse, want_lse):.2e}; jitted lists == eager: "
+              f"{np.array_equal(np.asarray(counts), np.asarray(c_eager))} "
+              f"{np.array_equal(np.asarray(indices), np.asarray(i_eager))}", flush=True)
+        # The same call again: a second run tells a deterministic error from a race.
+        out2, lse2, _, _ = jax.jit(f)(q, k, v, bias, mask)
+        print(f"  rerun: out err {max_abs(out2, want_out):.2e}, same as first run: "
+              f"{np.array_equal(np.asarray(out2), np.asarray(out))}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draws", type=int, default=8)
     parser.add_argument("--kernel-sweep", action="store_true",
                         help="only the launch-config sweep of the base case")
+    parser.add_argument("--jit-probe", action="store_true",
+                        help="only the jitted call with its block lists (see jit_probe)")
     args = parser.parse_args()
     print(jax.devices(), flush=True)
     if args.kernel_sweep:
         kernel_sweep()
+        return
+    if args.jit_probe:
+        jit_probe()
         return
     variants = {
         "base": BASE,

@@ -190,3 +190,28 @@ def test_forward_and_backward_lower_inside_shard_map_with_check_vma(monkeypatch)
 
     text = jax.jit(step).trace(arg, arg, arg).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 4  # forward, preproc, dq, dkdv
+
+
+@pytest.mark.parametrize("t,d", [(128, 256), (128, 512), (100, 1000), (1, 512)],
+                         ids=lambda x: str(x))
+def test_returned_lse_lowers_the_precise_kernel(t, d, monkeypatch):
+    """return_lse=True lowers a different forward kernel (q·kᵀ summed per head-dim chunk
+    in float32) from the out-only call, at the generic and the decode forward; the
+    out-only call keeps the single accumulation chain."""
+    import re
+
+    import ffpa_jax
+    import ffpa_jax.api as api
+
+    monkeypatch.setattr(api, "_default_backend_is_nvidia_gpu", lambda: True)
+    q, kv = sd((1, t, 4, d), jnp.bfloat16), sd((1, 300, 2, d), jnp.bfloat16)
+
+    def kernels(return_lse: bool) -> list[str]:
+        def f(q, k, v):
+            return ffpa_jax.attention(q, k, v, return_lse=return_lse)
+        text = jax.jit(f).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+        return re.findall(r'ir = "((?:[^"\\]|\\.)*)"', text)
+
+    precise, plain = kernels(True), kernels(False)
+    assert len(precise) == len(plain) >= 1
+    assert precise[0] != plain[0]  # the forward (or decode stage 1) kernel
