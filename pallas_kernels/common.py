@@ -137,31 +137,20 @@ def contract_chunks(load_a, load_b, n_chunks: int, *, dynamic: bool, shape: tupl
     float32 FMAs, within XLA's error, at the price of waiting for every chunk's
     MMA (forward up to 1.6x slower at D >= 512; docs/benchmarks.md, "lse accuracy").
     """
-    if not (round_per_chunk and scale is not None):
-        acc = _sum_of_chunk_products(load_a, load_b, n_chunks, dynamic=dynamic, shape=shape)
-        return acc if scale is None else acc * scale
-    if dynamic and n_chunks > 1:
-        def body(c, acc):
-            return acc + dot(load_a(c), load_b(c), trans_b=True) * scale
-        return jax.lax.fori_loop(i32(0), i32(n_chunks), body, jnp.zeros(shape, jnp.float32))
-    acc = None
-    for c in range(n_chunks):
-        part = dot(load_a(c), load_b(c), trans_b=True) * scale
-        acc = part if acc is None else acc + part
-    return acc
+    scale_each = round_per_chunk and scale is not None
 
-
-def _sum_of_chunk_products(load_a, load_b, n_chunks: int, *, dynamic: bool,
-                           shape: tuple[int, int]):
-    if dynamic and n_chunks > 1:
-        def body(c, acc):
-            return acc + dot(load_a(c), load_b(c), trans_b=True)
-        return jax.lax.fori_loop(i32(0), i32(n_chunks), body, jnp.zeros(shape, jnp.float32))
-    acc = None
-    for c in range(n_chunks):
+    def product(c):
         part = dot(load_a(c), load_b(c), trans_b=True)
-        acc = part if acc is None else acc + part
-    return acc
+        return part * scale if scale_each else part
+
+    if dynamic and n_chunks > 1:
+        acc = jax.lax.fori_loop(i32(0), i32(n_chunks), lambda c, acc: acc + product(c),
+                                jnp.zeros(shape, jnp.float32))
+    else:
+        acc = None
+        for c in range(n_chunks):
+            acc = product(c) if acc is None else acc + product(c)
+    return acc if scale is None or scale_each else acc * scale
 
 
 def load_tile(ref, b, rows_start, rows, h, cols_start, cols, *, n_rows: int, n_cols: int,

@@ -180,7 +180,6 @@ def kernel_sweep() -> None:
         out, lse = fn(q, k, v, bias, mask)
         print(f"{label}: out err {max_abs(out, want_out):.2e}, lse err "
               f"{max_abs(lse, want_lse):.2e}", flush=True)
-    del want_out, want_lse
 
 
 def jit_probe() -> None:

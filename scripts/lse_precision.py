@@ -58,21 +58,27 @@ def emulated_lse(q, k, scale, chunk, log2_domain):
     return m + jnp.log(jnp.sum(jnp.exp(s - m[..., None]), axis=-1))
 
 
+def draw(problem, seed: int):
+    """bf16 q, k, v of one of PROBLEMS (q and k scaled by its magnitude), its scale, and
+    the float64 reference lse on exactly those inputs."""
+    b, t, s, hq, hkv, d, scale, mag = problem
+    scale = scale or 1.0 / math.sqrt(d)
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(mag * rng.standard_normal((b, t, hq, d)), jnp.bfloat16)
+    k = jnp.asarray(mag * rng.standard_normal((b, s, hkv, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((b, s, hkv, d)), jnp.bfloat16)
+    with jax.enable_x64(True):
+        f64 = lambda x: jnp.asarray(np.asarray(x, np.float64))
+        ref = np.asarray(mha_reference(f64(q), f64(k), f64(v), scale=scale)[1])
+    return q, k, v, scale, ref
+
+
 def main() -> None:
-    for b, t, s, hq, hkv, d, scale, mag in PROBLEMS:
-        scale = scale or 1.0 / math.sqrt(d)
+    for problem in PROBLEMS:
+        b, t, s, hq, hkv, d, _, mag = problem
         rows = {}
         for seed in range(4):
-            rng = np.random.default_rng(seed)
-            q = jnp.asarray(mag * rng.standard_normal((b, t, hq, d)), jnp.bfloat16)
-            k = jnp.asarray(mag * rng.standard_normal((b, s, hkv, d)), jnp.bfloat16)
-            v = jnp.asarray(rng.standard_normal((b, s, hkv, d)), jnp.bfloat16)
-            with jax.enable_x64(True):
-                _, ref = mha_reference(jnp.asarray(np.asarray(q, np.float64)),
-                                       jnp.asarray(np.asarray(k, np.float64)),
-                                       jnp.asarray(np.asarray(v, np.float64)), None, None,
-                                       scale=scale)
-                ref = np.asarray(ref)
+            q, k, v, scale, ref = draw(problem, seed)
             got = {"xla bf16": mha_reference(q, k, v, None, None, scale=scale)[1]}
             for name, cfg in CONFIGS.items():
                 try:
