@@ -178,11 +178,12 @@ def _sharding_rule(layout: _Layout) -> tuple[str, dict]:
 
     has_bias, has_mask, has_seed = layout.present
     in_names = ["q", "k", "v"] + ["bias"] * has_bias + ["mask"] * has_mask + ["seed"] * has_seed
+    n_fixed = len(in_names)
     if layout.kind == "backward":
-        in_names += ["out", "lse", "d_out", "d_lse"]
+        in_names += ["out" if role == QKV else "lse" for role in layout.in_roles[n_fixed:]]
         out_names = ["q", "k", "v"] + ["bias"] * has_bias
     else:
-        out_names = ["out", "lse"]
+        out_names = ["out" if role == QKV else "lse" for role in layout.out_roles]
     bias_mapping = None
     operands = []
     for name, role, shape in zip(in_names, layout.in_roles, layout.in_shapes, strict=True):
@@ -221,8 +222,8 @@ def _explicit_axes(x) -> bool:
 class ShardLocal:
     """Wraps `forward_kernels` or `backward_kernels` so that they run shard-locally.
 
-    forward:  fn(plan, q, k, v, bias, mask, seed) -> (out, lse)
-    backward: fn(plan, q, k, v, bias, mask, seed, out, lse, d_out, d_lse)
+    forward:  fn(plan, q, k, v, bias, mask, seed) -> (out, lse, ...)
+    backward: fn(plan, q, k, v, bias, mask, seed, *residuals_and_cotangents)
               -> (dq, dk, dv, dbias or None)
 
     `shift_seed(seed, batch_offset, head_offset) -> seed` (traced int32 offsets of
@@ -246,10 +247,16 @@ class ShardLocal:
         ins = [q, k, v] + [x for x in (bias, mask, seed) if x is not None] + list(extra)
         in_roles = [QKV, QKV, QKV] + [BM] * present[0] + [BM] * present[1] + [REP] * present[2]
         if self.kind == "forward":
-            out_roles = (QKV, LSE)
-            out_shapes = ((*q.shape[:3], v.shape[3]), (q.shape[0], q.shape[2], q.shape[1]))
+            # out, then one or more row statistics ([B, Hq, T]: lse, or its log2 parts).
+            # (traced on plain shapes: a sharded type would reach the kernels' refs)
+            plain = [None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)
+                     for x in (q, k, v, bias, mask, seed)]
+            outs = jax.eval_shape(functools.partial(self.kernels, plan), *plain)
+            out_roles = tuple(QKV if len(o.shape) == 4 else LSE for o in outs)
+            out_shapes = tuple(tuple(o.shape) for o in outs)
         else:
-            in_roles += [QKV, LSE, QKV, LSE]
+            # The residuals and cotangents: [B, T, Hq, Dv] arrays and [B, Hq, T] rows.
+            in_roles += [QKV if x.ndim == 4 else LSE for x in extra]
             out_roles = (QKV, QKV, QKV) + ((BM,) if present[0] else ())
             out_shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape)) + (
                 (tuple(bias.shape),) if present[0] else ())
@@ -283,7 +290,7 @@ class ShardLocal:
         if self.kind == "backward":
             dbias = outs[3] if layout.present[0] else None
             return outs[0], outs[1], outs[2], dbias
-        return outs[0], outs[1]
+        return tuple(outs)
 
     def _split_axes(self, layout: _Layout, q_sharding):
         """(batch axes, head axes) to split over; none for a seed that cannot be shifted."""

@@ -74,19 +74,38 @@ def _n_slices(st: common.KernelStatic, size: int) -> int:
     return cdiv(size, st.cfg.block_slice)
 
 
+def _fitted(config: BwdConfig, q, k, v) -> BwdConfig:
+    """The config fitted to the problem; in float32 the reduction chunks are the
+    forward's (`common.rounds_per_chunk`), so S is recomputed bit for bit."""
+    cfg = config.fitted(q.shape[1], k.shape[1], q.shape[3], v.shape[3])
+    if common.rounds_per_chunk(q.dtype):
+        cfg = dataclasses.replace(cfg, block_d=min(cfg.block_d, common.PRECISE_CHUNK))
+    return cfg
+
+
+def _lse_lo_inputs(lse, lse_lo) -> list:
+    if lse_lo is None:
+        return []
+    if lse_lo.shape != lse.shape:
+        raise ValueError(f"lse_lo must have lse's shape {lse.shape}; got {lse_lo.shape}")
+    return [lse_lo]
+
+
 def _prepare(q, k, v, do, lse, delta, bias, mask, seed, *, config: BwdConfig, scale: float,
-             causal: bool, over_kv: bool, dropout_rate: float, interpret: bool):
+             causal: bool, over_kv: bool, dropout_rate: float, interpret: bool,
+             lse_lo):
     """(kernel inputs, KernelStatic) for dq (over_kv) or dkdv: the config fitted to the
     problem; inputs are the tensors, bias, mask block lists and seed."""
-    cfg = config.fitted(q.shape[1], k.shape[1], q.shape[3], v.shape[3])
+    cfg = _fitted(config, q, k, v)
     mask_args, list_outer = common.mask_inputs(
         mask, block_m=cfg.block_m, block_n=cfg.block_n, seq_q=q.shape[1], seq_k=k.shape[1],
         causal=causal, over_kv=over_kv)
-    inputs = ([q, k, v, do, lse, delta] + ([bias] if bias is not None else []) + mask_args
+    inputs = ([q, k, v, do, lse] + _lse_lo_inputs(lse, lse_lo) + [delta]
+              + ([bias] if bias is not None else []) + mask_args
               + common.seed_inputs(dropout_rate, seed))
     st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
                               list_outer=list_outer, dropout_rate=dropout_rate,
-                              interpret=interpret)
+                              interpret=interpret, lse_log2=lse_lo is not None)
     return inputs, st
 
 
@@ -132,11 +151,16 @@ class _Tile:
         cols = kv_start + iota(bn)
         s = common.contract_chunks(q_chunk, k_chunk, _n_chunks(st, st.head_dim),
                                    dynamic=cfg.dynamic, shape=(bm, bn),
-                                   scale=st.scale * LOG2E)
+                                   scale=st.scale * LOG2E,
+                                   round_per_chunk=common.rounds_per_chunk(
+                                       self.refs["q"].dtype))
         s = common.bias_and_masks(s, st, self.refs.get("bias"), self.refs.get("mask"), self.b, h,
                                   q_start, kv_start, rows, cols, causal_mask=causal_mask,
                                   with_mask=with_mask, mask_rows=True)
-        p = jnp.exp2(s - lse2[:, None])
+        if isinstance(lse2, tuple):  # (hi, lo): s - hi is exact near the row's max
+            p = jnp.exp2((s - lse2[0][:, None]) - lse2[1][:, None])
+        else:
+            p = jnp.exp2(s - lse2[:, None])
         keep = None
         if st.dropout_rate > 0:
             # The forward's mask, regenerated: dV sees the dropped, rescaled P, and
@@ -153,15 +177,18 @@ class _Tile:
         return p_out, p * (dp - delta[:, None])
 
     def row_stats(self, h, q_start):
-        """(lse·log2(e), δ) for the tile's rows. A row with lse = -inf (no visible
-        key) has S = -inf everywhere, so any finite stand-in gives P = 0 there."""
+        """(lse·log2(e), δ) for the tile's rows, lse·log2(e) as a (hi, lo) pair when
+        the kernel was given `lse_lo`. A row with lse = -inf (no visible key) has
+        S = -inf everywhere, so any finite stand-in gives P = 0 there."""
         st, bm = self.st, self.cfg.block_m
         rows_ok = (q_start + iota(bm)) < st.seq_q
         view = lambda name: self.refs[name].at[self.b, h, common.ds(q_start, bm)]
         lse = plgpu.load(view("lse"), mask=rows_ok, other=0.0)
         delta = plgpu.load(view("delta"), mask=rows_ok, other=0.0)
-        lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
-        return lse2, delta
+        if not st.lse_log2:
+            return jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E), delta
+        lo = plgpu.load(view("lse_lo"), mask=rows_ok, other=0.0)
+        return (jnp.where(lse == -jnp.inf, 0.0, lse), lo), delta
 
 
 def _ref_dict(names, refs):
@@ -169,7 +196,7 @@ def _ref_dict(names, refs):
 
 
 def _input_names(st: common.KernelStatic, *, with_lists: bool) -> list[str]:
-    names = ["q", "k", "v", "do", "lse", "delta"]
+    names = ["q", "k", "v", "do", "lse"] + ["lse_lo"] * st.lse_log2 + ["delta"]
     if st.bias_shape is not None:
         names.append("bias")
     if st.mask_shape is not None:
@@ -266,11 +293,12 @@ def _dq_kernel(*refs, st: common.KernelStatic):
 
 def bwd_generic_dq(q, k, v, do, lse, delta, bias=None, mask=None, *, scale: float, causal: bool,
                    config: BwdConfig, interpret: bool = False, dropout_rate: float = 0.0,
-                   seed: jax.Array | None = None) -> jax.Array:
+                   seed: jax.Array | None = None,
+                   lse_lo: jax.Array | None = None) -> jax.Array:
     """dQ [B, T, Hq, D] in q's dtype."""
     inputs, st = _prepare(q, k, v, do, lse, delta, bias, mask, seed, config=config, scale=scale,
                           causal=causal, over_kv=True, dropout_rate=dropout_rate,
-                          interpret=interpret)
+                          interpret=interpret, lse_lo=lse_lo)
     cfg = st.cfg
     compat.silence_triton_deprecation()
     grid = (cdiv(st.seq_q, cfg.block_m) * _n_slices(st, st.head_dim), st.batch * st.heads_q)
@@ -381,11 +409,12 @@ def dkdv_tasks(head_dim: int, head_dim_v: int, width: int, split: bool):
 
 def bwd_generic_dkdv(q, k, v, do, lse, delta, bias=None, mask=None, *, scale: float,
                      causal: bool, config: BwdConfig, interpret: bool = False,
-                     dropout_rate: float = 0.0, seed: jax.Array | None = None):
+                     dropout_rate: float = 0.0, seed: jax.Array | None = None,
+                   lse_lo: jax.Array | None = None):
     """(dK [B, S, Hkv, D], dV [B, S, Hkv, Dv]) in k's / v's dtype."""
     inputs, st = _prepare(q, k, v, do, lse, delta, bias, mask, seed, config=config, scale=scale,
                           causal=causal, over_kv=False, dropout_rate=dropout_rate,
-                          interpret=interpret)
+                          interpret=interpret, lse_lo=lse_lo)
     cfg = st.cfg
     tasks = dkdv_tasks(st.head_dim, st.head_dim_v, cfg.block_slice, cfg.split_dkdv)
     compat.silence_triton_deprecation()
@@ -458,13 +487,15 @@ def _dbias_kernel(*refs, st: common.KernelStatic):
 
 def bwd_dbias(q, k, v, do, lse, delta, bias, mask=None, *, scale: float, causal: bool,
               config: BwdConfig, interpret: bool = False, dropout_rate: float = 0.0,
-              seed: jax.Array | None = None) -> jax.Array:
+              seed: jax.Array | None = None,
+                   lse_lo: jax.Array | None = None) -> jax.Array:
     """dbias with bias's own 4-D shape (each dim 1 or full), float32."""
-    cfg = config.fitted(q.shape[1], k.shape[1], q.shape[3], v.shape[3])
-    cfg = dataclasses.replace(cfg, split_dkdv=False)
+    cfg = dataclasses.replace(_fitted(config, q, k, v), split_dkdv=False)
     st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
-                              dropout_rate=dropout_rate, interpret=interpret)
-    inputs = ([q, k, v, do, lse, delta, bias] + ([mask] if mask is not None else [])
+                              dropout_rate=dropout_rate, interpret=interpret,
+                              lse_log2=lse_lo is not None)
+    inputs = ([q, k, v, do, lse] + _lse_lo_inputs(lse, lse_lo) + [delta, bias]
+              + ([mask] if mask is not None else [])
               + common.seed_inputs(dropout_rate, seed))
     bb, bh, bt, bs = bias.shape
     n_tq = cdiv(st.seq_q, cfg.block_m) if bt != 1 else 1

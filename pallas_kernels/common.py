@@ -48,6 +48,7 @@ class KernelStatic:
     cfg: Any
     dropout_rate: float = 0.0  # > 0: a uint32[2] seed input follows the mask inputs
     interpret: bool = False  # Pallas' interpreter (no inline PTX)
+    lse_log2: bool = False  # backward: lse·log2(e) arrives as inputs lse (hi) and lse_lo
 
     @property
     def group(self) -> int:
@@ -56,7 +57,7 @@ class KernelStatic:
 
 def kernel_static(q, k, v, bias, mask, *, scale: float, causal: bool, cfg,
                   list_outer: int = 1, dropout_rate: float = 0.0,
-                  interpret: bool = False) -> KernelStatic:
+                  interpret: bool = False, lse_log2: bool = False) -> KernelStatic:
     batch, seq_q, heads_q, head_dim = q.shape
     return KernelStatic(batch=batch, seq_q=seq_q, seq_k=k.shape[1], heads_q=heads_q,
                         heads_kv=k.shape[2], head_dim=head_dim, head_dim_v=v.shape[3],
@@ -64,7 +65,7 @@ def kernel_static(q, k, v, bias, mask, *, scale: float, causal: bool, cfg,
                         bias_shape=None if bias is None else tuple(bias.shape),
                         mask_shape=None if mask is None else tuple(mask.shape),
                         list_outer=list_outer, cfg=cfg, dropout_rate=float(dropout_rate),
-                        interpret=interpret)
+                        interpret=interpret, lse_log2=lse_log2)
 
 
 def i32(x) -> jax.Array:
@@ -118,6 +119,17 @@ def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = Fa
 # precise: per-chunk sums of 64 matched XLA's lse error on the H200 at D = 512-1024
 # (a chain over 256 did not always: docs/benchmarks.md, "lse accuracy").
 PRECISE_CHUNK = 64
+
+
+def rounds_per_chunk(dtype, precise_lse: bool = False) -> bool:
+    """Whether q·kᵀ is summed over PRECISE_CHUNK-wide head-dim chunks, each rounded on its
+    own (`contract_chunks(round_per_chunk=True)`): when lse must be precise, and always in
+    float32. There the backward recomputes the logits and must get the forward's own
+    values: float32 dots are in-order FMA sums, so the same 64-wide chunks give the same
+    bits in every kernel, whatever its tiles. With different chunkings the forward and
+    backward logits differed by float32 roundings of |logit| (at logits ~ 300: P off by
+    ~1e-5 relative), which gave gradients 3-9x the error of XLA's (D=149, scale 1.5)."""
+    return precise_lse or jnp.dtype(dtype) == jnp.float32
 
 
 def contract_chunks(load_a, load_b, n_chunks: int, *, dynamic: bool, shape: tuple[int, int],
@@ -327,9 +339,15 @@ def block_visits(mask4: jax.Array, *, block_m: int, block_n: int, seq_q: int, se
         m = jnp.pad(m, ((0, 0), (0, 0), (0, n_q * block_m - mt), (0, 0)))
         m = m.reshape(mb, mh, n_q, block_m, m.shape[-1]).any(axis=3)
     if causal:
-        q_last = jnp.minimum(jnp.arange(n_q) * block_m + block_m - 1, seq_q - 1)
-        k_first = jnp.arange(n_kv) * block_n
-        m = m & (k_first[None, :] <= q_last[:, None] + (seq_k - seq_q))[None, None]
+        # Tile (i, j) holds a visible key iff its first key j·bn is at most the limit
+        # of its last row, i·bm + bm - 1 + S - T. Clamping that row to T - 1 (rows past
+        # T are padding) would change nothing, as a tile's first key is below S; and
+        # the clamp, `jnp.minimum`, is what XLA miscompiled on the GPU (jax 0.11.2,
+        # H100: `0 <= min(i·bm + bm - 1, T - 1) + S - T` came out inverted at equality,
+        # e.g. T=276, S=1, dropping the only visible tile; the HLO after optimization
+        # was right, eager and CPU runs too: scripts/xla_causal_tiles_repro.py).
+        last_row_limit = jnp.arange(n_q) * block_m + (block_m - 1 + seq_k - seq_q)
+        m = m & ((jnp.arange(n_kv) * block_n)[None, :] <= last_row_limit[:, None])[None, None]
     return m
 
 

@@ -102,7 +102,7 @@ def _gather_tile(ref, b, h_rows, t_rows, cols, *, rows_ok, seq_k: int, other):
     return plgpu.load(ref.at[b_idx, h_idx, t_idx, c_idx], mask=mask, other=other)
 
 
-def _stage1_kernel(*refs, lay: _Layout, precise_lse: bool):
+def _stage1_kernel(*refs, lay: _Layout, per_chunk: bool):
     st = lay.st
     cfg = st.cfg
     bm, bn, bd, bdv = cfg.block_m, cfg.block_n, cfg.block_d, cfg.block_dv
@@ -148,7 +148,7 @@ def _stage1_kernel(*refs, lay: _Layout, precise_lse: bool):
                                              common.chunk_start(c, bd), bd, n_rows=st.seq_k,
                                              n_cols=st.head_dim)
         s = common.contract_chunks(q_chunk, k_chunk, n_dchunks, dynamic=cfg.dynamic,
-                                   shape=(bm, bn), scale=qk_scale, round_per_chunk=precise_lse)
+                                   shape=(bm, bn), scale=qk_scale, round_per_chunk=per_chunk)
         if bias_ref is not None:
             bias = _gather_tile(bias_ref, b, h_rows, t_rows, cols, rows_ok=rows_ok,
                                 seq_k=st.seq_k, other=0)
@@ -213,7 +213,8 @@ def decode_fwd_stage1(q, k, v, bias=None, mask=None, *, scale: float, causal: bo
     head_dim_v = v.shape[3]
     group = heads_q // heads_kv
     cfg = config.fitted(group * seq_q, seq_k, head_dim, head_dim_v)
-    if precise_lse:
+    per_chunk = common.rounds_per_chunk(q.dtype, precise_lse)
+    if per_chunk:
         cfg = dataclasses.replace(cfg, block_d=min(cfg.block_d, common.PRECISE_CHUNK))
     n_blocks = cdiv(seq_k, cfg.block_n)
     blocks_per_split = cdiv(n_blocks, max(1, num_splits))
@@ -226,7 +227,7 @@ def decode_fwd_stage1(q, k, v, bias=None, mask=None, *, scale: float, causal: bo
     compat.silence_triton_deprecation()
     rows = heads_q * seq_q
     return pl.pallas_call(
-        functools.partial(_stage1_kernel, lay=lay, precise_lse=precise_lse),
+        functools.partial(_stage1_kernel, lay=lay, per_chunk=per_chunk),
         out_shape=(compat.output_struct((batch, n_splits, rows, head_dim_v), jnp.float32, q),
                    compat.output_struct((batch, n_splits, rows), jnp.float32, q)),
         grid=(n_splits * lay.n_mblocks * lay.n_vslices, batch * heads_kv),

@@ -73,7 +73,7 @@ def _n_vslices(st: common.KernelStatic) -> int:
     return cdiv(st.head_dim_v, st.cfg.block_dv)
 
 
-def _fwd_kernel(*refs, st: common.KernelStatic, precise_lse: bool):
+def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool, lse_log2: bool):
     cfg = st.cfg
     bm, bn, bd, bdv = cfg.block_m, cfg.block_n, cfg.block_d, cfg.block_dv
     q_ref, k_ref, v_ref, *rest = refs
@@ -83,7 +83,7 @@ def _fwd_kernel(*refs, st: common.KernelStatic, precise_lse: bool):
         mask_ref, count_ref, index_ref = rest[:3]
         rest = rest[3:]
     seed_ref = rest.pop(0) if st.dropout_rate > 0 else None
-    o_ref, lse_ref = rest
+    o_ref, lse_ref, *lo_ref = rest
 
     pid = pl.program_id(0)
     bh = pl.program_id(1)
@@ -119,7 +119,7 @@ def _fwd_kernel(*refs, st: common.KernelStatic, precise_lse: bool):
 
         return common.contract_chunks(q_chunk_at, k_chunk_at, _n_dchunks(st),
                                       dynamic=cfg.q_mode == "dynamic", shape=(bm, bn),
-                                      scale=qk_scale, round_per_chunk=precise_lse)
+                                      scale=qk_scale, round_per_chunk=per_chunk)
 
     def visit(kv_block, carry, *, causal_mask: bool, with_mask: bool):
         m_i, l_i, acc = carry
@@ -178,25 +178,36 @@ def _fwd_kernel(*refs, st: common.KernelStatic, precise_lse: bool):
     out = acc / (l_safe if st.dropout_rate == 0 else l_safe * (1.0 - st.dropout_rate))[:, None]
     common.store_tile(o_ref, out, b, q_start, bm, h, v_start, bdv,
                       n_rows=st.seq_q, n_cols=st.head_dim_v)
-    lse = jnp.where(has_keys, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
+    log2_l = jnp.log2(l_safe)
+    lse2 = m_i + log2_l
+    lse = jnp.where(has_keys, lse2 if lse_log2 else lse2 * LN2, -jnp.inf)
     lse_mask = rows < st.seq_q
     if _n_vslices(st) > 1:
         lse_mask = lse_mask & (v_slice == 0)  # one writer per row
     plgpu.store(lse_ref.at[b, h, common.ds(q_start, bm)], lse, mask=lse_mask)
+    if lo_ref:
+        # The rounding error of m + log2(l) (Knuth's TwoSum, exact in float32).
+        back = lse2 - m_i
+        lo = (m_i - (lse2 - back)) + (log2_l - back)
+        plgpu.store(lo_ref[0].at[b, h, common.ds(q_start, bm)],
+                    jnp.where(has_keys, lo, 0.0), mask=lse_mask)
 
 
 def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None = None,
                 mask: jax.Array | None = None, *, scale: float, causal: bool, config: FwdConfig,
                 interpret: bool = False, dropout_rate: float = 0.0,
                 seed: jax.Array | None = None, out_dtype=None,
-                precise_lse: bool = False) -> tuple[jax.Array, jax.Array]:
+                precise_lse: bool = False, lse_log2: bool = False) -> tuple[jax.Array, ...]:
     """Attention forward on Pallas/Triton. Returns (o [B,T,Hq,Dv] in `out_dtype` (default
     q's dtype), lse [B,Hq,T] f32).
 
     bias/mask are 4-D, each dim 1 or full (see `common`). With dropout_rate > 0,
     `seed` (uint32[2], a runtime input) picks the keep-mask (see `dropout`).
     `precise_lse` rounds q·kᵀ per head-dim chunk (`common.contract_chunks`): lse
-    within XLA's error at large D, for callers that return it, at a cost in speed.
+    within XLA's error at large D, for callers that return it, at a cost in speed
+    (float32 always does: `common.rounds_per_chunk`). `lse_log2` returns (o, hi, lo)
+    instead: lse·log2(e) = hi + lo exactly, hi the float32 sum m + log2(l) and lo its
+    rounding error, the form the backward kernels take (their `lse_lo`).
     """
     batch, seq_q, heads_q, head_dim = q.shape
     _, seq_k, heads_kv, _ = k.shape
@@ -204,7 +215,8 @@ def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None
     if config.q_mode not in Q_MODES:
         raise ValueError(f"q_mode must be one of {Q_MODES}; got {config.q_mode!r}")
     cfg = config.fitted(seq_q, seq_k, head_dim, head_dim_v)
-    if precise_lse:
+    per_chunk = common.rounds_per_chunk(q.dtype, precise_lse)
+    if per_chunk:
         cfg = dataclasses.replace(cfg, block_d=min(cfg.block_d, common.PRECISE_CHUNK))
     compat.silence_triton_deprecation()
     mask_args, list_outer = common.mask_inputs(
@@ -216,11 +228,12 @@ def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None
                               list_outer=list_outer, dropout_rate=dropout_rate,
                               interpret=interpret)
     grid = (cdiv(seq_q, cfg.block_m) * _n_vslices(st), batch * heads_q)
+    rows_out = compat.output_struct((batch, heads_q, seq_q), jnp.float32, q)
     out_shape = (compat.output_struct((batch, seq_q, heads_q, head_dim_v),
                                       out_dtype or q.dtype, q),
-                 compat.output_struct((batch, heads_q, seq_q), jnp.float32, q))
+                 rows_out) + ((rows_out,) if lse_log2 else ())
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, st=st, precise_lse=precise_lse),
+        functools.partial(_fwd_kernel, st=st, per_chunk=per_chunk, lse_log2=lse_log2),
         out_shape=out_shape,
         grid=grid,
         compiler_params=compat.compiler_params(cfg.num_warps, cfg.num_stages),

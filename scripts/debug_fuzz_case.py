@@ -184,33 +184,66 @@ def kernel_sweep() -> None:
 
 def jit_probe() -> None:
     """The failing jitted call with its block lists returned beside (out, lse), for S=1
-    (fails) and S=2 (passes): are the lists the kernel saw the eager ones? Run with
-    XLA_FLAGS=--xla_dump_to=DIR to keep the optimized HLO of both."""
+    (fails) and S=2 (passes): are the lists the kernel saw the eager ones? Then the same
+    jitted kernel with the lists computed outside and passed in as arguments, and with an
+    optimization barrier between the lists and the kernel: which ingredient of the jitted
+    graph turns the result wrong. Run with XLA_FLAGS=--xla_dump_to=DIR to keep the
+    optimized HLO of every variant."""
     from pallas_kernels import FwdConfig, common, fwd_generic
 
     config = FwdConfig(block_m=128, block_n=128, block_d=32, block_dv=128, num_warps=8,
                        num_stages=3)
+    real_mask_inputs = common.mask_inputs
     for s in (1, 2):
         cfg = dataclasses.replace(BASE, s=s)
         q, k, v, bias, mask, _, _ = draw(cfg, 0, 0.9)
         fitted = config.fitted(cfg.t, cfg.s, cfg.d, cfg.dv)
         lists = dict(block_m=fitted.block_m, block_n=fitted.block_n, seq_q=cfg.t, seq_k=s,
                      causal=True)
+        want_out, want_lse = numpy_reference(q, k, v, bias, mask, scale=cfg.scale, causal=True)
+
+        def report(label, out, lse):
+            bad = np.argwhere(np.abs(np.asarray(out, np.float64) - want_out).max(-1) > 0.05)
+            print(f"S={s} {label}: out err {max_abs(out, want_out):.2e}, lse err "
+                  f"{max_abs(lse, want_lse):.2e}, bad (b,t,h) {bad[:4].tolist()}", flush=True)
+            return out
 
         def f(q, k, v, b, m, lists=lists, scale=cfg.scale):
             out, lse = fwd_generic(q, k, v, b, m, scale=scale, causal=True, config=config)
             return out, lse, *common.mask_block_lists(m, **lists)
         out, lse, counts, indices = jax.jit(f)(q, k, v, bias, mask)
         c_eager, i_eager = common.mask_block_lists(mask, **lists)
-        want_out, want_lse = numpy_reference(q, k, v, bias, mask, scale=cfg.scale, causal=True)
-        print(f"S={s}: out err {max_abs(out, want_out):.2e}, lse err "
-              f"{max_abs(lse, want_lse):.2e}; jitted lists == eager: "
-              f"{np.array_equal(np.asarray(counts), np.asarray(c_eager))} "
-              f"{np.array_equal(np.asarray(indices), np.asarray(i_eager))}", flush=True)
-        # The same call again: a second run tells a deterministic error from a race.
-        out2, lse2, _, _ = jax.jit(f)(q, k, v, bias, mask)
-        print(f"  rerun: out err {max_abs(out2, want_out):.2e}, same as first run: "
-              f"{np.array_equal(np.asarray(out2), np.asarray(out))}", flush=True)
+        report("jit, lists inside", out, lse)
+        print(f"  jitted lists == eager: {np.array_equal(np.asarray(counts), np.asarray(c_eager))}"
+              f" {np.array_equal(np.asarray(indices), np.asarray(i_eager))}", flush=True)
+        out2, _, _, _ = jax.jit(f)(q, k, v, bias, mask)
+        print(f"  rerun identical: {np.array_equal(np.asarray(out2), np.asarray(out))}",
+              flush=True)
+
+        def with_lists(q, k, v, b, m, c, i, scale=cfg.scale):
+            common.mask_inputs = lambda m4, **kw: ([m4, c, i], c.shape[2])
+            try:
+                return fwd_generic(q, k, v, b, m, scale=scale, causal=True, config=config)
+            finally:
+                common.mask_inputs = real_mask_inputs
+        report("jit, lists as arguments", *jax.jit(with_lists)(q, k, v, bias, mask, c_eager,
+                                                                i_eager))
+
+        def barrier(q, k, v, b, m, scale=cfg.scale):
+            def fenced(m4, **kw):
+                args, outer = real_mask_inputs(m4, **kw)
+                return list(jax.lax.optimization_barrier(tuple(args))), outer
+            common.mask_inputs = fenced
+            try:
+                return fwd_generic(q, k, v, b, m, scale=scale, causal=True, config=config)
+            finally:
+                common.mask_inputs = real_mask_inputs
+        report("jit, barrier before kernel", *jax.jit(barrier)(q, k, v, bias, mask))
+
+        def mask_copy(q, k, v, b, m, scale=cfg.scale):
+            m = jax.lax.optimization_barrier(m.astype(jax.numpy.int8)) != 0
+            return fwd_generic(q, k, v, b, m, scale=scale, causal=True, config=config)
+        report("jit, mask recomputed in-graph", *jax.jit(mask_copy)(q, k, v, bias, mask))
 
 
 def main() -> None:

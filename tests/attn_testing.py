@@ -3,7 +3,8 @@
 Tolerance rule (DESIGN.md): the error of a fp16/bf16 result against the float64
 reference is at most 2x (forward) or 3x (gradients) the error of the
 same-precision XLA computation against that reference, plus a floor of a few
-ulps of the output's magnitude; float32 results within 1e-5 relative.
+ulps of the output's magnitude; float32 results within 1e-5 relative (or, where XLA's
+own float32 result misses that, within the same factor of its error).
 """
 
 from __future__ import annotations
@@ -111,8 +112,14 @@ def assert_matches_reference(name: str, got, ref64, xla, dtype, *, factor: float
     magnitude = float(np.max(np.abs(np.where(nonfinite, 0.0, ref64)), initial=0.0))
     err = _max_err(got, ref64)
     if jnp.dtype(dtype) == jnp.float32:
-        bound = 1e-5 * max(magnitude, 1.0)
-        rule = "1e-5 relative (float32)"
+        # 1e-5 relative, unless float32 itself cannot reach it on these inputs: at logits
+        # in the hundreds (inputs of magnitude 2, scale 1.5, D=149) the float32 rounding
+        # of the logits alone costs XLA's own gradients 2-3.5e-5 (H100, 2026-11-21,
+        # scripts/fp32_grad_precision.py); there the rule of the 16-bit dtypes applies,
+        # `factor` x XLA's float32 error.
+        err_xla = _max_err(xla, ref64)
+        bound = max(1e-5 * max(magnitude, 1.0), factor * err_xla)
+        rule = f"1e-5 relative (float32), or {factor}x XLA's float32 error {err_xla:.3e}"
     else:
         err_xla = _max_err(xla, ref64)
         floor = ULP_FLOOR * float(jnp.finfo(dtype).eps) * magnitude

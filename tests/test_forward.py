@@ -7,6 +7,7 @@ On CPU the kernels run in Pallas' interpreter; on a GPU (marker `gpu`) for real.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -211,18 +212,35 @@ def test_mask_block_lists(mask_shape, causal):
         np.testing.assert_array_equal(indices[idx][: counts[idx]], np.flatnonzero(expected[idx]))
 
 
+@pytest.mark.parametrize("t,s", [(113, 1), (203, 1), (257, 1), (276, 1), (300, 1), (1023, 1),
+                                 (276, 2), (257, 3), (1023, 17), (45, 70), (203, 1000)])
+def test_block_lists_under_jit(t, s, kernel_mode):
+    """The block lists of a masked causal call, computed under `jax.jit` on the test's
+    device (the GPU when there is one), name exactly the visible tiles. An earlier
+    form of the causal tile test, `0 <= min(i*bm + bm - 1, T - 1) + S - T`, came out
+    inverted when XLA compiled it for the H100 (jax 0.11.2) at T=203/257/276/300 with
+    S=1 (22 of 504 (T, S, bm, bn) cases); eager and CPU runs were right
+    (scripts/xla_causal_tiles_repro.py)."""
+    del kernel_mode  # only selects the device: the GPU case is marked `gpu`
+    mask = jax.random.bernoulli(jax.random.key(t + s), 0.7, (3, 6, 1, 1))
+    for bm, bn in ((16, 16), (64, 32), (128, 128)):
+        lists = jax.jit(functools.partial(mask_block_lists, block_m=bm, block_n=bn, seq_q=t,
+                                          seq_k=s, causal=True))
+        counts, indices = (np.asarray(x) for x in lists(mask))
+        expected = _brute_force_visits(mask, bm, bn, t, s, True)
+        np.testing.assert_array_equal(counts, expected.sum(-1), err_msg=f"bm={bm} bn={bn}")
+        for idx in np.ndindex(counts.shape):
+            np.testing.assert_array_equal(indices[idx][: counts[idx]],
+                                          np.flatnonzero(expected[idx]))
+
+
 @pytest.mark.parametrize("mask_density", [0.05, 0.9])
 def test_fuzz_case_causal_one_key_many_queries(mask_density, kernel_mode):
     """From the H200 fuzz (2026-11-21): T=276 queries, S=1 key, causal (only the last
-    row sees the key), a per-(batch, head) mask and a scalar bias. Open (issue 9).
-
-    What the GPU runs of scripts/debug_fuzz_case.py showed (H200 and H100, jax 0.11.2):
-    for some of the (batch, head)s whose mask is True, the last row gets out 0 and
-    lse -inf, as if its key block were not listed. The references (jitted and eager,
-    and a numpy one) agree; the kernel is wrong. Called eagerly, `fwd_generic` is
-    right under every launch config tried, and so is the public function; under
-    `jax.jit` both are wrong. It needs the mask, causal and a partial last query
-    block (T=256 and T=64 pass), and S=1 (S=2 passes). CPU (interpret) passes."""
+    row sees the key), a per-(batch, head) mask and a scalar bias. Under `jax.jit` on
+    the GPU (jax 0.11.2) the last row came out 0 with lse -inf: XLA miscompiled the
+    jnp iota arithmetic that listed the causally visible tiles (see
+    `test_block_lists_under_jit`); the tiles are now computed in numpy at trace time."""
     from test_fuzz import Config, check_example
     cfg = Config(batched=True, b=3, t=276, s=1, hq=6, hkv=3, d=30, dv=100, dtype="bfloat16",
                  causal=True, bias_shape=(1, 1, 1, 1), bias_dtype="bfloat16",
