@@ -68,6 +68,40 @@ def kernel_static(q, k, v, bias, mask, *, scale: float, causal: bool, cfg,
                         interpret=interpret, lse_log2=lse_log2)
 
 
+# The most dynamic shared memory one program may use on the H100 and H200 (227 KiB).
+SHARED_MEMORY_BYTES = 232448
+
+
+def extra_tile_bytes(st_bias_shape, st_mask_shape, bias_dtype, *, block_m: int, block_n: int,
+                     dropout: bool) -> int:
+    """Bytes per KV step that a bias tile, a mask tile and the dropout generator add to a
+    [block_m, block_n] score tile's pipelined loads (0 for a plain call). Broadcast dims
+    of bias/mask load one element along them. The dropout generator's layout shuffles
+    are counted as one float32 tile."""
+    total = 0
+    for shape, itemsize in ((st_bias_shape, None if bias_dtype is None
+                             else jnp.dtype(bias_dtype).itemsize), (st_mask_shape, 1)):
+        if shape is not None and (shape[2] != 1 or shape[3] != 1):
+            total += ((block_m if shape[2] != 1 else 1) * (block_n if shape[3] != 1 else 1)
+                      * itemsize)
+    if dropout:
+        total += block_m * block_n * 4
+    return total
+
+
+def fit_stages(num_stages: int, *, resident: int, per_stage: int, extra: int) -> int:
+    """Pipeline stages for a kernel whose loop buffers `per_stage + extra` bytes per stage
+    beside `resident` bytes: the requested count, or fewer where a bias/mask/dropout
+    tile (`extra` > 0) would take the estimate past SHARED_MEMORY_BYTES. Plain calls
+    (extra = 0) keep the tuned count, which was measured to fit. The GPU fuzz of
+    2026-11-21 hit 246784-294912 requested bytes with the D <= 128 defaults (3 stages)
+    plus a [T, S] mask."""
+    while (extra and num_stages > 1
+           and resident + num_stages * (per_stage + extra) > SHARED_MEMORY_BYTES):
+        num_stages -= 1
+    return num_stages
+
+
 def i32(x) -> jax.Array:
     """An int32 index, also under jax_enable_x64 (where Python ints become int64 and
     the interpreter rejects index tuples of mixed integer types)."""

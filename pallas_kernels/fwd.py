@@ -193,6 +193,30 @@ def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool, lse_log2: bool)
                     jnp.where(has_keys, lo, 0.0), mask=lse_mask)
 
 
+def _fit_shared_memory(cfg: FwdConfig, q_dtype, v_dtype, bias, mask, dropout_rate: float,
+                       head_dim: int, head_dim_v: int) -> FwdConfig:
+    """`cfg` with fewer pipeline stages where bias/mask/dropout tiles would overflow
+    shared memory (`common.fit_stages`): Q's chunks stay resident (or are reloaded per
+    step), each KV step buffers K's chunks, the V slice and the extra tiles. The dynamic
+    chunk loop is left alone: its stages pipeline the D chunks, not the KV steps."""
+    del head_dim_v  # the V tile is block_dv wide, padded
+    if cfg.q_mode == "dynamic":
+        return cfg
+    qb, vb = jnp.dtype(q_dtype).itemsize, jnp.dtype(v_dtype).itemsize
+    q_bytes = cfg.block_m * cdiv(head_dim, cfg.block_d) * cfg.block_d * qb
+    k_bytes = cfg.block_n * cdiv(head_dim, cfg.block_d) * cfg.block_d * qb
+    resident = q_bytes if cfg.q_mode == "resident" else 0
+    per_stage = k_bytes + cfg.block_n * cfg.block_dv * vb + (q_bytes - resident)
+    extra = common.extra_tile_bytes(None if bias is None else bias.shape,
+                                    None if mask is None else mask.shape,
+                                    None if bias is None else bias.dtype,
+                                    block_m=cfg.block_m, block_n=cfg.block_n,
+                                    dropout=dropout_rate > 0)
+    stages = common.fit_stages(cfg.num_stages, resident=resident, per_stage=per_stage,
+                               extra=extra)
+    return cfg if stages == cfg.num_stages else dataclasses.replace(cfg, num_stages=stages)
+
+
 def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None = None,
                 mask: jax.Array | None = None, *, scale: float, causal: bool, config: FwdConfig,
                 interpret: bool = False, dropout_rate: float = 0.0,
@@ -218,6 +242,8 @@ def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None
     per_chunk = common.rounds_per_chunk(q.dtype, precise_lse)
     if per_chunk:
         cfg = dataclasses.replace(cfg, block_d=min(cfg.block_d, common.PRECISE_CHUNK))
+    cfg = _fit_shared_memory(cfg, q.dtype, v.dtype, bias, mask, dropout_rate, head_dim,
+                             head_dim_v)
     compat.silence_triton_deprecation()
     mask_args, list_outer = common.mask_inputs(
         mask, block_m=cfg.block_m, block_n=cfg.block_n, seq_q=seq_q, seq_k=seq_k, causal=causal,

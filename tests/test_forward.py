@@ -247,3 +247,44 @@ def test_fuzz_case_causal_one_key_many_queries(mask_density, kernel_mode):
                  mask_shape=(3, 6, 1, 1), scale=0.499, dropout_rate=0.0, with_grads=False)
     check_example(cfg, seed=0, magnitude=1.0, mask_density=mask_density,
                   neg_inf_bias_rows=False, impl="pallas", interpret=interpret_flag(kernel_mode))
+
+
+# Three draws of the GPU fuzz of 2026-11-21 (seeds 852294769, 1136079920, 137012700)
+# whose forward asked 246784-294912 bytes of the 232448 of shared memory: the D <= 128
+# defaults pipeline 3 stages, and a [T, S] mask or bias tile, or dropout, rides along.
+_SHARED_MEMORY_CASES = {
+    "fp16-d72-bias-mask": dict(batched=False, b=1, t=50, s=70, hq=3, hkv=3, d=72, dv=72,
+                               dtype="float16", causal=False, bias_shape=(3, 1, 70),
+                               bias_dtype="float32", mask_shape=(50, 70), scale=None,
+                               dropout_rate=0.0, with_grads=True),
+    "fp16-d100-mask": dict(batched=True, b=3, t=69, s=226, hq=4, hkv=2, d=100, dv=100,
+                           dtype="float16", causal=False, bias_shape=None,
+                           bias_dtype="bfloat16", mask_shape=(1, 69, 226), scale=1.024,
+                           dropout_rate=0.0, with_grads=False),
+    "fp32-d81-dropout": dict(batched=True, b=1, t=63, s=70, hq=4, hkv=4, d=81, dv=81,
+                             dtype="float32", causal=False, bias_shape=(1, 4, 63, 1),
+                             bias_dtype="float32", mask_shape=(1, 4, 1, 1), scale=None,
+                             dropout_rate=0.5, with_grads=True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(_SHARED_MEMORY_CASES))
+def test_fuzz_cases_fit_shared_memory_gpu(name):
+    """These compile within shared memory (fewer pipeline stages: `common.fit_stages`)
+    and match the reference."""
+    from test_fuzz import Config, check_example
+    check_example(Config(**_SHARED_MEMORY_CASES[name]), seed=0, magnitude=1.0,
+                  mask_density=0.5, neg_inf_bias_rows=False, impl="pallas", interpret=False)
+
+
+def test_extra_tiles_cost_pipeline_stages_only_when_they_overflow():
+    """The stage guard: the fuzz's overflowing forward configs lose a stage; plain calls
+    and calls whose extra tiles fit keep the tuned count."""
+    from pallas_kernels.common import fit_stages
+    kib = 1024
+    # fp16 D=100, T=69, S=226 with a [T, S] mask: Q 32 KiB resident, K + V 64 KiB/step.
+    assert fit_stages(3, resident=32 * kib, per_stage=64 * kib, extra=16 * kib) == 2
+    assert fit_stages(3, resident=32 * kib, per_stage=64 * kib, extra=0) == 3
+    assert fit_stages(2, resident=64 * kib, per_stage=64 * kib, extra=8 * kib) == 2
+    assert fit_stages(3, resident=200 * kib, per_stage=64 * kib, extra=8 * kib) == 1
