@@ -194,18 +194,18 @@ def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool, lse_log2: bool)
 
 
 def _fit_shared_memory(cfg: FwdConfig, q_dtype, v_dtype, bias, mask, dropout_rate: float,
-                       head_dim: int, head_dim_v: int) -> FwdConfig:
+                       head_dim: int) -> FwdConfig:
     """`cfg` with fewer pipeline stages where bias/mask/dropout tiles would overflow
     shared memory (`common.fit_stages`): Q's chunks stay resident (or are reloaded per
     step), each KV step buffers K's chunks, the V slice and the extra tiles. The dynamic
     chunk loop is left alone: its stages pipeline the D chunks, not the KV steps."""
-    del head_dim_v  # the V tile is block_dv wide, padded
     if cfg.q_mode == "dynamic":
         return cfg
     qb, vb = jnp.dtype(q_dtype).itemsize, jnp.dtype(v_dtype).itemsize
     q_bytes = cfg.block_m * cdiv(head_dim, cfg.block_d) * cfg.block_d * qb
     k_bytes = cfg.block_n * cdiv(head_dim, cfg.block_d) * cfg.block_d * qb
     resident = q_bytes if cfg.q_mode == "resident" else 0
+    # (the V tile is block_dv wide, padded past Dv)
     per_stage = k_bytes + cfg.block_n * cfg.block_dv * vb + (q_bytes - resident)
     extra = common.extra_tile_bytes(None if bias is None else bias.shape,
                                     None if mask is None else mask.shape,
@@ -242,8 +242,7 @@ def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None
     per_chunk = common.rounds_per_chunk(q.dtype, precise_lse)
     if per_chunk:
         cfg = dataclasses.replace(cfg, block_d=min(cfg.block_d, common.PRECISE_CHUNK))
-    cfg = _fit_shared_memory(cfg, q.dtype, v.dtype, bias, mask, dropout_rate, head_dim,
-                             head_dim_v)
+    cfg = _fit_shared_memory(cfg, q.dtype, v.dtype, bias, mask, dropout_rate, head_dim)
     compat.silence_triton_deprecation()
     mask_args, list_outer = common.mask_inputs(
         mask, block_m=cfg.block_m, block_n=cfg.block_n, seq_q=seq_q, seq_k=seq_k, causal=causal,
