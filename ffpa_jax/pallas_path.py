@@ -203,7 +203,8 @@ def _shift_seed(seed, batch_offset, head_offset):
     return jnp.concatenate([seed[:2].astype(jnp.uint32), offsets])
 
 
-_forward = partitioning.ShardLocal(forward_kernels, "forward", shift_seed=_shift_seed)
+_forward = partitioning.ShardLocal(forward_kernels, "forward", shift_seed=_shift_seed,
+                                   row_outputs=lambda plan: 2 if plan.lse_log2 else 1)
 _backward = partitioning.ShardLocal(backward_kernels, "backward", shift_seed=_shift_seed)
 
 

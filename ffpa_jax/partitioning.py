@@ -226,6 +226,7 @@ class ShardLocal:
     backward: fn(plan, q, k, v, bias, mask, seed, *residuals_and_cotangents)
               -> (dq, dk, dv, dbias or None)
 
+    `row_outputs(plan)` is how many [B, Hq, T] arrays the forward returns after out.
     `shift_seed(seed, batch_offset, head_offset) -> seed` (traced int32 offsets of
     the shard's first batch element and first query head) makes the dropout mask
     of a shard equal to that slice of the unsharded one. Without it, a call with
@@ -233,12 +234,14 @@ class ShardLocal:
     """
 
     def __init__(self, kernels: Callable, kind: str,
-                 shift_seed: Callable | None = None):
+                 shift_seed: Callable | None = None,
+                 row_outputs: Callable[[Any], int] = lambda plan: 1):
         if kind not in ("forward", "backward"):
             raise ValueError(f"kind must be 'forward' or 'backward'; got {kind!r}")
         self.kernels = kernels
         self.kind = kind
         self.shift_seed = shift_seed
+        self.row_outputs = row_outputs
         self._cache = functools.lru_cache(maxsize=256)(self._build)
 
     # -- packing: None-free positional arrays <-> the kernels' signature --------
@@ -247,13 +250,11 @@ class ShardLocal:
         ins = [q, k, v] + [x for x in (bias, mask, seed) if x is not None] + list(extra)
         in_roles = [QKV, QKV, QKV] + [BM] * present[0] + [BM] * present[1] + [REP] * present[2]
         if self.kind == "forward":
-            # out, then one or more row statistics ([B, Hq, T]: lse, or its log2 parts).
-            # (traced on plain shapes: a sharded type would reach the kernels' refs)
-            plain = [None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)
-                     for x in (q, k, v, bias, mask, seed)]
-            outs = jax.eval_shape(functools.partial(self.kernels, plan), *plain)
-            out_roles = tuple(QKV if len(o.shape) == 4 else LSE for o in outs)
-            out_shapes = tuple(tuple(o.shape) for o in outs)
+            # out, then `row_outputs(plan)` row statistics [B, Hq, T] (lse, or its parts).
+            n_rows = self.row_outputs(plan)
+            out_roles = (QKV,) + (LSE,) * n_rows
+            out_shapes = ((*q.shape[:3], v.shape[3]),) + (
+                (q.shape[0], q.shape[2], q.shape[1]),) * n_rows
         else:
             # The residuals and cotangents: [B, T, Hq, Dv] arrays and [B, Hq, T] rows.
             in_roles += [QKV if x.ndim == 4 else LSE for x in extra]

@@ -78,9 +78,7 @@ def _fitted(config: BwdConfig, q, k, v) -> BwdConfig:
     """The config fitted to the problem; in float32 the reduction chunks are the
     forward's (`common.rounds_per_chunk`), so S is recomputed bit for bit."""
     cfg = config.fitted(q.shape[1], k.shape[1], q.shape[3], v.shape[3])
-    if common.rounds_per_chunk(q.dtype):
-        cfg = dataclasses.replace(cfg, block_d=min(cfg.block_d, common.PRECISE_CHUNK))
-    return cfg
+    return common.capped_for_rounding(cfg, q.dtype)[0]
 
 
 def _fit_shared_memory(cfg: BwdConfig, q, bias, mask, dropout_rate: float) -> BwdConfig:
@@ -428,7 +426,7 @@ def dkdv_tasks(head_dim: int, head_dim_v: int, width: int, split: bool):
 def bwd_generic_dkdv(q, k, v, do, lse, delta, bias=None, mask=None, *, scale: float,
                      causal: bool, config: BwdConfig, interpret: bool = False,
                      dropout_rate: float = 0.0, seed: jax.Array | None = None,
-                   lse_lo: jax.Array | None = None):
+                     lse_lo: jax.Array | None = None):
     """(dK [B, S, Hkv, D], dV [B, S, Hkv, Dv]) in k's / v's dtype."""
     inputs, st = _prepare(q, k, v, do, lse, delta, bias, mask, seed, config=config, scale=scale,
                           causal=causal, over_kv=False, dropout_rate=dropout_rate,
@@ -506,7 +504,7 @@ def _dbias_kernel(*refs, st: common.KernelStatic):
 def bwd_dbias(q, k, v, do, lse, delta, bias, mask=None, *, scale: float, causal: bool,
               config: BwdConfig, interpret: bool = False, dropout_rate: float = 0.0,
               seed: jax.Array | None = None,
-                   lse_lo: jax.Array | None = None) -> jax.Array:
+              lse_lo: jax.Array | None = None) -> jax.Array:
     """dbias with bias's own 4-D shape (each dim 1 or full), float32."""
     cfg = dataclasses.replace(_fitted(config, q, k, v), split_dkdv=False)
     st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,

@@ -72,15 +72,15 @@ def kernel_static(q, k, v, bias, mask, *, scale: float, causal: bool, cfg,
 SHARED_MEMORY_BYTES = 232448
 
 
-def extra_tile_bytes(st_bias_shape, st_mask_shape, bias_dtype, *, block_m: int, block_n: int,
+def extra_tile_bytes(bias_shape, mask_shape, bias_dtype, *, block_m: int, block_n: int,
                      dropout: bool) -> int:
     """Bytes per KV step that a bias tile, a mask tile and the dropout generator add to a
     [block_m, block_n] score tile's pipelined loads (0 for a plain call). Broadcast dims
     of bias/mask load one element along them. The dropout generator's layout shuffles
     are counted as one float32 tile."""
     total = 0
-    for shape, itemsize in ((st_bias_shape, None if bias_dtype is None
-                             else jnp.dtype(bias_dtype).itemsize), (st_mask_shape, 1)):
+    for shape, itemsize in ((bias_shape, None if bias_dtype is None
+                             else jnp.dtype(bias_dtype).itemsize), (mask_shape, 1)):
         if shape is not None and (shape[2] != 1 or shape[3] != 1):
             total += ((block_m if shape[2] != 1 else 1) * (block_n if shape[3] != 1 else 1)
                       * itemsize)
@@ -164,6 +164,15 @@ def rounds_per_chunk(dtype, precise_lse: bool = False) -> bool:
     backward logits differed by float32 roundings of |logit| (at logits ~ 300: P off by
     ~1e-5 relative), which gave gradients 3-9x the error of XLA's (D=149, scale 1.5)."""
     return precise_lse or jnp.dtype(dtype) == jnp.float32
+
+
+def capped_for_rounding(cfg, dtype, precise_lse: bool = False):
+    """(cfg, per_chunk): `per_chunk = rounds_per_chunk(dtype, precise_lse)`, and then the
+    config's q·kᵀ chunk (`block_d`) at most PRECISE_CHUNK wide."""
+    per_chunk = rounds_per_chunk(dtype, precise_lse)
+    if per_chunk and cfg.block_d > PRECISE_CHUNK:
+        cfg = dataclasses.replace(cfg, block_d=PRECISE_CHUNK)
+    return cfg, per_chunk
 
 
 def contract_chunks(load_a, load_b, n_chunks: int, *, dynamic: bool, shape: tuple[int, int],

@@ -213,9 +213,7 @@ def decode_fwd_stage1(q, k, v, bias=None, mask=None, *, scale: float, causal: bo
     head_dim_v = v.shape[3]
     group = heads_q // heads_kv
     cfg = config.fitted(group * seq_q, seq_k, head_dim, head_dim_v)
-    per_chunk = common.rounds_per_chunk(q.dtype, precise_lse)
-    if per_chunk:
-        cfg = dataclasses.replace(cfg, block_d=min(cfg.block_d, common.PRECISE_CHUNK))
+    cfg, per_chunk = common.capped_for_rounding(cfg, q.dtype, precise_lse)
     n_blocks = cdiv(seq_k, cfg.block_n)
     blocks_per_split = cdiv(n_blocks, max(1, num_splits))
     n_splits = cdiv(n_blocks, blocks_per_split)  # no empty split

@@ -239,9 +239,7 @@ def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None
     if config.q_mode not in Q_MODES:
         raise ValueError(f"q_mode must be one of {Q_MODES}; got {config.q_mode!r}")
     cfg = config.fitted(seq_q, seq_k, head_dim, head_dim_v)
-    per_chunk = common.rounds_per_chunk(q.dtype, precise_lse)
-    if per_chunk:
-        cfg = dataclasses.replace(cfg, block_d=min(cfg.block_d, common.PRECISE_CHUNK))
+    cfg, per_chunk = common.capped_for_rounding(cfg, q.dtype, precise_lse)
     cfg = _fit_shared_memory(cfg, q.dtype, v.dtype, bias, mask, dropout_rate, head_dim)
     compat.silence_triton_deprecation()
     mask_args, list_outer = common.mask_inputs(
