@@ -17,10 +17,9 @@ import jax.numpy as jnp
 import tuning
 from ffpa_jax import partitioning, runtime_autotune
 from ffpa_jax.validation import Problem
-from pallas_kernels import (BwdConfig, DecodeConfig, FwdConfig, bwd_dbias, bwd_generic_dkdv,
-                            bwd_generic_dq, bwd_preproc, decode_attention, decode_num_splits,
-                            fwd_generic)
-from pallas_kernels.common import LN2, LOG2E
+from pallas_kernels import (BwdConfig, DecodeConfig, FwdConfig, bwd_dbias, bwd_exact_rows,
+                            bwd_generic_dkdv, bwd_generic_dq, bwd_preproc, decode_attention,
+                            decode_num_splits, fwd_generic)
 
 # The decode path (split-KV, GQA heads packed into the tile) serves a query block
 # this short against at least DECODE_MIN_KEYS keys; see `uses_decode`.
@@ -50,12 +49,13 @@ class Plan:
     # The caller returns lse: the forward rounds q·kᵀ per head-dim chunk, which keeps lse
     # within XLA's error at large D and costs speed (pallas_kernels.common.contract_chunks).
     precise_lse: bool = False
-    # float32 vjp: the forward returns lse·log2(e) as an exact (hi, lo) pair and the
-    # backward takes that pair as its residual. P = exp2((S - hi) - lo) is then as exact
-    # as XLA's own softmax near the row's max; from one float32 lse, every P of a row was
-    # off by up to an ulp of |lse|, ~1e-5 relative at logits ~ 300, which gave float32
-    # gradients several times XLA's error. (16-bit P is rounded to 16 bits anyway.)
-    lse_log2: bool = False
+    # float32: the forward returns lse as an exact (hi, lo) pair, the backward takes that
+    # pair as its residual, corrects lo so that its own P sums to 1 and computes
+    # δ = Σ P·dP from its own P and dP (`bwd_exact_rows`), as XLA's softmax gradient
+    # does. From one float32 lse, every P of a row was off by up to an ulp of |lse|,
+    # ~1e-5 relative at logits ~ 300, which gave float32 gradients several times XLA's
+    # error. (16-bit P is rounded to 16 bits anyway.)
+    lse_pair: bool = False
 
 
 def uses_decode(problem: Problem) -> bool:
@@ -122,6 +122,7 @@ def make_plan(problem: Problem, *, has_bias: bool, interpret: bool,
     plan = Plan(decode=decode, decode_splits=splits, scale=problem.scale,
                 causal=problem.is_causal, interpret=interpret,
                 dropout_rate=problem.dropout_rate, precise_lse=precise_lse,
+                lse_pair=jnp.dtype(problem.dtype) == jnp.float32,
                 fwd=fwd_config(problem, **tune),
                 preproc=bwd_config("bwd_preproc", problem, **tune),
                 dq=bwd_config("bwd_generic_dq", problem, **tune),
@@ -133,8 +134,8 @@ def make_plan(problem: Problem, *, has_bias: bool, interpret: bool,
 
 
 def forward_kernels(plan: Plan, q, k, v, bias, mask, seed):
-    """(out, lse) from the forward kernel, or (out, hi, lo) with hi + lo = lse·log2(e)
-    when `plan.lse_log2`. `seed` is the dropout seed (uint32[2]) or None.
+    """(out, lse) from the forward kernel, or (out, hi, lo) with hi = lse and lo its
+    rounding error when `plan.lse_pair`. `seed` is the dropout seed (uint32[2]) or None.
 
     Every argument array has batch as dim 0 and heads as dim 2 (q/k/v) or dim 1
     (bias/mask), so this function is what a sharding wrapper partitions."""
@@ -145,29 +146,35 @@ def forward_kernels(plan: Plan, q, k, v, bias, mask, seed):
                                     interpret=plan.interpret, dropout_rate=plan.dropout_rate,
                                     seed=seed, out_dtype=out_dtype,
                                     precise_lse=plan.precise_lse)
-        if not plan.lse_log2:
+        if not plan.lse_pair:
             return out, lse
-        # The decode kernels merge their splits in natural units: no exact pair here.
-        return out, lse * jnp.float32(LOG2E), jnp.zeros_like(lse)
+        # The decode kernels merge their splits' lse: no exact pair here.
+        return out, lse, jnp.zeros_like(lse)
     return fwd_generic(q, k, v, bias, mask, scale=plan.scale, causal=plan.causal,
                        config=plan.fwd, interpret=plan.interpret,
                        dropout_rate=plan.dropout_rate, seed=seed, out_dtype=out_dtype,
-                       precise_lse=plan.precise_lse, lse_log2=plan.lse_log2)
+                       precise_lse=plan.precise_lse, lse_pair=plan.lse_pair)
 
 
 def backward_kernels(plan: Plan, q, k, v, bias, mask, seed, out, *rows_and_cotangents):
     """(dq, dk, dv, dbias) from the backward kernels (dbias None without a bias).
     `rows_and_cotangents`: the forward's row statistics (lse, or hi and lo with
-    `plan.lse_log2`), then d_out and d_lse."""
-    if plan.lse_log2:
+    `plan.lse_pair`), then d_out and d_lse."""
+    if plan.lse_pair:
         lse, lse_lo, d_out, d_lse = rows_and_cotangents
     else:
         (lse, d_out, d_lse), lse_lo = rows_and_cotangents, None
     # A row without keys has lse = -inf and no gradient path; drop its lse cotangent.
     d_lse = jnp.where(lse == -jnp.inf, 0.0, d_lse.astype(jnp.float32))
+    if plan.lse_pair:
+        delta, lse_lo = bwd_exact_rows(q, k, v, d_out, lse, d_lse, bias, mask, config=plan.dq,
+                                       scale=plan.scale, causal=plan.causal,
+                                       interpret=plan.interpret, dropout_rate=plan.dropout_rate,
+                                       seed=seed, lse_lo=lse_lo)
+    else:
+        delta = bwd_preproc(out, d_out, d_lse, config=plan.preproc, interpret=plan.interpret)
     common = dict(scale=plan.scale, causal=plan.causal, interpret=plan.interpret,
                   dropout_rate=plan.dropout_rate, seed=seed, lse_lo=lse_lo)
-    delta = bwd_preproc(out, d_out, d_lse, config=plan.preproc, interpret=plan.interpret)
     dq = bwd_generic_dq(q, k, v, d_out, lse, delta, bias, mask, config=plan.dq, **common)
     dk, dv = bwd_generic_dkdv(q, k, v, d_out, lse, delta, bias, mask, config=plan.dkdv, **common)
     dbias = None
@@ -204,33 +211,32 @@ def _shift_seed(seed, batch_offset, head_offset):
 
 
 _forward = partitioning.ShardLocal(forward_kernels, "forward", shift_seed=_shift_seed,
-                                   row_outputs=lambda plan: 2 if plan.lse_log2 else 1)
+                                   row_outputs=lambda plan: 2 if plan.lse_pair else 1)
 _backward = partitioning.ShardLocal(backward_kernels, "backward", shift_seed=_shift_seed)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(plan: Plan, q, k, v, bias, mask, seed):
-    return _forward(plan, q, k, v, bias, mask, seed)
+    out, lse, *_ = _forward(plan, q, k, v, bias, mask, seed)  # a pair's lo is the vjp's
+    return out, lse
 
 
-def _vjp_plan(plan: Plan, dtype) -> Plan:
-    return dataclasses.replace(plan, float32_out=True, lse_log2=dtype == jnp.float32)
+def _vjp_plan(plan: Plan) -> Plan:
+    return dataclasses.replace(plan, float32_out=True)
 
 
 def _attention_fwd(plan: Plan, q, k, v, bias, mask, seed):
-    plan = _vjp_plan(plan, q.dtype)
+    plan = _vjp_plan(plan)
     out32, *rows = _forward(plan, q, k, v, bias, mask, seed)
-    # Rounding the float32 result here equals the kernel's own rounding on store, and
-    # hi·ln2 is the kernel's own last step, so the primal (out, lse) is bit-identical
-    # to the undifferentiated call's.
-    lse = rows[0] * jnp.float32(LN2) if plan.lse_log2 else rows[0]
-    return (out32.astype(q.dtype), lse), (q, k, v, bias, mask, seed, out32, *rows)
+    # Rounding the float32 result here equals the kernel's own rounding on store, so the
+    # primal (out, lse) is bit-identical to the undifferentiated call's.
+    return (out32.astype(q.dtype), rows[0]), (q, k, v, bias, mask, seed, out32, *rows)
 
 
 def _attention_bwd(plan: Plan, residuals, cotangents):
     q, k, v, bias, mask, seed, out, *rows = residuals
     d_out, d_lse = cotangents
-    dq, dk, dv, dbias = _backward(_vjp_plan(plan, q.dtype), q, k, v, bias, mask, seed, out,
+    dq, dk, dv, dbias = _backward(_vjp_plan(plan), q, k, v, bias, mask, seed, out,
                                   *rows, d_out, d_lse)
     return dq, dk, dv, dbias, None, None  # the mask and the seed get no gradient
 

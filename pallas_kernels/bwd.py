@@ -1,9 +1,11 @@
-"""The backward kernels: `bwd_preproc`, `bwd_generic_dq`, `bwd_generic_dkdv`, `bwd_dbias`.
+"""The backward kernels: `bwd_preproc` (or `bwd_exact_rows`), `bwd_generic_dq`,
+`bwd_generic_dkdv`, `bwd_dbias`.
 
 With P = exp(S - lse) recomputed from the saved lse (no [T, S] matrix is kept):
     dV = Pᵀ·dO,  dP = dO·Vᵀ,  dS = P ∘ (dP − δ),  dQ = scale·dS·K,  dK = scale·dSᵀ·Q,
     dbias = dS (summed over the bias's broadcast dims),
-where δ = rowsum(dO ∘ O) − dlse (the lse output's own cotangent folds in here).
+where δ = rowsum(dO ∘ O) − dlse (the lse output's own cotangent folds in here); for
+float32, δ = Σ_j P·dP − dlse from the kernels' own P and dP (`bwd_exact_rows`).
 
 - `bwd_generic_dq`: one program per (query block, head, dQ head-dim slice); walks
   the KV blocks like the forward.
@@ -33,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common, compat
-from pallas_kernels.common import LOG2E, cdiv, dot, fit_block, i32, iota
+from pallas_kernels.common import LN2, LOG2E, cdiv, dot, fit_block, i32, iota
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,9 +101,11 @@ def _fit_shared_memory(cfg: BwdConfig, q, bias, mask, dropout_rate: float) -> Bw
     return dataclasses.replace(cfg, num_stages=2)
 
 
-def _lse_lo_inputs(lse, lse_lo) -> list:
+def _lse_lo_inputs(lse, lse_lo, q_dtype) -> list:
     if lse_lo is None:
         return []
+    if not common.natural_units(q_dtype):
+        raise ValueError(f"lse_lo (an exact lse pair) needs float32 inputs; got {q_dtype}")
     if lse_lo.shape != lse.shape:
         raise ValueError(f"lse_lo must have lse's shape {lse.shape}; got {lse_lo.shape}")
     return [lse_lo]
@@ -116,12 +120,12 @@ def _prepare(q, k, v, do, lse, delta, bias, mask, seed, *, config: BwdConfig, sc
     mask_args, list_outer = common.mask_inputs(
         mask, block_m=cfg.block_m, block_n=cfg.block_n, seq_q=q.shape[1], seq_k=k.shape[1],
         causal=causal, over_kv=over_kv)
-    inputs = ([q, k, v, do, lse] + _lse_lo_inputs(lse, lse_lo) + [delta]
+    inputs = ([q, k, v, do, lse] + _lse_lo_inputs(lse, lse_lo, q.dtype) + [delta]
               + ([bias] if bias is not None else []) + mask_args
               + common.seed_inputs(dropout_rate, seed))
     st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
                               list_outer=list_outer, dropout_rate=dropout_rate,
-                              interpret=interpret, lse_log2=lse_lo is not None)
+                              interpret=interpret, lse_pair=lse_lo is not None)
     return inputs, st
 
 
@@ -158,53 +162,62 @@ class _Tile:
         chunks = [loader(c) for c in range(n_chunks)]
         return lambda c: chunks[c]
 
-    def probs_and_ds(self, h, q_start, kv_start, lse2, delta, *, q_chunk, k_chunk, do_chunk,
-                     v_chunk, causal_mask: bool, with_mask: bool, need_ds: bool = True):
-        """(P, dS) of the [bm, bn] tile, float32; dS is None when not needed."""
+    def probs_and_dp(self, h, q_start, kv_start, row_lse, *, q_chunk, k_chunk, do_chunk,
+                     v_chunk, causal_mask: bool, with_mask: bool, need_dp: bool = True):
+        """(P, dropped P, dP) of the [bm, bn] tile, float32: P = e^(S - lse); the dropped
+        P (the forward's mask regenerated, kept values rescaled) is what dV sees; dP is
+        dropped the same way, as dP reaches dS only through kept elements (None when
+        not needed)."""
         st, cfg = self.st, self.cfg
         bm, bn = cfg.block_m, cfg.block_n
         rows = q_start + iota(bm)
         cols = kv_start + iota(bn)
         s = common.contract_chunks(q_chunk, k_chunk, _n_chunks(st, st.head_dim),
                                    dynamic=cfg.dynamic, shape=(bm, bn),
-                                   scale=st.scale * LOG2E,
+                                   scale=st.scale * st.score_unit,
                                    round_per_chunk=common.rounds_per_chunk(
                                        self.refs["q"].dtype))
         s = common.bias_and_masks(s, st, self.refs.get("bias"), self.refs.get("mask"), self.b, h,
                                   q_start, kv_start, rows, cols, causal_mask=causal_mask,
                                   with_mask=with_mask, mask_rows=True)
-        if isinstance(lse2, tuple):  # (hi, lo): s - hi is exact near the row's max
-            p = jnp.exp2((s - lse2[0][:, None]) - lse2[1][:, None])
-        else:
-            p = jnp.exp2(s - lse2[:, None])
+        hi, lo = row_lse
+        diff = s - hi[:, None]  # exact near the row's max
+        if lo is not None:
+            diff = diff - lo[:, None]
+        p = jnp.exp2(st.exp2_arg(diff))
         keep = None
         if st.dropout_rate > 0:
-            # The forward's mask, regenerated: dV sees the dropped, rescaled P, and
-            # dP reaches dS only through kept elements.
             keep = common.dropout_keep(st, self.refs["seed"], self.b, h, rows, kv_start, bn)
             inv_keep = 1.0 / (1.0 - st.dropout_rate)
         p_out = p if keep is None else jnp.where(keep, p * inv_keep, 0.0)
-        if not need_ds:
-            return p_out, None
+        if not need_dp:
+            return p, p_out, None
         dp = common.contract_chunks(do_chunk, v_chunk, _n_chunks(st, st.head_dim_v),
                                     dynamic=cfg.dynamic, shape=(bm, bn))
         if keep is not None:
             dp = jnp.where(keep, dp * inv_keep, 0.0)
-        return p_out, p * (dp - delta[:, None])
+        return p, p_out, dp
+
+    def probs_and_ds(self, h, q_start, kv_start, row_lse, delta, *, need_ds: bool = True,
+                     **tile_args):
+        """(dropped P, dS) of the [bm, bn] tile, float32; dS is None when not needed."""
+        p, p_out, dp = self.probs_and_dp(h, q_start, kv_start, row_lse, need_dp=need_ds,
+                                         **tile_args)
+        return p_out, None if dp is None else p * (dp - delta[:, None])
 
     def row_stats(self, h, q_start):
-        """(lse·log2(e), δ) for the tile's rows, lse·log2(e) as a (hi, lo) pair when
-        the kernel was given `lse_lo`. A row with lse = -inf (no visible key) has
-        S = -inf everywhere, so any finite stand-in gives P = 0 there."""
+        """((lse, lo), δ) for the tile's rows: lse in score units, and lo (None unless the
+        kernel was given `lse_lo`) the rounding error of a natural-unit lse. A row with
+        lse = -inf (no visible key) has S = -inf everywhere, so any finite stand-in
+        gives P = 0 there."""
         st, bm = self.st, self.cfg.block_m
         rows_ok = (q_start + iota(bm)) < st.seq_q
         view = lambda name: self.refs[name].at[self.b, h, common.ds(q_start, bm)]
         lse = plgpu.load(view("lse"), mask=rows_ok, other=0.0)
         delta = plgpu.load(view("delta"), mask=rows_ok, other=0.0)
-        if not st.lse_log2:
-            return jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E), delta
-        lo = plgpu.load(view("lse_lo"), mask=rows_ok, other=0.0)
-        return (jnp.where(lse == -jnp.inf, 0.0, lse), lo), delta
+        lse = jnp.where(lse == -jnp.inf, 0.0, lse if st.natural else lse * LOG2E)
+        lo = plgpu.load(view("lse_lo"), mask=rows_ok, other=0.0) if st.lse_pair else None
+        return (lse, lo), delta
 
 
 def _ref_dict(names, refs):
@@ -212,7 +225,7 @@ def _ref_dict(names, refs):
 
 
 def _input_names(st: common.KernelStatic, *, with_lists: bool) -> list[str]:
-    names = ["q", "k", "v", "do", "lse"] + ["lse_lo"] * st.lse_log2 + ["delta"]
+    names = ["q", "k", "v", "do", "lse"] + ["lse_lo"] * st.lse_pair + ["delta"]
     if st.bias_shape is not None:
         names.append("bias")
     if st.mask_shape is not None:
@@ -256,6 +269,101 @@ def bwd_preproc(o, do, dlse, *, config: BwdConfig, interpret: bool = False) -> j
         interpret=interpret, name="bwd_preproc")(o, do, dlse)
 
 
+# ----------------------------------------------------------------------------- KV walk
+def _walk_kv_blocks(st: common.KernelStatic, r: dict, b, h, q_block, q_start, visit,
+                    carry):
+    """`carry` folded through `visit(kv_block, carry, causal_mask=, with_mask=)` over the
+    KV blocks that query block `q_block` of head h sees, the forward's walk: the mask's
+    block list, or the causal limits (unmasked blocks first), or every block."""
+    bm, bn = st.cfg.block_m, st.cfg.block_n
+    if st.mask_shape is not None:
+        lb = i32(common.broadcast_index(b, r["counts"].shape[0]))
+        lh = i32(common.broadcast_index(h, r["counts"].shape[1]))
+        lq = q_block if st.list_outer != 1 else i32(0)
+        listed = lambda i, c: visit(r["indices"][lb, lh, lq, i], c, causal_mask=st.causal,
+                                    with_mask=True)
+        return jax.lax.fori_loop(i32(0), r["counts"][lb, lh, lq], listed, carry)
+    if st.causal:
+        n_unmasked, n_total = common.causal_block_limits(q_start, bm, bn, st.seq_q, st.seq_k)
+        carry = jax.lax.fori_loop(i32(0), n_unmasked,
+                                  functools.partial(visit, causal_mask=False, with_mask=False),
+                                  carry)
+        return jax.lax.fori_loop(n_unmasked, n_total,
+                                 functools.partial(visit, causal_mask=True, with_mask=False),
+                                 carry)
+    return jax.lax.fori_loop(i32(0), i32(cdiv(st.seq_k, bn)),
+                             functools.partial(visit, causal_mask=False, with_mask=False), carry)
+
+
+# ----------------------------------------------------------------------------- exact rows
+def _exact_rows_kernel(*refs, st: common.KernelStatic):
+    names = _input_names(st, with_lists=True)  # the "delta" input holds dlse here
+    r = _ref_dict(names, refs[:len(names)])
+    delta_ref, lo_ref = refs[len(names):]
+    cfg = st.cfg
+    bm, bn = cfg.block_m, cfg.block_n
+    q_block, bh = pl.program_id(0), pl.program_id(1)
+    b, h = bh // st.heads_q, bh % st.heads_q
+    q_start = q_block * bm
+    tile = _Tile(st, r, b, h // st.group)
+    row_lse, dlse = tile.row_stats(h, q_start)
+    q_chunk, do_chunk = tile.q_chunks("q", q_start, h), tile.q_chunks("do", q_start, h)
+    if not cfg.dynamic:
+        q_chunk = tile.resident(q_chunk, _n_chunks(st, st.head_dim))
+        do_chunk = tile.resident(do_chunk, _n_chunks(st, st.head_dim_v))
+
+    def visit(kv_block, sums, *, causal_mask, with_mask):
+        p_dp_sum, p_sum = sums
+        kv_start = kv_block * bn
+        p, _, dp = tile.probs_and_dp(h, q_start, kv_start, row_lse, q_chunk=q_chunk,
+                                     k_chunk=tile.kv_chunks("k", kv_start), do_chunk=do_chunk,
+                                     v_chunk=tile.kv_chunks("v", kv_start),
+                                     causal_mask=causal_mask, with_mask=with_mask)
+        return p_dp_sum + jnp.sum(p * dp, axis=1), p_sum + jnp.sum(p, axis=1)
+
+    zero = jnp.zeros((bm,), jnp.float32)
+    p_dp_sum, p_sum = _walk_kv_blocks(st, r, b, h, q_block, q_start, visit, (zero, zero))
+    p_sum = jnp.where(p_sum > 0.0, p_sum, 1.0)  # a row without keys: P = 0 anyway
+    lo = row_lse[1] if row_lse[1] is not None else zero
+    rows_ok = (q_start + iota(bm)) < st.seq_q
+    plgpu.store(delta_ref.at[b, h, common.ds(q_start, bm)], p_dp_sum / p_sum - dlse,
+                mask=rows_ok)
+    plgpu.store(lo_ref.at[b, h, common.ds(q_start, bm)], lo + jnp.log2(p_sum) * LN2,
+                mask=rows_ok)
+
+
+def bwd_exact_rows(q, k, v, do, lse, dlse, bias=None, mask=None, *, scale: float,
+                   causal: bool, config: BwdConfig, interpret: bool = False,
+                   dropout_rate: float = 0.0, seed: jax.Array | None = None,
+                   lse_lo: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(δ, lse_lo), float32 [B, Hq, T] each, from the backward's own P and dP (float32).
+
+    The returned lse_lo (the given one, or 0, plus a correction) makes the backward's
+    P = e^((S - lse) - lse_lo) sum to 1 over each row, and δ = Σ_j P·dP − dlse over that
+    P: XLA's softmax gradient, which normalises P and subtracts Σ P·dP of its own values.
+    float32 needs both:
+    - rowsum(dO ∘ O) (`bwd_preproc`) rounds differently from the kernels' dP, and the two
+      cancel in dS = P ∘ (dP − δ) (exactly, for a row that sees one key). GPU fuzz,
+      2026-11-21: float32, D=1024, T=1, S=10, dropout 0.9 gave dq 52x XLA's error.
+    - P from the forward's lse sums to 1 only where the backward rounds every logit as
+      the forward did; a row sum off by 6e-6, times |δ| ~ 27, gave dq 5x XLA's error
+      (float32, D=150, S=208, logits ~ 170; Pallas interpreter).
+    The price: one more pass over the keys (S and dP recomputed: 2 of the backward's 7
+    matmuls)."""
+    if not common.natural_units(q.dtype):
+        raise ValueError(f"bwd_exact_rows is for float32 inputs; got {q.dtype}")
+    inputs, st = _prepare(q, k, v, do, lse, dlse, bias, mask, seed, config=config,
+                          scale=scale, causal=causal, over_kv=True, dropout_rate=dropout_rate,
+                          interpret=interpret, lse_lo=lse_lo)
+    rows = compat.output_struct((st.batch, st.heads_q, st.seq_q), jnp.float32, q)
+    compat.silence_triton_deprecation()
+    return pl.pallas_call(
+        functools.partial(_exact_rows_kernel, st=st), out_shape=(rows, rows),
+        grid=(cdiv(st.seq_q, st.cfg.block_m), st.batch * st.heads_q),
+        compiler_params=compat.compiler_params(st.cfg.num_warps, st.cfg.num_stages),
+        interpret=interpret, name="bwd_exact_rows")(*inputs)
+
+
 # ----------------------------------------------------------------------------- dq
 def _dq_kernel(*refs, st: common.KernelStatic):
     names = _input_names(st, with_lists=True)
@@ -270,7 +378,7 @@ def _dq_kernel(*refs, st: common.KernelStatic):
     hk = h // st.group
     q_start = q_block * bm
     tile = _Tile(st, r, b, hk)
-    lse2, delta = tile.row_stats(h, q_start)
+    row_lse, delta = tile.row_stats(h, q_start)
     q_chunk, do_chunk = tile.q_chunks("q", q_start, h), tile.q_chunks("do", q_start, h)
     if not cfg.dynamic:
         q_chunk = tile.resident(q_chunk, _n_chunks(st, st.head_dim))
@@ -278,7 +386,7 @@ def _dq_kernel(*refs, st: common.KernelStatic):
 
     def visit(kv_block, acc, *, causal_mask, with_mask):
         kv_start = kv_block * bn
-        _, ds = tile.probs_and_ds(h, q_start, kv_start, lse2, delta, q_chunk=q_chunk,
+        _, ds = tile.probs_and_ds(h, q_start, kv_start, row_lse, delta, q_chunk=q_chunk,
                                   k_chunk=tile.kv_chunks("k", kv_start), do_chunk=do_chunk,
                                   v_chunk=tile.kv_chunks("v", kv_start),
                                   causal_mask=causal_mask, with_mask=with_mask)
@@ -286,23 +394,8 @@ def _dq_kernel(*refs, st: common.KernelStatic):
                                    n_rows=st.seq_k, n_cols=st.head_dim)
         return acc + dot(ds.astype(k_slice.dtype), k_slice)
 
-    acc = jnp.zeros((bm, width), jnp.float32)
-    if st.mask_shape is not None:
-        lb = i32(common.broadcast_index(b, r["counts"].shape[0]))
-        lh = i32(common.broadcast_index(h, r["counts"].shape[1]))
-        lq = q_block if st.list_outer != 1 else i32(0)
-        listed = lambda i, a: visit(r["indices"][lb, lh, lq, i], a, causal_mask=st.causal,
-                                    with_mask=True)
-        acc = jax.lax.fori_loop(i32(0), r["counts"][lb, lh, lq], listed, acc)
-    elif st.causal:
-        n_unmasked, n_total = common.causal_block_limits(q_start, bm, bn, st.seq_q, st.seq_k)
-        acc = jax.lax.fori_loop(i32(0), n_unmasked,
-                                functools.partial(visit, causal_mask=False, with_mask=False), acc)
-        acc = jax.lax.fori_loop(n_unmasked, n_total,
-                                functools.partial(visit, causal_mask=True, with_mask=False), acc)
-    else:
-        acc = jax.lax.fori_loop(i32(0), i32(cdiv(st.seq_k, bn)),
-                                functools.partial(visit, causal_mask=False, with_mask=False), acc)
+    acc = _walk_kv_blocks(st, r, b, h, q_block, q_start, visit,
+                          jnp.zeros((bm, width), jnp.float32))
     common.store_tile(dq_ref, acc * st.scale, b, q_start, bm, h, sl * width, width,
                       n_rows=st.seq_q, n_cols=st.head_dim)
 
@@ -363,8 +456,8 @@ def _dkdv_program(st, r, dk_ref, dv_ref, b, hk, kv_block, kv_start, *, with_dk, 
     def visit(q_block, accs, h, *, causal_mask, with_mask):
         dk_acc, dv_acc = accs
         q_start = q_block * bm
-        lse2, delta = tile.row_stats(h, q_start)
-        p, ds = tile.probs_and_ds(h, q_start, kv_start, lse2, delta,
+        row_lse, delta = tile.row_stats(h, q_start)
+        p, ds = tile.probs_and_ds(h, q_start, kv_start, row_lse, delta,
                                   q_chunk=tile.q_chunks("q", q_start, h), k_chunk=k_chunk,
                                   do_chunk=tile.q_chunks("do", q_start, h), v_chunk=v_chunk,
                                   causal_mask=causal_mask, with_mask=with_mask, need_ds=with_dk)
@@ -474,8 +567,8 @@ def _dbias_kernel(*refs, st: common.KernelStatic):
         kv_block = tk if bs != 1 else ik
         q_start, kv_start = q_block * bm, kv_block * bn
         tile = _Tile(st, r, b, h // st.group)
-        lse2, delta = tile.row_stats(h, q_start)
-        _, ds = tile.probs_and_ds(h, q_start, kv_start, lse2, delta,
+        row_lse, delta = tile.row_stats(h, q_start)
+        _, ds = tile.probs_and_ds(h, q_start, kv_start, row_lse, delta,
                                   q_chunk=tile.q_chunks("q", q_start, h),
                                   k_chunk=tile.kv_chunks("k", kv_start),
                                   do_chunk=tile.q_chunks("do", q_start, h),
@@ -509,8 +602,8 @@ def bwd_dbias(q, k, v, do, lse, delta, bias, mask=None, *, scale: float, causal:
     cfg = dataclasses.replace(_fitted(config, q, k, v), split_dkdv=False)
     st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
                               dropout_rate=dropout_rate, interpret=interpret,
-                              lse_log2=lse_lo is not None)
-    inputs = ([q, k, v, do, lse] + _lse_lo_inputs(lse, lse_lo) + [delta, bias]
+                              lse_pair=lse_lo is not None)
+    inputs = ([q, k, v, do, lse] + _lse_lo_inputs(lse, lse_lo, q.dtype) + [delta, bias]
               + ([mask] if mask is not None else [])
               + common.seed_inputs(dropout_rate, seed))
     bb, bh, bt, bs = bias.shape

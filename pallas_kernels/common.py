@@ -5,7 +5,10 @@ Conventions used throughout `pallas_kernels`:
 - bias/mask arrive 4-D, [b, h, t, s] with each dim 1 or full. A dim of size 1 is
   read at index 0 (stride 0): broadcast dims are never materialised.
 - Every tile is a power of two; ragged edges are handled with load/store masks.
-- Scores are kept in the log2 domain (scaled by log2(e)) so the kernels use exp2.
+- 16-bit kernels keep scores in the log2 domain (scaled by log2(e)), so exp2 takes
+  them directly. float32 kernels keep natural-log scores, as XLA does, and scale
+  only the difference to the row's max or lse by log2(e) (`KernelStatic.natural`):
+  rounding scale·log2(e)·q·kᵀ at |score| ~ 250 cost P about twice XLA's error.
 """
 
 from __future__ import annotations
@@ -48,16 +51,32 @@ class KernelStatic:
     cfg: Any
     dropout_rate: float = 0.0  # > 0: a uint32[2] seed input follows the mask inputs
     interpret: bool = False  # Pallas' interpreter (no inline PTX)
-    lse_log2: bool = False  # backward: lse·log2(e) arrives as inputs lse (hi) and lse_lo
+    natural: bool = False  # scores in natural-log units (float32), else log2 units
+    lse_pair: bool = False  # backward: lse arrives as an exact pair, inputs lse (hi) and lse_lo
 
     @property
     def group(self) -> int:
         return self.heads_q // self.heads_kv
 
+    @property
+    def score_unit(self) -> float:
+        """Score units per natural-log unit: 1, or log2(e) in the log2 domain."""
+        return 1.0 if self.natural else LOG2E
+
+    def exp2_arg(self, x):
+        """A score difference `x` (≤ 0 near a row's max) as exp2's argument. Scaling the
+        small difference, not the score, costs no rounding at the score's magnitude."""
+        return x * LOG2E if self.natural else x
+
+
+def natural_units(dtype) -> bool:
+    """Whether kernels on `dtype` inputs keep natural-log scores (float32)."""
+    return jnp.dtype(dtype) == jnp.float32
+
 
 def kernel_static(q, k, v, bias, mask, *, scale: float, causal: bool, cfg,
                   list_outer: int = 1, dropout_rate: float = 0.0,
-                  interpret: bool = False, lse_log2: bool = False) -> KernelStatic:
+                  interpret: bool = False, lse_pair: bool = False) -> KernelStatic:
     batch, seq_q, heads_q, head_dim = q.shape
     return KernelStatic(batch=batch, seq_q=seq_q, seq_k=k.shape[1], heads_q=heads_q,
                         heads_kv=k.shape[2], head_dim=head_dim, head_dim_v=v.shape[3],
@@ -65,7 +84,8 @@ def kernel_static(q, k, v, bias, mask, *, scale: float, causal: bool, cfg,
                         bias_shape=None if bias is None else tuple(bias.shape),
                         mask_shape=None if mask is None else tuple(mask.shape),
                         list_outer=list_outer, cfg=cfg, dropout_rate=float(dropout_rate),
-                        interpret=interpret, lse_log2=lse_log2)
+                        interpret=interpret, natural=natural_units(q.dtype),
+                        lse_pair=lse_pair)
 
 
 # The most dynamic shared memory one program may use on the H100 and H200 (227 KiB).
@@ -267,7 +287,7 @@ def load_broadcast_tile(ref, b, h, rows_start, rows, cols_start, cols, *, n_rows
 
 def bias_and_masks(s, st: KernelStatic, bias_ref, mask_ref, b, h, q_start, kv_start, rows,
                    cols, *, causal_mask: bool, with_mask: bool, mask_rows: bool = False):
-    """Scores [bm, bn] (log2 domain) + bias, then mask, causal and bounds as -inf.
+    """Scores [bm, bn] (in `st.score_unit`s) + bias, then mask, causal and bounds as -inf.
 
     The order is the semantics' own (bias, then mask, then causal); forward and
     backward both call this, so they can never disagree on which scores exist.
@@ -279,7 +299,7 @@ def bias_and_masks(s, st: KernelStatic, bias_ref, mask_ref, b, h, q_start, kv_st
         bias = load_broadcast_tile(
             bias_ref, broadcast_index(b, st.bias_shape[0]), broadcast_index(h, st.bias_shape[1]),
             q_start, bm, kv_start, bn, n_rows=st.seq_q, n_cols=st.seq_k, other=0)
-        s = s + bias.astype(jnp.float32) * LOG2E
+        s = add_bias(s, bias, st)
     if with_mask:
         keep = load_broadcast_tile(
             mask_ref, broadcast_index(b, st.mask_shape[0]), broadcast_index(h, st.mask_shape[1]),
@@ -294,17 +314,38 @@ def bias_and_masks(s, st: KernelStatic, bias_ref, mask_ref, b, h, q_start, kv_st
     return s
 
 
-def online_softmax_step(s, m_i, l_i):
-    """One KV block of the online softmax, scores `s` [bm, bn] in the log2 domain:
-    (new row max, unnormalised p = exp2(s - max), rescale factor for the running
+def add_bias(s, bias, st: KernelStatic):
+    """Scores plus a bias tile (natural-log units) converted to the scores' units."""
+    bias = bias.astype(jnp.float32)
+    return s + (bias if st.natural else bias * LOG2E)
+
+
+def online_softmax_step(s, m_i, l_i, st: KernelStatic):
+    """One KV block of the online softmax, scores `s` [bm, bn] in `st.score_unit`s:
+    (new row max, unnormalised p = e^(s - max), rescale factor for the running
     sums, new row sum). The row statistics are the undropped ones."""
     m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
     # A row with no visible key so far keeps m = -inf; subtracting 0 instead
     # keeps exp2 at exactly 0 for it and never produces NaN.
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.exp2(s - m_use[:, None])
-    alpha = jnp.exp2(m_i - m_use)
+    p = jnp.exp2(st.exp2_arg(s - m_use[:, None]))
+    alpha = jnp.exp2(st.exp2_arg(m_i - m_use))
     return m_new, p, alpha, l_i * alpha + jnp.sum(p, axis=1)
+
+
+def row_lse(m_i, l_safe, has_keys, st: KernelStatic):
+    """(lse, lo) of rows with running max `m_i` and sum `l_safe` (1 where the row has no
+    keys): lse in natural-log units, -inf without keys. With natural units `lo` is the
+    rounding error of lse = m + log(l) (Knuth's TwoSum, exact in float32), so a
+    backward given the pair recomputes P = e^((s - lse) - lo) with no rounding at the
+    scores' magnitude; in log2 units `lo` is None."""
+    if not st.natural:
+        return jnp.where(has_keys, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf), None
+    log_l = jnp.log2(l_safe) * LN2
+    hi = m_i + log_l
+    back = hi - m_i
+    lo = (m_i - (hi - back)) + (log_l - back)
+    return jnp.where(has_keys, hi, -jnp.inf), jnp.where(has_keys, lo, 0.0)
 
 
 def seed_inputs(dropout_rate: float, seed) -> list:

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common, compat
-from pallas_kernels.common import LN2, LOG2E, cdiv, dot, fit_block, i32, iota
+from pallas_kernels.common import cdiv, dot, fit_block, i32, iota
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +138,7 @@ def _stage1_kernel(*refs, lay: _Layout, per_chunk: bool):
         q_chunk = lambda c: q_chunks[c]
     else:
         q_chunk = q_chunk_at
-    qk_scale = st.scale * LOG2E
+    qk_scale = st.scale * st.score_unit
 
     def visit(kv_block, carry):
         m_i, l_i, acc = carry
@@ -152,7 +152,7 @@ def _stage1_kernel(*refs, lay: _Layout, per_chunk: bool):
         if bias_ref is not None:
             bias = _gather_tile(bias_ref, b, h_rows, t_rows, cols, rows_ok=rows_ok,
                                 seq_k=st.seq_k, other=0)
-            s = s + bias.astype(jnp.float32) * LOG2E
+            s = common.add_bias(s, bias, st)
         if mask_ref is not None:
             keep = _gather_tile(mask_ref, b, h_rows, t_rows, cols, rows_ok=rows_ok,
                                 seq_k=st.seq_k, other=False)
@@ -162,7 +162,7 @@ def _stage1_kernel(*refs, lay: _Layout, per_chunk: bool):
         if st.seq_k % bn != 0:
             s = jnp.where((cols < st.seq_k)[None, :], s, -jnp.inf)
 
-        m_new, p, alpha, l_i = common.online_softmax_step(s, m_i, l_i)
+        m_new, p, alpha, l_i = common.online_softmax_step(s, m_i, l_i, st)
         if seed_ref is not None:
             keep = common.dropout_keep(st, seed_ref, b, h_rows, t_rows, kv_start, bn)
             p = jnp.where(keep, p, 0.0)
@@ -186,7 +186,7 @@ def _stage1_kernel(*refs, lay: _Layout, per_chunk: bool):
     out_cols = v_start + iota(bdv)
     plgpu.store(o_ref.at[i32(b), i32(split), common.ds(row0, bm), common.ds(v_start, bdv)],
                 out, mask=rows_ok[:, None] & (out_cols < st.head_dim_v)[None, :])
-    lse = jnp.where(has_keys, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
+    lse, _ = common.row_lse(m_i, l_safe, has_keys, st)
     plgpu.store(lse_ref.at[i32(b), i32(split), common.ds(row0, bm)], lse,
                 mask=rows_ok & (v_slice == 0))
 

@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common, compat
-from pallas_kernels.common import LN2, LOG2E, cdiv, dot, fit_block, i32, iota
+from pallas_kernels.common import cdiv, dot, fit_block, i32, iota
 
 Q_MODES = ("resident", "reload", "dynamic")
 
@@ -73,7 +73,7 @@ def _n_vslices(st: common.KernelStatic) -> int:
     return cdiv(st.head_dim_v, st.cfg.block_dv)
 
 
-def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool, lse_log2: bool):
+def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool):
     cfg = st.cfg
     bm, bn, bd, bdv = cfg.block_m, cfg.block_n, cfg.block_d, cfg.block_dv
     q_ref, k_ref, v_ref, *rest = refs
@@ -97,7 +97,7 @@ def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool, lse_log2: bool)
     q_start = q_block * bm
     v_start = v_slice * bdv
     rows = q_start + iota(bm)
-    qk_scale = st.scale * LOG2E
+    qk_scale = st.scale * st.score_unit
 
     resident_q = None
     if cfg.q_mode == "resident":
@@ -106,7 +106,7 @@ def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool, lse_log2: bool)
                       for c in range(_n_dchunks(st))]
 
     def scores(kv_start):
-        """scale·log2(e)·q·kᵀ for one KV block, [bm, bn] float32."""
+        """scale·q·kᵀ in score units for one KV block, [bm, bn] float32."""
         def q_chunk_at(c):
             if resident_q is not None:
                 return resident_q[c]
@@ -135,7 +135,7 @@ def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool, lse_log2: bool)
                                   kv_start, rows, cols, causal_mask=causal_mask,
                                   with_mask=with_mask)
 
-        m_new, p, alpha, l_i = common.online_softmax_step(s, m_i, l_i)
+        m_new, p, alpha, l_i = common.online_softmax_step(s, m_i, l_i, st)
         if seed_ref is not None:
             # Dropped after the statistics: lse stays the undropped normaliser.
             p = jnp.where(common.dropout_keep(st, seed_ref, b, h, rows, kv_start, bn), p, 0.0)
@@ -178,19 +178,13 @@ def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool, lse_log2: bool)
     out = acc / (l_safe if st.dropout_rate == 0 else l_safe * (1.0 - st.dropout_rate))[:, None]
     common.store_tile(o_ref, out, b, q_start, bm, h, v_start, bdv,
                       n_rows=st.seq_q, n_cols=st.head_dim_v)
-    log2_l = jnp.log2(l_safe)
-    lse2 = m_i + log2_l
-    lse = jnp.where(has_keys, lse2 if lse_log2 else lse2 * LN2, -jnp.inf)
+    lse, lo = common.row_lse(m_i, l_safe, has_keys, st)
     lse_mask = rows < st.seq_q
     if _n_vslices(st) > 1:
         lse_mask = lse_mask & (v_slice == 0)  # one writer per row
     plgpu.store(lse_ref.at[b, h, common.ds(q_start, bm)], lse, mask=lse_mask)
     if lo_ref:
-        # The rounding error of m + log2(l) (Knuth's TwoSum, exact in float32).
-        back = lse2 - m_i
-        lo = (m_i - (lse2 - back)) + (log2_l - back)
-        plgpu.store(lo_ref[0].at[b, h, common.ds(q_start, bm)],
-                    jnp.where(has_keys, lo, 0.0), mask=lse_mask)
+        plgpu.store(lo_ref[0].at[b, h, common.ds(q_start, bm)], lo, mask=lse_mask)
 
 
 def _fit_shared_memory(cfg: FwdConfig, q_dtype, v_dtype, bias, mask, dropout_rate: float,
@@ -221,7 +215,7 @@ def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None
                 mask: jax.Array | None = None, *, scale: float, causal: bool, config: FwdConfig,
                 interpret: bool = False, dropout_rate: float = 0.0,
                 seed: jax.Array | None = None, out_dtype=None,
-                precise_lse: bool = False, lse_log2: bool = False) -> tuple[jax.Array, ...]:
+                precise_lse: bool = False, lse_pair: bool = False) -> tuple[jax.Array, ...]:
     """Attention forward on Pallas/Triton. Returns (o [B,T,Hq,Dv] in `out_dtype` (default
     q's dtype), lse [B,Hq,T] f32).
 
@@ -229,13 +223,15 @@ def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None
     `seed` (uint32[2], a runtime input) picks the keep-mask (see `dropout`).
     `precise_lse` rounds q·kᵀ per head-dim chunk (`common.contract_chunks`): lse
     within XLA's error at large D, for callers that return it, at a cost in speed
-    (float32 always does: `common.rounds_per_chunk`). `lse_log2` returns (o, hi, lo)
-    instead: lse·log2(e) = hi + lo exactly, hi the float32 sum m + log2(l) and lo its
+    (float32 always does: `common.rounds_per_chunk`). `lse_pair` (float32 only)
+    returns (o, hi, lo) instead: hi is lse, the float32 sum m + log(l), and lo its
     rounding error, the form the backward kernels take (their `lse_lo`).
     """
     batch, seq_q, heads_q, head_dim = q.shape
     _, seq_k, heads_kv, _ = k.shape
     head_dim_v = v.shape[3]
+    if lse_pair and not common.natural_units(q.dtype):
+        raise ValueError(f"lse_pair needs float32 inputs; got {q.dtype}")
     if config.q_mode not in Q_MODES:
         raise ValueError(f"q_mode must be one of {Q_MODES}; got {config.q_mode!r}")
     cfg = config.fitted(seq_q, seq_k, head_dim, head_dim_v)
@@ -254,9 +250,9 @@ def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None
     rows_out = compat.output_struct((batch, heads_q, seq_q), jnp.float32, q)
     out_shape = (compat.output_struct((batch, seq_q, heads_q, head_dim_v),
                                       out_dtype or q.dtype, q),
-                 rows_out) + ((rows_out,) if lse_log2 else ())
+                 rows_out) + ((rows_out,) if lse_pair else ())
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, st=st, per_chunk=per_chunk, lse_log2=lse_log2),
+        functools.partial(_fwd_kernel, st=st, per_chunk=per_chunk),
         out_shape=out_shape,
         grid=grid,
         compiler_params=compat.compiler_params(cfg.num_warps, cfg.num_stages),

@@ -248,3 +248,63 @@ def test_grad_float32_d44_dv107_causal_mask(kernel_mode):
                  scale=1.217, dropout_rate=0.0, with_grads=True)
     check_example(cfg, seed=131071, magnitude=2.0, mask_density=0.9, neg_inf_bias_rows=False,
                   impl="pallas", interpret=interpret_flag(kernel_mode))
+
+
+def test_grad_float32_single_visible_key_is_exactly_zero_dq(kernel_mode):
+    """A float32 row that sees one key has P = 1 and dS = dP - Σ P·dP = 0 exactly, as in
+    XLA's softmax gradient: dq of that row is exactly 0, with dropout too. With δ taken
+    as rowsum(dO ∘ O), which rounds differently from the kernels' dP, the GPU fuzz of
+    2026-11-21 (D=1024, T=1, S=10, dropout 0.9) got dq 52x XLA's error."""
+    b, t, s, hq, hkv, d = 2, 3, 10, 4, 2, 256
+    kq, kk, kv, ko, kr = jax.random.split(jax.random.key(11), 5)
+    q = 2.0 * jax.random.normal(kq, (b, t, hq, d), jnp.float32)
+    k = 2.0 * jax.random.normal(kk, (b, s, hkv, d), jnp.float32)
+    v = jax.random.normal(kv, (b, s, hkv, d), jnp.float32)
+    d_out = jax.random.normal(ko, (b, t, hq, d), jnp.float32)
+    # Row 0 sees key 3 only, row 1 keys 3 and 7, row 2 every key.
+    mask = np.zeros((t, s), bool)
+    mask[0, 3] = True
+    mask[1, [3, 7]] = True
+    mask[2] = True
+    interpret = interpret_flag(kernel_mode)
+
+    def f(q):
+        return ffpa_jax.attention(q, k, v, mask=jnp.asarray(mask), dropout_rate=0.5,
+                                  dropout_rng=kr, interpret=interpret)
+    _, vjp = jax.vjp(f, q)  # (lse's own gradient would not be 0: lse = the one logit)
+    (dq,) = vjp(d_out)
+    dq = np.asarray(dq)
+    np.testing.assert_array_equal(dq[:, 0], 0.0)
+    assert np.abs(dq[:, 2]).max() > 0.0  # the row that sees every key does get a gradient
+
+
+@pytest.mark.gpu
+def test_grad_float32_large_logits_d150_gpu():
+    """From the GPU fuzz of 2026-11-21 (seed 1131697874, part 3): float32, D=150, S=208,
+    inputs of magnitude 2 and scale 0.805 (logits ~ 170) with a per-key fp16 bias; dq was
+    3.4x XLA's float32 error, beyond the 3x of the rule. The backward's P did not sum to 1
+    over its row: its logits were rounded differently from the forward's, and that
+    miss times |δ| ~ 27 dominated dS. The backward now normalises its own P and
+    takes δ = Σ P·dP (`pallas_kernels.bwd.bwd_exact_rows`).
+
+    GPU only: the Pallas interpreter on CPU compares against XLA's CPU dot, which sums
+    the 150 products more accurately than a GPU's in-order float32 FMA chain (ours or
+    XLA's cuBLAS); there this draw's dq stays at 3.4x (2.4e-4 vs 6.9e-5)."""
+    from test_fuzz import Config, check_example
+    cfg = Config(batched=True, b=1, t=10, s=208, hq=3, hkv=1, d=150, dv=150, dtype="float32",
+                 causal=False, bias_shape=(208,), bias_dtype="float16", mask_shape=None,
+                 scale=0.805, dropout_rate=0.0, with_grads=True)
+    check_example(cfg, seed=5031840, magnitude=2.0, mask_density=0.9, neg_inf_bias_rows=False,
+                  impl="pallas", interpret=False)
+
+
+def test_grad_float32_d1024_one_key_dropout_fuzz_case(kernel_mode):
+    """The GPU fuzz draw of 2026-11-21 (seed 436743445, part 1): float32, D=1024, T=1,
+    S=10, dropout 0.9, mostly masked keys (density 0.05) and -inf bias rows; dq was
+    1.66e-5 against the 1e-5 bound (XLA's error: 3.2e-7)."""
+    from test_fuzz import Config, check_example
+    cfg = Config(batched=True, b=3, t=1, s=10, hq=8, hkv=2, d=1024, dv=1024, dtype="float32",
+                 causal=False, bias_shape=(3, 1, 1, 1), bias_dtype="bfloat16",
+                 mask_shape=(8, 1, 10), scale=None, dropout_rate=0.9, with_grads=True)
+    check_example(cfg, seed=1374, magnitude=2.0, mask_density=0.05, neg_inf_bias_rows=True,
+                  impl="pallas", interpret=interpret_flag(kernel_mode))
