@@ -210,8 +210,13 @@ def _shift_seed(seed, batch_offset, head_offset):
     return jnp.concatenate([seed[:2].astype(jnp.uint32), offsets])
 
 
+def forward_row_outputs(plan: Plan) -> int:
+    """How many row statistics [B, Hq, T] `forward_kernels` returns after out."""
+    return 2 if plan.lse_pair else 1
+
+
 _forward = partitioning.ShardLocal(forward_kernels, "forward", shift_seed=_shift_seed,
-                                   row_outputs=lambda plan: 2 if plan.lse_pair else 1)
+                                   row_outputs=forward_row_outputs)
 _backward = partitioning.ShardLocal(backward_kernels, "backward", shift_seed=_shift_seed)
 
 

@@ -176,7 +176,8 @@ class _Tile:
                                    dynamic=cfg.dynamic, shape=(bm, bn),
                                    scale=st.scale * st.score_unit,
                                    round_per_chunk=common.rounds_per_chunk(
-                                       self.refs["q"].dtype))
+                                       self.refs["q"].dtype),
+                                   compensated=st.natural)
         s = common.bias_and_masks(s, st, self.refs.get("bias"), self.refs.get("mask"), self.b, h,
                                   q_start, kv_start, rows, cols, causal_mask=causal_mask,
                                   with_mask=with_mask, mask_rows=True)
@@ -193,7 +194,7 @@ class _Tile:
         if not need_dp:
             return p, p_out, None
         dp = common.contract_chunks(do_chunk, v_chunk, _n_chunks(st, st.head_dim_v),
-                                    dynamic=cfg.dynamic, shape=(bm, bn))
+                                    dynamic=cfg.dynamic, shape=(bm, bn), compensated=st.natural)
         if keep is not None:
             dp = jnp.where(keep, dp * inv_keep, 0.0)
         return p, p_out, dp

@@ -196,7 +196,8 @@ def capped_for_rounding(cfg, dtype, precise_lse: bool = False):
 
 
 def contract_chunks(load_a, load_b, n_chunks: int, *, dynamic: bool, shape: tuple[int, int],
-                    scale: float | None = None, round_per_chunk: bool = False):
+                    scale: float | None = None, round_per_chunk: bool = False,
+                    compensated: bool = False):
     """scale·Σ_c load_a(c) @ load_b(c)ᵀ over head-dim chunks c, float32 [shape].
 
     `dynamic` walks the chunks with a fori_loop (one chunk of each operand live,
@@ -211,7 +212,16 @@ def contract_chunks(load_a, load_b, n_chunks: int, *, dynamic: bool, shape: tupl
     chain then spans one chunk and the chunks are summed by round-to-nearest
     float32 FMAs, within XLA's error, at the price of waiting for every chunk's
     MMA (forward up to 1.6x slower at D >= 512; docs/benchmarks.md, "lse accuracy").
+
+    `compensated` (float32) sums the chunks' products exactly instead, as a (hi, lo)
+    pair (Knuth's TwoSum; each product has several uses, so Triton fuses none), and
+    scales once at the end. A float32 dot is an in-order FMA chain: at D = 1024 a
+    chain over the whole head dim gave dP errors that put the GPU fuzz's dk at 3.6x
+    XLA's (2026-11-21); chains of one chunk, summed without rounding, stay below it.
     """
+    if compensated:
+        return _compensated_chunks(load_a, load_b, n_chunks, dynamic=dynamic, shape=shape,
+                                   scale=scale)
     scale_each = round_per_chunk and scale is not None
 
     def product(c):
@@ -226,6 +236,28 @@ def contract_chunks(load_a, load_b, n_chunks: int, *, dynamic: bool, shape: tupl
         for c in range(n_chunks):
             acc = product(c) if acc is None else acc + product(c)
     return acc if scale is None or scale_each else acc * scale
+
+
+def _two_sum(hi, lo, part):
+    """(hi, lo) + part as a new (hi, lo): hi the rounded sum, lo collecting every
+    rounding error (Knuth's TwoSum, exact in round-to-nearest float32)."""
+    total = hi + part
+    back = total - hi
+    return total, lo + ((hi - (total - back)) + (part - back))
+
+
+def _compensated_chunks(load_a, load_b, n_chunks: int, *, dynamic: bool, shape, scale):
+    product = lambda c: dot(load_a(c), load_b(c), trans_b=True)
+    if dynamic and n_chunks > 1:
+        zeros = jnp.zeros(shape, jnp.float32)
+        hi, lo = jax.lax.fori_loop(i32(0), i32(n_chunks),
+                                   lambda c, acc: _two_sum(*acc, product(c)), (zeros, zeros))
+    else:
+        hi, lo = product(0), None
+        for c in range(1, n_chunks):
+            hi, lo = _two_sum(hi, 0.0 if lo is None else lo, product(c))
+    total = hi if lo is None else hi + lo
+    return total if scale is None else total * scale
 
 
 def load_tile(ref, b, rows_start, rows, h, cols_start, cols, *, n_rows: int, n_cols: int,

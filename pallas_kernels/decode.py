@@ -148,7 +148,8 @@ def _stage1_kernel(*refs, lay: _Layout, per_chunk: bool):
                                              common.chunk_start(c, bd), bd, n_rows=st.seq_k,
                                              n_cols=st.head_dim)
         s = common.contract_chunks(q_chunk, k_chunk, n_dchunks, dynamic=cfg.dynamic,
-                                   shape=(bm, bn), scale=qk_scale, round_per_chunk=per_chunk)
+                                   shape=(bm, bn), scale=qk_scale, round_per_chunk=per_chunk,
+                                   compensated=st.natural)
         if bias_ref is not None:
             bias = _gather_tile(bias_ref, b, h_rows, t_rows, cols, rows_ok=rows_ok,
                                 seq_k=st.seq_k, other=0)

@@ -119,7 +119,8 @@ def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool):
 
         return common.contract_chunks(q_chunk_at, k_chunk_at, _n_dchunks(st),
                                       dynamic=cfg.q_mode == "dynamic", shape=(bm, bn),
-                                      scale=qk_scale, round_per_chunk=per_chunk)
+                                      scale=qk_scale, round_per_chunk=per_chunk,
+                                      compensated=st.natural)
 
     def visit(kv_block, carry, *, causal_mask: bool, with_mask: bool):
         m_i, l_i, acc = carry

@@ -278,33 +278,42 @@ def test_grad_float32_single_visible_key_is_exactly_zero_dq(kernel_mode):
     assert np.abs(dq[:, 2]).max() > 0.0  # the row that sees every key does get a gradient
 
 
-@pytest.mark.gpu
-def test_grad_float32_large_logits_d150_gpu():
-    """From the GPU fuzz of 2026-11-21 (seed 1131697874, part 3): float32, D=150, S=208,
-    inputs of magnitude 2 and scale 0.805 (logits ~ 170) with a per-key fp16 bias; dq was
-    3.4x XLA's float32 error, beyond the 3x of the rule. The backward's P did not sum to 1
-    over its row: its logits were rounded differently from the forward's, and that
-    miss times |δ| ~ 27 dominated dS. The backward now normalises its own P and
-    takes δ = Σ P·dP (`pallas_kernels.bwd.bwd_exact_rows`).
+# float32 draws of the GPU fuzz of 2026-11-21 whose gradients missed the rule, with the
+# check_example arguments that reproduce them:
+# - "d150-large-logits" (seed 1131697874, part 3): inputs of magnitude 2 and scale 0.805
+#   (logits ~ 170), a per-key fp16 bias; dq 3.4x XLA's float32 error (3.4x in the Pallas
+#   interpreter too). The backward's P did not sum to 1 over its row (its logits were
+#   rounded differently from the forward's), and that miss times |δ| ~ 27 dominated dS.
+# - "d1024-one-key-dropout" (seed 436743445, part 1): T=1, S=10, dropout 0.9, keys mostly
+#   masked; dq 1.66e-5 against the 1e-5 bound (XLA: 3.2e-7): δ = rowsum(dO ∘ O) did not
+#   cancel the kernels' own dP (see test_grad_float32_single_visible_key_is_exactly_zero_dq).
+# - "d1024-causal-dropout" (seed 20261121, part 3, after both fixes below): dk 3.6x XLA's
+#   error; the float32 dP was one in-order FMA chain over Dv = 1024.
+# The fixes: the backward normalises its own P and takes δ = Σ P·dP
+# (`pallas_kernels.bwd.bwd_exact_rows`), and float32 kernels sum their 64-wide head-dim
+# chunks exactly (`common.contract_chunks(compensated=True)`).
+_FLOAT32_FUZZ_DRAWS = {
+    "d150-large-logits": (
+        dict(batched=True, b=1, t=10, s=208, hq=3, hkv=1, d=150, dv=150, causal=False,
+             bias_shape=(208,), bias_dtype="float16", mask_shape=None, scale=0.805,
+             dropout_rate=0.0),
+        dict(seed=5031840, magnitude=2.0, mask_density=0.9, neg_inf_bias_rows=False)),
+    "d1024-one-key-dropout": (
+        dict(batched=True, b=3, t=1, s=10, hq=8, hkv=2, d=1024, dv=1024, causal=False,
+             bias_shape=(3, 1, 1, 1), bias_dtype="bfloat16", mask_shape=(8, 1, 10),
+             scale=None, dropout_rate=0.9),
+        dict(seed=1374, magnitude=2.0, mask_density=0.05, neg_inf_bias_rows=True)),
+    "d1024-causal-dropout": (
+        dict(batched=True, b=3, t=7, s=40, hq=3, hkv=1, d=1024, dv=1024, causal=True,
+             bias_shape=(40,), bias_dtype="float32", mask_shape=None, scale=0.315,
+             dropout_rate=0.3),
+        dict(seed=6549926, magnitude=2.0, mask_density=0.9, neg_inf_bias_rows=False)),
+}
 
-    GPU only: the Pallas interpreter on CPU compares against XLA's CPU dot, which sums
-    the 150 products more accurately than a GPU's in-order float32 FMA chain (ours or
-    XLA's cuBLAS); there this draw's dq stays at 3.4x (2.4e-4 vs 6.9e-5)."""
+
+@pytest.mark.parametrize("draw", sorted(_FLOAT32_FUZZ_DRAWS))
+def test_grad_float32_fuzz_draws(draw, kernel_mode):
     from test_fuzz import Config, check_example
-    cfg = Config(batched=True, b=1, t=10, s=208, hq=3, hkv=1, d=150, dv=150, dtype="float32",
-                 causal=False, bias_shape=(208,), bias_dtype="float16", mask_shape=None,
-                 scale=0.805, dropout_rate=0.0, with_grads=True)
-    check_example(cfg, seed=5031840, magnitude=2.0, mask_density=0.9, neg_inf_bias_rows=False,
-                  impl="pallas", interpret=False)
-
-
-def test_grad_float32_d1024_one_key_dropout_fuzz_case(kernel_mode):
-    """The GPU fuzz draw of 2026-11-21 (seed 436743445, part 1): float32, D=1024, T=1,
-    S=10, dropout 0.9, mostly masked keys (density 0.05) and -inf bias rows; dq was
-    1.66e-5 against the 1e-5 bound (XLA's error: 3.2e-7)."""
-    from test_fuzz import Config, check_example
-    cfg = Config(batched=True, b=3, t=1, s=10, hq=8, hkv=2, d=1024, dv=1024, dtype="float32",
-                 causal=False, bias_shape=(3, 1, 1, 1), bias_dtype="bfloat16",
-                 mask_shape=(8, 1, 10), scale=None, dropout_rate=0.9, with_grads=True)
-    check_example(cfg, seed=1374, magnitude=2.0, mask_density=0.05, neg_inf_bias_rows=True,
-                  impl="pallas", interpret=interpret_flag(kernel_mode))
+    config, example = _FLOAT32_FUZZ_DRAWS[draw]
+    cfg = Config(dtype="float32", with_grads=True, **config)
+    check_example(cfg, impl="pallas", interpret=interpret_flag(kernel_mode), **example)

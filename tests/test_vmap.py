@@ -108,9 +108,12 @@ def test_vmap_of_the_partitioning_wrapper_directly(kernel_mode):
                                   dropout_rate=0.0, dropout_rng=None, return_lse=False,
                                   implementation="pallas", interpret=interpret_flag(kernel_mode))
     plan = pallas_path.make_plan(problem, has_bias=True, interpret=interpret_flag(kernel_mode))
-    wrapped = partitioning.ShardLocal(pallas_path.forward_kernels, "forward")
-    out, lse = jax.vmap(lambda q, k, v, b: wrapped(plan, q, k, v, b, mask, None))(q, k, v, bias)
+    wrapped = partitioning.ShardLocal(pallas_path.forward_kernels, "forward",
+                                      row_outputs=pallas_path.forward_row_outputs)
+    # float32 inputs: the forward returns lse with its rounding error, (out, lse, lo).
+    outputs = jax.vmap(lambda q, k, v, b: wrapped(plan, q, k, v, b, mask, None))(q, k, v, bias)
+    assert len(outputs) == 3
     for i in range(N):
-        out_i, lse_i = pallas_path.forward_kernels(plan, q[i], k[i], v[i], bias[i], mask, None)
-        assert_same(out[i], out_i, exact=True)
-        assert_same(lse[i], lse_i, exact=True)
+        expected = pallas_path.forward_kernels(plan, q[i], k[i], v[i], bias[i], mask, None)
+        for got, want in zip(outputs, expected, strict=True):
+            assert_same(got[i], want, exact=True)
