@@ -173,25 +173,34 @@ def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = Fa
 # precise: per-chunk sums of 64 matched XLA's lse error on the H200 at D = 512-1024
 # (a chain over 256 did not always: docs/benchmarks.md, "lse accuracy").
 PRECISE_CHUNK = 64
+# The widest head-dim chunk of one float32 dot (an in-order FMA chain) in float32
+# kernels, whose chunks are then summed exactly (`contract_chunks(compensated=True)`).
+# The chain's rounding grows with its length: on the GPU fuzz draw of D=150, S=208 and
+# logits ~ 170, chains of 64 gave dq 3.1x XLA's float32 error (H200) and chains of 16
+# the floor set by rounding the logits themselves (emulated: 1.9e-4 -> 7.3e-5).
+FLOAT32_CHUNK = 16
 
 
 def rounds_per_chunk(dtype, precise_lse: bool = False) -> bool:
-    """Whether q·kᵀ is summed over PRECISE_CHUNK-wide head-dim chunks, each rounded on its
-    own (`contract_chunks(round_per_chunk=True)`): when lse must be precise, and always in
-    float32. There the backward recomputes the logits and must get the forward's own
-    values: float32 dots are in-order FMA sums, so the same 64-wide chunks give the same
-    bits in every kernel, whatever its tiles. With different chunkings the forward and
-    backward logits differed by float32 roundings of |logit| (at logits ~ 300: P off by
-    ~1e-5 relative), which gave gradients 3-9x the error of XLA's (D=149, scale 1.5)."""
+    """Whether q·kᵀ is summed over head-dim chunks, each rounded on its own
+    (`contract_chunks(round_per_chunk=True)`, or `compensated=True` in float32): when lse
+    must be precise, and always in float32. There the backward recomputes the logits and
+    must get the forward's own values: float32 dots are in-order FMA sums, so the same
+    chunks give the same bits in every kernel, whatever its tiles. With different
+    chunkings the forward and backward logits differed by float32 roundings of |logit|
+    (at logits ~ 300: P off by ~1e-5 relative), which gave gradients 3-9x the error of
+    XLA's (D=149, scale 1.5)."""
     return precise_lse or jnp.dtype(dtype) == jnp.float32
 
 
 def capped_for_rounding(cfg, dtype, precise_lse: bool = False):
     """(cfg, per_chunk): `per_chunk = rounds_per_chunk(dtype, precise_lse)`, and then the
-    config's q·kᵀ chunk (`block_d`) at most PRECISE_CHUNK wide."""
+    config's head-dim chunk (`block_d`) at most PRECISE_CHUNK wide (FLOAT32_CHUNK in
+    float32)."""
     per_chunk = rounds_per_chunk(dtype, precise_lse)
-    if per_chunk and cfg.block_d > PRECISE_CHUNK:
-        cfg = dataclasses.replace(cfg, block_d=PRECISE_CHUNK)
+    widest = FLOAT32_CHUNK if natural_units(dtype) else PRECISE_CHUNK
+    if per_chunk and cfg.block_d > widest:
+        cfg = dataclasses.replace(cfg, block_d=widest)
     return cfg, per_chunk
 
 
@@ -215,9 +224,10 @@ def contract_chunks(load_a, load_b, n_chunks: int, *, dynamic: bool, shape: tupl
 
     `compensated` (float32) sums the chunks' products exactly instead, as a (hi, lo)
     pair (Knuth's TwoSum; each product has several uses, so Triton fuses none), and
-    scales once at the end. A float32 dot is an in-order FMA chain: at D = 1024 a
-    chain over the whole head dim gave dP errors that put the GPU fuzz's dk at 3.6x
-    XLA's (2026-11-21); chains of one chunk, summed without rounding, stay below it.
+    scales once at the end. A float32 dot is an in-order FMA chain whose error grows
+    with its length: at D = 1024 a chain over the whole head dim gave dP errors that
+    put the GPU fuzz's dk at 3.6x XLA's (2026-11-21); chains of FLOAT32_CHUNK, summed
+    without rounding, leave the rounding of the result itself as the main error.
     """
     if compensated:
         return _compensated_chunks(load_a, load_b, n_chunks, dynamic=dynamic, shape=shape,

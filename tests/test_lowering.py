@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import (BwdConfig, FwdConfig, bwd_dbias, bwd_generic_dkdv, bwd_generic_dq,
-                            bwd_preproc, fwd_generic)
+from pallas_kernels import (BwdConfig, FwdConfig, bwd_dbias, bwd_exact_rows, bwd_generic_dkdv,
+                            bwd_generic_dq, bwd_preproc, fwd_generic)
 
 sd = jax.ShapeDtypeStruct
 
@@ -71,7 +71,8 @@ def test_fwd_default_configs_lower_for_every_head_dim():
 
 def lower_bwd(*, d, dv, causal=False, bias_shape=None, mask=False, hq=4, hkv=2, t=300, s=257,
               dtype=jnp.bfloat16, config=BwdConfig(), dropout=0.0, seed_words=2):
-    """Lower all four backward kernels in one jitted function."""
+    """Lower all four backward kernels in one jitted function (float32: with bwd_exact_rows
+    in place of bwd_preproc, and its lse correction passed on, as the vjp does)."""
     args = [sd((2, t, hq, d), dtype), sd((2, s, hkv, d), dtype), sd((2, s, hkv, dv), dtype),
             sd((2, t, hq, dv), dtype), sd((2, t, hq, dv), dtype), sd((2, hq, t), jnp.float32),
             sd((seed_words,), jnp.uint32)]
@@ -84,7 +85,11 @@ def lower_bwd(*, d, dv, causal=False, bias_shape=None, mask=False, hq=4, hkv=2, 
         b = rest[0] if bias_shape else None
         m = rest[-1] if mask else None
         kw = dict(scale=0.1, causal=causal, config=config, dropout_rate=dropout, seed=seed)
-        delta = bwd_preproc(o, do, lse, config=config)
+        if dtype == jnp.float32:
+            delta, lse_lo = bwd_exact_rows(q, k, v, do, lse, lse, b, m, **kw)
+            kw["lse_lo"] = lse_lo
+        else:
+            delta = bwd_preproc(o, do, lse, config=config)
         outs = [bwd_generic_dq(q, k, v, do, lse, delta, b, m, **kw),
                 *bwd_generic_dkdv(q, k, v, do, lse, delta, b, m, **kw)]
         if b is not None:
