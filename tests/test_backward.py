@@ -290,8 +290,9 @@ def test_grad_float32_single_visible_key_is_exactly_zero_dq(kernel_mode):
 # - "d1024-causal-dropout" (seed 20261121, part 3, after both fixes below): dk 3.6x XLA's
 #   error; the float32 dP was one in-order FMA chain over Dv = 1024.
 # The fixes: the backward normalises its own P and takes δ = Σ P·dP
-# (`pallas_kernels.bwd.bwd_exact_rows`), and float32 kernels sum their 64-wide head-dim
-# chunks exactly (`common.contract_chunks(compensated=True)`).
+# (`pallas_kernels.bwd.bwd_exact_rows`), and float32 kernels sum 16-wide head-dim chunks
+# (`common.FLOAT32_CHUNK`) exactly (`common.contract_chunks(compensated=True)`); with
+# them the first draw's dq is 1.07x XLA's error in the interpreter (docs/benchmarks.md).
 _FLOAT32_FUZZ_DRAWS = {
     "d150-large-logits": (
         dict(batched=True, b=1, t=10, s=208, hq=3, hkv=1, d=150, dv=150, causal=False,
