@@ -1,9 +1,9 @@
 """The `"pallas"` implementation: launch configs from `tuning`, kernels from `pallas_kernels`,
 and the `custom_vjp` that ties the forward to the backward kernels.
 
-The forward saves only q, k, v, the bias and mask as given, the output and lse
-(O(B·Hq·T) beyond what the caller already holds); the backward recomputes the
-probabilities tile by tile. No [T, S] matrix exists in either direction.
+The forward saves only q, k, v, the bias and mask as given, the output and lse (and, in
+float32, lse's low word: O(B·Hq·T) beyond what the caller already holds); the backward
+recomputes the probabilities tile by tile. No [T, S] matrix exists in either direction.
 """
 
 from __future__ import annotations
@@ -42,15 +42,16 @@ class Plan:
     dbias: BwdConfig
     decode: DecodeConfig | None = None  # the forward runs the decode kernels when set
     decode_splits: int = 1
-    # The forward writes its output in float32 (the vjp's forward: the backward's
+    # The forward writes its output in float32 (the vjp's forward: a 16-bit backward's
     # δ = rowsum(dO·O) must not see O rounded to 16 bits, or gradients that cancel
-    # lose the precision XLA's own gradient keeps).
+    # lose the precision XLA's own gradient keeps; float32 does not read O).
     float32_out: bool = False
     # The caller returns lse: the forward rounds q·kᵀ per head-dim chunk, which keeps lse
     # within XLA's error at large D and costs speed (pallas_kernels.common.contract_chunks).
     precise_lse: bool = False
-    # float32: the forward returns lse as an exact (hi, lo) pair, the backward takes that
-    # pair as its residual, corrects lo so that its own P sums to 1 and computes
+    # float32: the forward returns lse as a pair, hi + lo = m + fl(log l) exactly (the
+    # decode path: lo = 0); the backward takes that pair as its residual, corrects lo so
+    # that its own P sums to 1 and computes
     # δ = Σ P·dP from its own P and dP (`bwd_exact_rows`), as XLA's softmax gradient
     # does. From one float32 lse, every P of a row was off by up to an ulp of |lse|,
     # ~1e-5 relative at logits ~ 300, which gave float32 gradients several times XLA's
@@ -134,8 +135,8 @@ def make_plan(problem: Problem, *, has_bias: bool, interpret: bool,
 
 
 def forward_kernels(plan: Plan, q, k, v, bias, mask, seed):
-    """(out, lse) from the forward kernel, or (out, hi, lo) with hi = lse and lo its
-    rounding error when `plan.lse_pair`. `seed` is the dropout seed (uint32[2]) or None.
+    """(out, lse) from the forward kernel, or (out, hi, lo) with hi = lse and lo its low
+    word when `plan.lse_pair` (see Plan). `seed` is the dropout seed (uint32[2]) or None.
 
     Every argument array has batch as dim 0 and heads as dim 2 (q/k/v) or dim 1
     (bias/mask), so this function is what a sharding wrapper partitions."""

@@ -174,7 +174,7 @@ def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = Fa
 # (a chain over 256 did not always: docs/benchmarks.md, "lse accuracy").
 PRECISE_CHUNK = 64
 # The widest head-dim chunk of one float32 dot (an in-order FMA chain) in float32
-# kernels, whose chunks are then summed exactly (`contract_chunks(compensated=True)`).
+# kernels, whose chunks are then summed with compensation (`contract_chunks(compensated=True)`).
 # The chain's rounding grows with its length: on the GPU fuzz draw of D=150, S=208 and
 # logits ~ 170, chains of 64 gave dq 3.1x XLA's float32 error (H200) and chains of 16
 # the floor set by rounding the logits themselves (emulated: 1.9e-4 -> 7.3e-5).
@@ -227,7 +227,7 @@ def contract_chunks(load_a, load_b, n_chunks: int, *, dynamic: bool, shape: tupl
     scales once at the end. A float32 dot is an in-order FMA chain whose error grows
     with its length: at D = 1024 a chain over the whole head dim gave dP errors that
     put the GPU fuzz's dk at 3.6x XLA's (2026-11-21); chains of FLOAT32_CHUNK, summed
-    without rounding, leave the rounding of the result itself as the main error.
+    with compensation, leave the rounding of the result itself as the main error.
     """
     if compensated:
         return _compensated_chunks(load_a, load_b, n_chunks, dynamic=dynamic, shape=shape,
@@ -249,8 +249,9 @@ def contract_chunks(load_a, load_b, n_chunks: int, *, dynamic: bool, shape: tupl
 
 
 def _two_sum(hi, lo, part):
-    """(hi, lo) + part as a new (hi, lo): hi the rounded sum, lo collecting every
-    rounding error (Knuth's TwoSum, exact in round-to-nearest float32)."""
+    """(hi, lo) + part as a new (hi, lo): hi the rounded sum, lo accumulating each
+    step's rounding error (Knuth's TwoSum gives it exactly; its sum into lo rounds,
+    at the magnitude of the errors, not of the sum)."""
     total = hi + part
     back = total - hi
     return total, lo + ((hi - (total - back)) + (part - back))
@@ -378,7 +379,7 @@ def online_softmax_step(s, m_i, l_i, st: KernelStatic):
 def row_lse(m_i, l_safe, has_keys, st: KernelStatic):
     """(lse, lo) of rows with running max `m_i` and sum `l_safe` (1 where the row has no
     keys): lse in natural-log units, -inf without keys. With natural units `lo` is the
-    rounding error of lse = m + log(l) (Knuth's TwoSum, exact in float32), so a
+    rounding error of lse = m + fl(log l) (Knuth's TwoSum, exact in float32), so a
     backward given the pair recomputes P = e^((s - lse) - lo) with no rounding at the
     scores' magnitude; in log2 units `lo` is None."""
     if not st.natural:

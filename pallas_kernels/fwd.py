@@ -225,8 +225,9 @@ def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None
     `precise_lse` rounds q·kᵀ per head-dim chunk (`common.contract_chunks`): lse
     within XLA's error at large D, for callers that return it, at a cost in speed
     (float32 always does: `common.rounds_per_chunk`). `lse_pair` (float32 only)
-    returns (o, hi, lo) instead: hi is lse, the float32 sum m + log(l), and lo its
-    rounding error, the form the backward kernels take (their `lse_lo`).
+    returns (o, hi, lo) instead: hi is lse, the float32 sum m + fl(log l), and lo its
+    rounding error (hi + lo = m + fl(log l) exactly), the form the backward kernels
+    take (their `lse_lo`).
     """
     batch, seq_q, heads_q, head_dim = q.shape
     _, seq_k, heads_kv, _ = k.shape

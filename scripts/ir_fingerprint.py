@@ -1,4 +1,4 @@
-"""Fingerprint the lowered Triton IR of 144 kernel variants (no GPU needed).
+"""Fingerprint the lowered Triton IR of 168 kernel variants (no GPU needed).
 
 A refactor that leaves every fingerprint unchanged leaves the GPU kernels
 unchanged: compare before and after with
@@ -24,7 +24,25 @@ jax.config.update("jax_traceback_in_locations_limit", 0)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 
 import test_lowering as lowering  # noqa: E402  (the lowering helpers the tests use)
-from pallas_kernels import BwdConfig, FwdConfig  # noqa: E402
+from pallas_kernels import BwdConfig, DecodeConfig, FwdConfig, decode_attention  # noqa: E402
+
+
+def lower_decode(*, d, dv, dtype=jnp.bfloat16, causal=False, bias=False, mask=False,
+                 dropout=0.0, t=1, s=3000, hq=8, hkv=2, config=DecodeConfig()) -> str:
+    """Both decode stages for CUDA, lowered as text."""
+    sd = jax.ShapeDtypeStruct
+    args = [sd((2, t, hq, d), dtype), sd((2, s, hkv, d), dtype), sd((2, s, hkv, dv), dtype),
+            sd((2,), jnp.uint32)]
+    if bias:
+        args.append(sd((2, hq, t, s), jnp.float32))
+    if mask:
+        args.append(sd((2, 1, t, s), jnp.bool_))
+
+    def f(q, k, v, seed, *rest):
+        return decode_attention(q, k, v, rest[0] if bias else None,
+                                rest[-1] if mask else None, scale=0.1, causal=causal,
+                                config=config, num_splits=4, dropout_rate=dropout, seed=seed)
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def fingerprints() -> dict[str, str]:
@@ -44,7 +62,15 @@ def fingerprints() -> dict[str, str]:
                     dict(hq=8, hkv=1), dict(dv=40)]
     bwd_configs = (BwdConfig(), BwdConfig(dynamic=True, block_slice=64),
                    BwdConfig(dynamic=True, split_dkdv=True, block_slice=64))
+    dropout_variants = [dict(dropout=0.1), dict(dropout=0.1, causal=True, mask=True)]
+    decode_variants = [dict(), dict(causal=True, bias=True, mask=True), dict(dropout=0.1),
+                       dict(dtype=jnp.float16)]
     for d in (64, 111, 512):
+        for i, variant in enumerate(dropout_variants):
+            out[f"dropout-fwd{i}-{d}"] = digest(lowering.lower_fwd(d=d, dv=d, **variant))
+            out[f"dropout-bwd{i}-{d}"] = digest(lowering.lower_bwd(d=d, dv=d, **variant))
+        for i, variant in enumerate(decode_variants):
+            out[f"decode{i}-{d}"] = digest(lower_decode(d=d, dv=d, **variant))
         for i, variant in enumerate(fwd_variants):
             for cfg in fwd_configs:
                 kw = {"d": d, "dv": d, **variant}

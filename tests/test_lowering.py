@@ -29,8 +29,9 @@ def lower_fwd(*, d, dv, causal=False, bias=False, mask=False, hq=4, hkv=2, t=300
     def f(q, k, v, seed, *rest):
         b = rest[0] if bias else None
         m = rest[-1] if mask else None
+        # float32 as the API runs it: with lse's low word.
         return fwd_generic(q, k, v, b, m, scale=0.125, causal=causal, config=config,
-                           dropout_rate=dropout, seed=seed)
+                           dropout_rate=dropout, seed=seed, lse_pair=dtype == jnp.float32)
 
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     # The kernel must be a Triton custom call (not something XLA expanded on its own).
@@ -43,6 +44,19 @@ def lower_fwd(*, d, dv, causal=False, bias=False, mask=False, hq=4, hkv=2, t=300
 def test_fwd_head_dims(d, q_mode):
     lower_fwd(d=d, dv=d, config=FwdConfig(block_m=64, block_n=64, block_d=64,
                                           block_dv=min(256, d), q_mode=q_mode))
+
+
+@pytest.mark.parametrize("d", [150, 1024])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_float32_head_dims(d, dynamic):
+    """float32's compensated 16-wide chunk sums, unrolled and in the chunk loop (at
+    D=1024: 64 chunks), in the forward and in every backward kernel with bwd_exact_rows."""
+    lower_fwd(d=d, dv=d, dtype=jnp.float32,
+              config=FwdConfig(block_m=64, block_n=64, block_d=64, block_dv=min(256, d),
+                               q_mode="dynamic" if dynamic else "resident"))
+    lower_bwd(d=d, dv=d, dtype=jnp.float32,
+              config=BwdConfig(block_m=64, block_n=64, block_d=64, block_slice=min(256, d),
+                               dynamic=dynamic))
 
 
 @pytest.mark.parametrize("variant", [

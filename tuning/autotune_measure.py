@@ -44,6 +44,7 @@ import numpy as np
 
 import pallas_kernels
 from pallas_kernels import BwdConfig, FwdConfig
+from pallas_kernels.common import capped_for_rounding
 from tuning import search_space
 from tuning.autotune_tasks import DROPOUT_RATE
 
@@ -115,7 +116,9 @@ class Inputs:
 
     `o`, `lse` come from the forward kernel under the first fast-mode candidate
     that passes the sampled reference check (normally the built-in default);
-    `delta` = rowsum(dO ∘ O) in jnp (what bwd_preproc computes, with dlse = 0).
+    `delta` = rowsum(dO ∘ O) in jnp (what bwd_preproc computes, with dlse = 0; a
+    float32 backward takes δ from bwd_exact_rows instead, equal up to rounding, which
+    does not matter for timing the dq/dkdv candidates).
     """
 
     def __init__(self, spec: ProblemSpec, *, interpret: bool):
@@ -493,13 +496,15 @@ def _fwd_launcher(cfg: dict, spec: ProblemSpec, interpret: bool) -> Callable:
 
 
 def _fwd_fit(cfg: dict, spec: ProblemSpec) -> Hashable:
-    return FwdConfig.from_tuned(cfg).fitted(spec.seq_q, spec.seq_k, spec.head_dim,
-                                            spec.head_dim_v)
+    fitted = FwdConfig.from_tuned(cfg).fitted(spec.seq_q, spec.seq_k, spec.head_dim,
+                                              spec.head_dim_v)
+    return capped_for_rounding(fitted, JNP_DTYPES[spec.dtype])[0]
 
 
 def _bwd_fit(cfg: dict, spec: ProblemSpec) -> Hashable:
-    return BwdConfig.from_tuned(cfg).fitted(spec.seq_q, spec.seq_k, spec.head_dim,
-                                            spec.head_dim_v)
+    fitted = BwdConfig.from_tuned(cfg).fitted(spec.seq_q, spec.seq_k, spec.head_dim,
+                                              spec.head_dim_v)
+    return capped_for_rounding(fitted, JNP_DTYPES[spec.dtype])[0]
 
 
 def _preproc_fit(cfg: dict, spec: ProblemSpec) -> Hashable:
