@@ -162,6 +162,16 @@ class _Tile:
         chunks = [loader(c) for c in range(n_chunks)]
         return lambda c: chunks[c]
 
+    def query_operands(self, h, q_start):
+        """(Q, dO) chunk loaders of the query block a program keeps (dq, exact rows):
+        loaded once up front when the reductions are unrolled."""
+        st = self.st
+        q_chunk, do_chunk = self.q_chunks("q", q_start, h), self.q_chunks("do", q_start, h)
+        if not self.cfg.dynamic:
+            q_chunk = self.resident(q_chunk, _n_chunks(st, st.head_dim))
+            do_chunk = self.resident(do_chunk, _n_chunks(st, st.head_dim_v))
+        return q_chunk, do_chunk
+
     def probs_and_dp(self, h, q_start, kv_start, row_lse, *, q_chunk, k_chunk, do_chunk,
                      v_chunk, causal_mask: bool, with_mask: bool, need_dp: bool = True):
         """(P, dropped P, dP) of the [bm, bn] tile, float32: P = e^(S - lse); the dropped
@@ -308,10 +318,7 @@ def _exact_rows_kernel(*refs, st: common.KernelStatic):
     q_start = q_block * bm
     tile = _Tile(st, r, b, h // st.group)
     row_lse, dlse = tile.row_stats(h, q_start)
-    q_chunk, do_chunk = tile.q_chunks("q", q_start, h), tile.q_chunks("do", q_start, h)
-    if not cfg.dynamic:
-        q_chunk = tile.resident(q_chunk, _n_chunks(st, st.head_dim))
-        do_chunk = tile.resident(do_chunk, _n_chunks(st, st.head_dim_v))
+    q_chunk, do_chunk = tile.query_operands(h, q_start)
 
     def visit(kv_block, sums, *, causal_mask, with_mask):
         p_dp_sum, p_sum = sums
@@ -380,10 +387,7 @@ def _dq_kernel(*refs, st: common.KernelStatic):
     q_start = q_block * bm
     tile = _Tile(st, r, b, hk)
     row_lse, delta = tile.row_stats(h, q_start)
-    q_chunk, do_chunk = tile.q_chunks("q", q_start, h), tile.q_chunks("do", q_start, h)
-    if not cfg.dynamic:
-        q_chunk = tile.resident(q_chunk, _n_chunks(st, st.head_dim))
-        do_chunk = tile.resident(do_chunk, _n_chunks(st, st.head_dim_v))
+    q_chunk, do_chunk = tile.query_operands(h, q_start)
 
     def visit(kv_block, acc, *, causal_mask, with_mask):
         kv_start = kv_block * bn
