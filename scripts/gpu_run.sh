@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything we run on the lent GPU, in one call: environment, GPU tests, variant
 # sweep, benchmark. Results land in $OUT (or ./gpu_out). Stages are chosen by
-# arguments: env multigpu tests fuzz autotune ab vma sweep bwdsweep dropvar dropcfg decvar dropout
+# arguments: env multigpu tests fuzz autotune ab resources vma sweep bwdsweep dropvar dropcfg decvar dropout
 # chunkab debugcase bench (default: env tests sweep bwdsweep bench). On a machine of several GPUs, run two
 # lists side by side with CUDA_VISIBLE_DEVICES set per list (each stage sees its GPUs).
 # TEST_PATHS narrows the tests stage (default: tests/; TEST_TAG names its log). Example,
@@ -43,6 +43,9 @@ for stage in $stages; do
       ;;
     ab)
       python3 scripts/tuned_ab.py --out "$OUT/tuned_ab.json" ${AB_ARGS:-} 2>&1 | tee "$OUT/tuned_ab.log" | tail -12
+      ;;
+    resources)
+      python3 scripts/kernel_resources.py --out "$OUT/kernel_resources.json" 2>&1 | tee "$OUT/kernel_resources.log" | tail -40
       ;;
     vma)
       python3 scripts/vma_probe.py 2>&1 | tee "$OUT/vma_probe.log" | cut -c1-400
