@@ -26,10 +26,27 @@ KERNELS = {
 }
 
 
-def entry_matches(entry: dict, record: dict) -> bool:
-    """Is `entry` one the A/B point `record` ran (bf16, no bias, no dropout, H = Hkv)?"""
+def same_problem(a: dict, b: dict) -> bool:
+    return all(a[key] == b[key] for key in ("headdim", "seqlen_q", "seqlen_k", "causal"))
+
+
+def kernels_to_replace(record: dict, records: list[dict], threshold: float) -> tuple[str, ...]:
+    """The kernels of a losing point that go back to the defaults. A forward+backward
+    point keeps its forward entry where the forward-only point of the same problem won
+    on its own (the backward kernels are then the ones that lost)."""
+    kernels = KERNELS[record["mode"]]
+    if record["mode"] == "fwdbwd" and any(
+            r.get("status") == "ok" and r["mode"] == "fwd" and same_problem(r, record)
+            and r["ratio"] <= threshold for r in records):
+        kernels = tuple(k for k in kernels if k != "fwd_generic")
+    return kernels
+
+
+def entry_matches(entry: dict, record: dict, kernels: tuple[str, ...]) -> bool:
+    """Is `entry` one of `kernels` that the A/B point `record` ran (bf16, no bias, no
+    dropout, H = Hkv)?"""
     if (entry.get("dtype") != "bf16" or entry.get("has_attn_bias") or entry.get("has_dropout")
-            or entry["kernel"] not in KERNELS[record["mode"]]
+            or entry["kernel"] not in kernels
             or entry["headdim"] != record["headdim"]
             or bool(entry["causal"]) != bool(record["causal"])
             or entry["seqlen_q"] != record["seqlen_q"] or entry["seqlen_k"] != record["seqlen_k"]):
@@ -54,8 +71,9 @@ def main() -> int:
         note = (f"scripts/tuned_ab.py {ab.get('date', '')}: the tuned config took "
                 f"{record['ratio']:.3f}x the default's time end to end (kept only at or "
                 f"below {args.threshold})")
+        kernels = kernels_to_replace(record, ab["records"], args.threshold)
         for entry in data["entries"]:
-            if not entry_matches(entry, record) or "ab_replaced_by_default" in entry:
+            if not entry_matches(entry, record, kernels) or "ab_replaced_by_default" in entry:
                 continue
             entry["config"] = tuning.default_config(entry["kernel"], headdim=entry["headdim"],
                                                     dtype="bf16")

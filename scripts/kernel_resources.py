@@ -1,15 +1,15 @@
 """Registers, spills and shared memory of the Pallas/Triton kernels, per launch variant.
 
 Where the Triton lowering of Pallas is the wall for a shape, this is the measurement
-that shows it (issue 7): for each variant it lowers the kernel for this GPU, catches
-the PTX and the shared-memory size Triton compiled it with, and runs `ptxas -v` on
-that PTX for the registers per thread and the spill traffic. Nothing is launched, so
-variants whose shared memory exceeds the limit are listed too (they could not run).
+that shows it (issue 7). Each variant is lowered as `attention` would lower it; the
+Triton IR module Pallas builds is caught, written out as text, and compiled for this
+GPU by the `triton` Python package, whose compiled kernel reports registers per
+thread, spilled registers and shared memory. Nothing is launched.
 
-Needs a GPU machine with jax >= 0.11 (there `pallas_call` compiles Triton in
-process through `jax._src.lib.triton.compile`, which this script wraps; jax 0.10
-hands the Triton IR to XLA instead, and then no PTX is caught). The private hook is
-used here only, in a diagnostic script, never in the package.
+Caveat: jaxlib hands the same Triton IR to the Triton inside XLA; the `triton`
+package here (3.6 on the lent machines) is a separate build of the same compiler, so
+its figures are those of that build. Catching the IR uses Pallas' private
+`lower_jaxpr_to_triton_module`: a diagnostic script only, never the package.
 
     python scripts/kernel_resources.py --out resources.json
 """
@@ -17,83 +17,50 @@ used here only, in a diagnostic script, never in the package.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import math
 import os
-import re
-import shutil
-import subprocess
 import sys
 import tempfile
 
 import jax
 import jax.numpy as jnp
+from jax._src.pallas.triton import lowering as pallas_triton_lowering
 
 from pallas_kernels import BwdConfig, FwdConfig, bwd_generic_dkdv, bwd_generic_dq, fwd_generic
 
-# The H100/H200 per-block limit of dynamic shared memory (227 KiB).
+# The H100/H200 limit of shared memory per block (227 KiB).
 SHARED_LIMIT = 232448
 
-_caught: list[dict] = []
+_caught: list[str] = []
+_lower = pallas_triton_lowering.lower_jaxpr_to_triton_module
 
 
-def _install_hook() -> bool:
-    """Wrap jaxlib's Triton compile so each kernel's PTX and shared memory are kept."""
-    try:
-        from jax._src.lib import triton as triton_lib
-    except ImportError:
-        return False
-    original = triton_lib.compile
-
-    def compile_and_keep(platform, module, arch_name, **kwargs):
-        result = original(platform, module, arch_name, **kwargs)
-        _caught.append({"ptx": getattr(result, "asm", ""), "smem": int(result.smem_bytes),
-                        "num_warps": kwargs.get("num_warps"), "num_stages": kwargs.get("num_stages")})
-        return result
-
-    triton_lib.compile = compile_and_keep
-    return True
+def _lower_and_keep(*args, **kwargs):
+    result = _lower(*args, **kwargs)
+    _caught.append(result.module.operation.get_asm(enable_debug_info=False))
+    return result
 
 
-def _ptxas() -> str | None:
-    """A ptxas binary: on PATH, from the triton package, or from the CUDA pip wheels."""
-    found = shutil.which("ptxas")
-    if found:
-        return found
-    candidates = []
-    try:
-        import triton
-        candidates += glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
-                                             "bin", "ptxas"))
-    except ImportError:
-        pass
-    for path in sys.path:
-        candidates += glob.glob(os.path.join(path, "nvidia", "cuda_nvcc", "bin", "ptxas"))
-    return candidates[0] if candidates else None
+pallas_triton_lowering.lower_jaxpr_to_triton_module = _lower_and_keep
 
 
-def ptxas_usage(ptx: str, ptxas: str) -> dict:
-    """Registers per thread and spill bytes of `ptx`, from `ptxas -v`."""
-    target = re.search(r"^\.target\s+(\S+)", ptx, re.M)
-    arch = target.group(1).rstrip(",") if target else "sm_90a"
+def triton_usage(ttir: str, num_warps: int, num_stages: int) -> dict:
+    """Registers, spills and shared memory of one Triton IR module compiled for this GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    major, minor = (int(x) for x in jax.devices()[0].compute_capability.split("."))
     with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "kernel.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        proc = subprocess.run([ptxas, f"-arch={arch}", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
-                              capture_output=True, text=True, timeout=600)
-    text = proc.stdout + proc.stderr
-    usage = {"arch": arch}
-    for key, pattern in (("registers", r"Used (\d+) registers"),
-                         ("spill_store_bytes", r"(\d+) bytes spill stores"),
-                         ("spill_load_bytes", r"(\d+) bytes spill loads"),
-                         ("stack_frame_bytes", r"(\d+) bytes stack frame")):
-        match = re.search(pattern, text)
-        usage[key] = int(match.group(1)) if match else None
-    if proc.returncode != 0:
-        usage["ptxas_error"] = text.strip().splitlines()[-1][:200] if text.strip() else "failed"
-    return usage
+        path = os.path.join(tmp, "kernel.ttir")
+        with open(path, "w") as f:
+            f.write(ttir)
+        kernel = triton.compile(path, target=GPUTarget("cuda", 10 * major + minor, 32),
+                                options={"num_warps": num_warps, "num_stages": num_stages})
+        kernel._init_handles()
+    return {"registers": kernel.n_regs, "spilled_registers": kernel.n_spills,
+            "shared_bytes": kernel.metadata.shared,
+            "shared_fits": kernel.metadata.shared <= SHARED_LIMIT}
 
 
 def F(bm, bn, bd, bdv, w, st, mode):
@@ -133,7 +100,7 @@ VARIANTS = [
 
 
 def lower_variant(d: int, kernel: str, cfg, n: int) -> None:
-    """Trace and lower one kernel at B=1, H=32, T=S=n (lowering compiles the Triton)."""
+    """Lower one kernel at B=1, H=32, T=S=n for this GPU (this runs Pallas' lowering)."""
     shape = jax.ShapeDtypeStruct((1, n, 32, d), jnp.bfloat16)
     stats = jax.ShapeDtypeStruct((1, 32, n), jnp.float32)
     kw = dict(scale=1.0 / math.sqrt(d), causal=False, config=cfg)
@@ -151,46 +118,36 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--seqlen", type=int, default=4096)
     args = parser.parse_args()
-    if not _install_hook():
-        print("this jax has no in-process Triton compile hook", file=sys.stderr)
-        return 2
-    ptxas = _ptxas()
-    results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "ptxas": ptxas,
+    results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                "shared_limit_bytes": SHARED_LIMIT, "records": []}
+    try:
+        import triton
+        results["triton"] = triton.__version__
+    except ImportError:
+        print("needs the triton package", file=sys.stderr)
+        return 2
     for label, d, kernel, cfg in VARIANTS:
-        record = {"label": label, "headdim": d, "kernel": kernel, **dataclass_dict(cfg)}
+        record = {"label": label, "headdim": d, "kernel": kernel, **vars(cfg)}
         _caught.clear()
         try:
             lower_variant(d, kernel, cfg, args.seqlen)
-        except Exception as exc:  # noqa: BLE001 - a variant that fails to lower is a finding
-            record["status"] = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        kernels = []
-        for item in _caught:
-            name = re.search(r"^\.(?:visible\s+)?\.entry\s+(\w+)", item["ptx"], re.M)
-            entry = {"name": name.group(1) if name else "?", "smem_bytes": item["smem"],
-                     "fits": item["smem"] <= SHARED_LIMIT}
-            if ptxas and item["ptx"]:
-                entry.update(ptxas_usage(item["ptx"], ptxas))
-            kernels.append(entry)
-        record["kernels"] = kernels
-        record.setdefault("status", "lowered" if kernels else "no kernel caught")
+            if len(_caught) != 1:
+                raise RuntimeError(f"{len(_caught)} Triton modules caught, expected 1")
+            record.update(triton_usage(_caught[0], cfg.num_warps, cfg.num_stages))
+            record["status"] = "ok"
+        except Exception as exc:  # noqa: BLE001 - a variant that fails to compile is a finding
+            record["status"] = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:240]
         results["records"].append(record)
         print(json.dumps(record), flush=True)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    print("\nlabel | D | kernel | regs/thread | spill st/ld B | smem KiB | fits")
+    print("\nlabel | D | regs/thread | spilled | shared KiB | fits | status")
     for r in results["records"]:
-        for k in r["kernels"]:
-            print(f"{r['label']} | {r['headdim']} | {k['name'][:28]} | {k.get('registers')} | "
-                  f"{k.get('spill_store_bytes')}/{k.get('spill_load_bytes')} | "
-                  f"{k['smem_bytes'] / 1024:.0f} | {k['fits']}")
-        if not r["kernels"]:
-            print(f"{r['label']} | {r['headdim']} | {r['status']}")
+        shared = r.get("shared_bytes")
+        print(f"{r['label']} | {r['headdim']} | {r.get('registers')} | {r.get('spilled_registers')} | "
+              f"{'-' if shared is None else round(shared / 1024)} | {r.get('shared_fits')} | "
+              f"{r['status'][:60]}")
     return 0
-
-
-def dataclass_dict(cfg) -> dict:
-    return {k: v for k, v in vars(cfg).items()}
 
 
 if __name__ == "__main__":
