@@ -117,8 +117,6 @@ def _pallas_mgpu(case: BenchCase, interpret: bool):
     """jax.experimental.pallas.ops.gpu.attention_mgpu.attention (Mosaic GPU, Hopper)."""
     if interpret:
         raise Unsupported("a Mosaic GPU kernel: needs a Hopper GPU, no interpreter")
-    if case.dtype not in ("bf16", "fp16"):
-        raise Unsupported("bf16/fp16 only")
     if case.d != case.dv or case.d % 64:
         raise Unsupported("needs D == Dv and D a multiple of 64")
     if case.mask is not None or case.bias is not None or case.dropout:
@@ -127,6 +125,10 @@ def _pallas_mgpu(case: BenchCase, interpret: bool):
         raise Unsupported("causal only with T == S and forward only")
     if case.t % 128 or case.s % 128:
         raise Unsupported("T and S must be multiples of 128")
+    if case.dtype != "fp16":
+        # Measured on jax 0.11.2 (H200, 2026-11-22): fp16 runs; bf16 inputs stop inside
+        # the kernel on a bfloat16 -> float16 dtype mismatch.
+        raise Unsupported("float16 only (jax 0.11.2's kernel fails on bf16 inputs)")
     try:
         from jax.experimental.pallas.ops.gpu import attention_mgpu
     except Exception as exc:  # not in every jax build
