@@ -182,20 +182,25 @@ class _Tile:
         bm, bn = cfg.block_m, cfg.block_n
         rows = q_start + iota(bm)
         cols = kv_start + iota(bn)
+        qk_scale = st.scale * st.score_unit
+        per_chunk = common.rounds_per_chunk(self.refs["q"].dtype)
+        # As in the forward: unscaled scores, and one fused s·scale - lse per element.
+        fold = common.folds_scale(st, per_chunk=per_chunk)
         s = common.contract_chunks(q_chunk, k_chunk, _n_chunks(st, st.head_dim),
                                    dynamic=cfg.dynamic, shape=(bm, bn),
-                                   scale=st.scale * st.score_unit,
-                                   round_per_chunk=common.rounds_per_chunk(
-                                       self.refs["q"].dtype),
-                                   compensated=st.natural)
+                                   scale=None if fold else qk_scale,
+                                   round_per_chunk=per_chunk, compensated=st.natural)
         s = common.bias_and_masks(s, st, self.refs.get("bias"), self.refs.get("mask"), self.b, h,
                                   q_start, kv_start, rows, cols, causal_mask=causal_mask,
                                   with_mask=with_mask, mask_rows=True)
         hi, lo = row_lse
-        diff = s - hi[:, None]  # exact near the row's max
-        if lo is not None:
-            diff = diff - lo[:, None]
-        p = jnp.exp2(st.exp2_arg(diff))
+        if fold:
+            p = st.exp2(common.fma(s, qk_scale, -hi[:, None]))
+        else:
+            diff = s - hi[:, None]  # exact near the row's max
+            if lo is not None:
+                diff = diff - lo[:, None]
+            p = st.exp2(st.exp2_arg(diff))
         keep = None
         if st.dropout_rate > 0:
             keep = common.dropout_keep(st, self.refs["seed"], self.b, h, rows, kv_start, bn)

@@ -68,6 +68,28 @@ class KernelStatic:
         small difference, not the score, costs no rounding at the score's magnitude."""
         return x * LOG2E if self.natural else x
 
+    def exp2(self, x):
+        """2^x of a float32 tile, as the softmax uses it.
+
+        Pallas lowers `jnp.exp2` to libdevice's `__nv_exp2f`. Without flush-to-zero,
+        that is a denormal-range fix-up around the MUFU instruction. 16-bit kernels on
+        the GPU use the single instruction `ex2.approx.ftz.f32` instead, as Triton's own
+        `tl.math.exp2` does. Its results below 2^-126 become 0, invisible next to a row's
+        max term of 1, and its relative error is about 2^-22, far below a 16-bit output's
+        2^-8. float32 kernels and the interpreter keep `jnp.exp2`, whose
+        gradients were checked against XLA's in the GPU fuzz."""
+        if self.interpret or self.natural:
+            return jnp.exp2(x)
+        return fast_exp2(x)
+
+
+def fast_exp2(x: jax.Array) -> jax.Array:
+    """2^x with the GPU's `ex2.approx.ftz.f32` (Triton kernels only; float32 in and out)."""
+    [y] = plgpu.elementwise_inline_asm(
+        "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+    return y
+
 
 def natural_units(dtype) -> bool:
     """Whether kernels on `dtype` inputs keep natural-log scores (float32)."""
@@ -363,17 +385,46 @@ def add_bias(s, bias, st: KernelStatic):
     return s + (bias if st.natural else bias * LOG2E)
 
 
-def online_softmax_step(s, m_i, l_i, st: KernelStatic):
+def online_softmax_step(s, m_i, l_i, st: KernelStatic, *, raw_scale: float | None = None):
     """One KV block of the online softmax, scores `s` [bm, bn] in `st.score_unit`s:
     (new row max, unnormalised p = e^(s - max), rescale factor for the running
-    sums, new row sum). The row statistics are the undropped ones."""
-    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+    sums, new row sum). The row statistics are the undropped ones.
+
+    With `raw_scale` (see `folds_scale`), `s` is the unscaled q·kᵀ (masked with -inf)
+    and the scale is applied inside: the row max scales per row, and each element
+    takes one fused multiply-add, s·scale - max, instead of a multiply and a subtract."""
+    if raw_scale is None:
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+    else:
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1) * raw_scale)
     # A row with no visible key so far keeps m = -inf; subtracting 0 instead
     # keeps exp2 at exactly 0 for it and never produces NaN.
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.exp2(st.exp2_arg(s - m_use[:, None]))
-    alpha = jnp.exp2(st.exp2_arg(m_i - m_use))
+    if raw_scale is None:
+        p = st.exp2(st.exp2_arg(s - m_use[:, None]))
+    else:
+        p = st.exp2(fma(s, raw_scale, -m_use[:, None]))
+    alpha = st.exp2(st.exp2_arg(m_i - m_use))
     return m_new, p, alpha, l_i * alpha + jnp.sum(p, axis=1)
+
+
+def folds_scale(st: KernelStatic, *, per_chunk: bool) -> bool:
+    """Whether a forward can hand `online_softmax_step` unscaled scores (`raw_scale`):
+    16-bit kernels on the GPU without a bias (a bias is added in score units) and
+    without per-chunk rounding (which scales each chunk's product)."""
+    return not (st.interpret or st.natural or per_chunk or st.bias_shape is not None)
+
+
+def fma(a: jax.Array, b: float, c: jax.Array) -> jax.Array:
+    """a·b + c rounded once (`fma.rn.f32`; Triton kernels only): a [m, n], b a Python
+    float, c broadcastable to a. Written out because Pallas' lowering does not
+    contract a multiply and an add into one instruction."""
+    c = jnp.broadcast_to(c, a.shape)
+    [y] = plgpu.elementwise_inline_asm(
+        "fma.rn.f32 $0, $1, $2, $3;",
+        args=[a, jnp.broadcast_to(jnp.float32(b), a.shape), c], constraints="=r,r,r,r",
+        pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
+    return y
 
 
 def row_lse(m_i, l_safe, has_keys, st: KernelStatic):

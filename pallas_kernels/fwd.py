@@ -98,6 +98,7 @@ def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool):
     v_start = v_slice * bdv
     rows = q_start + iota(bm)
     qk_scale = st.scale * st.score_unit
+    raw_scale = qk_scale if common.folds_scale(st, per_chunk=per_chunk) else None
 
     resident_q = None
     if cfg.q_mode == "resident":
@@ -106,7 +107,8 @@ def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool):
                       for c in range(_n_dchunks(st))]
 
     def scores(kv_start):
-        """scale·q·kᵀ in score units for one KV block, [bm, bn] float32."""
+        """scale·q·kᵀ in score units for one KV block, [bm, bn] float32 (q·kᵀ unscaled
+        when the softmax step folds the scale in: `raw_scale`)."""
         def q_chunk_at(c):
             if resident_q is not None:
                 return resident_q[c]
@@ -119,7 +121,8 @@ def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool):
 
         return common.contract_chunks(q_chunk_at, k_chunk_at, _n_dchunks(st),
                                       dynamic=cfg.q_mode == "dynamic", shape=(bm, bn),
-                                      scale=qk_scale, round_per_chunk=per_chunk,
+                                      scale=qk_scale if raw_scale is None else None,
+                                      round_per_chunk=per_chunk,
                                       compensated=st.natural)
 
     def visit(kv_block, carry, *, causal_mask: bool, with_mask: bool):
@@ -136,7 +139,7 @@ def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool):
                                   kv_start, rows, cols, causal_mask=causal_mask,
                                   with_mask=with_mask)
 
-        m_new, p, alpha, l_i = common.online_softmax_step(s, m_i, l_i, st)
+        m_new, p, alpha, l_i = common.online_softmax_step(s, m_i, l_i, st, raw_scale=raw_scale)
         if seed_ref is not None:
             # Dropped after the statistics: lse stays the undropped normaliser.
             p = jnp.where(common.dropout_keep(st, seed_ref, b, h, rows, kv_start, bn), p, 0.0)
