@@ -77,10 +77,21 @@ class KernelStatic:
         `tl.math.exp2` does. Its results below 2^-126 become 0, invisible next to a row's
         max term of 1, and its relative error is about 2^-22, far below a 16-bit output's
         2^-8. float32 kernels and the interpreter keep `jnp.exp2`, whose
-        gradients were checked against XLA's in the GPU fuzz."""
-        if self.interpret or self.natural:
+        gradients were checked against XLA's in the GPU fuzz. So do head dims above 256
+        (see `fast_softmax`)."""
+        if not self.fast_softmax:
             return jnp.exp2(x)
         return fast_exp2(x)
+
+    @property
+    def fast_softmax(self) -> bool:
+        """Whether the softmax uses `fast_exp2` and `fma` (16-bit, on the GPU, head dims
+        up to 256). These gave 2-13% at D = 64-256 on the H200 (docs/benchmarks.md).
+        At D = 512 the forward took 4.39 ms with them, against 4.14-4.24 ms before.
+        That kernel already spills at 255 registers, so D > 256 keeps the plain
+        operations."""
+        return (not self.interpret and not self.natural
+                and max(self.head_dim, self.head_dim_v) <= 256)
 
 
 def fast_exp2(x: jax.Array) -> jax.Array:
@@ -409,10 +420,10 @@ def online_softmax_step(s, m_i, l_i, st: KernelStatic, *, raw_scale: float | Non
 
 
 def folds_scale(st: KernelStatic, *, per_chunk: bool) -> bool:
-    """Whether a forward can hand `online_softmax_step` unscaled scores (`raw_scale`):
-    16-bit kernels on the GPU without a bias (a bias is added in score units) and
-    without per-chunk rounding (which scales each chunk's product)."""
-    return not (st.interpret or st.natural or per_chunk or st.bias_shape is not None)
+    """Whether a kernel can hand its softmax unscaled scores (`raw_scale`): where
+    `st.fast_softmax`, without a bias (a bias is added in score units) and without
+    per-chunk rounding (which scales each chunk's product)."""
+    return st.fast_softmax and not per_chunk and st.bias_shape is None
 
 
 def fma(a: jax.Array, b: float, c: jax.Array) -> jax.Array:
