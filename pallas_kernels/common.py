@@ -421,9 +421,11 @@ def online_softmax_step(s, m_i, l_i, st: KernelStatic, *, raw_scale: float | Non
 
 def folds_scale(st: KernelStatic, *, per_chunk: bool) -> bool:
     """Whether a kernel can hand its softmax unscaled scores (`raw_scale`): where
-    `st.fast_softmax`, without a bias (a bias is added in score units) and without
-    per-chunk rounding (which scales each chunk's product)."""
-    return st.fast_softmax and not per_chunk and st.bias_shape is None
+    `st.fast_softmax`, without a bias (a bias is added in score units), without
+    per-chunk rounding (which scales each chunk's product), and with a positive scale
+    (only then is max(s)·scale the max of the scaled scores; a zero scale would also
+    turn masked -inf scores into NaN)."""
+    return st.fast_softmax and not per_chunk and st.bias_shape is None and st.scale > 0
 
 
 def fma(a: jax.Array, b: float, c: jax.Array) -> jax.Array:

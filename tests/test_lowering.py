@@ -18,7 +18,7 @@ sd = jax.ShapeDtypeStruct
 
 
 def lower_fwd(*, d, dv, causal=False, bias=False, mask=False, hq=4, hkv=2, t=300, s=257,
-              dtype=jnp.bfloat16, config=FwdConfig(), dropout=0.0, seed_words=2):
+              dtype=jnp.bfloat16, config=FwdConfig(), dropout=0.0, seed_words=2, scale=0.125):
     args = [sd((2, t, hq, d), dtype), sd((2, s, hkv, d), dtype), sd((2, s, hkv, dv), dtype),
             sd((seed_words,), jnp.uint32)]
     if bias:
@@ -30,7 +30,7 @@ def lower_fwd(*, d, dv, causal=False, bias=False, mask=False, hq=4, hkv=2, t=300
         b = rest[0] if bias else None
         m = rest[-1] if mask else None
         # float32 as the API runs it: with lse's low word.
-        return fwd_generic(q, k, v, b, m, scale=0.125, causal=causal, config=config,
+        return fwd_generic(q, k, v, b, m, scale=scale, causal=causal, config=config,
                            dropout_rate=dropout, seed=seed, lse_pair=dtype == jnp.float32)
 
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -44,6 +44,26 @@ def lower_fwd(*, d, dv, causal=False, bias=False, mask=False, hq=4, hkv=2, t=300
 def test_fwd_head_dims(d, q_mode):
     lower_fwd(d=d, dv=d, config=FwdConfig(block_m=64, block_n=64, block_d=64,
                                           block_dv=min(256, d), q_mode=q_mode))
+
+
+@pytest.mark.parametrize("dtype,d,scale,bias,fast,fused", [
+    (jnp.bfloat16, 64, 0.125, False, True, True),
+    (jnp.float16, 256, 0.125, False, True, True),
+    (jnp.bfloat16, 64, 0.125, True, True, False),    # a bias is added in score units
+    (jnp.bfloat16, 64, -0.125, False, True, False),  # max(s)·scale is the min if scale < 0
+    (jnp.bfloat16, 64, 0.0, False, True, False),     # -inf · 0 would be NaN
+    (jnp.bfloat16, 512, 0.125, False, False, False),  # D > 256 keeps the plain softmax
+    (jnp.float32, 64, 0.125, False, False, False),   # float32 keeps libdevice's exp2
+])
+def test_fast_softmax_only_where_it_is_exact(dtype, d, scale, bias, fast, fused):
+    """The one-instruction exp2 and the fused s·scale - max (`common.fast_softmax`,
+    `common.folds_scale`) appear in the kernel exactly where they are meant to."""
+    text = lower_fwd(d=d, dv=d, dtype=dtype, scale=scale, bias=bias,
+                     config=FwdConfig(block_m=64, block_n=64, block_d=64,
+                                      block_dv=min(256, d), q_mode="dynamic" if d > 256
+                                      else "resident"))
+    assert ("ex2.approx.ftz.f32" in text) == fast
+    assert ("fma.rn.f32" in text) == fused
 
 
 @pytest.mark.parametrize("d", [150, 1024])

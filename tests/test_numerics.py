@@ -238,6 +238,22 @@ def test_causal_more_queries_than_keys(path):
     assert np.any(out[:, cut:] != 0.0) and np.all(np.isfinite(lse[:, :, cut:]))
 
 
+@pytest.mark.parametrize("scale", [-0.3, 0.0])
+def test_negative_and_zero_scale(path, scale):
+    """scale is any finite float. A negative one turns the row max into the min of the
+    unscaled scores, and a zero one makes every visible logit 0, where -inf · 0 would be
+    NaN: the kernels that fold the scale into the softmax (16-bit on the GPU) must not
+    fold then. Causal with T > S gives empty rows and -inf scores."""
+    impl, mode = path
+    q, k, v, d_out, d_lse, _, _ = _inputs_a(5)
+    out, lse, grads = _check_path(impl, mode, q, k, v, None, None, d_out, d_lse,
+                                  scale=scale, causal=True)
+    cut = T_ - S_
+    assert np.all(out[:, :cut] == 0.0) and np.all(np.isfinite(lse[:, :, cut:]))
+    for g in (out, *grads[:3]):
+        assert not np.isnan(g).any()
+
+
 # ----------------------------------------------------------------------------- large logits
 
 
