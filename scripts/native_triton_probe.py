@@ -3,7 +3,7 @@
 Issue 7 allows a native Triton kernel behind the same API, but only with a measured
 gain. Before any integration work (jax_triton, tuning schema, tests), this probe
 measures the ceiling. It is a plain flash-attention forward written directly in
-Triton, in three variants:
+Triton, in four variants:
 
 - `ptr`: pointer loads, the same primitives Pallas' Triton lowering emits;
 - `tma`: host-built TMA tensor descriptors for the Q/K/V/O tiles;
