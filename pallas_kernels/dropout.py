@@ -26,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.pallas import triton as plgpu
+from pallas_kernels import ptx
 
 # Philox-4x32 round multipliers and Weyl key increments (Salmon et al., SC'11).
 _M0 = 0xD2511F53
@@ -75,11 +75,8 @@ def mulhi_limbs(a: jax.Array, m: int) -> jax.Array:
 
 def mulhi_ptx(a: jax.Array, m: int) -> jax.Array:
     """High 32 bits of a·m with the GPU's own instruction (Triton kernels only)."""
-    [hi] = plgpu.elementwise_inline_asm(
-        "mul.hi.u32 $0, $1, $2;", args=[a, jnp.broadcast_to(_c(m), a.shape)],
-        constraints="=r,r,r", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.int32)])
-    return hi
+    return ptx.elementwise("mul.hi.u32 $0, $1, $2;", a, jnp.broadcast_to(_c(m), a.shape),
+                           dtype=jnp.int32)
 
 
 def philox4x32(c0, c1, c2, c3, k0, k1, *, mulhi=mulhi_limbs):

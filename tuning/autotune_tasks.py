@@ -154,7 +154,9 @@ def build_tasks(*, directions: Iterable[str], dtypes: Iterable[str], batch: int,
                     add("forward", FORWARD_KERNELS, **fields)
                     # A float32 backward computes δ in bwd_exact_rows (it borrows dq's
                     # config), so bwd_preproc is not run there.
-                    add("backward", BACKWARD_KERNELS[dtype == "fp32":], **fields)
+                    add("backward", tuple(k for k in BACKWARD_KERNELS
+                                          if not (dtype == "fp32" and k == "bwd_preproc")),
+                        **fields)
                 if not full_tasks:
                     continue
                 variants = [("attn-mask", heads, True, False), ("dropout", heads, False, True)]
