@@ -126,8 +126,10 @@ def extra_tile_bytes(bias_shape, mask_shape, bias_dtype, *, block_m: int, block_
                      dropout: bool) -> int:
     """Bytes per KV step that a bias tile, a mask tile and the dropout generator add to a
     [block_m, block_n] score tile's pipelined loads (0 for a plain call). Broadcast dims
-    of bias/mask load one element along them. The dropout generator's layout shuffles
-    are counted as one float32 tile."""
+    of bias/mask load one element along them. Dropout is allowed one float32 tile: what
+    its generator needed while its interleave went through shared memory (before
+    2026-11-22; it now permutes registers only), kept because the dropout launch
+    defaults were measured with it."""
     total = 0
     for shape, itemsize in ((bias_shape, None if bias_dtype is None
                              else jnp.dtype(bias_dtype).itemsize), (mask_shape, 1)):

@@ -3,16 +3,21 @@
 The keep decision for score element (b, h, i, j) is a pure function of a 64-bit
 seed (two uint32 words) and of (b, h, i, j):
 
-    words = philox4x32_10(counter=(j // 8, i, h, b), key=(seed0, seed1))
-    t     = j % 8
-    u     = 16-bit half (t % 2) of words[t // 2]        (0 = low half)
+    j     = 32·c + 8·a + 2·q + p          (c >= 0; a, q in 0..3; p in 0..1)
+    words = philox4x32_10(counter=(4·c + q, i, h, b), key=(seed0, seed1))
+    u     = 16-bit half p of words[a]      (0 = low half)
     keep  = u >= threshold,   threshold = round(rate · 2^16)
 
-One Philox call serves 8 neighbouring columns, 16 bits each: the keep
-probability is 1 - threshold / 2^16 (within 2^-17 of 1 - rate), and the
-generator costs an eighth of a call per score element. Nothing here depends on
-block sizes or the grid, so every kernel (and `keep_mask_reference`) that asks
-about (b, h, i, j) gets the same answer.
+One Philox call serves 8 columns, 16 bits each: the keep probability is
+1 - threshold / 2^16 (within 2^-17 of 1 - rate), and the generator costs an
+eighth of a call per score element. The 8 columns of a call, {32c + 8a + 2q + p},
+are the ones a single GPU thread holds in a row of the matrix-multiply
+accumulator's layout (columns 2q and 2q + 1 of every group of 8), so arranging a
+call's draws into the score tile permutes registers and never moves data between
+threads. (Serving 8 neighbouring columns instead sent every draw through shared
+memory: 24 stores, 19 loads and 5 barriers per step of the D=128 forward.)
+Nothing here depends on block sizes or the grid, so every kernel (and
+`keep_mask_reference`) that asks about (b, h, i, j) gets the same answer.
 
 All arithmetic is on int32 holding the uint32 bit patterns (products and sums
 wrap identically; right shifts are logical), because Triton's lowering wants
@@ -34,7 +39,7 @@ _M1 = 0xCD9E8D57
 _W0 = 0x9E3779B9
 _W1 = 0xBB67AE85
 ROUNDS = 10
-COLUMNS_PER_CALL = 8  # 4 words x 2 halves of 16 bits
+CHUNK = 32  # columns served by 4 neighbouring counters: 4 calls x 4 words x 2 halves
 _U16 = 1 << 16
 
 
@@ -73,26 +78,41 @@ def mulhi_limbs(a: jax.Array, m: int) -> jax.Array:
     return a_hi * m_hi + _shr(hi_lo, 16) + _shr(cross, 16)
 
 
-def mulhi_ptx(a: jax.Array, m: int) -> jax.Array:
-    """High 32 bits of a·m with the GPU's own instruction (Triton kernels only)."""
-    return ptx.elementwise("mul.hi.u32 $0, $1, $2;", a, jnp.broadcast_to(_c(m), a.shape),
-                           dtype=jnp.int32)
+def mulhilo_limbs(a: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+    """(high, low) 32 bits of a·m (unsigned) in plain integer arithmetic."""
+    return mulhi_limbs(a, m), a * _c(m)
 
 
-def philox4x32(c0, c1, c2, c3, k0, k1, *, mulhi=mulhi_limbs):
+def mulhilo_ptx(a: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+    """(high, low) 32 bits of a·m: `mul.hi.u32` for the high word (Triton kernels only)."""
+    hi = ptx.elementwise("mul.hi.u32 $0, $1, $2;", a, jnp.broadcast_to(_c(m), a.shape),
+                         dtype=jnp.int32)
+    return hi, a * _c(m)
+
+
+def philox4x32(c0, c1, c2, c3, k0, k1, *, mulhilo=mulhilo_limbs):
     """Philox-4x32-10 of counter (c0..c3) under key (k0, k1), as int32-held uint32 bits;
-    arguments broadcastable (see `as_bits`)."""
+    arguments broadcastable (see `as_bits`), words returned at their broadcast shape.
+
+    Nothing is broadcast before it has to be: in a kernel tile the counter words are a
+    column vector, a row vector and two scalars, and the first rounds multiply those
+    small operands, so only 15 of the 20 products run at the tile's full size.
+    `mulhilo` gives (high, low) words of a product; scalars always take the limbs.
+    """
     c0, c1, c2, c3, k0, k1 = (as_bits(x) for x in (c0, c1, c2, c3, k0, k1))
     shape = jnp.broadcast_shapes(*(jnp.shape(x) for x in (c0, c1, c2, c3)))
-    c0, c1, c2, c3 = (jnp.broadcast_to(x, shape) for x in (c0, c1, c2, c3))
+
+    def product(a, m):
+        return (mulhilo_limbs if a.size == 1 else mulhilo)(a, m)
+
     for r in range(ROUNDS):
         if r:
             k0 = k0 + _c(_W0)
             k1 = k1 + _c(_W1)
-        hi0, lo0 = mulhi(c0, _M0), c0 * _c(_M0)
-        hi1, lo1 = mulhi(c2, _M1), c2 * _c(_M1)
+        hi0, lo0 = product(c0, _M0)
+        hi1, lo1 = product(c2, _M1)
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-    return c0, c1, c2, c3
+    return tuple(jnp.broadcast_to(x, shape) for x in (c0, c1, c2, c3))
 
 
 def _join_last(x: jax.Array, y: jax.Array) -> jax.Array:
@@ -100,45 +120,50 @@ def _join_last(x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.concatenate([x[..., None], y[..., None]], axis=-1)
 
 
-def draws_tile(seed0, seed1, b, h, rows: jax.Array, col_start, n_cols: int, *,
-               on_gpu: bool) -> jax.Array:
-    """The 16-bit draws (int32 in [0, 2^16)) of columns [col_start, col_start + n_cols)
-    for query rows `rows` [m] of head h (a scalar, or [m]: each row's head), batch b:
-    [m, n_cols]. col_start and n_cols
-    must be multiples of 8 (true for every kernel tile)."""
-    groups = n_cols // COLUMNS_PER_CALL
-    c0 = jnp.asarray(col_start, jnp.int32) // COLUMNS_PER_CALL + jnp.arange(groups,
-                                                                            dtype=jnp.int32)
-    h = jnp.asarray(h, jnp.int32)
-    h = h[:, None] if h.ndim == 1 else h  # one head per row (decode's packed GQA rows)
-    w = philox4x32(c0[None, :], rows.astype(jnp.int32)[:, None], h, b, seed0, seed1,
-                   mulhi=mulhi_ptx if on_gpu else mulhi_limbs)
-    # words[2a + b'] at [..., a, b'], then halves at [..., a, b', c]: column 8g + 4a + 2b' + c
-    # is half c of word 2a + b' = (t // 2), half t % 2, as the module docstring says.
-    words = _join_last(_join_last(w[0], w[2]), _join_last(w[1], w[3]))
-    halves = _join_last(words & _c(0xFFFF), _shr(words, 16))
-    return halves.reshape(rows.shape[0], n_cols)
+def _keep_halves(word: jax.Array, threshold: int) -> jax.Array:
+    """[..., n] words -> bool [..., n, 2]: keep flags of their low and high 16-bit halves."""
+    return _join_last((word & _c(0xFFFF)) >= threshold, _shr(word, 16) >= threshold)
 
 
 def keep_tile(seed_ref, b, h, rows: jax.Array, col_start, n_cols: int, *, rate: float,
               on_gpu: bool) -> jax.Array:
-    """Kernel side: bool [len(rows), n_cols], True = keep. `seed_ref` holds the seed's
-    two words as int32 bit patterns (see `as_bits`)."""
-    draws = draws_tile(seed_ref[0], seed_ref[1], b, h, rows, col_start, n_cols, on_gpu=on_gpu)
-    return draws >= jnp.int32(keep_threshold(rate))
+    """Kernel side: bool [len(rows), n_cols], True = keep, for columns [col_start,
+    col_start + n_cols) of query rows `rows` [m] of head h (a scalar, or [m]: each row's
+    head) in batch b. `seed_ref` holds the seed's two words as int32 bit patterns (see
+    `as_bits`). n_cols is a multiple of 32 or 16 and col_start a multiple of n_cols (true
+    for every kernel tile); a 16-wide tile computes its chunk's 4 calls and keeps 2 words."""
+    m = rows.shape[0]
+    chunks = max(1, n_cols // CHUNK)
+    col_start = jnp.asarray(col_start, jnp.int32)
+    c0 = (col_start // CHUNK) * 4 + jnp.arange(4 * chunks, dtype=jnp.int32)
+    h = jnp.asarray(h, jnp.int32)
+    h = h[:, None] if h.ndim == 1 else h  # one head per row (decode's packed GQA rows)
+    w = philox4x32(c0[None, :], rows.astype(jnp.int32)[:, None], h, b, seed_ref[0],
+                   seed_ref[1], mulhilo=mulhilo_ptx if on_gpu else mulhilo_limbs)
+    threshold = keep_threshold(rate)
+    if n_cols % CHUNK:  # 16 columns: words a = 0, 1 or a = 2, 3 of the chunk
+        upper = (col_start // (CHUNK // 2)) % 2 == 1
+        w = [jnp.where(upper, w[2], w[0]), jnp.where(upper, w[3], w[1])]
+        x = [_keep_halves(word, threshold).reshape(m, 1, 4, 2) for word in w]
+        y = _join_last(x[0], x[1])  # [m, c, q, p, a]
+        return jnp.transpose(y, (0, 1, 4, 2, 3)).reshape(m, n_cols)
+    x = [_keep_halves(word, threshold).reshape(m, chunks, 4, 2) for word in w]
+    y = _join_last(_join_last(x[0], x[1]), _join_last(x[2], x[3]))  # [m, c, q, p, a%2, a//2]
+    return jnp.transpose(y, (0, 1, 5, 4, 2, 3)).reshape(m, n_cols)
 
 
 def keep_mask_reference(seed: jax.Array, shape: tuple[int, int, int, int],
                         rate: float) -> jax.Array:
     """Plain JAX: the keep-mask bool[B, H, T, S] every kernel applies for this seed."""
     batch, heads, seq_q, seq_k = shape
-    groups = -(-seq_k // COLUMNS_PER_CALL)
+    chunks = -(-seq_k // CHUNK)
     seed = as_bits(seed)
-    c0 = jnp.arange(groups, dtype=jnp.int32)[None, None, None, :]
+    c0 = jnp.arange(4 * chunks, dtype=jnp.int32)[None, None, None, :]
     c1 = jnp.arange(seq_q, dtype=jnp.int32)[None, None, :, None]
     c2 = jnp.arange(heads, dtype=jnp.int32)[None, :, None, None]
     c3 = jnp.arange(batch, dtype=jnp.int32)[:, None, None, None]
-    words = jnp.stack(philox4x32(c0, c1, c2, c3, seed[0], seed[1]), axis=-1)  # [..., g, 4]
-    halves = jnp.stack([words & _c(0xFFFF), _shr(words, 16)], axis=-1)  # [..., g, 4, 2]
-    draws = halves.reshape(batch, heads, seq_q, groups * COLUMNS_PER_CALL)[..., :seq_k]
-    return draws >= jnp.int32(keep_threshold(rate))
+    words = jnp.stack(philox4x32(c0, c1, c2, c3, seed[0], seed[1]), axis=-1)  # [.., 4c+q, a]
+    halves = jnp.stack([words & _c(0xFFFF), _shr(words, 16)], axis=-1)  # [.., 4c+q, a, p]
+    halves = halves.reshape(batch, heads, seq_q, chunks, 4, 4, 2)  # [.., c, q, a, p]
+    draws = jnp.swapaxes(halves, -3, -2).reshape(batch, heads, seq_q, chunks * CHUNK)
+    return draws[..., :seq_k] >= jnp.int32(keep_threshold(rate))

@@ -19,7 +19,7 @@ from ffpa_jax.dropout import seed_from_key
 from ffpa_jax.reference import mha_reference
 from ffpa_jax.validation import as_4d
 from pallas_kernels import (BwdConfig, FwdConfig, bwd_generic_dkdv, bwd_preproc, fwd_generic)
-from pallas_kernels.dropout import keep_threshold
+from pallas_kernels.dropout import keep_threshold, philox4x32
 
 RATE = 0.3
 
@@ -310,3 +310,38 @@ def test_vmap_over_a_leading_axis_matches_a_loop(kernel_mode):
     for i in range(3):
         np.testing.assert_allclose(np.asarray(batched[i]), np.asarray(f(qs[i])), rtol=1e-6,
                                    atol=1e-7)
+
+
+# Random123's known-answer vectors for Philox-4x32-10 (kat_vectors in the Random123
+# distribution): (counter, key) -> output words.
+PHILOX_KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("counter,key,expected", PHILOX_KAT)
+def test_philox_matches_random123_known_answers(counter, key, expected):
+    words = philox4x32(*(np.uint32(x) for x in counter), *(np.uint32(x) for x in key))
+    got = tuple(int(np.asarray(w).view(np.uint32)) for w in words)
+    assert got == expected
+
+
+def test_mask_follows_the_documented_counter_layout():
+    """Element (b, h, i, j) with j = 32c + 8a + 2q + p is half p of word a of the Philox
+    call at counter (4c + q, i, h, b): computed here one element at a time from that
+    formula, against the whole mask of `dropout_mask`."""
+    shape, rate = (2, 3, 9, 77), 0.37
+    key = jax.random.key(20261122)
+    mask = np.asarray(ffpa_jax.dropout_mask(key, shape, rate))
+    seed = np.asarray(seed_from_key(key))
+    rng = np.random.default_rng(5)
+    for _ in range(40):
+        b, h, i, j = (int(rng.integers(n)) for n in shape)
+        c, a, q, p = j // 32, (j % 32) // 8, (j % 8) // 2, j % 2
+        words = philox4x32(np.uint32(4 * c + q), np.uint32(i), np.uint32(h), np.uint32(b),
+                           seed[0], seed[1])
+        half = (int(np.asarray(words[a]).view(np.uint32)) >> (16 * p)) & 0xFFFF
+        assert mask[b, h, i, j] == (half >= keep_threshold(rate)), (b, h, i, j)

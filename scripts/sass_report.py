@@ -1,0 +1,133 @@
+"""SASS of the Pallas/Triton kernels without a GPU: opcode counts of the hot loop.
+
+Lowers a kernel variant for CUDA on any machine (as `attention` would lower it),
+catches the Triton IR Pallas builds (the hook of `kernel_resources.py`), compiles it
+for sm_90a with the `triton` package (3.6, whose bundled ptxas and cuobjdump need no
+GPU), and prints per kernel: registers, spills, and the opcode histogram of its
+innermost hot loop (the largest backward-branch body). This is how a kernel change
+is predicted before device time is spent on it (METHOD.md: count first).
+
+    python scripts/sass_report.py --kernel fwd --headdim 128 [--dropout 0.1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+import kernel_resources as kr  # installs the Triton-IR hook
+from pallas_kernels import BwdConfig, FwdConfig, bwd_generic_dkdv, bwd_generic_dq, fwd_generic
+from tuning import default_config
+
+_LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def compile_offline(ttir: str, num_warps: int, num_stages: int, capability: int = 90) -> bytes:
+    """cubin of one Triton IR module for sm_<capability> (no driver needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ttir")
+        with open(path, "w") as f:
+            f.write(ttir)
+        kernel = triton.compile(path, target=GPUTarget("cuda", capability, 32),
+                                options={"num_warps": num_warps, "num_stages": num_stages})
+        return kernel.asm["cubin"]
+
+
+def _tool(name: str) -> str:
+    import triton
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def sass_report(cubin: bytes) -> dict:
+    """Registers, spill stores and the hot loop's opcode histogram of a cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True,
+                              text=True, check=True).stdout
+        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+    instrs = []  # (address, opcode, operands)
+    for line in sass.splitlines():
+        m = _LINE.match(line)
+        if m:
+            instrs.append((int(m.group(1), 16), m.group(3), m.group(4)))
+    loops = []  # (body length, start index, end index) of each backward branch
+    for i, (addr, op, rest) in enumerate(instrs):
+        target = re.search(r"`?\(?\.L_x_\d+\)?|0x([0-9a-f]+)", rest)
+        if op.startswith("BRA") and target and target.group(1):
+            dest = int(target.group(1), 16)
+            if dest < addr:
+                start = next(j for j, x in enumerate(instrs) if x[0] >= dest)
+                loops.append((i - start + 1, start, i))
+    regs = re.search(r"REG:(\d+)", usage)
+    local = re.search(r"LOCAL:(\d+)", usage)
+    report = {"registers": int(regs.group(1)) if regs else None,
+              "local_bytes": int(local.group(1)) if local else None,
+              "instructions": len(instrs)}
+    if loops:
+        n, start, end = max(loops)
+        ops = collections.Counter(op.split(".")[0] for _, op, _ in instrs[start:end + 1])
+        report["loop_instructions"] = n
+        report["loop_opcodes"] = dict(ops.most_common())
+    return report
+
+
+def lower(kernel: str, d: int, dropout: float, causal: bool, n: int, cfg=None):
+    """Lower one kernel at B=1, H=32, T=S=n; returns its launch config."""
+    shape = jax.ShapeDtypeStruct((1, n, 32, d), jnp.bfloat16)
+    stats = jax.ShapeDtypeStruct((1, 32, n), jnp.float32)
+    seed = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    name = {"fwd": "fwd_generic", "dq": "bwd_generic_dq", "dkdv": "bwd_generic_dkdv"}[kernel]
+    if cfg is None:
+        tuned = default_config(name, headdim=d, has_dropout=dropout > 0)
+        cfg = (FwdConfig if kernel == "fwd" else BwdConfig).from_tuned(tuned)
+    kw = dict(scale=1.0 / math.sqrt(d), causal=causal, config=cfg, dropout_rate=dropout)
+    if kernel == "fwd":
+        fn, argv = (lambda q, k, v, s: fwd_generic(q, k, v, seed=s, **kw)), (shape,) * 3
+    elif kernel == "dq":
+        fn, argv = (lambda *a: bwd_generic_dq(*a[:-1], seed=a[-1], **kw)), (shape,) * 4 + (stats,) * 2
+    else:
+        fn, argv = (lambda *a: bwd_generic_dkdv(*a[:-1], seed=a[-1], **kw)), (shape,) * 4 + (stats,) * 2
+    kr._caught.clear()
+    jax.jit(fn).trace(*argv, seed).lower(lowering_platforms=("cuda",))
+    return cfg
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernel", choices=("fwd", "dq", "dkdv"), default="fwd")
+    parser.add_argument("--headdim", type=int, default=128)
+    parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--keep-variant", default="",
+                        help="a keep-mask generator of dropout_variants.py to swap in")
+    args = parser.parse_args()
+    if args.keep_variant:
+        import dropout_variants
+        from pallas_kernels import dropout
+        dropout.keep_tile = dropout_variants.VARIANTS[args.keep_variant]
+    cfg = lower(args.kernel, args.headdim, args.dropout, args.causal, args.seqlen)
+    for ttir in kr._caught:
+        report = sass_report(compile_offline(ttir, cfg.num_warps, cfg.num_stages))
+        print(cfg)
+        print({k: v for k, v in report.items() if k != "loop_opcodes"})
+        print(report.get("loop_opcodes"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
