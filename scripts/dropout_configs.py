@@ -1,7 +1,9 @@
 """Launch configs for dropout: with a keep-mask to generate per score element the best
 tiles differ from the no-dropout ones (register pressure; fewer output slices mean
 fewer regenerations). Each candidate runs with dropout_rate=0.1 and is checked
-against the same kernel under its default config (identical mask), then timed.
+against the same kernel under its default config (identical mask), then timed. The
+forward is timed as training runs it (the vjp's forward writes a float32 output): at
+D=512, BM=64 with 4 warps took 6.06 ms with a bf16 output and 9.60 with float32.
     python scripts/dropout_configs.py --out dropout_configs.json [--dims 128,512]
 """
 
@@ -37,13 +39,19 @@ CANDIDATES = {
                  B(64, 128, 128, 128, 4, 3), B(64, 64, 128, 128, 4, 3)],
           "dkdv": [B(64, 64, 128, 128, 4, 2), B(128, 64, 128, 128, 8, 2),
                    B(64, 128, 128, 128, 8, 2), B(64, 64, 128, 128, 4, 3)]},
-    512: {"fwd": [F(128, 128, 64, 256, 8, 4, "dynamic"), F(64, 128, 64, 512, 8, 3, "dynamic"),
-                  F(128, 64, 64, 256, 8, 3, "dynamic"), F(64, 64, 64, 512, 4, 3, "dynamic"),
-                  F(128, 128, 64, 128, 8, 3, "dynamic"), F(64, 128, 64, 256, 4, 3, "dynamic")],
-          "dq": [B(64, 128, 64, 512, 8, 3, True), B(64, 64, 64, 512, 8, 3, True),
-                 B(32, 128, 64, 512, 4, 3, True)],
-          "dkdv": [B(128, 64, 64, 512, 8, 3, True, True), B(64, 32, 64, 512, 8, 3, True),
-                   B(128, 32, 64, 512, 8, 3, True), B(64, 64, 64, 512, 8, 3, True, True)]},
+    512: {"fwd": [F(128, 64, 64, 256, 8, 3, "dynamic"), F(128, 64, 128, 256, 8, 3, "dynamic"),
+                  F(128, 128, 64, 256, 8, 3, "dynamic"), F(128, 64, 64, 256, 8, 4, "dynamic"),
+                  F(128, 128, 64, 256, 8, 4, "dynamic"), F(64, 128, 64, 256, 8, 3, "dynamic"),
+                  F(64, 128, 64, 512, 8, 3, "dynamic"), F(64, 128, 64, 256, 4, 3, "dynamic")],
+          "dq": [B(64, 128, 128, 512, 8, 3, True), B(64, 128, 64, 512, 8, 3, True),
+                 B(64, 128, 64, 512, 8, 2, True), B(64, 128, 64, 512, 4, 3, True),
+                 B(128, 128, 64, 512, 8, 2, True), B(64, 64, 64, 512, 8, 3, True)],
+          "dkdv": [B(64, 64, 64, 512, 8, 3, True, True), B(64, 64, 64, 512, 8, 2, True, True),
+                   B(64, 128, 64, 512, 8, 3, True, True), B(64, 64, 64, 512, 4, 3, True, True),
+                   B(64, 64, 128, 512, 8, 3, True, True), B(128, 64, 64, 512, 8, 3, True, True),
+                   B(64, 64, 64, 256, 8, 3, True, True), B(32, 64, 64, 512, 4, 3, True, True),
+                   B(64, 32, 64, 512, 8, 3, True, True)]},
+    1024: {"dq": [B(64, 128, 64, 512, 8, 3, True), B(64, 128, 128, 512, 8, 3, True)]},
 }
 
 
@@ -63,8 +71,9 @@ def main() -> int:
         common = {"scale": scale, "causal": False, "interpret": args.interpret,
                   "dropout_rate": rate, "seed": seed}
         fwd0 = FwdConfig.from_tuned(default_config("fwd_generic", headdim=d, has_dropout=True))
-        o, lse = jax.jit(lambda q, k, v: fwd_generic(q, k, v, config=fwd0, **common))(q, k, v)
-        delta = jax.jit(lambda o, do: bwd_preproc(o, do, jnp.zeros(lse.shape, jnp.float32),
+        o, lse = jax.jit(lambda q, k, v: fwd_generic(q, k, v, config=fwd0, out_dtype=jnp.float32,
+                                                     **common))(q, k, v)
+        delta = jax.jit(lambda o, do: bwd_preproc(o.astype(q.dtype), do, jnp.zeros(lse.shape, jnp.float32),
                                                   config=BwdConfig(),
                                                   interpret=args.interpret))(o, do)
         dq0 = BwdConfig.from_tuned(default_config("bwd_generic_dq", headdim=d, has_dropout=True))
@@ -82,7 +91,8 @@ def main() -> int:
                 rec = {"d": d, "b": b, "h": h, "n": n, "kernel": kernel, "dropout": rate,
                        **cfg.__dict__}
                 if kernel == "fwd":
-                    fn = lambda q, k, v, cfg=cfg: (fwd_generic(q, k, v, config=cfg, **common)[0],)
+                    fn = lambda q, k, v, cfg=cfg: (fwd_generic(q, k, v, config=cfg, **common,
+                                                               out_dtype=jnp.float32)[0],)
                     argv, flops = (q, k, v), 2 * unit
                 elif kernel == "dq":
                     fn = lambda *a, cfg=cfg: (bwd_generic_dq(*a, config=cfg, **common),)

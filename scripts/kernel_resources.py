@@ -3,8 +3,9 @@
 Where the Triton lowering of Pallas is the wall for a shape, this is the measurement
 that shows it (issue 7). Each variant is lowered as `attention` would lower it; the
 Triton IR module Pallas builds is caught, written out as text, and compiled for this
-GPU by the `triton` Python package, whose compiled kernel reports registers per
-thread, spilled registers and shared memory. Nothing is launched.
+GPU by the `triton` Python package (through make_ttir's passes, as XLA's own Triton
+pipeline runs them), whose compiled kernel reports registers per thread, spilled
+registers and shared memory. Nothing is launched.
 
 Caveat: jaxlib hands the same Triton IR to the Triton inside XLA; the `triton`
 package here (3.6 on the lent machines) is a separate build of the same compiler, so
@@ -45,22 +46,71 @@ def _lower_and_keep(*args, **kwargs):
 pallas_triton_lowering.lower_jaxpr_to_triton_module = _lower_and_keep
 
 
-def triton_usage(ttir: str, num_warps: int, num_stages: int) -> dict:
-    """Registers, spills and shared memory of one Triton IR module compiled for this GPU."""
+def compile_ttir(ttir: str, num_warps: int, num_stages: int, capability: int):
+    """One Triton IR module compiled for sm_<capability> by the `triton` package, through
+    the same passes as a kernel written in Triton: `triton.compile` skips the first
+    stage's passes for an IR file, and for a .ttir file those are make_ttir's (among
+    them the combine pass that folds `acc + dot(a, b)` into the dot's accumulator), so
+    they are run here first. (Before 2026-11-22 they were not, and every dot here kept a
+    zero accumulator and a separate float32 add: the D=256 dq loop had 1030 instructions
+    against 708.) No GPU is needed to compile."""
     import triton
+    from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
 
-    major, minor = (int(x) for x in jax.devices()[0].compute_capability.split("."))
+    target = GPUTarget("cuda", capability, 32)
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.ttir")
-        with open(path, "w") as f:
+        raw, done = os.path.join(tmp, "raw.ttir"), os.path.join(tmp, "kernel.ttir")
+        with open(raw, "w") as f:
             f.write(ttir)
-        kernel = triton.compile(path, target=GPUTarget("cuda", 10 * major + minor, 32),
-                                options={"num_warps": num_warps, "num_stages": num_stages})
-        kernel._init_handles()
+        context = ir.context()
+        ir.load_dialects(context)
+        CUDABackend(target).load_dialects(context)
+        module = ir.parse_mlir_module(raw, context)
+        module.context = context  # make_ttir builds its pass manager on module.context
+        module = CUDABackend.make_ttir(module, {}, None, capability)
+        with open(done, "w") as f:
+            f.write(str(module))
+        return triton.compile(done, target=target,
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def triton_usage(ttir: str, num_warps: int, num_stages: int, *, offline: bool = False) -> dict:
+    """Registers, spills and shared memory of one Triton IR module compiled for this GPU
+    (read back from the loaded kernel), or with `offline` for sm_90 on any machine (read
+    from the cubin by the cuobjdump bundled with triton: registers, and the local stack
+    frame that holds the spills, in 4-byte words)."""
+    if offline:
+        kernel = compile_ttir(ttir, num_warps, num_stages, 90)
+        usage = cubin_usage(kernel.asm["cubin"])
+        return {"registers": usage["registers"], "spilled_registers": usage["stack_bytes"] // 4,
+                "shared_bytes": kernel.metadata.shared,
+                "shared_fits": kernel.metadata.shared <= SHARED_LIMIT}
+    major, minor = (int(x) for x in jax.devices()[0].compute_capability.split("."))
+    kernel = compile_ttir(ttir, num_warps, num_stages, 10 * major + minor)
+    kernel._init_handles()
     return {"registers": kernel.n_regs, "spilled_registers": kernel.n_spills,
             "shared_bytes": kernel.metadata.shared,
             "shared_fits": kernel.metadata.shared <= SHARED_LIMIT}
+
+
+def cubin_usage(cubin: bytes) -> dict:
+    """Registers per thread and local stack bytes of a cubin (cuobjdump, no GPU)."""
+    import re
+    import subprocess
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                              text=True, check=True).stdout
+    return {"registers": int(re.search(r"REG:(\d+)", text).group(1)),
+            "stack_bytes": int(re.search(r"STACK:(\d+)", text).group(1))}
 
 
 def F(bm, bn, bd, bdv, w, st, mode):
@@ -117,8 +167,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--offline", action="store_true",
+                        help="compile for sm_90 without a GPU (figures from the cubin)")
     args = parser.parse_args()
-    results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+    device = "sm_90, offline" if args.offline else jax.devices()[0].device_kind
+    results = {"device": device, "jax": jax.__version__,
                "shared_limit_bytes": SHARED_LIMIT, "records": []}
     try:
         import triton
@@ -133,7 +186,8 @@ def main() -> int:
             lower_variant(d, kernel, cfg, args.seqlen)
             if len(_caught) != 1:
                 raise RuntimeError(f"{len(_caught)} Triton modules caught, expected 1")
-            record.update(triton_usage(_caught[0], cfg.num_warps, cfg.num_stages))
+            record.update(triton_usage(_caught[0], cfg.num_warps, cfg.num_stages,
+                                       offline=args.offline))
             record["status"] = "ok"
         except Exception as exc:  # noqa: BLE001 - a variant that fails to compile is a finding
             record["status"] = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:240]

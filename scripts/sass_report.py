@@ -33,16 +33,7 @@ _LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)
 
 def compile_offline(ttir: str, num_warps: int, num_stages: int, capability: int = 90) -> bytes:
     """cubin of one Triton IR module for sm_<capability> (no driver needed)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.ttir")
-        with open(path, "w") as f:
-            f.write(ttir)
-        kernel = triton.compile(path, target=GPUTarget("cuda", capability, 32),
-                                options={"num_warps": num_warps, "num_stages": num_stages})
-        return kernel.asm["cubin"]
+    return kr.compile_ttir(ttir, num_warps, num_stages, capability).asm["cubin"]
 
 
 def _tool(name: str) -> str:
@@ -73,9 +64,9 @@ def sass_report(cubin: bytes) -> dict:
                 start = next(j for j, x in enumerate(instrs) if x[0] >= dest)
                 loops.append((i - start + 1, start, i))
     regs = re.search(r"REG:(\d+)", usage)
-    local = re.search(r"LOCAL:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
     report = {"registers": int(regs.group(1)) if regs else None,
-              "local_bytes": int(local.group(1)) if local else None,
+              "stack_bytes": int(stack.group(1)) if stack else None,
               "instructions": len(instrs)}
     if loops:
         n, start, end = max(loops)
