@@ -106,10 +106,11 @@ _FP32_OVERRIDES: dict[str, tuple[tuple[int, dict], ...]] = {
 # Dropout is for training, so the forward that counts is the vjp's, which writes a
 # float32 output. H200, bf16, rate 0.1, N=4096, the generator of 2026-11-22
 # (scripts/dropout_configs.py, docs/data/dropout_configs_H200_2026-11-22*.json): D=128 fwd
-# 3.32 ms (BN=128 with 2 stages: 4.01), dq 3.87 (BN=128: 4.00); D=512 fwd 6.24 with the
-# plain default (BN=64 with 3 stages, the override for the earlier generator: 6.57; BM=64
-# with 4 warps: 6.06 with a bf16 output but 9.64 with float32), dq 6.55 with 128-wide QK
-# chunks (64: 7.34; D=1024: 20.77 against 21.83), dkdv 10.91 with BM=64 (11.20).
+# 3.32 ms with a bf16 output (BN=128 with 2 stages: 4.01), dq 3.87 (BN=128: 4.00); D=512
+# fwd, float32 output, 6.24 with the plain default (BN=64 with 3 stages, the override for
+# the earlier generator: 6.57; BM=64 with 4 warps: 6.06 with a bf16 output but 9.64 with
+# float32), dq 6.55 with 128-wide QK chunks (64: 7.34; D=1024: 20.77 against 21.83), dkdv
+# 10.91 with BM=64 (11.20).
 _DROPOUT_OVERRIDES: dict[str, tuple[tuple[int, dict], ...]] = {
     "fwd_generic": ((128, dict(BLOCK_N=64, num_stages=3)),),
     "bwd_generic_dq": ((128, dict(BLOCK_N=64, num_stages=3)),
