@@ -95,20 +95,23 @@ def triton_usage(ttir: str, num_warps: int, num_stages: int, *, offline: bool = 
             "shared_fits": kernel.metadata.shared <= SHARED_LIMIT}
 
 
+def triton_tool(name: str) -> str:
+    """Path of a CUDA tool bundled with the `triton` package (cuobjdump, nvdisasm, ptxas)."""
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
 def cubin_usage(cubin: bytes) -> dict:
     """Registers per thread and local stack bytes of a cubin (cuobjdump, no GPU)."""
     import re
     import subprocess
 
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                        "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
-                              text=True, check=True).stdout
+        text = subprocess.run([triton_tool("cuobjdump"), "--dump-resource-usage", f.name],
+                              capture_output=True, text=True, check=True).stdout
     return {"registers": int(re.search(r"REG:(\d+)", text).group(1)),
             "stack_bytes": int(re.search(r"STACK:(\d+)", text).group(1))}
 
@@ -149,18 +152,22 @@ VARIANTS = [
 ]
 
 
-def lower_variant(d: int, kernel: str, cfg, n: int) -> None:
-    """Lower one kernel at B=1, H=32, T=S=n for this GPU (this runs Pallas' lowering)."""
+def lower_variant(d: int, kernel: str, cfg, n: int, *, dropout: float = 0.0,
+                  causal: bool = False) -> None:
+    """Lower one kernel at B=1, H=32, T=S=n for this GPU (this runs Pallas' lowering);
+    with `dropout` > 0 the kernel takes a seed input."""
     shape = jax.ShapeDtypeStruct((1, n, 32, d), jnp.bfloat16)
     stats = jax.ShapeDtypeStruct((1, 32, n), jnp.float32)
-    kw = dict(scale=1.0 / math.sqrt(d), causal=False, config=cfg)
-    if kernel == "fwd":
-        fn, argv = (lambda q, k, v: fwd_generic(q, k, v, **kw)), (shape,) * 3
-    elif kernel == "dq":
-        fn, argv = (lambda *a: bwd_generic_dq(*a, **kw)), (shape,) * 4 + (stats,) * 2
-    else:
-        fn, argv = (lambda *a: bwd_generic_dkdv(*a, **kw)), (shape,) * 4 + (stats,) * 2
-    jax.jit(fn).trace(*argv).lower(lowering_platforms=("cuda",))
+    seeds = (jax.ShapeDtypeStruct((2,), jnp.uint32),) if dropout > 0 else ()
+    kw = dict(scale=1.0 / math.sqrt(d), causal=causal, config=cfg, dropout_rate=dropout)
+    kernels = {"fwd": fwd_generic, "dq": bwd_generic_dq, "dkdv": bwd_generic_dkdv}
+    argv = (shape,) * 3 if kernel == "fwd" else (shape,) * 4 + (stats,) * 2
+
+    def fn(*a):
+        arrays, seed = (a[:-1], a[-1]) if seeds else (a, None)
+        return kernels[kernel](*arrays, seed=seed, **kw)
+
+    jax.jit(fn).trace(*argv, *seeds).lower(lowering_platforms=("cuda",))
 
 
 def main() -> int:

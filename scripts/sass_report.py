@@ -14,18 +14,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import math
-import os
 import re
 import subprocess
 import sys
 import tempfile
 
-import jax
-import jax.numpy as jnp
-
 import kernel_resources as kr  # installs the Triton-IR hook
-from pallas_kernels import BwdConfig, FwdConfig, bwd_generic_dkdv, bwd_generic_dq, fwd_generic
+from pallas_kernels import BwdConfig, FwdConfig
 from tuning import default_config
 
 _LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
@@ -36,20 +31,13 @@ def compile_offline(ttir: str, num_warps: int, num_stages: int, capability: int 
     return kr.compile_ttir(ttir, num_warps, num_stages, capability).asm["cubin"]
 
 
-def _tool(name: str) -> str:
-    import triton
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-
-
 def sass_report(cubin: bytes) -> dict:
-    """Registers, spill stores and the hot loop's opcode histogram of a cubin."""
+    """Registers, spill stack and the hot loop's opcode histogram of a cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True,
-                              text=True, check=True).stdout
-        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name],
-                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([kr.triton_tool("cuobjdump"), "-sass", f.name],
+                              capture_output=True, text=True, check=True).stdout
     instrs = []  # (address, opcode, operands)
     for line in sass.splitlines():
         m = _LINE.match(line)
@@ -63,11 +51,7 @@ def sass_report(cubin: bytes) -> dict:
             if dest < addr:
                 start = next(j for j, x in enumerate(instrs) if x[0] >= dest)
                 loops.append((i - start + 1, start, i))
-    regs = re.search(r"REG:(\d+)", usage)
-    stack = re.search(r"STACK:(\d+)", usage)
-    report = {"registers": int(regs.group(1)) if regs else None,
-              "stack_bytes": int(stack.group(1)) if stack else None,
-              "instructions": len(instrs)}
+    report = {**kr.cubin_usage(cubin), "instructions": len(instrs)}
     if loops:
         n, start, end = max(loops)
         ops = collections.Counter(op.split(".")[0] for _, op, _ in instrs[start:end + 1])
@@ -77,23 +61,14 @@ def sass_report(cubin: bytes) -> dict:
 
 
 def lower(kernel: str, d: int, dropout: float, causal: bool, n: int, cfg=None):
-    """Lower one kernel at B=1, H=32, T=S=n; returns its launch config."""
-    shape = jax.ShapeDtypeStruct((1, n, 32, d), jnp.bfloat16)
-    stats = jax.ShapeDtypeStruct((1, 32, n), jnp.float32)
-    seed = jax.ShapeDtypeStruct((2,), jnp.uint32)
-    name = {"fwd": "fwd_generic", "dq": "bwd_generic_dq", "dkdv": "bwd_generic_dkdv"}[kernel]
+    """Lower one kernel at B=1, H=32, T=S=n (its default launch config unless `cfg`);
+    returns the config. The Triton IR lands in `kernel_resources._caught`."""
     if cfg is None:
+        name = {"fwd": "fwd_generic", "dq": "bwd_generic_dq", "dkdv": "bwd_generic_dkdv"}[kernel]
         tuned = default_config(name, headdim=d, has_dropout=dropout > 0)
         cfg = (FwdConfig if kernel == "fwd" else BwdConfig).from_tuned(tuned)
-    kw = dict(scale=1.0 / math.sqrt(d), causal=causal, config=cfg, dropout_rate=dropout)
-    if kernel == "fwd":
-        fn, argv = (lambda q, k, v, s: fwd_generic(q, k, v, seed=s, **kw)), (shape,) * 3
-    elif kernel == "dq":
-        fn, argv = (lambda *a: bwd_generic_dq(*a[:-1], seed=a[-1], **kw)), (shape,) * 4 + (stats,) * 2
-    else:
-        fn, argv = (lambda *a: bwd_generic_dkdv(*a[:-1], seed=a[-1], **kw)), (shape,) * 4 + (stats,) * 2
     kr._caught.clear()
-    jax.jit(fn).trace(*argv, seed).lower(lowering_platforms=("cuda",))
+    kr.lower_variant(d, kernel, cfg, n, dropout=dropout, causal=causal)
     return cfg
 
 
