@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 import tuning
 from ffpa_jax import partitioning, runtime_autotune
@@ -57,6 +58,11 @@ class Plan:
     # ~1e-5 relative at logits ~ 300, which gave float32 gradients several times XLA's
     # error. (16-bit P is rounded to 16 bits anyway.)
     lse_pair: bool = False
+    # The backward's lse cotangent is not a symbolic zero (the caller differentiates
+    # through lse): dS then carries d_lse·P, whose sums over heads and keys XLA keeps in
+    # float32, so 16-bit kernels feed dS to dQ's and dK's matmuls as two words
+    # (`common.dot_ds`: two more of the backward's 7 matmuls). Without it, no cost.
+    lse_cotangent: bool = False
 
 
 def uses_decode(problem: Problem) -> bool:
@@ -176,8 +182,11 @@ def backward_kernels(plan: Plan, q, k, v, bias, mask, seed, out, *rows_and_cotan
         delta = bwd_preproc(out, d_out, d_lse, config=plan.preproc, interpret=plan.interpret)
     common = dict(scale=plan.scale, causal=plan.causal, interpret=plan.interpret,
                   dropout_rate=plan.dropout_rate, seed=seed, lse_lo=lse_lo)
-    dq = bwd_generic_dq(q, k, v, d_out, lse, delta, bias, mask, config=plan.dq, **common)
-    dk, dv = bwd_generic_dkdv(q, k, v, d_out, lse, delta, bias, mask, config=plan.dkdv, **common)
+    split = dict(split_ds=plan.lse_cotangent)
+    dq = bwd_generic_dq(q, k, v, d_out, lse, delta, bias, mask, config=plan.dq, **common,
+                        **split)
+    dk, dv = bwd_generic_dkdv(q, k, v, d_out, lse, delta, bias, mask, config=plan.dkdv,
+                              **common, **split)
     dbias = None
     if bias is not None and bias.shape[-1] == 1:
         dbias = _row_constant_dbias(d_lse, bias)
@@ -231,7 +240,22 @@ def _vjp_plan(plan: Plan) -> Plan:
     return dataclasses.replace(plan, float32_out=True)
 
 
+def _primal_value(x):
+    return x.value if isinstance(x, CustomVJPPrimal) else x
+
+
+def _cotangent(x) -> tuple[jax.Array, bool]:
+    """(the cotangent as an array, whether it is a symbolic zero) for a vjp with
+    `symbolic_zeros=True`: a symbolic zero is what the caller's unused output gets."""
+    if isinstance(x, SymbolicZero):
+        return jnp.zeros(x.shape, x.dtype), True
+    return x, False
+
+
 def _attention_fwd(plan: Plan, q, k, v, bias, mask, seed):
+    q, k, v, bias, mask, seed = jax.tree.map(
+        _primal_value, (q, k, v, bias, mask, seed),
+        is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
     plan = _vjp_plan(plan)
     out32, *rows = _forward(plan, q, k, v, bias, mask, seed)
     # Rounding the float32 result here equals the kernel's own rounding on store, so the
@@ -241,13 +265,13 @@ def _attention_fwd(plan: Plan, q, k, v, bias, mask, seed):
 
 def _attention_bwd(plan: Plan, residuals, cotangents):
     q, k, v, bias, mask, seed, out, *rows = residuals
-    d_out, d_lse = cotangents
-    dq, dk, dv, dbias = _backward(_vjp_plan(plan), q, k, v, bias, mask, seed, out,
-                                  *rows, d_out, d_lse)
+    (d_out, _), (d_lse, lse_unused) = map(_cotangent, cotangents)
+    plan = dataclasses.replace(_vjp_plan(plan), lse_cotangent=not lse_unused)
+    dq, dk, dv, dbias = _backward(plan, q, k, v, bias, mask, seed, out, *rows, d_out, d_lse)
     return dq, dk, dv, dbias, None, None  # the mask and the seed get no gradient
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 def pallas_attention(q, k, v, bias4, mask4, problem: Problem, *, interpret: bool,

@@ -113,7 +113,7 @@ def _lse_lo_inputs(lse, lse_lo, q_dtype) -> list:
 
 def _prepare(q, k, v, do, lse, delta, bias, mask, seed, *, config: BwdConfig, scale: float,
              causal: bool, over_kv: bool, dropout_rate: float, interpret: bool,
-             lse_lo):
+             lse_lo, split_ds: bool = False):
     """(kernel inputs, KernelStatic) for dq (over_kv) or dkdv: the config fitted to the
     problem; inputs are the tensors, bias, mask block lists and seed."""
     cfg = _fit_shared_memory(_fitted(config, q, k, v), q, bias, mask, dropout_rate)
@@ -125,7 +125,8 @@ def _prepare(q, k, v, do, lse, delta, bias, mask, seed, *, config: BwdConfig, sc
               + common.seed_inputs(dropout_rate, seed))
     st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
                               list_outer=list_outer, dropout_rate=dropout_rate,
-                              interpret=interpret, lse_pair=lse_lo is not None)
+                              interpret=interpret, lse_pair=lse_lo is not None,
+                              split_ds=split_ds)
     return inputs, st
 
 
@@ -402,7 +403,7 @@ def _dq_kernel(*refs, st: common.KernelStatic):
                                   causal_mask=causal_mask, with_mask=with_mask)
         k_slice = common.load_tile(r["k"], b, kv_start, bn, hk, sl * width, width,
                                    n_rows=st.seq_k, n_cols=st.head_dim)
-        return acc + dot(ds.astype(k_slice.dtype), k_slice)
+        return acc + common.dot_ds(ds, k_slice, split=st.split_ds)
 
     acc = _walk_kv_blocks(st, r, b, h, q_block, q_start, visit,
                           jnp.zeros((bm, width), jnp.float32))
@@ -412,12 +413,13 @@ def _dq_kernel(*refs, st: common.KernelStatic):
 
 def bwd_generic_dq(q, k, v, do, lse, delta, bias=None, mask=None, *, scale: float, causal: bool,
                    config: BwdConfig, interpret: bool = False, dropout_rate: float = 0.0,
-                   seed: jax.Array | None = None,
-                   lse_lo: jax.Array | None = None) -> jax.Array:
-    """dQ [B, T, Hq, D] in q's dtype."""
+                   seed: jax.Array | None = None, lse_lo: jax.Array | None = None,
+                   split_ds: bool = False) -> jax.Array:
+    """dQ [B, T, Hq, D] in q's dtype. `split_ds`: dS in two 16-bit words
+    (`common.dot_ds`), for a delta that carries an lse cotangent."""
     inputs, st = _prepare(q, k, v, do, lse, delta, bias, mask, seed, config=config, scale=scale,
                           causal=causal, over_kv=True, dropout_rate=dropout_rate,
-                          interpret=interpret, lse_lo=lse_lo)
+                          interpret=interpret, lse_lo=lse_lo, split_ds=split_ds)
     cfg = st.cfg
     compat.silence_triton_deprecation()
     grid = (cdiv(st.seq_q, cfg.block_m) * _n_slices(st, st.head_dim), st.batch * st.heads_q)
@@ -478,7 +480,7 @@ def _dkdv_program(st, r, dk_ref, dv_ref, b, hk, kv_block, kv_start, *, with_dk, 
         if with_dk:
             q_slice = common.load_tile(r["q"], b, q_start, bm, h, sl * width, width,
                                        n_rows=st.seq_q, n_cols=st.head_dim)
-            dk_acc = dk_acc + dot(ds.astype(q_slice.dtype), q_slice, trans_a=True)
+            dk_acc = dk_acc + common.dot_ds(ds, q_slice, trans_a=True, split=st.split_ds)
         return dk_acc, dv_acc
 
     def over_q_blocks(h, accs):
@@ -529,11 +531,12 @@ def dkdv_tasks(head_dim: int, head_dim_v: int, width: int, split: bool):
 def bwd_generic_dkdv(q, k, v, do, lse, delta, bias=None, mask=None, *, scale: float,
                      causal: bool, config: BwdConfig, interpret: bool = False,
                      dropout_rate: float = 0.0, seed: jax.Array | None = None,
-                     lse_lo: jax.Array | None = None):
-    """(dK [B, S, Hkv, D], dV [B, S, Hkv, Dv]) in k's / v's dtype."""
+                     lse_lo: jax.Array | None = None, split_ds: bool = False):
+    """(dK [B, S, Hkv, D], dV [B, S, Hkv, Dv]) in k's / v's dtype. `split_ds` as in
+    `bwd_generic_dq`."""
     inputs, st = _prepare(q, k, v, do, lse, delta, bias, mask, seed, config=config, scale=scale,
                           causal=causal, over_kv=False, dropout_rate=dropout_rate,
-                          interpret=interpret, lse_lo=lse_lo)
+                          interpret=interpret, lse_lo=lse_lo, split_ds=split_ds)
     cfg = st.cfg
     tasks = dkdv_tasks(st.head_dim, st.head_dim_v, cfg.block_slice, cfg.split_dkdv)
     compat.silence_triton_deprecation()

@@ -53,6 +53,7 @@ class KernelStatic:
     interpret: bool = False  # Pallas' interpreter (no inline PTX)
     natural: bool = False  # scores in natural-log units (float32), else log2 units
     lse_pair: bool = False  # backward: lse arrives as an exact pair, inputs lse (hi) and lse_lo
+    split_ds: bool = False  # backward: dS enters dQ's and dK's matmuls as two 16-bit words
 
     @property
     def group(self) -> int:
@@ -106,7 +107,8 @@ def natural_units(dtype) -> bool:
 
 def kernel_static(q, k, v, bias, mask, *, scale: float, causal: bool, cfg,
                   list_outer: int = 1, dropout_rate: float = 0.0,
-                  interpret: bool = False, lse_pair: bool = False) -> KernelStatic:
+                  interpret: bool = False, lse_pair: bool = False,
+                  split_ds: bool = False) -> KernelStatic:
     batch, seq_q, heads_q, head_dim = q.shape
     return KernelStatic(batch=batch, seq_q=seq_q, seq_k=k.shape[1], heads_q=heads_q,
                         heads_kv=k.shape[2], head_dim=head_dim, head_dim_v=v.shape[3],
@@ -115,7 +117,7 @@ def kernel_static(q, k, v, bias, mask, *, scale: float, causal: bool, cfg,
                         mask_shape=None if mask is None else tuple(mask.shape),
                         list_outer=list_outer, cfg=cfg, dropout_rate=float(dropout_rate),
                         interpret=interpret, natural=natural_units(q.dtype),
-                        lse_pair=lse_pair)
+                        lse_pair=lse_pair, split_ds=split_ds and not natural_units(q.dtype))
 
 
 # The most dynamic shared memory one program may use on the H100 and H200 (227 KiB).
@@ -199,6 +201,27 @@ def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = Fa
     precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     return jax.lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())),
                                precision=precision, preferred_element_type=jnp.float32)
+
+
+def dot_ds(ds: jax.Array, operand: jax.Array, *, trans_a: bool = False,
+           split: bool = False) -> jax.Array:
+    """op(dS) @ operand, float32, for dS a float32 [m, n] tile: dS is rounded to the
+    operand's dtype for the tensor cores (float32 operands take it as it is).
+
+    `split` also feeds the rounding residual, dS - hi, as a second product of the same
+    dtype, so dS enters with about twice the significant bits. A 16-bit dS costs a
+    gradient ~eps·Σ|terms|, which is within the tolerance rule unless the terms cancel
+    far below their size: an lse cotangent does that, as dS then holds d_lse·P, whose
+    sum over MQA heads (dK) or keys (dQ) XLA's float32 softmax gradient keeps exact
+    (fuzz, 2026-11-22: dk 1.0e-2 against XLA's 2.2e-5)."""
+    if operand.dtype == jnp.float32:
+        return dot(ds, operand, trans_a=trans_a)
+    hi = ds.astype(operand.dtype)
+    product = dot(hi, operand, trans_a=trans_a)
+    if split:
+        lo = (ds - hi.astype(jnp.float32)).astype(operand.dtype)
+        product = product + dot(lo, operand, trans_a=trans_a)
+    return product
 
 
 # The widest head-dim chunk of one tensor-core accumulation chain when lse must be

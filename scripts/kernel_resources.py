@@ -153,13 +153,16 @@ VARIANTS = [
 
 
 def lower_variant(d: int, kernel: str, cfg, n: int, *, dropout: float = 0.0,
-                  causal: bool = False) -> None:
+                  causal: bool = False, split_ds: bool = False) -> None:
     """Lower one kernel at B=1, H=32, T=S=n for this GPU (this runs Pallas' lowering);
-    with `dropout` > 0 the kernel takes a seed input."""
+    with `dropout` > 0 the kernel takes a seed input; `split_ds` (dq, dkdv) as under an
+    lse cotangent."""
     shape = jax.ShapeDtypeStruct((1, n, 32, d), jnp.bfloat16)
     stats = jax.ShapeDtypeStruct((1, 32, n), jnp.float32)
     seeds = (jax.ShapeDtypeStruct((2,), jnp.uint32),) if dropout > 0 else ()
     kw = dict(scale=1.0 / math.sqrt(d), causal=causal, config=cfg, dropout_rate=dropout)
+    if split_ds:
+        kw["split_ds"] = True
     kernels = {"fwd": fwd_generic, "dq": bwd_generic_dq, "dkdv": bwd_generic_dkdv}
     argv = (shape,) * 3 if kernel == "fwd" else (shape,) * 4 + (stats,) * 2
 

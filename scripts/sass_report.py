@@ -60,7 +60,8 @@ def sass_report(cubin: bytes) -> dict:
     return report
 
 
-def lower(kernel: str, d: int, dropout: float, causal: bool, n: int, cfg=None):
+def lower(kernel: str, d: int, dropout: float, causal: bool, n: int, cfg=None,
+          split_ds: bool = False):
     """Lower one kernel at B=1, H=32, T=S=n (its default launch config unless `cfg`);
     returns the config. The Triton IR lands in `kernel_resources._caught`."""
     if cfg is None:
@@ -68,7 +69,7 @@ def lower(kernel: str, d: int, dropout: float, causal: bool, n: int, cfg=None):
         tuned = default_config(name, headdim=d, has_dropout=dropout > 0)
         cfg = (FwdConfig if kernel == "fwd" else BwdConfig).from_tuned(tuned)
     kr._caught.clear()
-    kr.lower_variant(d, kernel, cfg, n, dropout=dropout, causal=causal)
+    kr.lower_variant(d, kernel, cfg, n, dropout=dropout, causal=causal, split_ds=split_ds)
     return cfg
 
 
@@ -79,6 +80,8 @@ def main() -> int:
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--split-ds", action="store_true",
+                        help="dq/dkdv as under an lse cotangent (dS in two 16-bit words)")
     parser.add_argument("--keep-variant", default="",
                         help="a keep-mask generator of dropout_variants.py to swap in")
     args = parser.parse_args()
@@ -86,7 +89,8 @@ def main() -> int:
         import dropout_variants
         from pallas_kernels import dropout
         dropout.keep_tile = dropout_variants.VARIANTS[args.keep_variant]
-    cfg = lower(args.kernel, args.headdim, args.dropout, args.causal, args.seqlen)
+    cfg = lower(args.kernel, args.headdim, args.dropout, args.causal, args.seqlen,
+                split_ds=args.split_ds)
     for ttir in kr._caught:
         report = sass_report(compile_offline(ttir, cfg.num_warps, cfg.num_stages))
         print(cfg)

@@ -321,3 +321,65 @@ def test_grad_float32_fuzz_draws(draw, kernel_mode):
     config, example = _FLOAT32_FUZZ_DRAWS[draw]
     cfg = Config(dtype="float32", with_grads=True, **config)
     check_example(cfg, impl="pallas", interpret=interpret_flag(kernel_mode), **example)
+
+
+def _kernel_dots(jaxpr, kernel_name: str) -> list[int]:
+    """How many dot_generals each pallas_call named `kernel_name` in `jaxpr` (searched
+    through nested jaxprs) holds in its kernel body."""
+    found = []
+
+    def count(j) -> int:
+        n = 0
+        for eqn in j.eqns:
+            n += eqn.primitive.name == "dot_general"
+            for p in eqn.params.values():
+                inner = getattr(p, "jaxpr", None)
+                if inner is not None and hasattr(inner, "eqns"):
+                    n += count(inner)
+                elif hasattr(p, "eqns"):
+                    n += count(p)
+        return n
+
+    def walk(j):
+        for eqn in j.eqns:
+            if eqn.primitive.name == "pallas_call":
+                meta = eqn.params.get("name_and_src_info") or eqn.params.get("name")
+                if kernel_name in str(meta):
+                    found.append(count(eqn.params["jaxpr"]))
+                continue
+            for p in eqn.params.values():
+                inner = getattr(p, "jaxpr", None)
+                if inner is not None and hasattr(inner, "eqns"):
+                    walk(inner)
+                elif hasattr(p, "eqns"):
+                    walk(p)
+    walk(jaxpr)
+    return found
+
+
+def test_lse_cotangent_adds_the_split_ds_products_only_when_lse_is_differentiated():
+    """Differentiating only the output leaves the lse cotangent a symbolic zero: dq and
+    dK/dV keep one dS product each. Differentiating through lse feeds dS as two 16-bit
+    words (one more product in each); float32 kernels take dS as it is either way."""
+    q = jax.random.normal(jax.random.key(0), (1, 40, 2, 32), jnp.bfloat16)
+
+    def dots(loss, dtype):
+        x = q.astype(dtype)
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, x).jaxpr
+        return _kernel_dots(jaxpr, "bwd_generic_dq"), _kernel_dots(jaxpr, "bwd_generic_dkdv")
+
+    def out_only(q, k):
+        return jnp.sum(ffpa_jax.attention(q, k, k, implementation="pallas", interpret=True)
+                       .astype(jnp.float32))
+
+    def with_lse(q, k):
+        out, lse = ffpa_jax.attention(q, k, k, return_lse=True, implementation="pallas",
+                                      interpret=True)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.sin(lse))
+
+    plain_dq, plain_dkdv = dots(out_only, jnp.bfloat16)
+    split_dq, split_dkdv = dots(with_lse, jnp.bfloat16)
+    assert len(plain_dq) == len(split_dq) == 1 and len(plain_dkdv) == len(split_dkdv) == 1
+    assert split_dq[0] == plain_dq[0] + 1, (plain_dq, split_dq)
+    assert split_dkdv[0] == plain_dkdv[0] + 1, (plain_dkdv, split_dkdv)
+    assert dots(with_lse, jnp.float32) == dots(out_only, jnp.float32)
