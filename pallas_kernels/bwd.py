@@ -320,7 +320,6 @@ def _exact_rows_kernel(*refs, st: common.KernelStatic):
     cfg = st.cfg
     bm, bn = cfg.block_m, cfg.block_n
     q_block, bh = pl.program_id(0), pl.program_id(1)
-    q_block = common.heavy_first(q_block, cdiv(st.seq_q, bm), st.causal)
     b, h = bh // st.heads_q, bh % st.heads_q
     q_start = q_block * bm
     tile = _Tile(st, r, b, h // st.group)
@@ -389,7 +388,6 @@ def _dq_kernel(*refs, st: common.KernelStatic):
     n_slices = _n_slices(st, st.head_dim)
     pid, bh = pl.program_id(0), pl.program_id(1)
     q_block, sl = (pid, i32(0)) if n_slices == 1 else (pid // n_slices, pid % n_slices)
-    q_block = common.heavy_first(q_block, cdiv(st.seq_q, bm), st.causal)
     b, h = bh // st.heads_q, bh % st.heads_q
     hk = h // st.group
     q_start = q_block * bm

@@ -500,13 +500,6 @@ def broadcast_index(index, size: int):
     return index if size != 1 else 0
 
 
-def heavy_first(block, n_blocks: int, causal: bool):
-    """The query block a program along a grid axis takes: under causal masking the
-    reverse of the launch order, so each head's query blocks with the most visible keys
-    start first (longest-first scheduling). Without causal masking the launch order."""
-    return (n_blocks - 1) - block if causal else block
-
-
 def causal_block_limits(q_start, block_m: int, block_n: int, seq_q: int, seq_k: int):
     """For the query rows [q_start, q_start + block_m): (n_unmasked, n_total) KV blocks.
 

@@ -91,7 +91,6 @@ def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool):
         q_block, v_slice = pid, i32(0)
     else:
         q_block, v_slice = pid // _n_vslices(st), pid % _n_vslices(st)
-    q_block = common.heavy_first(q_block, cdiv(st.seq_q, bm), st.causal)
     b = bh // st.heads_q
     h = bh % st.heads_q
     hk = h // st.group
