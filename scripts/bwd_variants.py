@@ -80,7 +80,16 @@ def _round2(d):
     }
 
 
-ROUNDS = {1: CANDIDATES, 2: {256: _round2(256), 512: _round2(512), 1024: _round2(1024)}}
+# Round 3 (2026-11-22), D=256 dK/dV: dK and dV in one program (dynamic chunks), which
+# recomputes S and dP once per tile instead of in both programs (4 matmuls per step
+# against 5); offline it spills 0-32 bytes at BLOCK_N = 64, against the split default's
+# 248. The shipped default comes first, for reference.
+ROUND3 = {256: {"dkdv": [C(64, 128, 64, 256, 8, 3, True, True), C(64, 64, 64, 256, 8, 3, True),
+                         C(64, 64, 64, 256, 8, 2, True), C(32, 64, 64, 256, 8, 3, True),
+                         C(64, 64, 128, 256, 8, 2, True), C(32, 64, 64, 256, 8, 4, True)]}}
+
+ROUNDS = {1: CANDIDATES, 2: {256: _round2(256), 512: _round2(512), 1024: _round2(1024)},
+          3: ROUND3}
 
 
 def main() -> int:
