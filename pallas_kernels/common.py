@@ -418,30 +418,26 @@ def add_bias(s, bias, st: KernelStatic):
     return s + (bias if st.natural else bias * LOG2E)
 
 
-# The running row max before any key: the lowest finite float32, not -inf. A row with no
-# visible key so far keeps it, so its masked scores give s - max = -inf - (-MAX) = -inf and
-# e^(s - max) = 0, never the NaN of -inf - (-inf), and the first finite max rescales the
-# empty sums by e^(-MAX - max) = 0. It takes no select on the softmax's critical path, as
-# a -inf start needs (a guard that replaced a -inf max by 0 before each subtraction).
-ROW_MAX_START = float(jnp.finfo(jnp.float32).min)
-
-
 def online_softmax_step(s, m_i, l_i, st: KernelStatic, *, raw_scale: float | None = None):
-    """One KV block of the online softmax, scores `s` [bm, bn] in `st.score_unit`s, and a
-    running max `m_i` that starts at ROW_MAX_START: (new row max, unnormalised
-    p = e^(s - max), rescale factor for the running sums, new row sum). The row statistics
-    are the undropped ones.
+    """One KV block of the online softmax, scores `s` [bm, bn] in `st.score_unit`s:
+    (new row max, unnormalised p = e^(s - max), rescale factor for the running
+    sums, new row sum). The row statistics are the undropped ones.
 
     With `raw_scale` (see `folds_scale`), `s` is the unscaled q·kᵀ (masked with -inf)
     and the scale is applied inside: the row max scales per row, and each element
     takes one fused multiply-add, s·scale - max, instead of a multiply and a subtract."""
     if raw_scale is None:
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-        p = st.exp2(st.exp2_arg(s - m_new[:, None]))
     else:
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1) * raw_scale)
-        p = st.exp2(fma(s, raw_scale, -m_new[:, None]))
-    alpha = st.exp2(st.exp2_arg(m_i - m_new))
+    # A row with no visible key so far keeps m = -inf; subtracting 0 instead
+    # keeps exp2 at exactly 0 for it and never produces NaN.
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    if raw_scale is None:
+        p = st.exp2(st.exp2_arg(s - m_use[:, None]))
+    else:
+        p = st.exp2(fma(s, raw_scale, -m_use[:, None]))
+    alpha = st.exp2(st.exp2_arg(m_i - m_use))
     return m_new, p, alpha, l_i * alpha + jnp.sum(p, axis=1)
 
 

@@ -175,8 +175,7 @@ def _stage1_kernel(*refs, lay: _Layout, per_chunk: bool):
 
     first = split * lay.blocks_per_split
     last = jnp.minimum(first + lay.blocks_per_split, cdiv(st.seq_k, bn))
-    carry = (jnp.full((bm,), common.ROW_MAX_START, jnp.float32),
-             jnp.zeros((bm,), jnp.float32),
+    carry = (jnp.full((bm,), -jnp.inf, jnp.float32), jnp.zeros((bm,), jnp.float32),
              jnp.zeros((bm, bdv), jnp.float32))
     m_i, l_i, acc = jax.lax.fori_loop(i32(first), i32(last), visit, carry)
 

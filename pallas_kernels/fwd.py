@@ -149,8 +149,7 @@ def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool):
         acc = acc * alpha[:, None] + dot(p, v_tile)
         return m_new, l_i, acc
 
-    carry = (jnp.full((bm,), common.ROW_MAX_START, jnp.float32),
-             jnp.zeros((bm,), jnp.float32),
+    carry = (jnp.full((bm,), -jnp.inf, jnp.float32), jnp.zeros((bm,), jnp.float32),
              jnp.zeros((bm, bdv), jnp.float32))
 
     if st.mask_shape is not None:

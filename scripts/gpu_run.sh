@@ -2,7 +2,7 @@
 # Everything we run on the lent GPU, in one call: environment, GPU tests, variant
 # sweep, benchmark. Results land in $OUT (or ./gpu_out). Stages are chosen by
 # arguments: env multigpu tests fuzz autotune ab resources vma sweep bwdsweep dropvar dropcfg decvar dropout
-# chunkab debugcase lsecost guardab bench (default: env tests sweep bwdsweep bench). On a machine of several GPUs, run two
+# chunkab debugcase lsecost bench (default: env tests sweep bwdsweep bench). On a machine of several GPUs, run two
 # lists side by side with CUDA_VISIBLE_DEVICES set per list (each stage sees its GPUs).
 # TEST_PATHS narrows the tests stage (default: tests/; TEST_TAG names its log). Example,
 # on the device tool:
@@ -73,9 +73,6 @@ for stage in $stages; do
       ;;
     lsecost)
       python3 scripts/lse_grad_cost.py --out "$OUT/lse_grad_cost.json" ${LSECOST_ARGS:-} 2>&1 | tee "$OUT/lse_grad_cost.log" | tail -6
-      ;;
-    guardab)
-      python3 scripts/softmax_guard_ab.py --out "$OUT/softmax_guard_ab.json" ${GUARDAB_ARGS:-} 2>&1 | tee "$OUT/softmax_guard_ab.log" | tail -8
       ;;
     debugcase)
       PYTHONPATH=.:tests python3 scripts/debug_fuzz_case.py 2>&1 | tee "$OUT/debug_fuzz_case.log" | grep -v "^  \[" | tail -20
