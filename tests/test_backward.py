@@ -48,20 +48,30 @@ def _reference_grads(case: Case, q, k, v, bias, mask, d_out, d_lse, *, float64: 
     return run()
 
 
-def _pallas_grads(case: Case, mode: str, q, k, v, bias, mask, d_out, d_lse):
+def _pallas_grads(case: Case, mode: str, q, k, v, bias, mask, d_out, d_lse, *,
+                  outputs: str = "both"):
+    """Gradients of <out, d_out> + <lse, d_lse>. With outputs="out" ("lse") the function
+    differentiated returns out (lse) alone, so the other output's cotangent reaches the
+    custom_vjp as a symbolic zero, as in a loss of that output only."""
     def f(q, k, v, bias):
-        return ffpa_jax.attention(q, k, v, bias, mask, scale=case.scale, is_causal=case.causal,
-                                  return_lse=True, implementation="pallas",
-                                  interpret=interpret_flag(mode))
-    (out, lse), vjp = jax.vjp(f, q, k, v, bias)
-    return vjp((d_out.astype(out.dtype), d_lse))
+        out, lse = ffpa_jax.attention(q, k, v, bias, mask, scale=case.scale,
+                                      is_causal=case.causal, return_lse=True,
+                                      implementation="pallas", interpret=interpret_flag(mode))
+        return {"both": (out, lse), "out": out, "lse": lse}[outputs]
+    result, vjp = jax.vjp(f, q, k, v, bias)
+    d_out = d_out.astype(q.dtype)
+    return vjp({"both": (d_out, d_lse), "out": d_out, "lse": d_lse}[outputs])
 
 
-def check_grads(case: Case, mode: str, *, inputs=None):
+def check_grads(case: Case, mode: str, *, inputs=None, outputs: str = "both"):
     q, k, v, bias, mask = make_inputs(case) if inputs is None else inputs
     d_out, d_lse = _cotangents(case)
     d_out = d_out.astype(q.dtype).astype(jnp.float32)  # the cotangent as the kernel sees it
-    got = _pallas_grads(case, mode, q, k, v, bias, mask, d_out, d_lse)
+    if outputs == "out":
+        d_lse = jnp.zeros_like(d_lse)
+    elif outputs == "lse":
+        d_out = jnp.zeros_like(d_out)
+    got = _pallas_grads(case, mode, q, k, v, bias, mask, d_out, d_lse, outputs=outputs)
     ref = _reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=True)
     xla = _reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=False)
     names = ["dq", "dk", "dv", "dbias"]
@@ -90,6 +100,32 @@ SHAPES = [
 @pytest.mark.parametrize("case", SHAPES, ids=lambda c: f"T{c.t}-S{c.s}-H{c.hq}.{c.hkv}-D{c.d}.{c.head_dim_v}")
 def test_grad_shapes_bf16(case, kernel_mode):
     check_grads(case, kernel_mode)
+
+
+# S=1 with a loss of out alone: every row sees one key, so dq is exactly 0 (XLA's softmax
+# gradient, p·(g - Σ p·g) over one element, gives 0 exactly) and the rule's bound is 0. The
+# 16-bit backward takes δ = rowsum(dO ∘ O) from `bwd_preproc` while the kernels form dP on
+# the tensor cores: the two sum dO·v in different orders, and P = e^(s - lse) is 1 only to
+# a few float32 ulps, so dq comes out ~1.8e-6 instead of 0 (interpret mode, 2026-11-22;
+# present before session 10, where every gradient test also carried an lse cotangent and
+# with it a nonzero dq). float32 gets exact zeros from `bwd_exact_rows`. A known gap, kept
+# visible: strict, so a fix turns it into a failure to notice.
+_ONE_KEY_GAP = pytest.mark.xfail(
+    strict=True, raises=AssertionError,
+    reason="16-bit dq of single-key rows is ~1e-6, not exactly 0 (δ from rowsum(dO∘O))")
+
+
+@pytest.mark.parametrize("case,outputs", [
+    (SHAPES[0], "out"), (SHAPES[0], "lse"),
+    pytest.param(SHAPES[2], "out", marks=_ONE_KEY_GAP), (SHAPES[2], "lse"),
+    (SHAPES[4], "out"), (SHAPES[4], "lse"),
+    (Case(b=2, t=113, s=70, hq=6, hkv=2, d=59, causal=True), "out"),
+    (Case(b=2, t=113, s=70, hq=6, hkv=2, d=59, causal=True), "lse"),
+], ids=lambda x: x if isinstance(x, str) else f"T{x.t}-S{x.s}-H{x.hq}.{x.hkv}-D{x.d}")
+def test_grad_of_one_output(case, outputs, kernel_mode):
+    """A loss of out alone (the lse cotangent a symbolic zero: dS enters the matmuls in one
+    16-bit word) or of lse alone (the output's cotangent a symbolic zero)."""
+    check_grads(case, kernel_mode, outputs=outputs)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
