@@ -20,7 +20,7 @@ from ffpa_jax import partitioning, runtime_autotune
 from ffpa_jax.validation import Problem
 from pallas_kernels import (BwdConfig, DecodeConfig, FwdConfig, bwd_dbias, bwd_exact_rows,
                             bwd_generic_dkdv, bwd_generic_dq, bwd_preproc, decode_attention,
-                            decode_num_splits, fwd_generic)
+                            decode_num_splits, fwd_generic, rows_in_one_tile)
 
 # The decode path (split-KV, GQA heads packed into the tile) serves a query block
 # this short against at least DECODE_MIN_KEYS keys; see `uses_decode`.
@@ -173,15 +173,19 @@ def backward_kernels(plan: Plan, q, k, v, bias, mask, seed, out, *rows_and_cotan
         (lse, d_out, d_lse), lse_lo = rows_and_cotangents, None
     # A row without keys has lse = -inf and no gradient path; drop its lse cotangent.
     d_lse = jnp.where(lse == -jnp.inf, 0.0, d_lse.astype(jnp.float32))
+    own_delta = False
     if plan.lse_pair:
         delta, lse_lo = bwd_exact_rows(q, k, v, d_out, lse, d_lse, bias, mask, config=plan.dq,
                                        scale=plan.scale, causal=plan.causal,
                                        interpret=plan.interpret, dropout_rate=plan.dropout_rate,
                                        seed=seed, lse_lo=lse_lo)
+    elif rows_in_one_tile(k.shape[1], plan.dq, plan.dkdv, plan.dbias):
+        # Each kernel sees a row's keys in one tile and forms δ from its own P and dP.
+        delta, own_delta = d_lse, True
     else:
         delta = bwd_preproc(out, d_out, d_lse, config=plan.preproc, interpret=plan.interpret)
     common = dict(scale=plan.scale, causal=plan.causal, interpret=plan.interpret,
-                  dropout_rate=plan.dropout_rate, seed=seed, lse_lo=lse_lo)
+                  dropout_rate=plan.dropout_rate, seed=seed, lse_lo=lse_lo, own_delta=own_delta)
     split = dict(split_ds=plan.lse_cotangent)
     dq = bwd_generic_dq(q, k, v, d_out, lse, delta, bias, mask, config=plan.dq, **common,
                         **split)

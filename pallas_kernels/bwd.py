@@ -113,7 +113,7 @@ def _lse_lo_inputs(lse, lse_lo, q_dtype) -> list:
 
 def _prepare(q, k, v, do, lse, delta, bias, mask, seed, *, config: BwdConfig, scale: float,
              causal: bool, over_kv: bool, dropout_rate: float, interpret: bool,
-             lse_lo, split_ds: bool = False):
+             lse_lo, split_ds: bool = False, own_delta: bool = False):
     """(kernel inputs, KernelStatic) for dq (over_kv) or dkdv: the config fitted to the
     problem; inputs are the tensors, bias, mask block lists and seed."""
     cfg = _fit_shared_memory(_fitted(config, q, k, v), q, bias, mask, dropout_rate)
@@ -126,7 +126,10 @@ def _prepare(q, k, v, do, lse, delta, bias, mask, seed, *, config: BwdConfig, sc
     st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
                               list_outer=list_outer, dropout_rate=dropout_rate,
                               interpret=interpret, lse_pair=lse_lo is not None,
-                              split_ds=split_ds)
+                              split_ds=split_ds, own_delta=own_delta)
+    if own_delta and st.cfg.block_n < st.seq_k:
+        raise ValueError(f"own_delta needs every row's {st.seq_k} keys in one tile; the "
+                         f"config's block_n is {st.cfg.block_n}")
     return inputs, st
 
 
@@ -202,6 +205,11 @@ class _Tile:
             if lo is not None:
                 diff = diff - lo[:, None]
             p = st.exp2(st.exp2_arg(diff))
+        if st.own_delta:
+            # The tile holds the whole row: normalise P by its own sum, as XLA's softmax
+            # does (a row's single key gets P = 1 exactly; no keys: P = 0, no 0/0).
+            total = jnp.sum(p, axis=1)
+            p = p / jnp.where(total > 0.0, total, 1.0)[:, None]
         keep = None
         if st.dropout_rate > 0:
             keep = common.dropout_keep(st, self.refs["seed"], self.b, h, rows, kv_start, bn)
@@ -217,10 +225,18 @@ class _Tile:
 
     def probs_and_ds(self, h, q_start, kv_start, row_lse, delta, *, need_ds: bool = True,
                      **tile_args):
-        """(dropped P, dS) of the [bm, bn] tile, float32; dS is None when not needed."""
+        """(dropped P, dS) of the [bm, bn] tile, float32; dS is None when not needed.
+        With `own_delta`, `delta` holds dlse and δ = Σ_j P·dP - dlse comes from the tile:
+        XLA's softmax gradient, which for a row of one key gives dS = dlse exactly (from
+        rowsum(dO ∘ O), summed in another order than the tensor cores' dP, it was ~1e-7
+        off, and dQ of such rows ~1e-6 instead of 0)."""
         p, p_out, dp = self.probs_and_dp(h, q_start, kv_start, row_lse, need_dp=need_ds,
                                          **tile_args)
-        return p_out, None if dp is None else p * (dp - delta[:, None])
+        if dp is None:
+            return p_out, None
+        if self.st.own_delta:
+            delta = jnp.sum(p * dp, axis=1) - delta
+        return p_out, p * (dp - delta[:, None])
 
     def row_stats(self, h, q_start):
         """((lse, lo), δ) for the tile's rows: lse in score units, and lo (None unless the
@@ -235,6 +251,15 @@ class _Tile:
         lse = jnp.where(lse == -jnp.inf, 0.0, lse if st.natural else lse * LOG2E)
         lo = plgpu.load(view("lse_lo"), mask=rows_ok, other=0.0) if st.lse_pair else None
         return (lse, lo), delta
+
+
+def rows_in_one_tile(seq_k: int, *configs: BwdConfig) -> bool:
+    """Whether each of these kernels holds every key of a row in one tile (S at most its
+    fitted BLOCK_N). Then a 16-bit backward takes δ = Σ_j P·dP − dlse from the tile's own
+    normalised P and dP (`own_delta`), as XLA's softmax gradient does, instead of
+    rowsum(dO ∘ O) from `bwd_preproc`: exact zeros where a row sees one key, for the
+    price of a row sum per tile, and no preproc pass."""
+    return all(seq_k <= fit_block(c.block_n, seq_k) for c in configs)
 
 
 def _ref_dict(names, refs):
@@ -414,12 +439,14 @@ def _dq_kernel(*refs, st: common.KernelStatic):
 def bwd_generic_dq(q, k, v, do, lse, delta, bias=None, mask=None, *, scale: float, causal: bool,
                    config: BwdConfig, interpret: bool = False, dropout_rate: float = 0.0,
                    seed: jax.Array | None = None, lse_lo: jax.Array | None = None,
-                   split_ds: bool = False) -> jax.Array:
+                   split_ds: bool = False, own_delta: bool = False) -> jax.Array:
     """dQ [B, T, Hq, D] in q's dtype. `split_ds`: dS in two 16-bit words
-    (`common.dot_ds`), for a delta that carries an lse cotangent."""
+    (`common.dot_ds`), for a delta that carries an lse cotangent. `own_delta`: `delta`
+    is dlse, and δ comes from each tile (see `rows_in_one_tile`)."""
     inputs, st = _prepare(q, k, v, do, lse, delta, bias, mask, seed, config=config, scale=scale,
                           causal=causal, over_kv=True, dropout_rate=dropout_rate,
-                          interpret=interpret, lse_lo=lse_lo, split_ds=split_ds)
+                          interpret=interpret, lse_lo=lse_lo, split_ds=split_ds,
+                          own_delta=own_delta)
     cfg = st.cfg
     compat.silence_triton_deprecation()
     grid = (cdiv(st.seq_q, cfg.block_m) * _n_slices(st, st.head_dim), st.batch * st.heads_q)
@@ -531,12 +558,14 @@ def dkdv_tasks(head_dim: int, head_dim_v: int, width: int, split: bool):
 def bwd_generic_dkdv(q, k, v, do, lse, delta, bias=None, mask=None, *, scale: float,
                      causal: bool, config: BwdConfig, interpret: bool = False,
                      dropout_rate: float = 0.0, seed: jax.Array | None = None,
-                     lse_lo: jax.Array | None = None, split_ds: bool = False):
-    """(dK [B, S, Hkv, D], dV [B, S, Hkv, Dv]) in k's / v's dtype. `split_ds` as in
-    `bwd_generic_dq`."""
+                     lse_lo: jax.Array | None = None, split_ds: bool = False,
+                     own_delta: bool = False):
+    """(dK [B, S, Hkv, D], dV [B, S, Hkv, Dv]) in k's / v's dtype. `split_ds` and
+    `own_delta` as in `bwd_generic_dq`."""
     inputs, st = _prepare(q, k, v, do, lse, delta, bias, mask, seed, config=config, scale=scale,
                           causal=causal, over_kv=False, dropout_rate=dropout_rate,
-                          interpret=interpret, lse_lo=lse_lo, split_ds=split_ds)
+                          interpret=interpret, lse_lo=lse_lo, split_ds=split_ds,
+                          own_delta=own_delta)
     cfg = st.cfg
     tasks = dkdv_tasks(st.head_dim, st.head_dim_v, cfg.block_slice, cfg.split_dkdv)
     compat.silence_triton_deprecation()
@@ -609,13 +638,17 @@ def _dbias_kernel(*refs, st: common.KernelStatic):
 
 def bwd_dbias(q, k, v, do, lse, delta, bias, mask=None, *, scale: float, causal: bool,
               config: BwdConfig, interpret: bool = False, dropout_rate: float = 0.0,
-              seed: jax.Array | None = None,
-              lse_lo: jax.Array | None = None) -> jax.Array:
-    """dbias with bias's own 4-D shape (each dim 1 or full), float32."""
+              seed: jax.Array | None = None, lse_lo: jax.Array | None = None,
+              own_delta: bool = False) -> jax.Array:
+    """dbias with bias's own 4-D shape (each dim 1 or full), float32. `own_delta` as in
+    `bwd_generic_dq`."""
     cfg = dataclasses.replace(_fitted(config, q, k, v), split_dkdv=False)
     st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
                               dropout_rate=dropout_rate, interpret=interpret,
-                              lse_pair=lse_lo is not None)
+                              lse_pair=lse_lo is not None, own_delta=own_delta)
+    if own_delta and cfg.block_n < st.seq_k:
+        raise ValueError(f"own_delta needs every row's {st.seq_k} keys in one tile; the "
+                         f"config's block_n is {cfg.block_n}")
     inputs = ([q, k, v, do, lse] + _lse_lo_inputs(lse, lse_lo, q.dtype) + [delta, bias]
               + ([mask] if mask is not None else [])
               + common.seed_inputs(dropout_rate, seed))

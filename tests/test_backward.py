@@ -102,29 +102,18 @@ def test_grad_shapes_bf16(case, kernel_mode):
     check_grads(case, kernel_mode)
 
 
-# S=1 with a loss of out alone: every row sees one key, so dq is exactly 0 (XLA's softmax
-# gradient, p·(g - Σ p·g) over one element, gives 0 exactly) and the rule's bound is 0. The
-# 16-bit backward takes δ = rowsum(dO ∘ O) from `bwd_preproc` while the kernels form dP on
-# the tensor cores: the two sum dO·v in different orders, and P = e^(s - lse) is 1 only to
-# a few float32 ulps, so dq comes out ~1.8e-6 instead of 0 (interpret mode, 2026-11-22;
-# present before session 10, where every gradient test also carried an lse cotangent and
-# with it a nonzero dq). float32 gets exact zeros from `bwd_exact_rows`. A known gap, kept
-# visible: strict, so a fix turns it into a failure to notice.
-_ONE_KEY_GAP = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="16-bit dq of single-key rows is ~1e-6, not exactly 0 (δ from rowsum(dO∘O))")
-
-
 @pytest.mark.parametrize("case,outputs", [
     (SHAPES[0], "out"), (SHAPES[0], "lse"),
-    pytest.param(SHAPES[2], "out", marks=_ONE_KEY_GAP), (SHAPES[2], "lse"),
+    (SHAPES[2], "out"), (SHAPES[2], "lse"),
     (SHAPES[4], "out"), (SHAPES[4], "lse"),
     (Case(b=2, t=113, s=70, hq=6, hkv=2, d=59, causal=True), "out"),
     (Case(b=2, t=113, s=70, hq=6, hkv=2, d=59, causal=True), "lse"),
 ], ids=lambda x: x if isinstance(x, str) else f"T{x.t}-S{x.s}-H{x.hq}.{x.hkv}-D{x.d}")
 def test_grad_of_one_output(case, outputs, kernel_mode):
     """A loss of out alone (the lse cotangent a symbolic zero: dS enters the matmuls in one
-    16-bit word) or of lse alone (the output's cotangent a symbolic zero)."""
+    16-bit word) or of lse alone (the output's cotangent a symbolic zero). S=1 with out
+    alone has dq exactly 0, so the rule's bound is 0 there: it failed (~1e-6, from δ =
+    rowsum(dO ∘ O)) until 16-bit rows that fit one tile took δ from the tile's own P and dP."""
     check_grads(case, kernel_mode, outputs=outputs)
 
 
@@ -286,17 +275,20 @@ def test_grad_float32_d44_dv107_causal_mask(kernel_mode):
                   impl="pallas", interpret=interpret_flag(kernel_mode))
 
 
-def test_grad_float32_single_visible_key_is_exactly_zero_dq(kernel_mode):
-    """A float32 row that sees one key has P = 1 and dS = dP - Σ P·dP = 0 exactly, as in
-    XLA's softmax gradient: dq of that row is exactly 0, with dropout too. With δ taken
-    as rowsum(dO ∘ O), which rounds differently from the kernels' dP, the GPU fuzz of
-    2026-11-21 (D=1024, T=1, S=10, dropout 0.9) got dq 52x XLA's error."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grad_single_visible_key_is_exactly_zero_dq(dtype, kernel_mode):
+    """A row that sees one key has P = 1 and dS = dP - Σ P·dP = 0 exactly, as in XLA's
+    softmax gradient: dq of that row is exactly 0, with dropout too. With δ taken as
+    rowsum(dO ∘ O), which rounds differently from the kernels' dP, the GPU fuzz of
+    2026-11-21 (float32, D=1024, T=1, S=10, dropout 0.9) got dq 52x XLA's error; float32
+    takes δ from `bwd_exact_rows`, and 16-bit from each tile (`rows_in_one_tile`: here
+    S=10 fits one)."""
     b, t, s, hq, hkv, d = 2, 3, 10, 4, 2, 256
     kq, kk, kv, ko, kr = jax.random.split(jax.random.key(11), 5)
-    q = 2.0 * jax.random.normal(kq, (b, t, hq, d), jnp.float32)
-    k = 2.0 * jax.random.normal(kk, (b, s, hkv, d), jnp.float32)
-    v = jax.random.normal(kv, (b, s, hkv, d), jnp.float32)
-    d_out = jax.random.normal(ko, (b, t, hq, d), jnp.float32)
+    q = (2.0 * jax.random.normal(kq, (b, t, hq, d), jnp.float32)).astype(dtype)
+    k = (2.0 * jax.random.normal(kk, (b, s, hkv, d), jnp.float32)).astype(dtype)
+    v = jax.random.normal(kv, (b, s, hkv, d), jnp.float32).astype(dtype)
+    d_out = jax.random.normal(ko, (b, t, hq, d), jnp.float32).astype(dtype)
     # Row 0 sees key 3 only, row 1 keys 3 and 7, row 2 every key.
     mask = np.zeros((t, s), bool)
     mask[0, 3] = True
@@ -312,7 +304,8 @@ def test_grad_float32_single_visible_key_is_exactly_zero_dq(kernel_mode):
     dq = np.asarray(dq)
     # Where dropout drops the one key, out and dq are 0 whatever δ is; the test needs
     # (b, h) pairs that keep it.
-    assert (np.abs(np.asarray(out)[:, 0]).max(-1) > 0).sum() >= 2
+    assert (np.abs(np.asarray(out, np.float32)[:, 0]).max(-1) > 0).sum() >= 2
+    dq = dq.astype(np.float32)
     np.testing.assert_array_equal(dq[:, 0], 0.0)
     assert np.abs(dq[:, 2]).max() > 0.0  # the row that sees every key does get a gradient
 
@@ -325,7 +318,7 @@ def test_grad_float32_single_visible_key_is_exactly_zero_dq(kernel_mode):
 #   rounded differently from the forward's), and that miss times |δ| ~ 27 dominated dS.
 # - "d1024-one-key-dropout" (seed 436743445, part 1): T=1, S=10, dropout 0.9, keys mostly
 #   masked; dq 1.66e-5 against the 1e-5 bound (XLA: 3.2e-7): δ = rowsum(dO ∘ O) did not
-#   cancel the kernels' own dP (see test_grad_float32_single_visible_key_is_exactly_zero_dq).
+#   cancel the kernels' own dP (see test_grad_single_visible_key_is_exactly_zero_dq).
 # - "d1024-causal-dropout" (seed 20261121, part 3, after both fixes below): dk 3.6x XLA's
 #   error; the float32 dP was one in-order FMA chain over Dv = 1024.
 # The fixes: the backward normalises its own P and takes δ = Σ P·dP

@@ -105,10 +105,11 @@ def test_fwd_default_configs_lower_for_every_head_dim():
 
 def lower_bwd(*, d, dv, causal=False, bias_shape=None, mask=False, hq=4, hkv=2, t=300, s=257,
               dtype=jnp.bfloat16, config=BwdConfig(), dropout=0.0, seed_words=2,
-              split_ds=False):
+              split_ds=False, own_delta=False):
     """Lower all four backward kernels in one jitted function (float32: with bwd_exact_rows
     in place of bwd_preproc, and its lse correction passed on, as the vjp does).
-    `split_ds`: dq and dkdv as the vjp runs them under an lse cotangent."""
+    `split_ds`: dq and dkdv as the vjp runs them under an lse cotangent; `own_delta`: as
+    it runs them when every row fits one tile (no preproc; s <= the config's block_n)."""
     args = [sd((2, t, hq, d), dtype), sd((2, s, hkv, d), dtype), sd((2, s, hkv, dv), dtype),
             sd((2, t, hq, dv), dtype), sd((2, t, hq, dv), dtype), sd((2, hq, t), jnp.float32),
             sd((seed_words,), jnp.uint32)]
@@ -124,6 +125,9 @@ def lower_bwd(*, d, dv, causal=False, bias_shape=None, mask=False, hq=4, hkv=2, 
         if dtype == jnp.float32:
             delta, lse_lo = bwd_exact_rows(q, k, v, do, lse, lse, b, m, **kw)
             kw["lse_lo"] = lse_lo
+        elif own_delta:
+            delta = lse  # stands for dlse
+            kw["own_delta"] = True
         else:
             delta = bwd_preproc(o, do, lse, config=config)
         outs = [bwd_generic_dq(q, k, v, do, lse, delta, b, m, split_ds=split_ds, **kw),
@@ -152,6 +156,8 @@ def test_bwd_head_dims(d, dynamic, split):
     dict(hq=8, hkv=1), dict(dv=40), dict(dtype=jnp.float16), dict(dtype=jnp.float32),
     dict(t=1, s=3000), dict(t=3000, s=1), dict(split_ds=True), dict(split_ds=True, d=512,
                                                                     dv=512, hq=8, hkv=1),
+    dict(own_delta=True, s=57, causal=True, bias_shape=(2, 4, 300, 57), dropout=0.1),
+    dict(own_delta=True, s=1, split_ds=True),
 ], ids=lambda v: "-".join(f"{k}={getattr(x, '__name__', x)}" for k, x in v.items()))
 def test_bwd_variants(variant):
     kwargs = dict(d=111, dv=111)
