@@ -127,9 +127,6 @@ def _prepare(q, k, v, do, lse, delta, bias, mask, seed, *, config: BwdConfig, sc
                               list_outer=list_outer, dropout_rate=dropout_rate,
                               interpret=interpret, lse_pair=lse_lo is not None,
                               split_ds=split_ds, own_delta=own_delta)
-    if own_delta and st.cfg.block_n < st.seq_k:
-        raise ValueError(f"own_delta needs every row's {st.seq_k} keys in one tile; the "
-                         f"config's block_n is {st.cfg.block_n}")
     return inputs, st
 
 
@@ -646,9 +643,6 @@ def bwd_dbias(q, k, v, do, lse, delta, bias, mask=None, *, scale: float, causal:
     st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
                               dropout_rate=dropout_rate, interpret=interpret,
                               lse_pair=lse_lo is not None, own_delta=own_delta)
-    if own_delta and cfg.block_n < st.seq_k:
-        raise ValueError(f"own_delta needs every row's {st.seq_k} keys in one tile; the "
-                         f"config's block_n is {cfg.block_n}")
     inputs = ([q, k, v, do, lse] + _lse_lo_inputs(lse, lse_lo, q.dtype) + [delta, bias]
               + ([mask] if mask is not None else [])
               + common.seed_inputs(dropout_rate, seed))

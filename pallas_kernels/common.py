@@ -53,7 +53,7 @@ class KernelStatic:
     interpret: bool = False  # Pallas' interpreter (no inline PTX)
     natural: bool = False  # scores in natural-log units (float32), else log2 units
     lse_pair: bool = False  # backward: lse arrives as an exact pair, inputs lse (hi) and lse_lo
-    split_ds: bool = False  # backward: dS enters dQ's and dK's matmuls as two 16-bit words
+    split_ds: bool = False  # backward: 16-bit dS enters dQ's and dK's matmuls as two words
     # backward: every row's keys fit in one tile; the "delta" input holds dlse, and δ comes
     # from the tile's own normalised P and dP (see pallas_kernels.bwd.rows_in_one_tile)
     own_delta: bool = False
@@ -113,6 +113,9 @@ def kernel_static(q, k, v, bias, mask, *, scale: float, causal: bool, cfg,
                   interpret: bool = False, lse_pair: bool = False,
                   split_ds: bool = False, own_delta: bool = False) -> KernelStatic:
     batch, seq_q, heads_q, head_dim = q.shape
+    if own_delta and cfg.block_n < k.shape[1]:
+        raise ValueError(f"own_delta needs every row's {k.shape[1]} keys in one tile; the "
+                         f"config's block_n is {cfg.block_n}")
     return KernelStatic(batch=batch, seq_q=seq_q, seq_k=k.shape[1], heads_q=heads_q,
                         heads_kv=k.shape[2], head_dim=head_dim, head_dim_v=v.shape[3],
                         scale=float(scale), causal=causal,
@@ -120,8 +123,7 @@ def kernel_static(q, k, v, bias, mask, *, scale: float, causal: bool, cfg,
                         mask_shape=None if mask is None else tuple(mask.shape),
                         list_outer=list_outer, cfg=cfg, dropout_rate=float(dropout_rate),
                         interpret=interpret, natural=natural_units(q.dtype),
-                        lse_pair=lse_pair, split_ds=split_ds and not natural_units(q.dtype),
-                        own_delta=own_delta)
+                        lse_pair=lse_pair, split_ds=split_ds, own_delta=own_delta)
 
 
 # The most dynamic shared memory one program may use on the H100 and H200 (227 KiB).

@@ -352,38 +352,33 @@ def test_grad_float32_fuzz_draws(draw, kernel_mode):
     check_example(cfg, impl="pallas", interpret=interpret_flag(kernel_mode), **example)
 
 
+def _inner_jaxprs(eqn):
+    """The jaxprs nested in an equation's parameters (loop bodies, branches, calls)."""
+    for p in eqn.params.values():
+        inner = getattr(p, "jaxpr", None)
+        if inner is not None and hasattr(inner, "eqns"):
+            yield inner
+        elif hasattr(p, "eqns"):
+            yield p
+
+
 def _kernel_dots(jaxpr, kernel_name: str) -> list[int]:
     """How many dot_generals each pallas_call named `kernel_name` in `jaxpr` (searched
     through nested jaxprs) holds in its kernel body."""
-    found = []
-
     def count(j) -> int:
-        n = 0
-        for eqn in j.eqns:
-            n += eqn.primitive.name == "dot_general"
-            for p in eqn.params.values():
-                inner = getattr(p, "jaxpr", None)
-                if inner is not None and hasattr(inner, "eqns"):
-                    n += count(inner)
-                elif hasattr(p, "eqns"):
-                    n += count(p)
-        return n
+        return sum((eqn.primitive.name == "dot_general") + sum(map(count, _inner_jaxprs(eqn)))
+                   for eqn in j.eqns)
 
     def walk(j):
         for eqn in j.eqns:
             if eqn.primitive.name == "pallas_call":
                 meta = eqn.params.get("name_and_src_info") or eqn.params.get("name")
                 if kernel_name in str(meta):
-                    found.append(count(eqn.params["jaxpr"]))
-                continue
-            for p in eqn.params.values():
-                inner = getattr(p, "jaxpr", None)
-                if inner is not None and hasattr(inner, "eqns"):
-                    walk(inner)
-                elif hasattr(p, "eqns"):
-                    walk(p)
-    walk(jaxpr)
-    return found
+                    yield count(eqn.params["jaxpr"])
+            else:
+                for inner in _inner_jaxprs(eqn):
+                    yield from walk(inner)
+    return list(walk(jaxpr))
 
 
 def test_lse_cotangent_adds_the_split_ds_products_only_when_lse_is_differentiated():
