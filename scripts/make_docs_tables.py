@@ -126,7 +126,7 @@ def render_format2(path: pathlib.Path, plot_dir: pathlib.Path | None = DOCS) -> 
     if plot_dir is not None:
         out = plot_dir / f"{path.stem}.png"
         header = doc["header"]
-        report.plot_tflops(doc["records"], out,
+        report.plot_tflops(doc["records"], out, kinds=None,
                            title=f"{header.get('device')}, {str(header.get('date'))[:10]}: "
                                  "TF/s against seqlen (missing point: unsupported or OOM)")
         link = pathlib.Path(os.path.relpath(out, DOCS)).as_posix()

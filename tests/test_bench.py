@@ -113,6 +113,20 @@ def test_peers_say_why_they_decline(peer, kind, interpret, why):
         peers.PEERS[peer].make(case, interpret)
 
 
+def test_pallas_mha_declines_a_cross_backward():
+    # its fused backward raises for T != S; the bench must say so, not record an error
+    case = dataclasses.replace(make_case("cross", d=64, n=256, b=1, h=2), mode="fwdbwd")
+    with pytest.raises(peers.Unsupported, match="same number of blocks"):
+        peers.PEERS["pallas-mha"].make(case, False)
+    peers.PEERS["pallas-mha"].make(dataclasses.replace(case, mode="fwd"), False)
+
+
+def test_cli_names_a_shape_the_cases_cannot_take(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--case", "gqa", "--heads", "6", "--kv-heads", "4", "--list"])
+    assert "heads 6 is not a multiple of kv heads 4" in capsys.readouterr().err
+
+
 def test_cudnn_declines_top_left_causal_for_t_not_s():
     case = dataclasses.replace(make_case("cross", d=64, n=128, b=1, h=2), causal=True)
     with pytest.raises(peers.Unsupported, match="top-left"):
@@ -266,6 +280,23 @@ def test_cli_on_cpu_writes_json_and_plot(tmp_path, capsys):
     assert recs[("decode", "fwd", "ffpa")]["gbps"] > 0
     assert recs[("self", "fwd", "ffpa")]["speedup"].keys() == {"xla"}
     assert png.read_bytes()[:4] == b"\x89PNG"
+    # the plot draws every kind the run measured, not only "self": one seqlen per kind
+    # here, so a bar per ok record, grouped by case
+    ok = [r for r in doc["records"] if r["status"] == "ok"]
+    fig = report.plot_tflops(doc["records"], kinds=None)
+    (ax,) = fig.axes
+    assert ax.get_title() == "forward"
+    assert sorted(p.get_height() for p in ax.patches) == sorted(r["tflops"] for r in ok)
+    labels = [t.get_text().split("\n")[0] for t in ax.get_xticklabels()]
+    assert labels == ["self", "decode"]
+    # several seqlens of one kind: a line per implementation against seqlen
+    sweep = [dict(r, t=r["t"] * 2, s=r["s"] * 2, tflops=r["tflops"] + 1) for r in ok
+             if r["kind"] == "self"] + [r for r in ok if r["kind"] == "self"]
+    fig = report.plot_tflops(sweep, kinds=None)
+    lines = {line.get_label(): list(line.get_xdata()) for ax in fig.axes
+             for line in ax.get_lines()}
+    n = next(r["t"] for r in ok if r["kind"] == "self")
+    assert lines == {r["impl"]: [n, 2 * n] for r in ok if r["kind"] == "self"}
     assert "unsupported: cuDNN needs an NVIDIA GPU" in printed
     # the new file renders through the docs script
     table = _docs_script().render_format2(out, plot_dir=None)

@@ -152,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     peers = _peers(parser, args.peers)
     on_gpu = jax.devices()[0].platform == "gpu"
-    cases = select_cases(args, on_gpu)
+    try:
+        cases = select_cases(args, on_gpu)
+    except ValueError as e:  # a shape the case kinds cannot take, e.g. --heads 6 --kv-heads 4
+        parser.error(str(e))
     if args.list:
         for c in cases:
             print(f"{c.kind:<11} {c.label}")
@@ -201,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         title = f"{header['device']}, {header['date'][:10]}: TF/s against seqlen"
         if not on_gpu:
             title += " (CPU fallback: interpreter times, not GPU speed)"
-        report.plot_tflops(records, args.plot, title=title)
+        report.plot_tflops(records, args.plot, title=title, kinds=None)
         print(f"plot: {args.plot}")
     failed = [r for r in records if r["impl"] == "ffpa" and r["status"].startswith("error")]
     return 1 if failed else 0

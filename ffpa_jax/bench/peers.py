@@ -98,6 +98,9 @@ def _pallas_mha(case: BenchCase, interpret: bool):
         raise Unsupported("has no dropout")
     if case.causal and case.t != case.s:
         raise Unsupported("causal with T != S is top-left aligned there")
+    if case.mode == "fwdbwd" and case.t != case.s:
+        raise Unsupported("its fused backward needs T and S split into the same number of "
+                          "blocks (T == S)")
     for name, n in (("T", case.t), ("S", case.s)):
         if n % min(128, n):
             raise Unsupported(f"{name}={n} must be a multiple of its 128-wide block")

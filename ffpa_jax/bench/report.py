@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
+import textwrap
 
 FORMAT = 2
 COLORS = {"ffpa": "C0", "cudnn": "C1", "xla": "C2", "pallas-mha": "C3", "pallas-mgpu": "C4",
@@ -201,40 +202,103 @@ def markdown_table(doc: dict) -> str:
 
 
 # ---------------------------------------------------------------- plots
+def _plot_group(r: dict) -> str:
+    """The panel row a record is drawn in: its case kind, marked when a run made it causal
+    (`--causal`)."""
+    kind = r.get("kind") or infer_kind(r)
+    return f"{kind}, causal" if r.get("causal") and kind != "causal" else kind
+
+
+def impls_of(recs: list[dict]) -> list[str]:
+    """The implementations in `recs`: ours and the known peers first, in COLORS' order."""
+    impls = [i for i in COLORS if any(r["impl"] == i for r in recs)]
+    return impls + sorted({r["impl"] for r in recs} - set(impls))
+
+
+def _plot_bars(recs: list[dict], groups: list[str], impls: list[str], path, title: str):
+    """TF/s as bars, a panel per mode, a group of bars per (kind, head dim, seqlen)."""
+    import matplotlib.pyplot as plt
+    modes = [m for m in ("fwd", "fwdbwd") if any(r["mode"] == m for r in recs)]
+    fig, axes = plt.subplots(len(modes), 1, figsize=(12, 3.6 * len(modes)), squeeze=False)
+    width = 0.8 / max(1, len(impls))
+    for ax, mode in zip(axes[:, 0], modes, strict=True):
+        keys = sorted({(groups.index(_plot_group(r)), r["d"], r["t"], r["s"]) for r in recs
+                       if r["mode"] == mode})
+        for j, impl in enumerate(impls):
+            by_key = {(groups.index(_plot_group(r)), r["d"], r["t"], r["s"]): r["tflops"]
+                      for r in recs if r["mode"] == mode and r["impl"] == impl}
+            xs = [i + (j - (len(impls) - 1) / 2) * width
+                  for i, key in enumerate(keys) if key in by_key]
+            ax.bar(xs, [by_key[key] for key in keys if key in by_key], width, label=impl,
+                   color=COLORS.get(impl))
+        ax.set_xticks(range(len(keys)))
+        ax.set_xticklabels([f"{groups[g]}\nD={d} T={t}" + (f" S={s}" if s != t else "")
+                            for g, d, t, s in keys], fontsize=7)
+        ax.set_title("forward" if mode == "fwd" else "forward + backward", fontsize=9)
+        ax.set_ylabel("TF/s")
+        ax.grid(alpha=0.3, axis="y")
+    axes[0][0].legend(fontsize=8, ncol=len(impls))
+    fig.suptitle(textwrap.fill(title.replace("against seqlen", "per case")
+                               .replace("missing point", "missing bar"), width=190),
+                 fontsize=10)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    return fig
+
+
 def plot_tflops(records: list[dict], path=None, *, title: str | None = None,
-                kinds: tuple[str, ...] = ("self",), heads: int | None = None,
+                kinds: tuple[str, ...] | None = ("self",), heads: int | None = None,
                 dtype: str | None = None):
-    """TF/s against seqlen, one panel per (mode, head dim): forward on the top row,
-    forward+backward below, a line per implementation. Only ok records of `kinds`
-    (default: plain self-attention, no causal/mask/bias/dropout), optionally only
-    `heads` query heads and one dtype (default: the most common). Returns the figure;
+    """TF/s against seqlen: a row of panels per (case kind, mode) present, forward above
+    forward+backward, a panel per head dim, a line per implementation. Only ok records
+    of `kinds` (default: plain self-attention; None: every kind in `records`, in the order
+    of `cases.KINDS`), optionally only `heads` query heads and one dtype (default: the
+    most common). The x axis is T (S for decode). Where several kinds are drawn and each
+    was measured at one seqlen only, bars per case replace the lines. Returns the figure;
     saves it when `path` is given."""
     import matplotlib
     if path is not None and "matplotlib.pyplot" not in sys.modules:
         matplotlib.use("Agg")  # a file only: no display needed
     import matplotlib.pyplot as plt
 
-    recs = [r for r in records if is_ok(r) and (r.get("kind") or infer_kind(r)) in kinds
-            and not r.get("causal") and not r.get("mask") and not r.get("bias")
-            and not r.get("dropout") and (heads is None or r["hq"] == heads)]
+    from ffpa_jax.bench.cases import KINDS
+
+    recs = [r for r in records if is_ok(r)
+            and (kinds is None or (r.get("kind") or infer_kind(r)) in kinds)
+            and (heads is None or r["hq"] == heads)]
     if dtype is None and recs:
         counts: dict[str, int] = {}
         for r in recs:
             counts[r["dtype"]] = counts.get(r["dtype"], 0) + 1
         dtype = max(counts, key=counts.get)
     recs = [r for r in recs if r["dtype"] == dtype]
+    order = {k: i for i, k in enumerate(KINDS)}
+    groups = sorted({_plot_group(r) for r in recs},
+                    key=lambda g: (order.get(g.split(",")[0], len(order)), g))
+    rows = [(g, mode) for g in groups or ["self"] for mode in ("fwd", "fwdbwd")
+            if not recs or any(_plot_group(r) == g and r["mode"] == mode for r in recs)]
     dims = sorted({r["d"] for r in recs}) or [0]
-    fig, axes = plt.subplots(2, len(dims), figsize=(3.2 * len(dims) + 1, 6.4), squeeze=False,
-                             sharey="row")
-    impls = [i for i in COLORS if any(r["impl"] == i for r in recs)]
-    impls += sorted({r["impl"] for r in recs} - set(impls))
-    for row, mode in enumerate(("fwd", "fwdbwd")):
+    title = title or (f"TF/s against seqlen ({dtype}); a missing point: unsupported, "
+                      "out of memory or not measured")
+    seqlens = {}
+    for r in recs:
+        seqlens.setdefault((_plot_group(r), r["d"]), set()).add(r["t"])
+    if len(groups) > 1 and all(len(ns) == 1 for ns in seqlens.values()):
+        # one seqlen per kind and head dim: lines would be lone dots, so draw bars
+        return _plot_bars(recs, groups, impls_of(recs), path, title)
+    width = 3.2 * len(dims) + 1
+    fig, axes = plt.subplots(len(rows), len(dims), figsize=(width, 3.2 * len(rows)),
+                             squeeze=False, sharey="row")
+    impls = impls_of(recs)
+    for row, (group, mode) in enumerate(rows):
         for col, d in enumerate(dims):
             ax = axes[row][col]
             drawn = False
             for impl in impls:
-                pts = sorted((r["t"], r["tflops"]) for r in recs
-                             if r["mode"] == mode and r["d"] == d and r["impl"] == impl)
+                pts = sorted((r["s"] if r["t"] == 1 else r["t"], r["tflops"]) for r in recs
+                             if _plot_group(r) == group and r["mode"] == mode and r["d"] == d
+                             and r["impl"] == impl)
                 if pts:
                     xs, ys = zip(*pts)
                     ax.plot(xs, ys, "o-", label=impl, color=COLORS.get(impl))
@@ -242,10 +306,11 @@ def plot_tflops(records: list[dict], path=None, *, title: str | None = None,
             if not drawn:
                 ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
             ax.set_xscale("log", base=2)
-            ax.set_title(f"{'forward' if mode == 'fwd' else 'fwd + bwd'}, D={d}", fontsize=9)
+            ax.set_title(f"{group}: {'forward' if mode == 'fwd' else 'fwd + bwd'}, D={d}",
+                         fontsize=9)
             ax.grid(alpha=0.3)
-            if row == 1:
-                ax.set_xlabel("seqlen N (T = S)")
+            if row == len(rows) - 1:
+                ax.set_xlabel("seqlen T (S for decode)")
             if col == 0:
                 ax.set_ylabel("TF/s")
     handles = {}
@@ -257,9 +322,8 @@ def plot_tflops(records: list[dict], path=None, *, title: str | None = None,
     if handles:
         fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles),
                    fontsize=8, frameon=False)
-    fig.suptitle(title or f"TF/s against seqlen ({dtype}); a missing point: unsupported, "
-                 "out of memory or not measured", fontsize=10)
-    fig.tight_layout(rect=(0, 0.05, 1, 0.96))
+    fig.suptitle(textwrap.fill(title, width=int(16 * width)), fontsize=10)
+    fig.tight_layout(rect=(0, 0.3 / len(rows), 1, 1 - 0.2 / len(rows)))
     if path is not None:
         fig.savefig(path, dpi=110)
     return fig
