@@ -322,8 +322,9 @@ def plot_tflops(records: list[dict], path=None, *, title: str | None = None,
     if handles:
         fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles),
                    fontsize=8, frameon=False)
-    fig.suptitle(textwrap.fill(title, width=int(16 * width)), fontsize=10)
-    fig.tight_layout(rect=(0, 0.3 / len(rows), 1, 1 - 0.2 / len(rows)))
+    fig.suptitle(textwrap.fill(title, width=int(11 * width)), fontsize=10)
+    height = 3.2 * len(rows)  # inches; room for the legend below and the title above
+    fig.tight_layout(rect=(0, 0.4 / height, 1, 1 - 0.5 / height))
     if path is not None:
         fig.savefig(path, dpi=110)
     return fig
