@@ -407,3 +407,54 @@ def test_lse_cotangent_adds_the_split_ds_products_only_when_lse_is_differentiate
     assert split_dq[0] == plain_dq[0] + 1, (plain_dq, split_dq)
     assert split_dkdv[0] == plain_dkdv[0] + 1, (plain_dkdv, split_dkdv)
     assert dots(with_lse, jnp.float32) == dots(out_only, jnp.float32)
+
+
+# ---------------------------------------------------------------- the dK/dV tile's orientation
+@pytest.mark.parametrize("dtype,causal,bias_shape,mask_shape,dropout,dynamic", [
+    (jnp.bfloat16, True, (1, 4, 113, 203), None, 0.0, False),
+    (jnp.float16, False, (2, 1, 1, 203), (2, 1, 113, 1), 0.3, False),
+    (jnp.bfloat16, True, (1, 1, 113, 203), (1, 4, 113, 203), 0.2, True),
+])
+def test_dkdv_orientations_agree(dtype, causal, bias_shape, mask_shape, dropout, dynamic,
+                                 kernel_mode):
+    """dK/dV from the transposed tile (Sᵀ = K·Qᵀ: the 16-bit default at BLOCK_M <= 64) and
+    from the [BLOCK_M, BLOCK_N] tile differ at most by one rounding of the 16-bit output:
+    bias, mask, causal, dropout and GQA each enter the transposed tile transposed."""
+    from pallas_kernels import BwdConfig, FwdConfig, bwd_generic_dkdv, bwd_preproc, fwd_generic
+    interpret = interpret_flag(kernel_mode)
+    b, t, s, hq, hkv, d = 2, 113, 203, 4, 2, 72
+    keys = jax.random.split(jax.random.key(17), 7)
+    q = jax.random.normal(keys[0], (b, t, hq, d), dtype)
+    k = jax.random.normal(keys[1], (b, s, hkv, d), dtype)
+    v = jax.random.normal(keys[2], (b, s, hkv, d), dtype)
+    do = jax.random.normal(keys[3], (b, t, hq, d), dtype)
+    bias = jax.random.normal(keys[4], bias_shape, jnp.float32)
+    mask = None if mask_shape is None else jax.random.bernoulli(keys[5], 0.7, mask_shape)
+    seed = jnp.array([5, 6], jnp.uint32) if dropout else None
+    scale = d ** -0.5
+    o, lse = fwd_generic(q, k, v, bias, mask, scale=scale, causal=causal, config=FwdConfig(),
+                         interpret=interpret, dropout_rate=dropout, seed=seed)
+    dlse = jax.random.normal(keys[6], lse.shape, jnp.float32)
+    delta = bwd_preproc(o, do, dlse, config=BwdConfig(), interpret=interpret)
+    cfg = BwdConfig(block_m=32, block_n=64, block_d=32, block_slice=64, dynamic=dynamic,
+                    split_dkdv=dynamic)
+    grads = [bwd_generic_dkdv(q, k, v, do, lse, delta, bias, mask, scale=scale, causal=causal,
+                              config=dataclasses.replace(cfg, transposed=transposed),
+                              interpret=interpret, dropout_rate=dropout, seed=seed)
+             for transposed in (True, False)]
+    eps = float(jnp.finfo(dtype).eps)
+    for name, new, old in zip(("dk", "dv"), *grads):
+        new, old = np.asarray(new, np.float32), np.asarray(old, np.float32)
+        assert np.all(np.isfinite(new)) and np.abs(old).max() > 0
+        np.testing.assert_allclose(new, old, rtol=0, atol=eps * np.abs(old).max(), err_msg=name)
+
+
+def test_dkdv_orientation_rule():
+    from pallas_kernels import BwdConfig
+    from pallas_kernels.bwd import dkdv_transposed
+    assert dkdv_transposed(BwdConfig(block_m=64), jnp.bfloat16)
+    assert dkdv_transposed(BwdConfig(block_m=32), jnp.float16)
+    assert not dkdv_transposed(BwdConfig(block_m=128), jnp.bfloat16)  # spills (D=512 sweep)
+    assert not dkdv_transposed(BwdConfig(block_m=64), jnp.float32)    # FMA dots, unmeasured
+    assert not dkdv_transposed(BwdConfig(block_m=64, transposed=False), jnp.bfloat16)
+    assert dkdv_transposed(BwdConfig(block_m=128, transposed=True), jnp.bfloat16)
