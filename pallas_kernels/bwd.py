@@ -50,11 +50,6 @@ class BwdConfig:
     num_stages: int = 2
     dynamic: bool = False  # fori_loop over the reduction chunks instead of a static unroll
     split_dkdv: bool = False  # dkdv only: dK and dV in separate programs
-    # dkdv only: recompute the tile as Sᵀ = K·Qᵀ, [BLOCK_N, BLOCK_M], so that Pᵀ and dSᵀ
-    # come out of the MMAs in the layout the dV and dK products take them in, instead of
-    # through a shared-memory transpose (and its barriers) per step. None: by the rule of
-    # `dkdv_transposed`.
-    transposed: bool | None = None
 
     @classmethod
     def from_tuned(cls, cfg: dict) -> "BwdConfig":
@@ -143,11 +138,9 @@ class _Tile:
     when the reductions are unrolled, so they are loaded once per program.
     """
 
-    def __init__(self, st: common.KernelStatic, refs: dict, b, hk, *,
-                 lse_in_score_units: bool = False):
+    def __init__(self, st: common.KernelStatic, refs: dict, b, hk):
         self.st, self.refs, self.b, self.hk = st, refs, b, hk
         self.cfg = st.cfg
-        self.lse_in_score_units = lse_in_score_units  # see `score_unit_lse`
 
     def chunk(self, name: str, start_row, rows: int, c, head, n_rows: int, n_cols: int):
         cfg = self.cfg
@@ -181,107 +174,80 @@ class _Tile:
         return q_chunk, do_chunk
 
     def probs_and_dp(self, h, q_start, kv_start, row_lse, *, q_chunk, k_chunk, do_chunk,
-                     v_chunk, causal_mask: bool, with_mask: bool, need_dp: bool = True,
-                     transposed: bool = False):
+                     v_chunk, causal_mask: bool, with_mask: bool, need_dp: bool = True):
         """(P, dropped P, dP) of the [bm, bn] tile, float32: P = e^(S - lse); the dropped
         P (the forward's mask regenerated, kept values rescaled) is what dV sees; dP is
         dropped the same way, as dP reaches dS only through kept elements (None when
-        not needed). `transposed`: the [bn, bm] tiles Pᵀ, dropped Pᵀ and dPᵀ instead."""
+        not needed)."""
         st, cfg = self.st, self.cfg
         bm, bn = cfg.block_m, cfg.block_n
         rows = q_start + iota(bm)
         cols = kv_start + iota(bn)
-        by_row = (lambda x: x[None, :]) if transposed else (lambda x: x[:, None])
-        row_axis = 0 if transposed else 1  # the axis a query row's keys run along
-        pair = (lambda a, b_: (b_, a)) if transposed else (lambda a, b_: (a, b_))
         qk_scale = st.scale * st.score_unit
         per_chunk = common.rounds_per_chunk(self.refs["q"].dtype)
         # As in the forward: unscaled scores, and one fused s·scale - lse per element.
         fold = common.folds_scale(st, per_chunk=per_chunk)
-        s = common.contract_chunks(*pair(q_chunk, k_chunk), _n_chunks(st, st.head_dim),
-                                   dynamic=cfg.dynamic, shape=pair(bm, bn),
+        s = common.contract_chunks(q_chunk, k_chunk, _n_chunks(st, st.head_dim),
+                                   dynamic=cfg.dynamic, shape=(bm, bn),
                                    scale=None if fold else qk_scale,
                                    round_per_chunk=per_chunk, compensated=st.natural)
         s = common.bias_and_masks(s, st, self.refs.get("bias"), self.refs.get("mask"), self.b, h,
                                   q_start, kv_start, rows, cols, causal_mask=causal_mask,
-                                  with_mask=with_mask, mask_rows=True, transposed=transposed)
+                                  with_mask=with_mask, mask_rows=True)
         hi, lo = row_lse
         if fold:
-            p = st.exp2(common.fma(s, qk_scale, -by_row(hi)))
+            p = st.exp2(common.fma(s, qk_scale, -hi[:, None]))
         else:
-            diff = s - by_row(hi)  # exact near the row's max
+            diff = s - hi[:, None]  # exact near the row's max
             if lo is not None:
-                diff = diff - by_row(lo)
+                diff = diff - lo[:, None]
             p = st.exp2(st.exp2_arg(diff))
         if st.own_delta:
             # The tile holds the whole row: normalise P by its own sum, as XLA's softmax
             # does (a row's single key gets P = 1 exactly; no keys: P = 0, no 0/0).
-            total = jnp.sum(p, axis=row_axis)
-            p = p / by_row(jnp.where(total > 0.0, total, 1.0))
+            total = jnp.sum(p, axis=1)
+            p = p / jnp.where(total > 0.0, total, 1.0)[:, None]
         keep = None
         if st.dropout_rate > 0:
             keep = common.dropout_keep(st, self.refs["seed"], self.b, h, rows, kv_start, bn)
-            keep = keep.T if transposed else keep
             inv_keep = 1.0 / (1.0 - st.dropout_rate)
         p_out = p if keep is None else jnp.where(keep, p * inv_keep, 0.0)
         if not need_dp:
             return p, p_out, None
-        dp = common.contract_chunks(*pair(do_chunk, v_chunk), _n_chunks(st, st.head_dim_v),
-                                    dynamic=cfg.dynamic, shape=pair(bm, bn),
-                                    compensated=st.natural)
+        dp = common.contract_chunks(do_chunk, v_chunk, _n_chunks(st, st.head_dim_v),
+                                    dynamic=cfg.dynamic, shape=(bm, bn), compensated=st.natural)
         if keep is not None:
             dp = jnp.where(keep, dp * inv_keep, 0.0)
         return p, p_out, dp
 
     def probs_and_ds(self, h, q_start, kv_start, row_lse, delta, *, need_ds: bool = True,
-                     transposed: bool = False, **tile_args):
+                     **tile_args):
         """(dropped P, dS) of the [bm, bn] tile, float32; dS is None when not needed.
         With `own_delta`, `delta` holds dlse and δ = Σ_j P·dP - dlse comes from the tile:
         XLA's softmax gradient, which for a row of one key gives dS = dlse exactly (from
         rowsum(dO ∘ O), summed in another order than the tensor cores' dP, it was ~1e-7
         off, and dQ of such rows ~1e-6 instead of 0)."""
         p, p_out, dp = self.probs_and_dp(h, q_start, kv_start, row_lse, need_dp=need_ds,
-                                         transposed=transposed, **tile_args)
+                                         **tile_args)
         if dp is None:
             return p_out, None
         if self.st.own_delta:
-            delta = jnp.sum(p * dp, axis=0 if transposed else 1) - delta
-        return p_out, p * (dp - (delta[None, :] if transposed else delta[:, None]))
+            delta = jnp.sum(p * dp, axis=1) - delta
+        return p_out, p * (dp - delta[:, None])
 
     def row_stats(self, h, q_start):
-        """((lse, lo), δ) for the tile's rows: lse in score units (`score_unit_lse`, here
-        unless the caller converted it), and lo (None unless the kernel was given
-        `lse_lo`) the rounding error of a natural-unit lse."""
+        """((lse, lo), δ) for the tile's rows: lse in score units, and lo (None unless the
+        kernel was given `lse_lo`) the rounding error of a natural-unit lse. A row with
+        lse = -inf (no visible key) has S = -inf everywhere, so any finite stand-in
+        gives P = 0 there."""
         st, bm = self.st, self.cfg.block_m
         rows_ok = (q_start + iota(bm)) < st.seq_q
         view = lambda name: self.refs[name].at[self.b, h, common.ds(q_start, bm)]
         lse = plgpu.load(view("lse"), mask=rows_ok, other=0.0)
         delta = plgpu.load(view("delta"), mask=rows_ok, other=0.0)
-        if not self.lse_in_score_units:
-            lse = score_unit_lse(lse, st.natural)
+        lse = jnp.where(lse == -jnp.inf, 0.0, lse if st.natural else lse * LOG2E)
         lo = plgpu.load(view("lse_lo"), mask=rows_ok, other=0.0) if st.lse_pair else None
         return (lse, lo), delta
-
-
-def score_unit_lse(lse: jax.Array, natural: bool) -> jax.Array:
-    """lse in the kernels' score units (log2 unless `natural`), with the -inf of a row that
-    sees no key as 0: such a row has S = -inf everywhere, so any finite stand-in gives
-    P = 0 there."""
-    return jnp.where(lse == -jnp.inf, 0.0, lse if natural else lse * LOG2E)
-
-
-def dkdv_transposed(cfg: BwdConfig, dtype) -> bool:
-    """Whether dK/dV take the transposed tile (`BwdConfig.transposed`; None: the rule).
-
-    The rule, from the H200 sweep of 2026-11-22 (docs/bwd_variants.md, round 4): 16-bit
-    inputs with BLOCK_M <= 64. Each thread then holds the row statistics (lse, δ) of at
-    most 16 query rows, which the transposed tile spreads along its columns; with
-    BLOCK_M = 128 the 32 per thread spill and the transposed kernel was 10-15% slower
-    (D = 512, 1024), where at BLOCK_M = 64 it was 2-6% faster (D = 64-256). float32 takes
-    FMA dots, not the tensor cores' shared-memory operands, and was not measured."""
-    if cfg.transposed is not None:
-        return cfg.transposed
-    return not common.natural_units(dtype) and cfg.block_m <= 64
 
 
 def rows_in_one_tile(seq_k: int, *configs: BwdConfig) -> bool:
@@ -516,7 +482,7 @@ def _dkdv_kernel(*refs, st: common.KernelStatic, tasks: tuple[tuple[str, int], .
 def _dkdv_program(st, r, dk_ref, dv_ref, b, hk, kv_block, kv_start, *, with_dk, with_dv, sl):
     cfg = st.cfg
     bm, bn, width = cfg.block_m, cfg.block_n, cfg.block_slice
-    tile = _Tile(st, r, b, hk, lse_in_score_units=cfg.transposed)
+    tile = _Tile(st, r, b, hk)
     k_chunk, v_chunk = tile.kv_chunks("k", kv_start), tile.kv_chunks("v", kv_start)
     if not cfg.dynamic:
         k_chunk = tile.resident(k_chunk, _n_chunks(st, st.head_dim))
@@ -530,19 +496,15 @@ def _dkdv_program(st, r, dk_ref, dv_ref, b, hk, kv_block, kv_start, *, with_dk, 
         p, ds = tile.probs_and_ds(h, q_start, kv_start, row_lse, delta,
                                   q_chunk=tile.q_chunks("q", q_start, h), k_chunk=k_chunk,
                                   do_chunk=tile.q_chunks("do", q_start, h), v_chunk=v_chunk,
-                                  causal_mask=causal_mask, with_mask=with_mask, need_ds=with_dk,
-                                  transposed=cfg.transposed)
-        # (Pᵀ and dSᵀ as they come, when the tile was computed transposed)
+                                  causal_mask=causal_mask, with_mask=with_mask, need_ds=with_dk)
         if with_dv:
             do_slice = common.load_tile(r["do"], b, q_start, bm, h, sl * width, width,
                                         n_rows=st.seq_q, n_cols=st.head_dim_v)
-            dv_acc = dv_acc + dot(p.astype(do_slice.dtype), do_slice,
-                                  trans_a=not cfg.transposed)
+            dv_acc = dv_acc + dot(p.astype(do_slice.dtype), do_slice, trans_a=True)
         if with_dk:
             q_slice = common.load_tile(r["q"], b, q_start, bm, h, sl * width, width,
                                        n_rows=st.seq_q, n_cols=st.head_dim)
-            dk_acc = dk_acc + common.dot_ds(ds, q_slice, trans_a=not cfg.transposed,
-                                            split=st.split_ds)
+            dk_acc = dk_acc + common.dot_ds(ds, q_slice, trans_a=True, split=st.split_ds)
         return dk_acc, dv_acc
 
     def over_q_blocks(h, accs):
@@ -597,12 +559,6 @@ def bwd_generic_dkdv(q, k, v, do, lse, delta, bias=None, mask=None, *, scale: fl
                      own_delta: bool = False):
     """(dK [B, S, Hkv, D], dV [B, S, Hkv, Dv]) in k's / v's dtype. `split_ds` and
     `own_delta` as in `bwd_generic_dq`."""
-    transposed = dkdv_transposed(_fitted(config, q, k, v), q.dtype)
-    config = dataclasses.replace(config, transposed=transposed)
-    if transposed:
-        # lse in score units once per row here, not in every program: in the transposed
-        # tile each thread holds 16 query rows' values, not 2.
-        lse = score_unit_lse(lse, common.natural_units(q.dtype))
     inputs, st = _prepare(q, k, v, do, lse, delta, bias, mask, seed, config=config, scale=scale,
                           causal=causal, over_kv=False, dropout_rate=dropout_rate,
                           interpret=interpret, lse_lo=lse_lo, split_ds=split_ds,

@@ -390,36 +390,31 @@ def load_broadcast_tile(ref, b, h, rows_start, rows, cols_start, cols, *, n_rows
 
 
 def bias_and_masks(s, st: KernelStatic, bias_ref, mask_ref, b, h, q_start, kv_start, rows,
-                   cols, *, causal_mask: bool, with_mask: bool, mask_rows: bool = False,
-                   transposed: bool = False):
+                   cols, *, causal_mask: bool, with_mask: bool, mask_rows: bool = False):
     """Scores [bm, bn] (in `st.score_unit`s) + bias, then mask, causal and bounds as -inf.
 
     The order is the semantics' own (bias, then mask, then causal); forward and
     backward both call this, so they can never disagree on which scores exist.
     `rows`/`cols` are the tile's query/key indices; `mask_rows` also hides rows
-    past T, for kernels that sum over query rows. `transposed`: `s` is the [bn, bm]
-    tile Sᵀ (keys along axis 0), and the bias and mask tiles are transposed to match.
+    past T, for kernels that sum over query rows.
     """
-    bm, bn = (s.shape[1], s.shape[0]) if transposed else s.shape
-    orient = (lambda t: t.T) if transposed else (lambda t: t)
-    by_row = (lambda x: x[None, :]) if transposed else (lambda x: x[:, None])
-    by_col = (lambda x: x[:, None]) if transposed else (lambda x: x[None, :])
+    bm, bn = s.shape
     if st.bias_shape is not None:
         bias = load_broadcast_tile(
             bias_ref, broadcast_index(b, st.bias_shape[0]), broadcast_index(h, st.bias_shape[1]),
             q_start, bm, kv_start, bn, n_rows=st.seq_q, n_cols=st.seq_k, other=0)
-        s = add_bias(s, orient(bias), st)
+        s = add_bias(s, bias, st)
     if with_mask:
         keep = load_broadcast_tile(
             mask_ref, broadcast_index(b, st.mask_shape[0]), broadcast_index(h, st.mask_shape[1]),
             q_start, bm, kv_start, bn, n_rows=st.seq_q, n_cols=st.seq_k, other=False)
-        s = jnp.where(orient(keep), s, -jnp.inf)
+        s = jnp.where(keep, s, -jnp.inf)
     if causal_mask:
-        s = jnp.where(by_col(cols) <= by_row(rows) + (st.seq_k - st.seq_q), s, -jnp.inf)
+        s = jnp.where(cols[None, :] <= rows[:, None] + (st.seq_k - st.seq_q), s, -jnp.inf)
     if st.seq_k % bn != 0:
-        s = jnp.where(by_col(cols < st.seq_k), s, -jnp.inf)
+        s = jnp.where((cols < st.seq_k)[None, :], s, -jnp.inf)
     if mask_rows and st.seq_q % bm != 0:
-        s = jnp.where(by_row(rows < st.seq_q), s, -jnp.inf)
+        s = jnp.where((rows < st.seq_q)[:, None], s, -jnp.inf)
     return s
 
 

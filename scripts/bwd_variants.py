@@ -8,7 +8,6 @@ Usage: python scripts/bwd_variants.py --out results.json [--dims 128,512]
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 import time
@@ -89,29 +88,8 @@ ROUND3 = {256: {"dkdv": [C(64, 128, 64, 256, 8, 3, True, True), C(64, 64, 64, 25
                          C(64, 64, 64, 256, 8, 2, True), C(32, 64, 64, 256, 8, 3, True),
                          C(64, 64, 128, 256, 8, 2, True), C(32, 64, 64, 256, 8, 4, True)]}}
 
-
-
-# Round 4 (2026-11-22, session 11), dK/dV computed on the transposed tile Sᵀ = K·Qᵀ
-# (`BwdConfig.transposed`): Pᵀ and dSᵀ feed the dV and dK products from registers, where
-# the default tile sends P and dS through a shared-memory transpose each step (offline
-# SASS at D=64: 8 STSM + 8 LDSM and 5 barriers per step, against 0 and 2). Each head
-# dim's default comes first, then the same config transposed, then transposed tiles
-# around it (BLOCK_N is now the MMA's M side).
-def _t(cfg):
-    return dataclasses.replace(cfg, transposed=True)
-
-
-def _round4(d):
-    base = BwdConfig.from_tuned(default_config("bwd_generic_dkdv", headdim=d))
-    extra = {64: [C(64, 128, 64, 64, 8, 3), C(128, 128, 64, 64, 8, 2), C(64, 64, 64, 64, 4, 2),
-                  C(128, 64, 64, 64, 4, 3)],
-             128: [C(128, 64, 128, 128, 4, 2), C(64, 128, 128, 128, 8, 2),
-                   C(64, 64, 128, 128, 4, 3), C(64, 64, 64, 128, 4, 2)]}.get(d, [])
-    return {"dkdv": [base, _t(base)] + [_t(c) for c in extra]}
-
-
 ROUNDS = {1: CANDIDATES, 2: {256: _round2(256), 512: _round2(512), 1024: _round2(1024)},
-          3: ROUND3, 4: {d: _round4(d) for d in (64, 128, 256, 512, 1024)}}
+          3: ROUND3}
 
 
 def main() -> int:
