@@ -149,11 +149,12 @@ def first_format_output(plot_dir: pathlib.Path | None = DOCS) -> None:
     for rnd in (1, 2, 3):
         print(f"\n### forward round {rnd}\n")
         print(variant_table(DATA / f"fwd_variants_round{rnd}_H200.json", fwd_keys))
-    for rnd in (1, 2, 3):
+    for rnd in (1, 2, 3, 4):
         print(f"\n### backward round {rnd}\n")
         print(variant_table(DATA / f"bwd_variants_round{rnd}_H200.json",
                             ["d", "kernel", "block_m", "block_n", "block_d", "block_slice",
-                             "num_warps", "num_stages", "dynamic", "split_dkdv"]))
+                             "num_warps", "num_stages", "dynamic", "split_dkdv"]
+                            + ["transposed"] * (rnd >= 4)))
 
 
 def main(argv: list[str] | None = None) -> int:
