@@ -235,6 +235,33 @@ def test_dq_error_catches_a_wrong_gradient():
     assert r["status"] == "ok" and r["error"] < 1e-2 and r["error_dq"] > 0.3 and r["suspect"]
 
 
+def test_dbias_error_catches_a_wrong_bias_gradient():
+    case = make_case("bias-grad", d=32, n=64, b=1, h=2, mode="fwdbwd")
+
+    @jax.custom_vjp
+    def attend(q, k, v, bias):
+        return _xla_forward(case, q, k, v, bias, None)
+
+    def attend_fwd(q, k, v, bias):
+        return jax.vjp(lambda *a: _xla_forward(case, *a, None), q, k, v, bias)
+
+    def attend_bwd(vjp, d_out):
+        dq, dk, dv, dbias = vjp(d_out)
+        return dq, dk, dv, dbias.at[:, :, -1].multiply(3)  # the last query row's dbias wrong
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    bad = _measure(case, _impl("bad-dbias",
+                               lambda c, i: lambda q, k, v, b, m, rng: attend(q, k, v, b)))
+    assert bad["status"] == "ok" and bad["error_dq"] < 1e-2
+    assert bad["error_dbias"] > 0.3 and bad["suspect"]
+    ours = _measure(case, peers.FFPA)
+    assert ours["status"] == "ok" and ours["error_dbias"] < 1e-2 and not ours["suspect"]
+    # more than one batch: a [1, H, T, S] bias's gradient sums the batches' rows, which the
+    # sample does not hold, so no dbias error is claimed
+    two = _measure(dataclasses.replace(case, b=2), peers.FFPA)
+    assert two["status"] == "ok" and two["error_dbias"] is None
+
+
 def test_dropout_row_runs_or_says_why():
     case = make_case("dropout", d=32, n=64, b=1, h=2)
     r = _measure(case, peers.FFPA)

@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                   implementations=["ffpa", *(p.name for p in peers)],
                   error_sample=("max |out - ref| / max |ref| against mha_reference in float64 "
                                 "on the host, every (T//64)-th query row of (batch, head) = "
-                                "(0, 0), (B//2, Hq//2), (B-1, Hq-1)"),
+                                "(0, 0), (B//2, Hq//2), (B-1, Hq-1); of out, dq, and dbias "
+                                "(a [1, Hq, T, S] bias at B = 1)"),
                   memory="XLA memory analysis of the compiled call: peak = arguments + outputs "
                          "+ temporaries - aliased; workspace = outputs + temporaries")
     print(f"device: {header['device']}  jax {header['jax']}  jaxlib {header['jaxlib']}  "

@@ -109,25 +109,40 @@ def _dropout_keep(case: BenchCase, rng, bs, hs, step: int) -> np.ndarray:
     return np.asarray(jax.device_get(rows), bool)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "rate"))
-def _reference64(q, k, v, bias, visible, keep, do, *, scale: float, rate: float):
-    """float64 out [P, R, Dv] and dq [P, R, D] (None without `do`) of each sampled pair:
-    q [P, R, D], k [P, S, D], v [P, S, Dv], bias/visible/keep [P, R, S] or None."""
+@functools.partial(jax.jit, static_argnames=("scale", "rate", "with_dbias"))
+def _reference64(q, k, v, bias, visible, keep, do, *, scale: float, rate: float,
+                 with_dbias: bool = False):
+    """float64 out [P, R, Dv], dq [P, R, D] (None without `do`) and, `with_dbias`, the
+    bias rows' gradient [P, R, S] of each sampled pair: q [P, R, D], k [P, S, D],
+    v [P, S, Dv], bias/visible/keep [P, R, S] or None."""
     def as4(x):
         return None if x is None else x[None, None]  # [1, 1, R, S]
 
     def one(q, k, v, bias, visible, keep, do):
 
-        def ref(q_rows):
+        def ref(q_rows, bias_rows):
             out, _ = mha_reference(q_rows[None, :, None], k[None, :, None], v[None, :, None],
-                                   as4(bias), as4(visible), scale=scale, keep_mask=as4(keep),
-                                   dropout_rate=rate)
+                                   as4(bias_rows), as4(visible), scale=scale,
+                                   keep_mask=as4(keep), dropout_rate=rate)
             return out[0, :, 0]
         if do is None:
-            return ref(q), None
-        out, vjp = jax.vjp(ref, q)
-        return out, vjp(do)[0]
+            return ref(q, bias), None, None
+        if with_dbias:
+            out, vjp = jax.vjp(ref, q, bias)
+            dq, dbias = vjp(do)
+            return out, dq, dbias
+        out, vjp = jax.vjp(lambda q_rows: ref(q_rows, bias), q)
+        return out, vjp(do)[0], None
     return jax.vmap(one)(q, k, v, bias, visible, keep, do)
+
+
+def samples_dbias(case: BenchCase, inputs: dict) -> bool:
+    """Whether the bias gradient can be checked on the sampled rows: a [1, Hq, T, S] bias
+    with one batch, so its gradient's row (h, i) is dS of that one row (with more batches
+    it would sum the rows of every batch, and the samples hold only some)."""
+    bias = inputs.get("bias")
+    return (case.mode != "fwd" and bias is not None and case.b == 1
+            and tuple(bias.shape) == (1, case.hq, case.t, case.s))
 
 
 _REFERENCE_CACHE: dict = {}  # (case, seed) -> reference of the last case (shared by its impls)
@@ -135,7 +150,8 @@ _REFERENCE_CACHE: dict = {}  # (case, seed) -> reference of the last case (share
 
 def reference_rows(case: BenchCase, inputs: dict, seed: int):
     """float64 reference (on the host CPU) of out[b, ::step, h] and, for forward+backward,
-    dq[b, ::step, h] (a query row's dq depends on that row only), for the sampled pairs."""
+    dq[b, ::step, h] (a query row's dq depends on that row only), for the sampled pairs;
+    third, dbias[0, h, ::step] where `samples_dbias` (else None)."""
     key = (case, seed)
     if key in _REFERENCE_CACHE:
         return _REFERENCE_CACHE[key]
@@ -154,9 +170,10 @@ def reference_rows(case: BenchCase, inputs: dict, seed: int):
     keep = None if not case.dropout else _dropout_keep(case, inputs["rng"], bs, hs, step)
     do = None if inputs["do"] is None else _host(_rows(inputs["do"], bs, hs, step=step))
     with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
-        out, dq = _reference64(q, k, v, bias, visible, keep, do, scale=1.0 / math.sqrt(case.d),
-                               rate=float(case.dropout))
-        result = np.asarray(out), None if dq is None else np.asarray(dq)
+        out, dq, dbias = _reference64(q, k, v, bias, visible, keep, do,
+                                      scale=1.0 / math.sqrt(case.d), rate=float(case.dropout),
+                                      with_dbias=samples_dbias(case, inputs))
+        result = tuple(None if x is None else np.asarray(x) for x in (out, dq, dbias))
     _REFERENCE_CACHE.clear()
     _REFERENCE_CACHE[key] = result
     return result
@@ -170,16 +187,21 @@ def _relative(diff: np.ndarray, ref: np.ndarray) -> float:
 
 
 def sampled_errors(case: BenchCase, outputs, inputs: dict, seed: int = 0
-                   ) -> tuple[float, float | None]:
-    """(out error, dq error or None): max |got - ref| / max |ref| over the sampled rows."""
+                   ) -> tuple[float, float | None, float | None]:
+    """(out error, dq error or None, dbias error or None): max |got - ref| / max |ref|
+    over the sampled rows (dbias where `samples_dbias`)."""
     step, bs, hs = sample_points(case)
-    ref_out, ref_dq = reference_rows(case, inputs, seed)
+    ref_out, ref_dq, ref_dbias = reference_rows(case, inputs, seed)
     out = outputs if case.mode == "fwd" else outputs[0]
     error = _relative(np.abs(_host(_rows(out, bs, hs, step=step)) - ref_out), np.abs(ref_out))
     if case.mode == "fwd":
-        return error, None
+        return error, None, None
     got_dq = _host(_rows(outputs[1], bs, hs, step=step))
-    return error, _relative(np.abs(got_dq - ref_dq), np.abs(ref_dq))
+    error_dq = _relative(np.abs(got_dq - ref_dq), np.abs(ref_dq))
+    if ref_dbias is None:
+        return error, error_dq, None
+    got_dbias = _host(_bias_rows(outputs[4], hs, step=step))
+    return error, error_dq, _relative(np.abs(got_dbias - ref_dbias), np.abs(ref_dbias))
 
 
 # ---------------------------------------------------------------- timing and memory
@@ -243,13 +265,15 @@ def measure(case: BenchCase, impl: Impl, *, interpret: bool, min_rep_s: float, r
         jax.block_until_ready(outputs)
         record["first_call_s"] = time.perf_counter() - start
         try:
-            record["error"], record["error_dq"] = sampled_errors(case, outputs, inputs, seed)
+            record["error"], record["error_dq"], record["error_dbias"] = sampled_errors(
+                case, outputs, inputs, seed)
         except NoReference as exc:
-            record["error"] = record["error_dq"] = None
+            record["error"] = record["error_dq"] = record["error_dbias"] = None
             record["error_note"] = str(exc)
         del outputs
         if record["error"] is not None:
-            errs = [e for e in (record["error"], record["error_dq"]) if e is not None]
+            errs = [e for e in (record["error"], record["error_dq"], record["error_dbias"])
+                    if e is not None]
             record["suspect"] = not all(e <= SUSPECT_ERROR for e in errs)  # NaN included
         samples = time_samples(compiled, args, min_rep_s=min_rep_s, reps=reps, budget_s=budget_s)
         record["ms"] = statistics.median(samples)

@@ -49,8 +49,8 @@ def normalize(r: dict) -> dict:
     out.setdefault("bias", None)
     out.setdefault("dropout", 0.0)
     out["kind"] = infer_kind(out)
-    for key in ("ms", "tflops", "gbps", "error", "error_dq", "peak_mib", "workspace_mib",
-                "compile_s", "first_call_s"):
+    for key in ("ms", "tflops", "gbps", "error", "error_dq", "error_dbias", "peak_mib",
+                "workspace_mib", "compile_s", "first_call_s"):
         out.setdefault(key, None)
     return out
 
@@ -137,6 +137,8 @@ def text_table(records: list[dict]) -> str:
                 note = ""
                 if r["impl"] != "ffpa" and ours is not None and is_ok(ours):
                     note = f"x{r['ms'] / ours['ms']:.2f}"
+                if r.get("error_dbias") is not None:
+                    note += f" dbias err {r['error_dbias']:.1e}"
                 if r.get("suspect"):
                     note += " WRONG RESULT? (error above 5e-2 or NaN)"
                 if r.get("error_note"):
@@ -186,6 +188,8 @@ def markdown_table(doc: dict) -> str:
                 note = f"{r['ms'] / ours['ms']:.2f}×"
             if r.get("dropout_overhead") is not None:
                 note += f" dropout ×{r['dropout_overhead']:.2f}"
+            if r.get("error_dbias") is not None:
+                note += f" dbias error {r['error_dbias']:.1e}"
             if r.get("suspect"):
                 note += " wrong result? (error > 5e-2 or NaN)"
             rows.append(f"| {r['kind']} | {label} | {r['impl']} | {r['ms']:.3f} | "
