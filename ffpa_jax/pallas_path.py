@@ -61,7 +61,7 @@ class Plan:
     # The backward's lse cotangent is not a symbolic zero (the caller differentiates
     # through lse): dS then carries d_lse·P, whose sums over heads and keys XLA keeps in
     # float32, so 16-bit kernels feed dS to dQ's and dK's matmuls as two words
-    # (`common.dot_ds`: two more of the backward's 7 matmuls). Without it, no cost.
+    # (`common.accumulate_ds`: two more of the backward's 7 matmuls). Without it, no cost.
     lse_cotangent: bool = False
 
 

@@ -425,7 +425,7 @@ def _dq_kernel(*refs, st: common.KernelStatic):
                                   causal_mask=causal_mask, with_mask=with_mask)
         k_slice = common.load_tile(r["k"], b, kv_start, bn, hk, sl * width, width,
                                    n_rows=st.seq_k, n_cols=st.head_dim)
-        return acc + common.dot_ds(ds, k_slice, split=st.split_ds)
+        return common.accumulate_ds(acc, ds, k_slice, split=st.split_ds)
 
     acc = _walk_kv_blocks(st, r, b, h, q_block, q_start, visit,
                           jnp.zeros((bm, width), jnp.float32))
@@ -438,7 +438,7 @@ def bwd_generic_dq(q, k, v, do, lse, delta, bias=None, mask=None, *, scale: floa
                    seed: jax.Array | None = None, lse_lo: jax.Array | None = None,
                    split_ds: bool = False, own_delta: bool = False) -> jax.Array:
     """dQ [B, T, Hq, D] in q's dtype. `split_ds`: dS in two 16-bit words
-    (`common.dot_ds`), for a delta that carries an lse cotangent. `own_delta`: `delta`
+    (`common.accumulate_ds`), for a delta that carries an lse cotangent. `own_delta`: `delta`
     is dlse, and δ comes from each tile (see `rows_in_one_tile`)."""
     inputs, st = _prepare(q, k, v, do, lse, delta, bias, mask, seed, config=config, scale=scale,
                           causal=causal, over_kv=True, dropout_rate=dropout_rate,
@@ -504,7 +504,8 @@ def _dkdv_program(st, r, dk_ref, dv_ref, b, hk, kv_block, kv_start, *, with_dk, 
         if with_dk:
             q_slice = common.load_tile(r["q"], b, q_start, bm, h, sl * width, width,
                                        n_rows=st.seq_q, n_cols=st.head_dim)
-            dk_acc = dk_acc + common.dot_ds(ds, q_slice, trans_a=True, split=st.split_ds)
+            dk_acc = common.accumulate_ds(dk_acc, ds, q_slice, trans_a=True,
+                                          split=st.split_ds)
         return dk_acc, dv_acc
 
     def over_q_blocks(h, accs):

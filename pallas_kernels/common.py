@@ -209,9 +209,9 @@ def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = Fa
                                precision=precision, preferred_element_type=jnp.float32)
 
 
-def dot_ds(ds: jax.Array, operand: jax.Array, *, trans_a: bool = False,
-           split: bool = False) -> jax.Array:
-    """op(dS) @ operand, float32, for dS a float32 [m, n] tile: dS is rounded to the
+def accumulate_ds(acc: jax.Array, ds: jax.Array, operand: jax.Array, *, trans_a: bool = False,
+                  split: bool = False) -> jax.Array:
+    """acc + op(dS) @ operand, float32, for dS a float32 [m, n] tile: dS is rounded to the
     operand's dtype for the tensor cores (float32 operands take it as it is).
 
     `split` also feeds the rounding residual, dS - hi, as a second product of the same
@@ -219,15 +219,33 @@ def dot_ds(ds: jax.Array, operand: jax.Array, *, trans_a: bool = False,
     gradient ~eps·Σ|terms|, which is within the tolerance rule unless the terms cancel
     far below their size: an lse cotangent does that, as dS then holds d_lse·P, whose
     sum over MQA heads (dK) or keys (dQ) XLA's float32 softmax gradient keeps exact
-    (fuzz, 2026-11-22: dk 1.0e-2 against XLA's 2.2e-5)."""
+    (fuzz, 2026-11-22: dk 1.0e-2 against XLA's 2.2e-5). Both products are added to `acc`
+    one after the other, so Triton chains them into the accumulator (a sum of the two
+    products first would cost a float32 add per accumulator element)."""
     if operand.dtype == jnp.float32:
-        return dot(ds, operand, trans_a=trans_a)
-    hi = ds.astype(operand.dtype)
-    product = dot(hi, operand, trans_a=trans_a)
-    if split:
-        lo = (ds - hi.astype(jnp.float32)).astype(operand.dtype)
-        product = product + dot(lo, operand, trans_a=trans_a)
-    return product
+        return acc + dot(ds, operand, trans_a=trans_a)
+    if not split:
+        return acc + dot(ds.astype(operand.dtype), operand, trans_a=trans_a)
+    hi, lo = split_words(ds, operand.dtype)
+    return acc + dot(hi, operand, trans_a=trans_a) + dot(lo, operand, trans_a=trans_a)
+
+
+def split_words(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """(hi, lo) in a 16-bit `dtype` with hi + lo ≈ x (float32) to about twice dtype's
+    significant bits: hi = x rounded to dtype, lo = the rest rounded to dtype.
+
+    For bfloat16, hi is formed on the float32 bit pattern: adding half a bfloat16 ulp
+    (0x8000) and clearing the low 16 bits rounds the magnitude to nearest (ties away from
+    zero), and leaves hi a float32 whose conversion to bfloat16 is exact. That spares
+    the convert-back of hi that `x - float32(bfloat16(x))` needs: per element an integer
+    add and a mask instead of a single (unpacked) conversion, a shift and a permute."""
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        hi = x.astype(dtype)
+        return hi, (x - hi.astype(jnp.float32)).astype(dtype)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    hi32 = jax.lax.bitcast_convert_type((bits + jnp.uint32(0x8000)) & jnp.uint32(0xFFFF0000),
+                                        jnp.float32)
+    return hi32.astype(dtype), (x - hi32).astype(dtype)
 
 
 # The widest head-dim chunk of one tensor-core accumulation chain when lse must be

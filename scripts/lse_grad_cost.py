@@ -1,7 +1,7 @@
 """The price of differentiating through lse (GPU): forward+backward of sum(out·dO)
 against sum(out·dO) + sum(lse·dlse), bf16, non-causal, the issue 7 shapes, timed in one
 process. With an lse cotangent the 16-bit backward feeds dS to dQ's and dK's matmuls as
-two bf16 words (`pallas_kernels.common.dot_ds`); without one nothing changes.
+two bf16 words (`pallas_kernels.common.accumulate_ds`); without one nothing changes.
 
     python scripts/lse_grad_cost.py --out lse.json [--dims 64,128]
 """

@@ -407,3 +407,23 @@ def test_lse_cotangent_adds_the_split_ds_products_only_when_lse_is_differentiate
     assert split_dq[0] == plain_dq[0] + 1, (plain_dq, split_dq)
     assert split_dkdv[0] == plain_dkdv[0] + 1, (plain_dkdv, split_dkdv)
     assert dots(with_lse, jnp.float32) == dots(out_only, jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_split_words_carry_twice_the_bits(dtype):
+    """dS's two 16-bit words (`common.split_words`): hi is dS rounded to nearest (exactly
+    astype, but for ties), and hi + lo carries about twice the word's significant bits."""
+    from pallas_kernels.common import split_words
+    # magnitudes over 2^-20..2^12 (float16: 2^-2..2^6, where its residual stays normal)
+    low, high = (-20, 12) if dtype == jnp.bfloat16 else (-2, 6)
+    sign = jnp.where(jax.random.bernoulli(jax.random.key(3), 0.5, (4096,)), 1.0, -1.0)
+    x = sign * jnp.exp2(jax.random.uniform(jax.random.key(4), (4096,), jnp.float32, low, high))
+    hi, lo = split_words(x, dtype)
+    assert hi.dtype == lo.dtype == dtype
+    x64, hi64, lo64 = (np.asarray(a, np.float64) for a in (x, hi, lo))
+    rounded = np.asarray(x.astype(dtype), np.float64)
+    ties = np.abs(x64 - rounded) == np.abs(x64 - hi64)
+    assert np.all((hi64 == rounded) | ties)
+    # hi + lo against x: lo is at most half a word-ulp of hi, rounded to a word's bits again
+    bits = jnp.finfo(dtype).nmant + 1
+    np.testing.assert_array_less(np.abs(x64 - (hi64 + lo64)), 2.0 ** (-2 * bits) * np.abs(x64))
