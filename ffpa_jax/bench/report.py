@@ -225,11 +225,14 @@ def _plot_bars(recs: list[dict], groups: list[str], impls: list[str], path, titl
     modes = [m for m in ("fwd", "fwdbwd") if any(r["mode"] == m for r in recs)]
     fig, axes = plt.subplots(len(modes), 1, figsize=(12, 3.6 * len(modes)), squeeze=False)
     width = 0.8 / max(1, len(impls))
+
+    def case_key(r):  # one group of bars: (kind's position, head dim, T, S)
+        return groups.index(_plot_group(r)), r["d"], r["t"], r["s"]
+
     for ax, mode in zip(axes[:, 0], modes, strict=True):
-        keys = sorted({(groups.index(_plot_group(r)), r["d"], r["t"], r["s"]) for r in recs
-                       if r["mode"] == mode})
+        keys = sorted({case_key(r) for r in recs if r["mode"] == mode})
         for j, impl in enumerate(impls):
-            by_key = {(groups.index(_plot_group(r)), r["d"], r["t"], r["s"]): r["tflops"]
+            by_key = {case_key(r): r["tflops"]
                       for r in recs if r["mode"] == mode and r["impl"] == impl}
             xs = [i + (j - (len(impls) - 1) / 2) * width
                   for i, key in enumerate(keys) if key in by_key]
