@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import jax
 
+import tuning
 from ffpa_jax import validation
 from ffpa_jax.backend import default_backend_is_nvidia_gpu as _default_backend_is_nvidia_gpu
 from ffpa_jax.dropout import seed_from_key
-from ffpa_jax.pallas_path import pallas_attention
+from ffpa_jax.pallas_path import pallas_attention, uses_decode
 from ffpa_jax.reference import mha_reference
 from pallas_kernels.dropout import keep_mask_reference
 
 
 def resolve_implementation(implementation: str | None, interpret: bool) -> str:
-    """Which implementation runs: explicit choice, else Pallas on an NVIDIA GPU (or when
-    interpreting), else XLA."""
-    if implementation == "xla":
-        return "xla"
+    """Which implementation runs: the explicit choice, else "auto" on an NVIDIA GPU (each
+    direction on the tier the tuned data or the built-in rule picks, `tiers`), the Pallas
+    kernels when interpreting, and XLA elsewhere."""
+    if implementation in ("xla", "chunked"):
+        return implementation
     if implementation == "pallas":
         if not interpret and not _default_backend_is_nvidia_gpu():
             raise ValueError(
@@ -25,7 +27,23 @@ def resolve_implementation(implementation: str | None, interpret: bool) -> str:
                 "Pallas' interpreter (slow; for tests), or implementation='xla' (or None) to use "
                 "the plain-JAX path.")
         return "pallas"
-    return "pallas" if interpret or _default_backend_is_nvidia_gpu() else "xla"
+    if interpret:
+        return "pallas"
+    return "auto" if _default_backend_is_nvidia_gpu() else "xla"
+
+
+def tiers(problem: validation.Problem, impl: str, *, has_bias: bool) -> tuple[str, str]:
+    """(forward tier, backward tier) of a call resolved to `impl` ("pallas", "chunked" or
+    "auto"). The decode shapes' forward always runs the Pallas decode kernels."""
+    if impl != "auto":
+        return impl, impl
+    query = dict(dtype=tuning.dtype_name(problem.dtype),
+                 headdim=max(problem.head_dim, problem.head_dim_v), seqlen_q=problem.seq_q,
+                 seqlen_k=problem.seq_k, causal=problem.is_causal, has_attn_bias=has_bias,
+                 has_dropout=problem.dropout_rate > 0, nheads_q=problem.heads_q,
+                 nheads_kv=problem.heads_kv)
+    forward = "pallas" if uses_decode(problem) else tuning.tier("forward", **query)
+    return forward, tuning.tier("backward", **query)
 
 
 def attention(query: jax.Array, key: jax.Array, value: jax.Array,
@@ -50,7 +68,12 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
         the Pallas path the forward then sums q·kᵀ over head-dim chunks in float32,
         which keeps lse as accurate as XLA's at large D and is slower there (up to
         1.6x the forward time at D >= 512; see docs/benchmarks.md).
-      implementation: None (Pallas on an NVIDIA GPU, XLA elsewhere), "pallas" or "xla".
+      implementation: None, "pallas", "chunked" or "xla". None on an NVIDIA GPU runs each
+        direction on the tier measured fastest for this device and shape (the tuned
+        configs' "tier" field, else a built-in rule: see `tiers`), and XLA elsewhere.
+        "pallas": the fused Pallas kernels. "chunked": large GEMMs over blocks of queries
+        and keys, with a bounded workspace ($FFPA_CHUNKED_BUDGET_MIB, 4096 by default); it
+        runs anywhere (plain XLA without a GPU, same blocks). "xla": the dense plain-JAX path.
       interpret: run the Pallas kernels in Pallas' interpreter (CPU testing).
       autotune: None (default: tuned-config files, else built-in configs), "fast" or
         "max": when the call is traced, benchmark each kernel's candidate configs for
@@ -84,8 +107,11 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
     else:
         # lse is computed either way (the backward needs it); its precise, slower
         # form only when the caller sees it.
+        step = "pallas" if interpret or _default_backend_is_nvidia_gpu() else "xla"
         out, lse = pallas_attention(q, k, v, bias4, mask4, problem, interpret=interpret,
-                                    seed=seed, autotune=autotune, precise_lse=return_lse)
+                                    seed=seed, autotune=autotune, precise_lse=return_lse,
+                                    tiers=tiers(problem, impl, has_bias=bias4 is not None),
+                                    step=step)
     if not batched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 import tuning
-from ffpa_jax import partitioning, runtime_autotune
+from ffpa_jax import chunked_path, partitioning, runtime_autotune
+from ffpa_jax.chunked_path import ChunkPlan
 from ffpa_jax.validation import Problem
 from pallas_kernels import (BwdConfig, DecodeConfig, FwdConfig, bwd_dbias, bwd_exact_rows,
                             bwd_generic_dkdv, bwd_generic_dq, bwd_preproc, decode_attention,
@@ -63,6 +64,12 @@ class Plan:
     # float32, so 16-bit kernels feed dS to dQ's and dK's matmuls as two words
     # (`common.accumulate_ds`: two more of the backward's 7 matmuls). Without it, no cost.
     lse_cotangent: bool = False
+    # Which tier runs each direction: "pallas" (the fused kernels above) or "chunked"
+    # (ffpa_jax.chunked_path, planned by `chunk`). Both directions agree on the residuals
+    # (out in float32, lse), so any pairing is exact.
+    forward_tier: str = "pallas"
+    backward_tier: str = "pallas"
+    chunk: ChunkPlan | None = None
 
 
 def uses_decode(problem: Problem) -> bool:
@@ -123,10 +130,16 @@ def bwd_config(kernel: str, problem: Problem, *, has_bias: bool, autotune: str |
 
 
 def make_plan(problem: Problem, *, has_bias: bool, interpret: bool,
-              autotune: str | None = None, precise_lse: bool = False) -> Plan:
+              autotune: str | None = None, precise_lse: bool = False,
+              tiers: tuple[str, str] = ("pallas", "pallas"), step: str = "pallas") -> Plan:
+    """The plan of one call. `tiers` = (forward tier, backward tier); `step` is the chunked
+    tier's step between its GEMMs ("pallas", or "xla" where no GPU runs the kernels)."""
     tune = dict(has_bias=has_bias, autotune=autotune, interpret=interpret)
     decode, splits = (decode_config(problem, **tune) if uses_decode(problem) else (None, 1))
+    chunk = (chunked_path.make_plan(problem, step=step, interpret=interpret)
+             if "chunked" in tiers else None)
     plan = Plan(decode=decode, decode_splits=splits, scale=problem.scale,
+                forward_tier=tiers[0], backward_tier=tiers[1], chunk=chunk,
                 causal=problem.is_causal, interpret=interpret,
                 dropout_rate=problem.dropout_rate, precise_lse=precise_lse,
                 lse_pair=jnp.dtype(problem.dtype) == jnp.float32,
@@ -147,6 +160,10 @@ def forward_kernels(plan: Plan, q, k, v, bias, mask, seed):
     Every argument array has batch as dim 0 and heads as dim 2 (q/k/v) or dim 1
     (bias/mask), so this function is what a sharding wrapper partitions."""
     out_dtype = jnp.float32 if plan.float32_out else None
+    if plan.forward_tier == "chunked":
+        out, lse = chunked_path.forward(plan.chunk, q, k, v, bias, mask, seed)
+        out = out if plan.float32_out else out.astype(q.dtype)
+        return (out, lse, jnp.zeros_like(lse)) if plan.lse_pair else (out, lse)
     if plan.decode is not None:
         out, lse = decode_attention(q, k, v, bias, mask, scale=plan.scale, causal=plan.causal,
                                     config=plan.decode, num_splits=plan.decode_splits,
@@ -171,6 +188,9 @@ def backward_kernels(plan: Plan, q, k, v, bias, mask, seed, out, *rows_and_cotan
         lse, lse_lo, d_out, d_lse = rows_and_cotangents
     else:
         (lse, d_out, d_lse), lse_lo = rows_and_cotangents, None
+    if plan.backward_tier == "chunked":
+        chunk = dataclasses.replace(plan.chunk.for_backward(), lse_cotangent=plan.lse_cotangent)
+        return chunked_path.backward(chunk, q, k, v, bias, mask, seed, out, lse, d_out, d_lse)
     # A row without keys has lse = -inf and no gradient path; drop its lse cotangent.
     d_lse = jnp.where(lse == -jnp.inf, 0.0, d_lse.astype(jnp.float32))
     own_delta = False
@@ -280,10 +300,11 @@ _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 def pallas_attention(q, k, v, bias4, mask4, problem: Problem, *, interpret: bool,
                      seed: jax.Array | None = None, autotune: str | None = None,
-                     precise_lse: bool = False):
-    """(out, lse) through the Pallas kernels, differentiable with respect to q, k, v and
-    bias; q/k/v batched, bias4/mask4 4-D or None; seed uint32[2] when dropping;
-    `precise_lse` when the caller returns lse (see Plan)."""
+                     precise_lse: bool = False, tiers: tuple[str, str] = ("pallas", "pallas"),
+                     step: str = "pallas"):
+    """(out, lse) through the kernels of `tiers` (forward, backward), differentiable with
+    respect to q, k, v and bias; q/k/v batched, bias4/mask4 4-D or None; seed uint32[2] when
+    dropping; `precise_lse` when the caller returns lse (see Plan)."""
     plan = make_plan(problem, has_bias=bias4 is not None, interpret=interpret,
-                     autotune=autotune, precise_lse=precise_lse)
+                     autotune=autotune, precise_lse=precise_lse, tiers=tiers, step=step)
     return _attention(plan, q, k, v, bias4, mask4, seed)

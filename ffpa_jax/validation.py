@@ -17,7 +17,7 @@ import numpy as np
 
 MAX_HEAD_DIM = 1024
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-IMPLEMENTATIONS = (None, "pallas", "xla")
+IMPLEMENTATIONS = (None, "pallas", "chunked", "xla")
 AUTOTUNE_MODES = (None, "fast", "max")
 
 
@@ -205,7 +205,8 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, d
     if not isinstance(interpret, (bool, np.bool_)):
         raise TypeError(f"interpret must be a bool; got {interpret!r}.")
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be None, 'pallas' or 'xla'; got {implementation!r}.")
+        raise ValueError("implementation must be None, 'pallas', 'chunked' or 'xla'; got "
+                         f"{implementation!r}.")
 
     scale_value = _check_scale(scale, d)
     rate = _check_dropout(dropout_rate, dropout_rng)

@@ -154,18 +154,26 @@ def keep_tile(seed_ref, b, h, rows: jax.Array, col_start, n_cols: int, *, rate: 
     return jnp.transpose(y, (0, 1, 5, 4, 2, 3)).reshape(m, n_cols)
 
 
-def keep_mask_reference(seed: jax.Array, shape: tuple[int, int, int, int],
-                        rate: float) -> jax.Array:
-    """Plain JAX: the keep-mask bool[B, H, T, S] every kernel applies for this seed."""
+def keep_mask_reference(seed: jax.Array, shape: tuple[int, int, int, int], rate: float, *,
+                        offsets: tuple = (0, 0, 0, 0)) -> jax.Array:
+    """Plain JAX: the keep-mask bool[B, H, T, S] every kernel applies for this seed, or, with
+    `offsets` (b0, h0, i0, j0), the block of that shape starting there in the full mask.
+    Any offset may be traced; a traced j0 must be a multiple of 32."""
     batch, heads, seq_q, seq_k = shape
-    chunks = -(-seq_k // CHUNK)
+    b0, h0, i0, j0 = offsets
+    if isinstance(j0, int):
+        first, skip = j0 // CHUNK, j0 % CHUNK  # draws are sliced from the first chunk
+    else:
+        first, skip = jnp.asarray(j0, jnp.int32) // CHUNK, 0
+    chunks = -(-(skip + seq_k) // CHUNK)
     seed = as_bits(seed)
-    c0 = jnp.arange(4 * chunks, dtype=jnp.int32)[None, None, None, :]
-    c1 = jnp.arange(seq_q, dtype=jnp.int32)[None, None, :, None]
-    c2 = jnp.arange(heads, dtype=jnp.int32)[None, :, None, None]
-    c3 = jnp.arange(batch, dtype=jnp.int32)[:, None, None, None]
+    index = lambda start, n: jnp.asarray(start, jnp.int32) + jnp.arange(n, dtype=jnp.int32)
+    c0 = index(4 * first, 4 * chunks)[None, None, None, :]
+    c1 = index(i0, seq_q)[None, None, :, None]
+    c2 = index(h0, heads)[None, :, None, None]
+    c3 = index(b0, batch)[:, None, None, None]
     words = jnp.stack(philox4x32(c0, c1, c2, c3, seed[0], seed[1]), axis=-1)  # [.., 4c+q, a]
     halves = jnp.stack([words & _c(0xFFFF), _shr(words, 16)], axis=-1)  # [.., 4c+q, a, p]
     halves = halves.reshape(batch, heads, seq_q, chunks, 4, 4, 2)  # [.., c, q, a, p]
     draws = jnp.swapaxes(halves, -3, -2).reshape(batch, heads, seq_q, chunks * CHUNK)
-    return draws[..., :seq_k] >= jnp.int32(keep_threshold(rate))
+    return draws[..., skip:skip + seq_k] >= jnp.int32(keep_threshold(rate))

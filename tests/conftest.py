@@ -72,3 +72,28 @@ def kernel_mode(request) -> str:
 
 def interpret_flag(mode: str) -> bool:
     return mode == "interpret"
+
+
+# The tiers of `ffpa_jax.attention` that share the semantic test matrix (test_forward,
+# test_backward, test_dropout, test_fuzz). The chunked tier runs with a workspace budget
+# this small so that the test shapes split into several query blocks and key blocks (the
+# scans, the causal groups, the key-block merges and the accumulation at offsets).
+TIERS = ("pallas", "chunked")
+SMALL_CHUNK_BUDGET_MIB = "0.0625"
+
+
+@pytest.fixture(params=TIERS)
+def tier(request, monkeypatch) -> str:
+    """Which tier a matrix test runs (see `call_kwargs`)."""
+    if request.param == "chunked":
+        monkeypatch.setenv("FFPA_CHUNKED_BUDGET_MIB", SMALL_CHUNK_BUDGET_MIB)
+    return request.param
+
+
+def call_kwargs(tier: str, mode: str) -> dict:
+    """`attention`'s implementation/interpret arguments for a tier in a kernel mode. The
+    chunked tier on a CPU runs its plain-XLA step (what it runs there for users too); its
+    Pallas step runs in interpret mode in test_chunked.py and for real on a GPU."""
+    if tier == "chunked":
+        return dict(implementation="chunked", interpret=False)
+    return dict(implementation=tier, interpret=mode == "interpret")

@@ -13,7 +13,7 @@ import pytest
 
 import ffpa_jax
 from attn_testing import Case, assert_matches_reference, make_inputs, scale_of
-from conftest import interpret_flag
+from conftest import call_kwargs, interpret_flag
 from ffpa_jax.reference import mha_reference
 from ffpa_jax.validation import as_4d
 
@@ -49,21 +49,22 @@ def _reference_grads(case: Case, q, k, v, bias, mask, d_out, d_lse, *, float64: 
 
 
 def _pallas_grads(case: Case, mode: str, q, k, v, bias, mask, d_out, d_lse, *,
-                  outputs: str = "both"):
+                  outputs: str = "both", tier: str = "pallas"):
     """Gradients of <out, d_out> + <lse, d_lse>. With outputs="out" ("lse") the function
     differentiated returns out (lse) alone, so the other output's cotangent reaches the
     custom_vjp as a symbolic zero, as in a loss of that output only."""
     def f(q, k, v, bias):
         out, lse = ffpa_jax.attention(q, k, v, bias, mask, scale=case.scale,
                                       is_causal=case.causal, return_lse=True,
-                                      implementation="pallas", interpret=interpret_flag(mode))
+                                      **call_kwargs(tier, mode))
         return {"both": (out, lse), "out": out, "lse": lse}[outputs]
     result, vjp = jax.vjp(f, q, k, v, bias)
     d_out = d_out.astype(q.dtype)
     return vjp({"both": (d_out, d_lse), "out": d_out, "lse": d_lse}[outputs])
 
 
-def check_grads(case: Case, mode: str, *, inputs=None, outputs: str = "both"):
+def check_grads(case: Case, mode: str, tier: str = "pallas", *, inputs=None,
+                outputs: str = "both"):
     q, k, v, bias, mask = make_inputs(case) if inputs is None else inputs
     d_out, d_lse = _cotangents(case)
     d_out = d_out.astype(q.dtype).astype(jnp.float32)  # the cotangent as the kernel sees it
@@ -71,7 +72,8 @@ def check_grads(case: Case, mode: str, *, inputs=None, outputs: str = "both"):
         d_lse = jnp.zeros_like(d_lse)
     elif outputs == "lse":
         d_out = jnp.zeros_like(d_out)
-    got = _pallas_grads(case, mode, q, k, v, bias, mask, d_out, d_lse, outputs=outputs)
+    got = _pallas_grads(case, mode, q, k, v, bias, mask, d_out, d_lse, outputs=outputs,
+                        tier=tier)
     ref = _reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=True)
     xla = _reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=False)
     names = ["dq", "dk", "dv", "dbias"]
@@ -98,8 +100,8 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("case", SHAPES, ids=lambda c: f"T{c.t}-S{c.s}-H{c.hq}.{c.hkv}-D{c.d}.{c.head_dim_v}")
-def test_grad_shapes_bf16(case, kernel_mode):
-    check_grads(case, kernel_mode)
+def test_grad_shapes_bf16(case, kernel_mode, tier):
+    check_grads(case, kernel_mode, tier)
 
 
 @pytest.mark.parametrize("case,outputs", [
@@ -109,24 +111,24 @@ def test_grad_shapes_bf16(case, kernel_mode):
     (Case(b=2, t=113, s=70, hq=6, hkv=2, d=59, causal=True), "out"),
     (Case(b=2, t=113, s=70, hq=6, hkv=2, d=59, causal=True), "lse"),
 ], ids=lambda x: x if isinstance(x, str) else f"T{x.t}-S{x.s}-H{x.hq}.{x.hkv}-D{x.d}")
-def test_grad_of_one_output(case, outputs, kernel_mode):
+def test_grad_of_one_output(case, outputs, kernel_mode, tier):
     """A loss of out alone (the lse cotangent a symbolic zero: dS enters the matmuls in one
     16-bit word) or of lse alone (the output's cotangent a symbolic zero). S=1 with out
     alone has dq exactly 0, so the rule's bound is 0 there: it failed (~1e-6, from δ =
     rowsum(dO ∘ O)) until 16-bit rows that fit one tile took δ from the tile's own P and dP."""
-    check_grads(case, kernel_mode, outputs=outputs)
+    check_grads(case, kernel_mode, tier, outputs=outputs)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("case", [SHAPES[0], SHAPES[1], SHAPES[4], SHAPES[6]],
                          ids=lambda c: f"D{c.d}")
-def test_grad_other_dtypes(case, dtype, kernel_mode):
-    check_grads(dataclasses.replace(case, dtype=dtype), kernel_mode)
+def test_grad_other_dtypes(case, dtype, kernel_mode, tier):
+    check_grads(dataclasses.replace(case, dtype=dtype), kernel_mode, tier)
 
 
 @pytest.mark.parametrize("t,s", [(113, 203), (203, 113), (1, 113), (64, 64)])
-def test_grad_causal(t, s, kernel_mode):
-    check_grads(Case(b=2, t=t, s=s, hq=6, hkv=2, d=59, causal=True), kernel_mode)
+def test_grad_causal(t, s, kernel_mode, tier):
+    check_grads(Case(b=2, t=t, s=s, hq=6, hkv=2, d=59, causal=True), kernel_mode, tier)
 
 
 BIAS_SHAPES = [(37, 70), (70,), (1, 1, 1, 70), (2, 1, 1, 70), (1, 4, 1, 70), (1, 4, 37, 70),
@@ -134,25 +136,25 @@ BIAS_SHAPES = [(37, 70), (70,), (1, 1, 1, 70), (2, 1, 1, 70), (1, 4, 1, 70), (1,
 
 
 @pytest.mark.parametrize("shape", BIAS_SHAPES, ids=str)
-def test_grad_bias_broadcast(shape, kernel_mode):
+def test_grad_bias_broadcast(shape, kernel_mode, tier):
     """The bias gradient has the caller's shape, summed over its broadcast dims."""
-    check_grads(Case(b=2, t=37, s=70, hq=4, hkv=2, d=48, bias_shape=shape), kernel_mode)
+    check_grads(Case(b=2, t=37, s=70, hq=4, hkv=2, d=48, bias_shape=shape), kernel_mode, tier)
 
 
 @pytest.mark.parametrize("shape", [(37, 70), (2, 1, 1, 70), (1, 4, 37, 70)], ids=str)
-def test_grad_mask(shape, kernel_mode):
+def test_grad_mask(shape, kernel_mode, tier):
     check_grads(Case(b=2, t=37, s=70, hq=4, hkv=2, d=48, mask_shape=shape, causal=True),
-                kernel_mode)
+                kernel_mode, tier)
 
 
-def test_grad_fully_masked_rows_are_zero(kernel_mode):
+def test_grad_fully_masked_rows_are_zero(kernel_mode, tier):
     """Rows with no visible key: zero gradient into q, no NaN anywhere."""
     case = Case(b=1, t=40, s=60, hq=4, hkv=2, d=40, mask_shape=(1, 4, 40, 60),
                 bias_shape=(1, 4, 40, 60))
     q, k, v, bias, mask = make_inputs(case)
     mask = mask.at[:, :, 5, :].set(False)
     bias = bias.at[:, 2, 9, :].set(-jnp.inf)
-    dq, dk, dv, dbias = check_grads(case, kernel_mode, inputs=(q, k, v, bias, mask))
+    dq, dk, dv, dbias = check_grads(case, kernel_mode, tier, inputs=(q, k, v, bias, mask))
     assert np.all(np.asarray(dq, np.float32)[0, 5] == 0.0)
     assert np.all(np.asarray(dq, np.float32)[0, 9, 2] == 0.0)
     assert np.all(np.asarray(dbias)[0, :, 5] == 0.0)
@@ -160,9 +162,10 @@ def test_grad_fully_masked_rows_are_zero(kernel_mode):
         assert not np.isnan(np.asarray(g, np.float32)).any()
 
 
-def test_grad_causal_more_queries_than_keys_no_nan(kernel_mode):
+def test_grad_causal_more_queries_than_keys_no_nan(kernel_mode, tier):
     """T > S causal: the first T - S rows see nothing; gradients stay finite and exact."""
-    dq, *_ = check_grads(Case(b=1, t=90, s=30, hq=2, hkv=1, d=64, causal=True), kernel_mode)
+    dq, *_ = check_grads(Case(b=1, t=90, s=30, hq=2, hkv=1, d=64, causal=True), kernel_mode,
+                         tier)
     assert np.all(np.asarray(dq, np.float32)[:, :60] == 0.0)
 
 
@@ -244,13 +247,14 @@ def test_grad_under_jit_and_vmap_and_compile_cache(kernel_mode):
 @pytest.mark.parametrize("bias_shape,dropout_rate", [((1, 1, 1, 1), 0.0), ((1, 1, 1, 1), 0.3),
                                                      ((1, 3, 14, 1), 0.3), ((1,), 0.0)],
                          ids=["scalar", "scalar-drop", "per-row-drop", "rank1"])
-def test_grad_of_key_constant_bias(bias_shape, dropout_rate, kernel_mode):
+def test_grad_of_key_constant_bias(bias_shape, dropout_rate, kernel_mode, tier):
     from test_fuzz import Config, check_example
     cfg = Config(batched=True, b=1, t=14, s=46, hq=3, hkv=1, d=54, dv=54, dtype="bfloat16",
                  causal=False, bias_shape=bias_shape, bias_dtype="float16", mask_shape=(1, 46),
                  scale=None, dropout_rate=dropout_rate, with_grads=True)
+    kw = call_kwargs(tier, kernel_mode)
     check_example(cfg, seed=1, magnitude=1.0, mask_density=0.5, neg_inf_bias_rows=False,
-                  impl="pallas", interpret=interpret_flag(kernel_mode))
+                  impl=kw["implementation"], interpret=kw["interpret"])
 
 
 def test_grad_float32_d256_small_dv(kernel_mode):

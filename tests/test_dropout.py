@@ -14,7 +14,7 @@ import pytest
 import ffpa_jax
 from attn_testing import (Case, assert_lse_matches, assert_matches_reference, make_inputs,
                           reference64, scale_of, xla_same_precision)
-from conftest import interpret_flag
+from conftest import call_kwargs, interpret_flag
 from ffpa_jax.dropout import seed_from_key
 from ffpa_jax.reference import mha_reference
 from ffpa_jax.validation import as_4d
@@ -97,13 +97,12 @@ def test_backward_kernel_replays_the_mask(case, block_m, block_n, kernel_mode):
     np.testing.assert_array_equal(kept, np.asarray(_keep(case, key)) & _visible(case))
 
 
-def _dropout_outputs(case: Case, mode: str, key, rate=RATE):
+def _dropout_outputs(case: Case, mode: str, key, rate=RATE, tier: str = "pallas"):
     q, k, v, bias, mask = make_inputs(case)
     keep = _keep(case, key, rate)
     got_out, got_lse = ffpa_jax.attention(
         q, k, v, bias, mask, scale=case.scale, is_causal=case.causal, return_lse=True,
-        dropout_rate=rate, dropout_rng=key, implementation="pallas",
-        interpret=interpret_flag(mode))
+        dropout_rate=rate, dropout_rng=key, **call_kwargs(tier, mode))
     ref_out, ref_lse = reference64(case, q, k, v, bias, mask, keep=keep, rate=rate)
     xla_out, xla_lse = xla_same_precision(case, q, k, v, bias, mask, keep=keep, rate=rate)
     return (got_out, got_lse), (ref_out, ref_lse), (xla_out, xla_lse)
@@ -122,9 +121,10 @@ FWD_CASES = [
 
 @pytest.mark.parametrize("case", FWD_CASES,
                          ids=lambda c: f"T{c.t}-S{c.s}-H{c.hq}.{c.hkv}-D{c.d}-{c.dtype}")
-def test_forward_matches_reference(case, kernel_mode):
+def test_forward_matches_reference(case, kernel_mode, tier):
     key = jax.random.key(case.seed() + 5)
-    (out, lse), (ref_out, ref_lse), (xla_out, xla_lse) = _dropout_outputs(case, kernel_mode, key)
+    (out, lse), (ref_out, ref_lse), (xla_out, xla_lse) = _dropout_outputs(case, kernel_mode, key,
+                                                                          tier=tier)
     assert_matches_reference("out", out, ref_out, xla_out, case.dtype)
     assert_lse_matches(lse, ref_lse, xla_lse)
 
@@ -141,8 +141,9 @@ def test_xla_and_pallas_agree_for_the_same_key(kernel_mode):
                                rtol=1e-5, atol=1e-6)
 
 
-def _grads(case: Case, mode: str, key, *, float64: bool | None):
-    """Gradients of <out, d_out> + <lse, d_lse>: Pallas (float64=None) or the reference."""
+def _grads(case: Case, mode: str, key, *, float64: bool | None, tier: str = "pallas"):
+    """Gradients of <out, d_out> + <lse, d_lse>: the tier's (float64=None) or the
+    reference's."""
     q, k, v, bias, mask = make_inputs(case)
     kd, kl = jax.random.split(jax.random.key(case.seed() + 99))
     d_out = jax.random.normal(kd, (case.b, case.t, case.hq, case.head_dim_v), jnp.float32)
@@ -151,8 +152,7 @@ def _grads(case: Case, mode: str, key, *, float64: bool | None):
     if float64 is None:
         f = lambda q, k, v, bias: ffpa_jax.attention(
             q, k, v, bias, mask, scale=case.scale, is_causal=case.causal, return_lse=True,
-            dropout_rate=RATE, dropout_rng=key, implementation="pallas",
-            interpret=interpret_flag(mode))
+            dropout_rate=RATE, dropout_rng=key, **call_kwargs(tier, mode))
         (out, lse), vjp = jax.vjp(f, q, k, v, bias)
         return vjp((d_out.astype(out.dtype), d_lse))
     keep = _keep(case, key)
@@ -186,9 +186,9 @@ GRAD_CASES = [
 
 @pytest.mark.parametrize("case", GRAD_CASES,
                          ids=lambda c: f"T{c.t}-S{c.s}-H{c.hq}.{c.hkv}-D{c.d}-{c.dtype}")
-def test_gradients_match_reference(case, kernel_mode):
+def test_gradients_match_reference(case, kernel_mode, tier):
     key = jax.random.key(case.seed() + 7)
-    got = _grads(case, kernel_mode, key, float64=None)
+    got = _grads(case, kernel_mode, key, float64=None, tier=tier)
     ref = _grads(case, kernel_mode, key, float64=True)
     xla = _grads(case, kernel_mode, key, float64=False)
     q_dtype = jnp.dtype(case.dtype)

@@ -17,17 +17,17 @@ import pytest
 import ffpa_jax
 from attn_testing import (Case, assert_lse_matches, assert_matches_reference, make_inputs,
                           reference64, scale_of, xla_same_precision)
-from conftest import interpret_flag
+from conftest import call_kwargs, interpret_flag
 from pallas_kernels import FwdConfig, fwd_generic
 from pallas_kernels.common import mask_block_lists
 
 
-def run_case(case: Case, mode: str, *, q=None, k=None, v=None, bias=None, mask=None):
+def run_case(case: Case, mode: str, tier: str = "pallas", *, q=None, k=None, v=None,
+             bias=None, mask=None):
     if q is None:
         q, k, v, bias, mask = make_inputs(case)
     out, lse = ffpa_jax.attention(q, k, v, bias, mask, scale=case.scale, is_causal=case.causal,
-                                  return_lse=True, implementation="pallas",
-                                  interpret=interpret_flag(mode))
+                                  return_lse=True, **call_kwargs(tier, mode))
     ref_out, ref_lse = reference64(case, q, k, v, bias, mask)
     xla_out, xla_lse = xla_same_precision(case, q, k, v, bias, mask)
     assert out.dtype == q.dtype and out.shape == ref_out.shape
@@ -52,21 +52,21 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("case", SHAPES, ids=lambda c: f"T{c.t}-S{c.s}-H{c.hq}.{c.hkv}-D{c.d}.{c.head_dim_v}")
-def test_shapes_bf16(case, kernel_mode):
-    run_case(case, kernel_mode)
+def test_shapes_bf16(case, kernel_mode, tier):
+    run_case(case, kernel_mode, tier)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("case", [SHAPES[0], SHAPES[1], SHAPES[5], SHAPES[7]],
                          ids=lambda c: f"D{c.d}")
-def test_other_dtypes(case, dtype, kernel_mode):
-    run_case(dataclasses.replace(case, dtype=dtype), kernel_mode)
+def test_other_dtypes(case, dtype, kernel_mode, tier):
+    run_case(dataclasses.replace(case, dtype=dtype), kernel_mode, tier)
 
 
 @pytest.mark.parametrize("t,s", [(113, 203), (203, 113), (1, 113), (113, 1), (64, 64), (130, 129)])
-def test_causal(t, s, kernel_mode):
+def test_causal(t, s, kernel_mode, tier):
     """Bottom-right causal; with T > S the first T - S rows see no key (out 0, lse -inf)."""
-    out, lse = run_case(Case(b=2, t=t, s=s, hq=6, hkv=2, d=59, causal=True), kernel_mode)
+    out, lse = run_case(Case(b=2, t=t, s=s, hq=6, hkv=2, d=59, causal=True), kernel_mode, tier)
     if t > s:
         assert np.all(np.asarray(lse)[:, :, : t - s] == -np.inf)
         assert np.all(np.asarray(out, np.float32)[:, : t - s] == 0.0)
@@ -81,13 +81,13 @@ BROADCAST_SHAPES = [
 
 
 @pytest.mark.parametrize("shape", BROADCAST_SHAPES, ids=str)
-def test_bias_broadcast(shape, kernel_mode):
-    run_case(Case(b=2, t=37, s=70, hq=4, hkv=2, d=48, bias_shape=shape), kernel_mode)
+def test_bias_broadcast(shape, kernel_mode, tier):
+    run_case(Case(b=2, t=37, s=70, hq=4, hkv=2, d=48, bias_shape=shape), kernel_mode, tier)
 
 
 @pytest.mark.parametrize("shape", BROADCAST_SHAPES, ids=str)
-def test_mask_broadcast(shape, kernel_mode):
-    run_case(Case(b=2, t=37, s=70, hq=4, hkv=2, d=48, mask_shape=shape), kernel_mode)
+def test_mask_broadcast(shape, kernel_mode, tier):
+    run_case(Case(b=2, t=37, s=70, hq=4, hkv=2, d=48, mask_shape=shape), kernel_mode, tier)
 
 
 # Large logits at large head dims: where one tensor-core accumulation chain over all of
@@ -102,56 +102,56 @@ LARGE_LOGIT_CASES = [  # (case, magnitude of q and k)
 
 
 @pytest.mark.parametrize("case,magnitude", LARGE_LOGIT_CASES, ids=lambda x: getattr(x, "d", x))
-def test_lse_at_large_head_dims_and_logits(case, magnitude, kernel_mode):
+def test_lse_at_large_head_dims_and_logits(case, magnitude, kernel_mode, tier):
     for seed in range(4 if kernel_mode == "gpu" else 1):
         q, k, v, bias, mask = make_inputs(case, seed=seed)
-        run_case(case, kernel_mode, q=(magnitude * q.astype(jnp.float32)).astype(q.dtype),
+        run_case(case, kernel_mode, tier, q=(magnitude * q.astype(jnp.float32)).astype(q.dtype),
                  k=(magnitude * k.astype(jnp.float32)).astype(k.dtype), v=v, bias=bias,
                  mask=mask)
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_bias_and_mask_together(causal, kernel_mode):
+def test_bias_and_mask_together(causal, kernel_mode, tier):
     run_case(Case(b=2, t=70, s=37, hq=4, hkv=1, d=111, bias_shape=(1, 4, 70, 37),
-                  mask_shape=(2, 1, 70, 37), causal=causal), kernel_mode)
+                  mask_shape=(2, 1, 70, 37), causal=causal), kernel_mode, tier)
 
 
-def test_fully_masked_rows_by_mask(kernel_mode):
+def test_fully_masked_rows_by_mask(kernel_mode, tier):
     case = Case(b=2, t=50, s=80, hq=4, hkv=2, d=40, mask_shape=(2, 1, 50, 80))
     q, k, v, bias, mask = make_inputs(case)
     dead_rows = np.array([0, 7, 31, 49])
     mask = mask.at[:, :, dead_rows, :].set(False)
-    out, lse = run_case(case, kernel_mode, q=q, k=k, v=v, bias=bias, mask=mask)
+    out, lse = run_case(case, kernel_mode, tier, q=q, k=k, v=v, bias=bias, mask=mask)
     assert np.all(np.asarray(lse)[:, :, dead_rows] == -np.inf)
     assert np.all(np.asarray(out, np.float32)[:, dead_rows] == 0.0)
 
 
-def test_fully_masked_rows_by_bias(kernel_mode):
+def test_fully_masked_rows_by_bias(kernel_mode, tier):
     case = Case(b=1, t=30, s=45, hq=2, hkv=2, d=64, bias_shape=(1, 2, 30, 45))
     q, k, v, bias, mask = make_inputs(case)
     bias = bias.at[:, 1, 3, :].set(-jnp.inf)
-    out, lse = run_case(case, kernel_mode, q=q, k=k, v=v, bias=bias, mask=mask)
+    out, lse = run_case(case, kernel_mode, tier, q=q, k=k, v=v, bias=bias, mask=mask)
     assert np.asarray(lse)[0, 1, 3] == -np.inf
     assert np.all(np.asarray(out, np.float32)[0, 3, 1] == 0.0)
 
 
-def test_all_keys_masked(kernel_mode):
+def test_all_keys_masked(kernel_mode, tier):
     """A mask with no True at all: every row is empty, nothing is visited."""
     case = Case(b=1, t=20, s=30, hq=2, hkv=1, d=32, mask_shape=(20, 30))
     q, k, v, _, _ = make_inputs(case)
     mask = jnp.zeros((20, 30), bool)
-    out, lse = run_case(case, kernel_mode, q=q, k=k, v=v, mask=mask)
+    out, lse = run_case(case, kernel_mode, tier, q=q, k=k, v=v, mask=mask)
     assert np.all(np.asarray(out, np.float32) == 0.0) and np.all(np.asarray(lse) == -np.inf)
 
 
-def test_sparse_block_mask(kernel_mode):
+def test_sparse_block_mask(kernel_mode, tier):
     """A 90%-sparse block mask (the block-skipping path) is still exact."""
     case = Case(b=1, t=256, s=320, hq=2, hkv=2, d=64, mask_shape=(256, 320))
     q, k, v, _, _ = make_inputs(case)
     blocks = jax.random.bernoulli(jax.random.key(3), 0.1, (256 // 32, 320 // 32))
     blocks = blocks.at[:, 0].set(True)  # every row keeps some keys
     mask = jnp.repeat(jnp.repeat(blocks, 32, axis=0), 32, axis=1)
-    run_case(case, kernel_mode, q=q, k=k, v=v, mask=mask)
+    run_case(case, kernel_mode, tier, q=q, k=k, v=v, mask=mask)
 
 
 CONFIGS = [

@@ -285,12 +285,14 @@ def test_pool_covers_the_ranges():
 @pytest.mark.skipif(HAS_GPU, reason="interpret-mode run; the GPU runs test_fuzz_gpu")
 @pytest.mark.parametrize("part", [0, 1])
 def test_fuzz_cpu(part):
-    """CI: 2 x 100 examples (Pallas in interpret mode, and the XLA path) against float64;
+    """CI: 2 x 100 examples (Pallas in interpret mode, the chunked tier's XLA step and the
+    XLA path) against float64;
     two halves with their own seeds and shape pools so pytest-xdist runs them side by side."""
     _fuzz_test(limits=CPU_LIMITS, pool_size=_env_int("FFPA_FUZZ_POOL", 8),
                examples=_env_int("FFPA_FUZZ_EXAMPLES", 100),
                seed=_env_int("FFPA_FUZZ_SEED", 0) + part,
-               impls=(("pallas", True), ("pallas", True), ("pallas", True), ("xla", False)))
+               impls=(("pallas", True), ("pallas", True), ("pallas", True), ("xla", False),
+                      ("chunked", False)))
 
 
 GPU_PARTS = 4  # pytest-xdist runs the parts side by side: compiling dominates
@@ -305,7 +307,7 @@ def test_fuzz_gpu(part):
     base = _env_int("FFPA_FUZZ_SEED", _GPU_BASE_SEED)
     _fuzz_test(limits=GPU_LIMITS, pool_size=_env_int("FFPA_FUZZ_POOL", 200) // GPU_PARTS,
                examples=_env_int("FFPA_FUZZ_EXAMPLES", 2000) // GPU_PARTS,
-               seed=base + part, impls=(("pallas", False),),
+               seed=base + part, impls=(("pallas", False), ("chunked", False)),
                rerun=f"FFPA_FUZZ_SEED={base} pytest -m gpu -k 'test_fuzz_gpu[{part}]'")
 
 

@@ -257,7 +257,7 @@ def test_returned_lse_lowers_the_precise_kernel(t, d, monkeypatch):
 
     def kernels(return_lse: bool) -> list[str]:
         def f(q, k, v):
-            return ffpa_jax.attention(q, k, v, return_lse=return_lse)
+            return ffpa_jax.attention(q, k, v, return_lse=return_lse, implementation="pallas")
         text = jax.jit(f).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
         return re.findall(r'ir = "((?:[^"\\]|\\.)*)"', text)
 

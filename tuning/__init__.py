@@ -9,7 +9,7 @@ from tuning.device import current_device, multiprocessor_count, sanitize_device_
 from tuning.lookup import dtype_name, lookup_config
 from tuning.registry import KERNELS, config_problem
 from tuning.schema import load_config_file, write_config_file
-from tuning.select import launch_config
+from tuning.select import launch_config, tier
 
 __all__ = [
     "KERNELS",
@@ -22,5 +22,6 @@ __all__ = [
     "lookup_config",
     "multiprocessor_count",
     "sanitize_device_name",
+    "tier",
     "write_config_file",
 ]

@@ -150,3 +150,22 @@ def default_config(kernel: str, *, headdim: int, dtype: str = "bf16",
             if override_dim == max_dim:
                 config.update(changes)
     return config
+
+
+# ---------------------------------------------------------------- tiers
+
+TIERS = ("pallas", "chunked")
+# The kernel whose tuned entry carries a direction's "tier" field.
+TIER_KERNELS = {"forward": "fwd_generic", "backward": "bwd_generic_dkdv"}
+
+
+def default_tier(direction: str, *, headdim: int, dtype: str = "bf16") -> str:
+    """The tier a direction runs on without a tuned entry: the chunked tier's GEMMs beat the
+    fused kernels' register-bound head-dim slices above D = 256 in the forward and from
+    D = 256 in the backward (H200, bf16, docs/benchmarks.md); float32 keeps the fused kernels,
+    whose backward recomputes its own normalised P exactly."""
+    if dtype == "fp32":
+        return "pallas"
+    if direction == "forward":
+        return "chunked" if headdim > 256 else "pallas"
+    return "chunked" if headdim >= 256 else "pallas"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tuning.defaults import default_config
+from tuning.defaults import TIER_KERNELS, TIERS, default_config, default_tier
 from tuning.lookup import TunedEntry, lookup_entry
 
 logger = logging.getLogger("ffpa_jax.tuning")
@@ -76,3 +76,21 @@ def launch_config(kernel: str, *, direction: str, dtype: str, headdim: int, seql
         if tuned is not None:
             return tuned
     return default_config(kernel, headdim=headdim, dtype=dtype, has_dropout=has_dropout)
+
+
+def tier(direction: str, *, dtype: str, headdim: int, seqlen_q: int, seqlen_k: int,
+         causal: bool = False, has_attn_bias: bool = False, has_dropout: bool = False,
+         nheads_q: int | None = None, nheads_kv: int | None = None,
+         device_name: str | None = None) -> str:
+    """Which tier ("pallas" or "chunked") runs `direction` of this problem on this device:
+    the "tier" field of the matched tuned entry of the direction's main kernel (an added
+    field; FFPA's readers ignore it), else the built-in rule (`defaults.default_tier`)."""
+    found = lookup_entry(direction, TIER_KERNELS[direction], dtype=dtype, headdim=headdim,
+                         seqlen_q=seqlen_q, seqlen_k=seqlen_k, causal=causal,
+                         has_attn_bias=has_attn_bias, has_dropout=has_dropout,
+                         nheads_q=nheads_q, nheads_kv=nheads_kv,
+                         bias_grad=has_attn_bias if direction == "backward" else None,
+                         device_name=device_name)
+    if found is not None and found.entry.get("tier") in TIERS:
+        return found.entry["tier"]
+    return default_tier(direction, headdim=headdim, dtype=dtype)

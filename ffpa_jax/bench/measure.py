@@ -254,6 +254,8 @@ def measure(case: BenchCase, impl: Impl, *, interpret: bool, min_rep_s: float, r
     """A record for (case, impl); its status is "ok", "unsupported: why" or "error: ..."."""
     record = {"case": case.label, **dataclasses.asdict(case), "impl": impl.name}
     try:
+        if impl.tiers is not None:
+            record["tier"] = impl.tiers(case, interpret)
         forward = impl.make(case, interpret)
         inputs = make_inputs(case, seed)
         args = tuple(inputs[name] for name in ARG_ORDER)

@@ -28,6 +28,8 @@ class Impl:
     make: Callable[[BenchCase, bool], Callable]
     kinds: tuple[str, ...] | None = None  # rows only for these case kinds (None: every kind)
     doc: str = ""
+    # ffpa_jax's own rows: (case, interpret) -> "forward tier/backward tier" that ran
+    tiers: Callable[[BenchCase, bool], str] | None = None
 
 
 def _scale(case: BenchCase) -> float:
@@ -35,13 +37,51 @@ def _scale(case: BenchCase) -> float:
 
 
 # ---------------------------------------------------------------- ffpa_jax
-def _ffpa(case: BenchCase, interpret: bool):
+def _ffpa_run(case: BenchCase, implementation: str | None, interpret: bool):
     def run(q, k, v, bias, mask, rng):
         return ffpa_jax.attention(q, k, v, bias=bias, mask=mask, is_causal=case.causal,
                                   dropout_rate=case.dropout,
                                   dropout_rng=rng if case.dropout else None,
-                                  implementation="pallas", interpret=interpret)
+                                  implementation=implementation, interpret=interpret)
     return run
+
+
+def _ffpa(case: BenchCase, interpret: bool):
+    """The tuned dispatch (implementation=None): each direction on its measured tier."""
+    return _ffpa_run(case, None, interpret)
+
+
+def _tiers_of(implementation: str | None):
+    """(case, interpret) -> "forward tier/backward tier" of ffpa_jax's call for the case."""
+    def tiers(case: BenchCase, interpret: bool) -> str:
+        import jax.numpy as jnp
+        from ffpa_jax import api, validation
+        from ffpa_jax.bench.measure import DTYPES
+        sd = jax.ShapeDtypeStruct
+        dtype = DTYPES[case.dtype]
+        problem = validation.validate(
+            sd((case.b, case.t, case.hq, case.d), dtype), sd((case.b, case.s, case.hkv, case.d),
+                                                             dtype),
+            sd((case.b, case.s, case.hkv, case.dv), dtype), None, None, scale=None,
+            is_causal=case.causal, dropout_rate=case.dropout,
+            dropout_rng=jax.random.key(0) if case.dropout else None, return_lse=False,
+            implementation=implementation, interpret=interpret)
+        impl = api.resolve_implementation(implementation, interpret)
+        if impl == "xla":
+            return "xla"
+        forward, backward = api.tiers(problem, impl, has_bias=case.bias is not None)
+        del jnp
+        return forward if case.mode == "fwd" else f"{forward}/{backward}"
+    return tiers
+
+
+def _ffpa_tier(implementation: str):
+    """ffpa_jax with one tier forced in both directions (GPU rows, for the A/B of tiers)."""
+    def make(case: BenchCase, interpret: bool):
+        if interpret:
+            raise Unsupported("tiers are compared on a GPU; the ffpa row runs here")
+        return _ffpa_run(case, implementation, False)
+    return make
 
 
 # ---------------------------------------------------------------- jax.nn: cuDNN and XLA
@@ -169,8 +209,54 @@ def _pallas_decode(case: BenchCase, interpret: bool):
     return run
 
 
-FFPA = Impl("ffpa", _ffpa, doc="ffpa_jax.attention(implementation='pallas')")
+def naive_chunked_attention(q, k, v, *, scale: float, causal: bool, chunk: int = 2048):
+    """The composition the chunked tier must beat: queries in chunks of `chunk` under
+    `lax.map`, each chunk's logits by one float32 einsum, softmax, P·V by einsum, and
+    `jax.checkpoint` per chunk so that the backward recomputes it. GQA by reshape."""
+    import jax.numpy as jnp
+
+    b, t, hq, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    chunk = chunk if t % chunk == 0 else t
+    n = t // chunk
+    qc = jnp.moveaxis(q.reshape(b, n, chunk, hkv, hq // hkv, d), 1, 0)
+
+    @jax.checkpoint
+    def one(args):
+        qi, i = args
+        logits = jnp.einsum("btkgd,bskd->bkgts", qi, k,
+                            preferred_element_type=jnp.float32) * scale
+        if causal:
+            rows = i * chunk + jnp.arange(chunk)[:, None]
+            logits = jnp.where(jnp.arange(s)[None, :] <= rows + (s - t), logits, -jnp.inf)
+        probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+        return out.astype(q.dtype)
+
+    out = jax.lax.map(one, (qc, jnp.arange(n)))
+    return jnp.moveaxis(out, 0, 1).reshape(b, t, hq, v.shape[3])
+
+
+def _naive_chunked(case: BenchCase, interpret: bool):
+    """The issue's floor for the chunked tier (see `naive_chunked_attention`)."""
+    del interpret
+    if case.mask is not None or case.bias is not None or case.dropout:
+        raise Unsupported("no mask, bias or dropout (the plain composition)")
+    scale = _scale(case)
+
+    def run(q, k, v, bias, mask, rng):
+        del bias, mask, rng
+        return naive_chunked_attention(q, k, v, scale=scale, causal=case.causal)
+    return run
+
+
+FFPA = Impl("ffpa", _ffpa, doc="ffpa_jax.attention(): each direction on its tuned tier",
+            tiers=_tiers_of(None))
 PEERS: dict[str, Impl] = {
+    "ffpa-pallas": Impl("ffpa-pallas", _ffpa_tier("pallas"), tiers=_tiers_of("pallas"),
+                        doc="ffpa_jax.attention(implementation='pallas'): the fused kernels"),
+    "ffpa-chunked": Impl("ffpa-chunked", _ffpa_tier("chunked"), tiers=_tiers_of("chunked"),
+                         doc="ffpa_jax.attention(implementation='chunked'): blocked GEMMs"),
     "cudnn": Impl("cudnn", _cudnn, doc="jax.nn.dot_product_attention(implementation='cudnn')"),
     "xla": Impl("xla", _xla, doc="jax.nn.dot_product_attention(implementation='xla'); "
                 "ffpa_jax's XLA path for dropout and causal with T != S"),
@@ -178,6 +264,9 @@ PEERS: dict[str, Impl] = {
                        doc="jax.experimental.pallas.ops.gpu.attention.mha (Triton)"),
     "pallas-mgpu": Impl("pallas-mgpu", _pallas_mgpu,
                         doc="jax.experimental.pallas.ops.gpu.attention_mgpu (Mosaic GPU, Hopper)"),
+    "naive-chunked": Impl("naive-chunked", _naive_chunked,
+                          doc="queries in chunks of 2048 under lax.map, einsum + softmax + "
+                          "einsum per chunk, jax.checkpoint (the chunked tier's floor)"),
     "pallas-decode": Impl("pallas-decode", _pallas_decode, kinds=("decode",),
                           doc="jax.experimental.pallas.ops.gpu.decode_attention.gqa"),
 }

@@ -134,9 +134,9 @@ def text_table(records: list[dict]) -> str:
                 lines.append(f"{lead} {'-':>9} {'-':>7} {'-':>7} {'-':>8} {'-':>8} {'-':>9} "
                              f"{'-':>6}  {r['status']}")
             else:
-                note = ""
+                note = f"tier {r['tier']} " if r.get("tier") else ""
                 if r["impl"] != "ffpa" and ours is not None and is_ok(ours):
-                    note = f"x{r['ms'] / ours['ms']:.2f}"
+                    note += f"x{r['ms'] / ours['ms']:.2f}"
                 if r.get("error_dbias") is not None:
                     note += f" dbias err {r['error_dbias']:.1e}"
                 if r.get("suspect"):

@@ -1,0 +1,344 @@
+"""The chunked tier's own machinery: its block rules, its workspace bound, the Pallas steps
+between its GEMMs against their XLA twins, and how `implementation=None` picks a tier per
+direction. Its semantics are checked by the shared matrix (test_forward, test_backward,
+test_dropout, test_fuzz: the `tier` fixture)."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ffpa_jax
+import tuning
+from attn_testing import Case, assert_lse_matches, assert_matches_reference, make_inputs
+from attn_testing import reference64, xla_same_precision
+from ffpa_jax import chunked_path
+from ffpa_jax.chunked_path import _Block, _groups, block_sizes, bytes_per_element
+from ffpa_jax.validation import Problem
+from pallas_kernels import blocked
+from pallas_kernels.dropout import keep_mask_reference
+
+sd = jax.ShapeDtypeStruct
+
+
+def _problem(b=1, t=4096, s=4096, hq=32, hkv=32, d=512, dtype=jnp.bfloat16, causal=False):
+    return Problem(batched=True, batch=b, seq_q=t, seq_k=s, heads_q=hq, heads_kv=hkv,
+                   head_dim=d, head_dim_v=d, dtype=jnp.dtype(dtype), scale=d ** -0.5,
+                   is_causal=causal, dropout_rate=0.0, bias_shape=None, mask_shape=None)
+
+
+PROBLEMS = [_problem(), _problem(t=16384, s=16384), _problem(t=32768, s=32768, hq=8, hkv=8),
+            _problem(t=8192, s=8192, hkv=8), _problem(b=4, hq=32, hkv=8, d=128),
+            _problem(t=1, s=1 << 20), _problem(t=1000, s=3, hq=4, hkv=4),
+            _problem(t=37, s=70, hq=4, hkv=2, dtype=jnp.float32)]
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: f"T{p.seq_q}-S{p.seq_k}-H{p.heads_q}")
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("budget", [4 << 30, 1 << 20])
+def test_blocks_fit_the_budget(problem, direction, budget):
+    rows, keys = block_sizes(problem, direction, budget, max_keys=16384)
+    per_element = problem.batch * problem.heads_q * bytes_per_element(problem.dtype, direction)
+    assert 1 <= rows <= problem.seq_q and 1 <= keys <= problem.seq_k
+    if rows > 16 or keys > 128:  # the smallest block the rule takes
+        assert rows * keys * per_element <= budget
+    if keys < problem.seq_k:
+        assert keys & (keys - 1) == 0, "key blocks start at multiples of a power of two"
+    if direction == "forward" and problem.seq_k <= 16384 and budget == 4 << 30:
+        assert keys == problem.seq_k, "the forward merges no key blocks when it can help it"
+    count = -(-problem.seq_q // rows)
+    assert rows * (count - 1) < problem.seq_q, "the fewest blocks of that size"
+
+
+@pytest.mark.parametrize("t,s", [(113, 203), (203, 113), (1, 113), (113, 1), (4096, 4096),
+                                 (1000, 3000), (3000, 1000)])
+@pytest.mark.parametrize("block_q", [1, 16, 100, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_groups_cover_every_row_that_sees_a_key(t, s, block_q, causal):
+    plan = chunked_path.ChunkPlan(scale=1.0, causal=causal, dropout_rate=0.0,
+                                  block_q=block_q, block_k=64)
+    groups = _groups(plan, t, s)
+    covered = np.zeros(t, int)
+    for g in groups:
+        for start in g.starts:
+            covered[start:start + g.rows] += 1
+            last = start + g.rows - 1
+            need = s if not causal else min(s, last + 1 + s - t)
+            assert g.keys >= need, "a block sees fewer keys than its rows need"
+    sees_a_key = np.array([not causal or i + s - t >= 0 for i in range(t)])
+    assert covered.max() <= 1, "a row in two blocks"
+    assert covered[sees_a_key].min(initial=1) == 1, "a row that sees a key in no block"
+    # Rows left out see no key; a block may hold some such rows beside rows that do.
+    first_seeing = int(np.argmax(sees_a_key)) if sees_a_key.any() else t
+    assert not covered[:max(0, first_seeing - block_q)].any(), "a block of keyless rows ran"
+    if causal:
+        assert len(groups) <= 2 * chunked_path.MAX_CAUSAL_GROUPS
+
+
+@pytest.mark.slow
+def test_workspace_stays_under_the_budget_at_16k():
+    """XLA's memory analysis of the chunked tier at T = S = 16384, D = 512, H = 32 (compiled
+    for the CPU: its plain-XLA step): the temporaries stay under the default budget plus
+    twice the float32 size of q, k, v, out (and dO), where the dense path's logits alone
+    take 32 GiB."""
+    n, h, d = 16384, 32, 512
+    arg = sd((1, n, h, d), jnp.bfloat16)
+    f32_bytes = n * h * d * 4
+    attn = lambda q, k, v: ffpa_jax.attention(q, k, v, implementation="chunked")
+
+    def fwd_bwd(q, k, v, do):
+        out, vjp = jax.vjp(attn, q, k, v)
+        return out, *vjp(do)
+
+    dense_logits = h * n * n * 4
+    for fn, args, arrays in ((attn, (arg,) * 3, 4), (fwd_bwd, (arg,) * 4, 5)):
+        memory = jax.jit(fn).trace(*args).lower().compile().memory_analysis()
+        temp = memory.temp_size_in_bytes
+        assert temp <= chunked_path.DEFAULT_BUDGET_BYTES + 2 * arrays * f32_bytes, temp / 2**30
+        assert temp < dense_logits / 2
+
+
+def test_budget_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv(chunked_path.BUDGET_ENV, "256")
+    assert chunked_path.budget_from_env() == 256 << 20
+    for bad in ("", "lots", "-3", "0", "nan"):
+        monkeypatch.setenv(chunked_path.BUDGET_ENV, bad)
+        assert chunked_path.budget_from_env() == chunked_path.DEFAULT_BUDGET_BYTES
+
+
+# ---------------------------------------------------------------- the Pallas steps
+
+STEP_CASES = [  # (B, Hq, rows, keys, offsets, causal, bias shape, mask shape, dropout)
+    (2, 4, 37, 70, (13, 64), True, (1, 4, 90, 200), (2, 1, 90, 1), 0.2),
+    (1, 2, 64, 128, (0, 0), False, None, None, 0.0),
+    (2, 3, 20, 33, (70, 160), True, (2, 1, 1, 200), (1, 3, 90, 200), 0.0),
+    (1, 2, 16, 300, (5, 0), False, (1, 1, 90, 1), None, 0.5),
+]
+
+
+def _step_inputs(case, seed=0):
+    b, hq, rows, keys, offsets, causal, bias_shape, mask_shape, rate = case
+    kl, kb, km, kd, kx = jax.random.split(jax.random.key(seed), 5)
+    logits = 3.0 * jax.random.normal(kl, (b, hq, rows, keys), jnp.float32)
+    bias = None if bias_shape is None else jax.random.normal(kb, bias_shape, jnp.float32)
+    mask = None if mask_shape is None else jax.random.bernoulli(km, 0.7, mask_shape)
+    seed_words = jnp.asarray([7, 11], jnp.uint32) if rate else None
+    plan = chunked_path.ChunkPlan(scale=0.3, causal=causal, dropout_rate=rate, block_q=rows,
+                                  block_k=keys)
+    blk = _Block(offsets[0], rows, offsets[1], keys)
+    return logits, bias, mask, seed_words, plan, blk, kd, kx
+
+
+@pytest.mark.parametrize("case", STEP_CASES, ids=str)
+def test_softmax_rows_matches_its_xla_twin(case):
+    logits, bias, mask, seed, plan, blk, _, _ = _step_inputs(case)
+    probs, lse = blocked.softmax_rows(
+        logits, blk.offsets(), bias, mask, seed, seq_q=90, seq_k=200, scale=plan.scale,
+        causal=plan.causal, dropout_rate=plan.dropout_rate, out_dtype=jnp.float32,
+        interpret=True)
+    ref_p, ref_lse = chunked_path._softmax_xla(plan, logits, bias, mask, seed, blk, seq_q=90,
+                                               seq_k=200, p_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(probs), np.asarray(ref_p), rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6, atol=1e-6)
+    assert (np.asarray(lse) == -np.inf).sum() == (np.asarray(ref_lse) == -np.inf).sum()
+
+
+@pytest.mark.parametrize("case", STEP_CASES, ids=str)
+@pytest.mark.parametrize("own_delta", [False, True])
+@pytest.mark.parametrize("split", [False, True])
+def test_softmax_grad_matches_its_xla_twin(case, own_delta, split):
+    logits, bias, mask, seed, plan, blk, kd, kx = _step_inputs(case)
+    _, lse = chunked_path._softmax_xla(plan, logits, bias, mask, seed, blk, seq_q=90,
+                                       seq_k=200, p_dtype=jnp.float32)
+    dp = jax.random.normal(kd, logits.shape, jnp.float32).astype(jnp.bfloat16)
+    delta = jax.random.normal(kx, lse.shape, jnp.float32)
+    got = blocked.softmax_grad(
+        logits, dp, lse, delta, blk.offsets(), bias, mask, seed, seq_q=90, seq_k=200,
+        scale=plan.scale, causal=plan.causal, dropout_rate=plan.dropout_rate,
+        out_dtype=jnp.bfloat16, split=split, with_ds32=True, own_delta=own_delta,
+        interpret=True)
+    dropped, parts, ds32 = chunked_path._softmax_grad_xla(
+        plan, logits, dp, lse, delta, bias, mask, seed, blk, seq_q=90, seq_k=200,
+        out_dtype=jnp.bfloat16, split=split, own_delta=own_delta)
+    want = (dropped, *parts, ds32)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        # float32 results agree to rounding; 16-bit ones may differ in their last bit.
+        tol = 1e-5 if w.dtype == np.float32 and g.dtype == np.float32 else 1e-2
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol * (1 + np.abs(w).max()))
+
+
+def test_step_seed_with_shard_offsets_draws_the_global_mask():
+    """A shard's seed (words 2, 3: its global batch and head offsets) draws its slice of the
+    unsharded keep-mask, in both steps."""
+    case = (1, 2, 16, 64, (8, 0), False, None, None, 0.4)
+    logits, _, _, _, plan, blk, _, _ = _step_inputs(case)
+    seed4 = jnp.asarray([7, 11, 1, 2], jnp.uint32)
+    xla_p, _ = chunked_path._softmax_xla(plan, logits, None, None, seed4, blk, seq_q=90,
+                                         seq_k=200, p_dtype=jnp.float32)
+    pallas_p, _ = blocked.softmax_rows(logits, blk.offsets(), None, None, seed4, seq_q=90,
+                                       seq_k=200, scale=plan.scale, causal=False,
+                                       dropout_rate=0.4, out_dtype=jnp.float32,
+                                       interpret=True)
+    full = keep_mask_reference(jnp.asarray([7, 11], jnp.uint32), (2, 4, 90, 64), 0.4)
+    np.testing.assert_array_equal(np.asarray(xla_p) != 0, np.asarray(full)[1:2, 2:4, 8:24])
+    np.testing.assert_allclose(np.asarray(pallas_p), np.asarray(xla_p), rtol=2e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------- end to end, Pallas step
+
+
+E2E_CASES = [
+    Case(b=2, t=113, s=203, hq=6, hkv=2, d=40, causal=True, bias_shape=(1, 6, 113, 203)),
+    Case(b=1, t=70, s=37, hq=4, hkv=1, d=111, mask_shape=(1, 1, 70, 37), dtype="float16"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget_mib", ["0.0625", "4096"])
+@pytest.mark.parametrize("case", E2E_CASES, ids=lambda c: f"T{c.t}-S{c.s}-D{c.d}-{c.dtype}")
+def test_pallas_step_end_to_end(case, budget_mib, monkeypatch):
+    """The tier with its Pallas steps (interpreted), blocked and in one block: out, lse and
+    every gradient (a cotangent on both outputs) against float64."""
+    from test_backward import _cotangents, _reference_grads
+    monkeypatch.setenv(chunked_path.BUDGET_ENV, budget_mib)
+    q, k, v, bias, mask = make_inputs(case)
+
+    def f(q, k, v, bias):
+        return ffpa_jax.attention(q, k, v, bias, mask, is_causal=case.causal, return_lse=True,
+                                  implementation="chunked", interpret=True)
+    (out, lse), vjp = jax.vjp(f, q, k, v, bias)
+    ref_out, ref_lse = reference64(case, q, k, v, bias, mask)
+    xla_out, xla_lse = xla_same_precision(case, q, k, v, bias, mask)
+    assert_matches_reference("out", out, ref_out, xla_out, q.dtype)
+    assert_lse_matches(lse, ref_lse, xla_lse)
+    d_out, d_lse = _cotangents(case)
+    d_out = d_out.astype(q.dtype).astype(jnp.float32)
+    got = vjp((d_out.astype(q.dtype), d_lse))
+    ref = _reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=True)
+    xla = _reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=False)
+    for name, g, r, x in zip(["dq", "dk", "dv", "dbias"], got, ref, xla):
+        if r is not None:
+            assert_matches_reference(name, g, r, x, q.dtype, factor=3.0)
+
+
+# ---------------------------------------------------------------- choosing the tier
+
+
+def _plan_of(monkeypatch, q_shape, kv_shape, dtype=jnp.bfloat16, **kw):
+    """The Plan `attention(implementation=None)` makes on a (simulated) GPU."""
+    import ffpa_jax.api as api
+    from ffpa_jax import pallas_path
+    monkeypatch.setattr(api, "_default_backend_is_nvidia_gpu", lambda: True)
+    plans = []
+    real = pallas_path.make_plan
+
+    def recording(*args, **kwargs):
+        plans.append(real(*args, **kwargs))
+        return plans[-1]
+    monkeypatch.setattr(pallas_path, "make_plan", recording)
+    q, kv = sd(q_shape, dtype), sd(kv_shape, dtype)
+    jax.jit(lambda q, k, v: ffpa_jax.attention(q, k, v, **kw)).trace(q, kv, kv)
+    return plans[-1]
+
+
+@pytest.mark.parametrize("d,expected", [(64, ("pallas", "pallas")), (256, ("pallas", "chunked")),
+                                        (320, ("chunked", "chunked")),
+                                        (1024, ("chunked", "chunked"))])
+def test_built_in_rule_picks_a_tier_per_direction(d, expected, monkeypatch):
+    monkeypatch.setenv("FFPA_SKIP_PERSIST_TUNED_CONFIG", "1")
+    plan = _plan_of(monkeypatch, (1, 512, 4, d), (1, 512, 4, d))
+    assert (plan.forward_tier, plan.backward_tier) == expected
+    assert (plan.chunk is not None) == ("chunked" in expected)
+
+
+def test_decode_shapes_keep_the_decode_kernels(monkeypatch):
+    monkeypatch.setenv("FFPA_SKIP_PERSIST_TUNED_CONFIG", "1")
+    plan = _plan_of(monkeypatch, (2, 1, 8, 512), (2, 4096, 2, 512))
+    assert plan.forward_tier == "pallas" and plan.decode is not None
+
+
+def test_float32_keeps_the_fused_kernels_by_default(monkeypatch):
+    monkeypatch.setenv("FFPA_SKIP_PERSIST_TUNED_CONFIG", "1")
+    plan = _plan_of(monkeypatch, (1, 512, 4, 512), (1, 512, 4, 512), dtype=jnp.float32)
+    assert (plan.forward_tier, plan.backward_tier) == ("pallas", "pallas")
+
+
+def test_tuned_entries_name_the_tier(tmp_path, monkeypatch):
+    """A tuned file's entries carry a "tier" per direction; a file without the field, or
+    with an unknown tier, keeps the built-in rule."""
+    from tuning import lookup
+    name = "Test_GPU"
+    entries = []
+    for direction, kernel, tier in (("forward", "fwd_generic", "pallas"),
+                                    ("backward", "bwd_generic_dkdv", "chunked")):
+        entry = {"direction": direction, "kernel": kernel, "case_name": "common", "causal": False,
+                 "dtype": "bf16", "headdim": 512, "seqlen_q": 4096, "seqlen_k": 4096,
+                 "seqlen_q_bucket": 4096, "seqlen_k_bucket": 4096, "nheads_q": 32,
+                 "nheads_kv": 32, "has_attn_bias": False, "has_dropout": False, "tier": tier,
+                 "config": tuning.default_config(kernel, headdim=512)}
+        entries.append(entry)
+    header = {"schema_version": 1, "device_name": name, "device_name_sanitized": name,
+              "compute_capability": "9.0", "autotune_mode": "fast", "B": 1, "H": 32,
+              "entries": entries}
+    (tmp_path / f"{name}.json").write_text(json.dumps(header))
+    monkeypatch.setenv("FFPA_TUNED_CONFIG_DIR", str(tmp_path))
+    lookup.clear_cache()
+    try:
+        ask = dict(dtype="bf16", headdim=512, seqlen_q=4096, seqlen_k=4096, nheads_q=32,
+                   nheads_kv=32, device_name=name)
+        assert tuning.tier("forward", **ask) == "pallas"  # the built-in rule says chunked
+        assert tuning.tier("backward", **ask) == "chunked"
+        entries[1]["tier"] = "mosaic-someday"
+        del entries[0]["tier"]
+        (tmp_path / f"{name}.json").write_text(json.dumps(header))
+        lookup.clear_cache()
+        assert tuning.tier("forward", **ask) == "chunked"
+        assert tuning.tier("backward", **ask) == "chunked"
+        assert tuning.tier("backward", **dict(ask, headdim=128)) == "pallas"
+    finally:
+        lookup.clear_cache()
+
+
+def test_implementation_names_are_checked():
+    q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match="'chunked'"):
+        ffpa_jax.attention(q, q, q, implementation="blocked")
+
+
+# ---------------------------------------------------------------- lowering
+
+
+@pytest.mark.parametrize("keys", [1000, 4096, 16384])
+@pytest.mark.parametrize("extras", [(), ("bias",), ("bias", "mask", "seed")], ids=str)
+def test_step_kernels_lower_for_cuda(keys, extras):
+    args = [sd((2, 4, 96, keys), jnp.float32), sd((2,), jnp.int32)]
+    if "bias" in extras:
+        args.append(sd((1, 4, 500, 20000), jnp.float32))
+    if "mask" in extras:
+        args.append(sd((2, 1, 1, 20000), jnp.bool_))
+    if "seed" in extras:
+        args.append(sd((2,), jnp.uint32))
+    rate = 0.1 if "seed" in extras else 0.0
+
+    def f(logits, offsets, *rest):
+        rest = list(rest)
+        bias = rest.pop(0) if "bias" in extras else None
+        mask = rest.pop(0) if "mask" in extras else None
+        seed = rest.pop(0) if "seed" in extras else None
+        kw = dict(seq_q=500, seq_k=20000, scale=0.1, causal=True, dropout_rate=rate)
+        probs, lse = blocked.softmax_rows(logits, offsets, bias, mask, seed,
+                                          out_dtype=jnp.bfloat16, **kw)
+        grads = [blocked.softmax_grad(logits, probs, lse, lse, offsets, bias, mask, seed,
+                                      out_dtype=jnp.bfloat16, split=split,
+                                      with_ds32=bias is not None, own_delta=own, **kw)
+                 for split, own in ((False, False), (True, True))]
+        return probs, lse, grads
+
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 3
