@@ -5,18 +5,17 @@ from __future__ import annotations
 import jax
 
 import tuning
-from ffpa_jax import validation
+from ffpa_jax import runtime_autotune, validation, vjp
 from ffpa_jax.backend import default_backend_is_nvidia_gpu as _default_backend_is_nvidia_gpu
 from ffpa_jax.dropout import seed_from_key
-from ffpa_jax.pallas_path import pallas_attention, uses_decode
 from ffpa_jax.reference import mha_reference
 from pallas_kernels.dropout import keep_mask_reference
 
 
 def resolve_implementation(implementation: str | None, interpret: bool) -> str:
     """Which implementation runs: the explicit choice, else "auto" on an NVIDIA GPU (each
-    direction on the tier the tuned data or the built-in rule picks, `tiers`), the Pallas
-    kernels when interpreting, and XLA elsewhere."""
+    direction on the tier the tuned data or the built-in rule picks: `tuning.tiers`), the
+    Pallas kernels when interpreting, and XLA elsewhere."""
     if implementation in ("xla", "chunked"):
         return implementation
     if implementation == "pallas":
@@ -32,18 +31,16 @@ def resolve_implementation(implementation: str | None, interpret: bool) -> str:
     return "auto" if _default_backend_is_nvidia_gpu() else "xla"
 
 
-def tiers(problem: validation.Problem, impl: str, *, has_bias: bool) -> tuple[str, str]:
-    """(forward tier, backward tier) of a call resolved to `impl` ("pallas", "chunked" or
-    "auto"). The decode shapes' forward always runs the Pallas decode kernels."""
-    if impl != "auto":
-        return impl, impl
-    query = dict(dtype=tuning.dtype_name(problem.dtype),
-                 headdim=max(problem.head_dim, problem.head_dim_v), seqlen_q=problem.seq_q,
-                 seqlen_k=problem.seq_k, causal=problem.is_causal, has_attn_bias=has_bias,
-                 has_dropout=problem.dropout_rate > 0, nheads_q=problem.heads_q,
-                 nheads_kv=problem.heads_kv)
-    forward = "pallas" if uses_decode(problem) else tuning.tier("forward", **query)
-    return forward, tuning.tier("backward", **query)
+def plan_for(problem, implementation: str, *, interpret: bool, precise_lse: bool = False,
+             autotune: str | None = None):
+    """The `Plan` of a call resolved to `implementation` ("pallas", "chunked" or "auto")."""
+    step = "pallas" if interpret or _default_backend_is_nvidia_gpu() else "xla"
+    plan = tuning.make_plan(problem, interpret=interpret, precise_lse=precise_lse,
+                            tiers=tuning.tiers(problem, implementation), step=step,
+                            override=runtime_autotune.override(autotune, interpret))
+    if autotune is not None:
+        runtime_autotune.release_inputs()  # the benchmark's own inputs
+    return plan
 
 
 def attention(query: jax.Array, key: jax.Array, value: jax.Array,
@@ -84,14 +81,13 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
       out [B, T, Hq, Dv] in query's dtype, or (out, lse) when return_lse is True.
       A query row with no visible key gives out = 0 and lse = -inf.
     """
-    problem = validation.validate(
+    call = validation.validate(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng, return_lse=return_lse,
         implementation=implementation, interpret=interpret, autotune=autotune)
-    autotune = problem.autotune
+    problem, batched = call.problem, call.batched
     impl = resolve_implementation(implementation, interpret)
 
-    batched = problem.batched
     q, k, v = (x if batched else x[None] for x in (query, key, value))
     bias4 = validation.as_4d(bias, batched)
     mask4 = validation.as_4d(mask, batched)
@@ -102,16 +98,14 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
             shape = (q.shape[0], problem.heads_q, problem.seq_q, problem.seq_k)
             keep = keep_mask_reference(seed, shape, problem.dropout_rate)
         out, lse = mha_reference(q, k, v, bias4, mask4, scale=problem.scale,
-                                 is_causal=problem.is_causal, keep_mask=keep,
+                                 is_causal=problem.causal, keep_mask=keep,
                                  dropout_rate=problem.dropout_rate)
     else:
         # lse is computed either way (the backward needs it); its precise, slower
         # form only when the caller sees it.
-        step = "pallas" if interpret or _default_backend_is_nvidia_gpu() else "xla"
-        out, lse = pallas_attention(q, k, v, bias4, mask4, problem, interpret=interpret,
-                                    seed=seed, autotune=autotune, precise_lse=return_lse,
-                                    tiers=tiers(problem, impl, has_bias=bias4 is not None),
-                                    step=step)
+        plan = plan_for(problem, impl, interpret=interpret, precise_lse=return_lse,
+                        autotune=call.autotune)
+        out, lse = vjp.attention(q, k, v, bias4, mask4, plan, seed)
     if not batched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out

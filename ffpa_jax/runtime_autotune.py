@@ -12,7 +12,7 @@ Notes:
 - It runs while JAX traces the call (inside `jax.jit` too). It allocates its own
   random inputs of the call's shapes (the caller's values are tracers), so it
   needs about as much free device memory again as q, k, v and the output; they
-  are freed by `release_inputs()` (pallas_path calls it once a plan is made).
+  are freed by `release_inputs()` (api.plan_for calls it once a plan is made).
 - A masked call is benchmarked with an all-True mask of the same shape (every
   tile visited); dropout calls with the call's rate and a fixed seed.
 - Without a GPU (Pallas' interpreter, `interpret=True`, or a CPU backend) it
@@ -31,9 +31,9 @@ from typing import Any
 
 import jax
 
-import tuning
 from ffpa_jax.backend import default_backend_is_nvidia_gpu
 from ffpa_jax.validation import check_autotune
+from pallas_kernels.problem import Problem
 
 logger = logging.getLogger("ffpa_jax.tuning")
 
@@ -45,24 +45,6 @@ _warned: set[str] = set()
 _stats = {"tuned": 0}  # kernels measured (not served from the cache), for tests
 
 
-def _pad4(shape: tuple[int, ...] | None) -> tuple[int, int, int, int] | None:
-    if shape is None:
-        return None
-    return (1,) * (4 - len(shape)) + tuple(int(d) for d in shape)  # type: ignore[return-value]
-
-
-def _spec(problem, *, has_bias: bool):
-    from tuning.autotune_measure import ProblemSpec  # noqa: PLC0415 - imports the kernels
-
-    return ProblemSpec(
-        batch=problem.batch, seq_q=problem.seq_q, seq_k=problem.seq_k,
-        heads_q=problem.heads_q, heads_kv=problem.heads_kv, head_dim=problem.head_dim,
-        head_dim_v=problem.head_dim_v, dtype=tuning.dtype_name(problem.dtype),
-        causal=bool(problem.is_causal),
-        bias_shape=_pad4(problem.bias_shape) if has_bias else None,
-        mask_shape=_pad4(problem.mask_shape), dropout_rate=float(problem.dropout_rate))
-
-
 def _warn_once(key: str, message: str) -> None:
     with _lock:
         if key in _warned:
@@ -71,7 +53,7 @@ def _warn_once(key: str, message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def autotuned_config(kernel: str, problem, *, has_bias: bool, mode: str | None,
+def autotuned_config(kernel: str, problem: Problem, *, mode: str | None,
                      interpret: bool = False, measure_interpret: bool = False) -> dict | None:
     """The fastest correct config of `kernel` for `problem` on this GPU (FFPA keys), or None.
 
@@ -89,34 +71,43 @@ def autotuned_config(kernel: str, problem, *, has_bias: bool, mode: str | None,
         return None
     from tuning import autotune_measure  # noqa: PLC0415
 
-    spec = _spec(problem, has_bias=has_bias)
     device = str(getattr(jax.devices()[0], "device_kind", "?"))
-    key = (kernel, spec, mode, device, bool(interpret))
+    key = (kernel, problem, mode, device, bool(interpret))
     with _lock:
         if key in _cache:
             cached = _cache[key]
             return None if cached is None else dict(cached)
-        if autotune_measure.unsupported(kernel, spec) is not None:
+        if autotune_measure.unsupported(kernel, problem) is not None:
             _cache[key] = None
             return None
         # Concrete computation while the caller is being traced.
         with jax.ensure_compile_time_eval():
-            if _inputs.get("key") != spec:
+            if _inputs.get("key") != problem:
                 _inputs.clear()
-                _inputs.update(key=spec, value=autotune_measure.Inputs(spec,
-                                                                      interpret=interpret))
-            result = autotune_measure.tune(kernel, spec, mode=mode, interpret=interpret,
+                _inputs.update(key=problem, value=autotune_measure.Inputs(problem,
+                                                                         interpret=interpret))
+            result = autotune_measure.tune(kernel, problem, mode=mode, interpret=interpret,
                                            inputs=_inputs["value"])
         _stats["tuned"] += 1
         _cache[key] = result.best
     if result.best is None:
         _warn_once(f"none-{kernel}", f"ffpa_jax: autotune found no working config of {kernel} "
-                   f"for {spec} ({result.summary()}); using the tuned or built-in config.")
+                   f"for {problem} ({result.summary()}); using the tuned or built-in config.")
         return None
-    logger.info("autotune %s %s: %s, %.4f ms (default %s ms) [%s]", kernel, spec, result.best,
-                result.best_ms, "n/a" if result.default_ms is None else f"{result.default_ms:.4f}",
+    logger.info("autotune %s %s: %s, %.4f ms (default %s ms) [%s]", kernel, problem,
+                result.best, result.best_ms,
+                "n/a" if result.default_ms is None else f"{result.default_ms:.4f}",
                 result.summary())
     return dict(result.best)
+
+
+def override(mode: str | None, interpret: bool):
+    """The plan's config override for a call with `autotune=mode` (tuning.plan.Override), or
+    None when autotune is off."""
+    if mode is None:
+        return None
+    return lambda kernel, problem: autotuned_config(kernel, problem, mode=mode,
+                                                    interpret=interpret)
 
 
 def release_inputs() -> None:

@@ -1,19 +1,20 @@
 """Input checks for `ffpa_jax.attention`, run at trace time before any kernel.
 
 Every error names the argument, what it received and what was expected. The
-result is a `Problem`: the sizes and options every implementation needs, in one
-place, so the implementations never re-derive them.
+result is a `Call`: the `Problem` (pallas_kernels.problem, the one description of
+a problem every layer reads) and the call's own options.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.problem import Problem
 
 MAX_HEAD_DIM = 1024
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -21,29 +22,13 @@ IMPLEMENTATIONS = (None, "pallas", "chunked", "xla")
 AUTOTUNE_MODES = (None, "fast", "max")
 
 
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    """One attention call, normalised: q [B,T,Hq,D], k [B,S,Hkv,D], v [B,S,Hkv,Dv]."""
+class Call(NamedTuple):
+    """A checked call: its problem (batched, bias/mask shapes 4-D), whether the caller's
+    arrays had a batch dim, and the runtime autotune mode (None, "fast" or "max")."""
 
+    problem: Problem
     batched: bool
-    batch: int
-    seq_q: int
-    seq_k: int
-    heads_q: int
-    heads_kv: int
-    head_dim: int
-    head_dim_v: int
-    dtype: jnp.dtype
-    scale: float
-    is_causal: bool
-    dropout_rate: float
-    bias_shape: tuple[int, ...] | None  # as the caller passed it
-    mask_shape: tuple[int, ...] | None
-    autotune: str | None = None  # None (off), "fast" or "max"
-
-    @property
-    def group(self) -> int:
-        return self.heads_q // self.heads_kv
+    autotune: str | None
 
 
 def _shape_str(x) -> str:
@@ -131,8 +116,8 @@ def _check_prng_key(rng: Any) -> None:
 
 
 def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, dropout_rng,
-             return_lse, implementation, interpret, autotune=None) -> Problem:
-    """Check every argument of `attention`; return the normalised `Problem`."""
+             return_lse, implementation, interpret, autotune=None) -> Call:
+    """Check every argument of `attention`; return the checked `Call`."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         _require_array(name, x)
     if query.ndim not in (3, 4):
@@ -212,14 +197,11 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, d
     rate = _check_dropout(dropout_rate, dropout_rng)
     autotune_mode = check_autotune(autotune)
 
-    return Problem(
-        batched=batched, batch=b, seq_q=t, seq_k=s, heads_q=hq, heads_kv=hkv, head_dim=d,
-        head_dim_v=dv, dtype=dtype, scale=scale_value, is_causal=bool(is_causal),
-        dropout_rate=rate,
-        bias_shape=None if bias is None else tuple(bias.shape),
-        mask_shape=None if mask is None else tuple(mask.shape),
-        autotune=autotune_mode,
-    )
+    shape4 = lambda x: None if x is None else (1,) * (4 - x.ndim) + tuple(x.shape)
+    problem = Problem(batch=b, seq_q=t, seq_k=s, heads_q=hq, heads_kv=hkv, head_dim=d,
+                      head_dim_v=dv, dtype=dtype, scale=scale_value, causal=bool(is_causal),
+                      dropout_rate=rate, bias_shape=shape4(bias), mask_shape=shape4(mask))
+    return Call(problem=problem, batched=batched, autotune=autotune_mode)
 
 
 def as_4d(x, batched: bool):

@@ -43,20 +43,21 @@ def test_default_implementation_on_cpu_is_xla():
 
 
 def test_interpret_without_implementation_runs_pallas(monkeypatch):
-    """interpret=True alone selects the Pallas kernels (in the interpreter)."""
+    """interpret=True alone selects the Pallas kernels (in the interpreter), both ways."""
     import ffpa_jax.api as api
 
-    calls = []
-    real = api.pallas_attention
+    plans = []
+    real = api.plan_for
 
     def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return real(*args, **kwargs)
+        plans.append(real(*args, **kwargs))
+        return plans[-1]
 
-    monkeypatch.setattr(api, "pallas_attention", spy)
+    monkeypatch.setattr(api, "plan_for", spy)
     q, k, v, _, _ = make_inputs(Case(t=8, s=8, d=16))
     ffpa_jax.attention(q, k, v, interpret=True)
-    assert calls and calls[0]["interpret"] is True
+    assert plans and plans[0].interpret is True
+    assert (plans[0].forward_tier, plans[0].backward_tier) == ("pallas", "pallas")
 
 
 def test_jit_and_scale(kernel_mode):

@@ -72,19 +72,17 @@ def test_smoke_autotune_two_gpus(tmp_path):
 
 def test_runtime_autotune_on_gpu():
     from ffpa_jax import runtime_autotune as rt
-    from ffpa_jax.validation import Problem
     from pallas_kernels import FwdConfig, fwd_generic
+    from pallas_kernels.problem import Problem
 
     rt.clear_cache()
-    problem = Problem(batched=True, batch=2, seq_q=1000, seq_k=1000, heads_q=8, heads_kv=2,
-                      head_dim=192, head_dim_v=192, dtype=jnp.dtype(jnp.bfloat16),
-                      scale=192 ** -0.5, is_causal=True, dropout_rate=0.0, bias_shape=None,
-                      mask_shape=None)
+    problem = Problem(batch=2, seq_q=1000, seq_k=1000, heads_q=8, heads_kv=2, head_dim=192,
+                      head_dim_v=192, dtype=jnp.bfloat16, scale=192 ** -0.5, causal=True)
     cfg = {}
 
     @jax.jit
     def traced(q, k, v):
-        cfg["fwd"] = rt.autotuned_config("fwd_generic", problem, has_bias=False, mode="fast")
+        cfg["fwd"] = rt.autotuned_config("fwd_generic", problem, mode="fast")
         return fwd_generic(q, k, v, scale=problem.scale, causal=True,
                            config=FwdConfig.from_tuned(cfg["fwd"]))[0]
 
@@ -98,6 +96,6 @@ def test_runtime_autotune_on_gpu():
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
     assert cfg["fwd"] is not None and err < 3e-2 * float(jnp.max(jnp.abs(ref)))
     tuned = rt._stats["tuned"]
-    assert rt.autotuned_config("fwd_generic", problem, has_bias=False, mode="fast") == cfg["fwd"]
+    assert rt.autotuned_config("fwd_generic", problem, mode="fast") == cfg["fwd"]
     assert rt._stats["tuned"] == tuned  # cached
     rt.release_inputs()

@@ -19,7 +19,13 @@ from tuning.autotune_sched import ResultStore
 from tuning.autotune_tasks import Task
 from tuning.defaults import default_config
 from tuning.lookup import clear_cache, lookup_config
+from pallas_kernels.problem import Problem
 from tuning.registry import config_problem
+
+
+def spec_of(**fields) -> Problem:
+    """A bf16 problem with the autotuner's scale (1/sqrt(D))."""
+    return Problem(dtype="bfloat16", scale=fields["head_dim"] ** -0.5, **fields)
 from tuning.schema import load_config_file
 
 TUNED_KERNELS = ("fwd_generic", "bwd_preproc", "bwd_generic_dq", "bwd_generic_dkdv", "bwd_dbias")
@@ -60,7 +66,8 @@ def test_unknown_mode_or_kernel():
 
 
 def test_unsupported_kernels_and_dropout_are_reported():
-    spec = am.ProblemSpec(1, 1, 512, 2, 2, 64, 64, "bf16")
+    spec = spec_of(batch=1, seq_q=1, seq_k=512, heads_q=2, heads_kv=2, head_dim=64,
+                   head_dim_v=64)
     assert am.unsupported("fwd_generic", spec) is None
     assert "no autotune runner" in am.unsupported("no_such_kernel", spec)
     assert "needs a bias" in am.unsupported("bwd_dbias", spec)
@@ -116,8 +123,8 @@ def fwd_cfg(warps: int, **kw) -> dict:
 
 
 def test_forward_filter_discards_compile_failures_and_wrong_results(tmp_path):
-    spec = am.ProblemSpec(batch=1, seq_q=40, seq_k=48, heads_q=2, heads_kv=1, head_dim=16,
-                          head_dim_v=16, dtype="bf16", causal=True, bias_shape=(1, 1, 1, 48))
+    spec = spec_of(batch=1, seq_q=40, seq_k=48, heads_q=2, heads_kv=1, head_dim=16,
+                          head_dim_v=16, causal=True, bias_shape=(1, 1, 1, 48))
     unsampled = 5
     assert unsampled not in am._sample_indices(spec.seq_q)
     runner = perturbing_runner("fwd_generic", bad_everywhere_warps=2, bad_row_warps=8,
@@ -161,8 +168,8 @@ def test_forward_filter_discards_compile_failures_and_wrong_results(tmp_path):
 
 
 def test_backward_filter_discards_wrong_dkdv_and_nothing_passing_gives_none():
-    spec = am.ProblemSpec(batch=1, seq_q=32, seq_k=40, heads_q=2, heads_kv=2, head_dim=16,
-                          head_dim_v=16, dtype="bf16")
+    spec = spec_of(batch=1, seq_q=32, seq_k=40, heads_q=2, heads_kv=2, head_dim=16,
+                          head_dim_v=16)
     runner = perturbing_runner("bwd_generic_dkdv", bad_everywhere_warps=2, bad_row_warps=-1,
                                row=0)
     good = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_HEADDIM=16, BLOCK_HEADDIM_QK=16, num_warps=4,
@@ -179,8 +186,8 @@ def test_backward_filter_discards_wrong_dkdv_and_nothing_passing_gives_none():
 
 
 def test_decode_runners_check_both_stages_against_the_reference():
-    spec = am.ProblemSpec(batch=1, seq_q=1, seq_k=64, heads_q=2, heads_kv=1, head_dim=16,
-                          head_dim_v=16, dtype="bf16", causal=True)
+    spec = spec_of(batch=1, seq_q=1, seq_k=64, heads_q=2, heads_kv=1, head_dim=16,
+                          head_dim_v=16, causal=True)
     if am.unsupported("decode_fwd_stage1", spec):
         pytest.skip(am.unsupported("decode_fwd_stage1", spec))
     inputs = am.Inputs(spec, interpret=True)

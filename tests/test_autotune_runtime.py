@@ -10,14 +10,14 @@ import jax.numpy as jnp
 import pytest
 
 from ffpa_jax import runtime_autotune as rt
-from ffpa_jax.validation import Problem
-from tuning import autotune_measure, search_space
+from pallas_kernels.problem import Problem
+from tuning import search_space
 
 
 def problem(**kw) -> Problem:
-    fields = dict(batched=True, batch=1, seq_q=24, seq_k=40, heads_q=2, heads_kv=1,
-                  head_dim=16, head_dim_v=16, dtype=jnp.dtype(jnp.bfloat16), scale=0.25,
-                  is_causal=True, dropout_rate=0.0, bias_shape=(40,), mask_shape=None)
+    fields = dict(batch=1, seq_q=24, seq_k=40, heads_q=2, heads_kv=1, head_dim=16,
+                  head_dim_v=16, dtype=jnp.bfloat16, scale=0.25, causal=True,
+                  bias_shape=(1, 1, 1, 40))
     fields.update(kw)
     return Problem(**fields)
 
@@ -30,9 +30,9 @@ def fresh():
 
 
 def test_off_by_default_and_bad_modes_refused():
-    assert rt.autotuned_config("fwd_generic", problem(), has_bias=True, mode=None) is None
+    assert rt.autotuned_config("fwd_generic", problem(), mode=None) is None
     with pytest.raises(ValueError, match="autotune must be None, 'fast' or 'max'"):
-        rt.autotuned_config("fwd_generic", problem(), has_bias=True, mode="fastest")
+        rt.autotuned_config("fwd_generic", problem(), mode="fastest")
 
 
 @pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="CPU behaviour")
@@ -40,10 +40,9 @@ def test_without_gpu_falls_back_with_one_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
-            assert rt.autotuned_config("fwd_generic", problem(), has_bias=True, mode="fast",
+            assert rt.autotuned_config("fwd_generic", problem(), mode="fast",
                                        interpret=True) is None
-            assert rt.autotuned_config("bwd_generic_dq", problem(), has_bias=True,
-                                       mode="max") is None
+            assert rt.autotuned_config("bwd_generic_dq", problem(), mode="max") is None
     messages = [str(w.message) for w in caught]
     assert len(messages) == 1 and "autotune needs an NVIDIA GPU" in messages[0]
 
@@ -56,7 +55,7 @@ def test_measures_while_traced_and_caches_the_winner(monkeypatch):
 
     @jax.jit
     def traced(x):
-        seen["cfg"] = rt.autotuned_config("fwd_generic", problem(), has_bias=True, mode="fast",
+        seen["cfg"] = rt.autotuned_config("fwd_generic", problem(), mode="fast",
                                           interpret=True, measure_interpret=True)
         return x + 1
 
@@ -65,18 +64,19 @@ def test_measures_while_traced_and_caches_the_winner(monkeypatch):
     assert first in full("fwd_generic", headdim=16)[:2]
     assert rt._stats["tuned"] == 1
     # Same shape again (a new trace): served from the cache, nothing measured.
-    again = rt.autotuned_config("fwd_generic", problem(), has_bias=True, mode="fast",
+    again = rt.autotuned_config("fwd_generic", problem(), mode="fast",
                                 interpret=True, measure_interpret=True)
     assert again == first and rt._stats["tuned"] == 1
     # A kernel that cannot run this problem (no bias -> no bias gradient) is not measured.
-    assert rt.autotuned_config("bwd_dbias", problem(bias_shape=None), has_bias=False,
-                               mode="fast", interpret=True, measure_interpret=True) is None
+    assert rt.autotuned_config("bwd_dbias", problem(bias_shape=None), mode="fast", interpret=True, measure_interpret=True) is None
     assert rt._stats["tuned"] == 1
     rt.release_inputs()
     assert rt._inputs == {}
 
 
-def test_spec_pads_bias_and_mask_shapes():
-    spec = rt._spec(problem(bias_shape=(24, 40), mask_shape=(2, 1, 40)), has_bias=True)
-    assert spec.bias_shape == (1, 1, 24, 40) and spec.mask_shape == (1, 2, 1, 40)
-    assert isinstance(spec, autotune_measure.ProblemSpec) and spec.dtype == "bf16"
+def test_override_is_off_without_a_mode():
+    assert rt.override(None, interpret=False) is None
+    hook = rt.override("fast", interpret=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert hook("fwd_generic", problem()) is None  # no GPU here: the tuned/default config

@@ -16,19 +16,18 @@ import ffpa_jax
 import tuning
 from attn_testing import Case, assert_lse_matches, assert_matches_reference, make_inputs
 from attn_testing import reference64, xla_same_precision
-from ffpa_jax import chunked_path
-from ffpa_jax.chunked_path import _Block, _groups, block_sizes, bytes_per_element
-from ffpa_jax.validation import Problem
 from pallas_kernels import blocked
+from pallas_kernels import chunked as chunked_tier
+from pallas_kernels.chunked import _Block, _groups, block_sizes, bytes_per_element
+from pallas_kernels.problem import Problem
 from pallas_kernels.dropout import keep_mask_reference
 
 sd = jax.ShapeDtypeStruct
 
 
 def _problem(b=1, t=4096, s=4096, hq=32, hkv=32, d=512, dtype=jnp.bfloat16, causal=False):
-    return Problem(batched=True, batch=b, seq_q=t, seq_k=s, heads_q=hq, heads_kv=hkv,
-                   head_dim=d, head_dim_v=d, dtype=jnp.dtype(dtype), scale=d ** -0.5,
-                   is_causal=causal, dropout_rate=0.0, bias_shape=None, mask_shape=None)
+    return Problem(batch=b, seq_q=t, seq_k=s, heads_q=hq, heads_kv=hkv, head_dim=d,
+                   head_dim_v=d, dtype=dtype, scale=d ** -0.5, causal=causal)
 
 
 PROBLEMS = [_problem(), _problem(t=16384, s=16384), _problem(t=32768, s=32768, hq=8, hkv=8),
@@ -59,7 +58,7 @@ def test_blocks_fit_the_budget(problem, direction, budget):
 @pytest.mark.parametrize("block_q", [1, 16, 100, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_groups_cover_every_row_that_sees_a_key(t, s, block_q, causal):
-    plan = chunked_path.ChunkPlan(scale=1.0, causal=causal, dropout_rate=0.0,
+    plan = chunked_tier.ChunkPlan(scale=1.0, causal=causal, dropout_rate=0.0,
                                   block_q=block_q, block_k=64)
     groups = _groups(plan, t, s)
     covered = np.zeros(t, int)
@@ -76,7 +75,7 @@ def test_groups_cover_every_row_that_sees_a_key(t, s, block_q, causal):
     first_seeing = int(np.argmax(sees_a_key)) if sees_a_key.any() else t
     assert not covered[:max(0, first_seeing - block_q)].any(), "a block of keyless rows ran"
     if causal:
-        assert len(groups) <= 2 * chunked_path.MAX_CAUSAL_GROUPS
+        assert len(groups) <= 2 * chunked_tier.MAX_CAUSAL_GROUPS
 
 
 @pytest.mark.slow
@@ -98,16 +97,16 @@ def test_workspace_stays_under_the_budget_at_16k():
     for fn, args, arrays in ((attn, (arg,) * 3, 4), (fwd_bwd, (arg,) * 4, 5)):
         memory = jax.jit(fn).trace(*args).lower().compile().memory_analysis()
         temp = memory.temp_size_in_bytes
-        assert temp <= chunked_path.DEFAULT_BUDGET_BYTES + 2 * arrays * f32_bytes, temp / 2**30
+        assert temp <= chunked_tier.DEFAULT_BUDGET_BYTES + 2 * arrays * f32_bytes, temp / 2**30
         assert temp < dense_logits / 2
 
 
 def test_budget_comes_from_the_environment(monkeypatch):
-    monkeypatch.setenv(chunked_path.BUDGET_ENV, "256")
-    assert chunked_path.budget_from_env() == 256 << 20
+    monkeypatch.setenv(chunked_tier.BUDGET_ENV, "256")
+    assert chunked_tier.budget_from_env() == 256 << 20
     for bad in ("", "lots", "-3", "0", "nan"):
-        monkeypatch.setenv(chunked_path.BUDGET_ENV, bad)
-        assert chunked_path.budget_from_env() == chunked_path.DEFAULT_BUDGET_BYTES
+        monkeypatch.setenv(chunked_tier.BUDGET_ENV, bad)
+        assert chunked_tier.budget_from_env() == chunked_tier.DEFAULT_BUDGET_BYTES
 
 
 # ---------------------------------------------------------------- the Pallas steps
@@ -127,7 +126,7 @@ def _step_inputs(case, seed=0):
     bias = None if bias_shape is None else jax.random.normal(kb, bias_shape, jnp.float32)
     mask = None if mask_shape is None else jax.random.bernoulli(km, 0.7, mask_shape)
     seed_words = jnp.asarray([7, 11], jnp.uint32) if rate else None
-    plan = chunked_path.ChunkPlan(scale=0.3, causal=causal, dropout_rate=rate, block_q=rows,
+    plan = chunked_tier.ChunkPlan(scale=0.3, causal=causal, dropout_rate=rate, block_q=rows,
                                   block_k=keys)
     blk = _Block(offsets[0], rows, offsets[1], keys)
     return logits, bias, mask, seed_words, plan, blk, kd, kx
@@ -140,7 +139,7 @@ def test_softmax_rows_matches_its_xla_twin(case):
         logits, blk.offsets(), bias, mask, seed, seq_q=90, seq_k=200, scale=plan.scale,
         causal=plan.causal, dropout_rate=plan.dropout_rate, out_dtype=jnp.float32,
         interpret=True)
-    ref_p, ref_lse = chunked_path._softmax_xla(plan, logits, bias, mask, seed, blk, seq_q=90,
+    ref_p, ref_lse = chunked_tier._softmax_xla(plan, logits, bias, mask, seed, blk, seq_q=90,
                                                seq_k=200, p_dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(probs), np.asarray(ref_p), rtol=2e-6, atol=1e-7)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6, atol=1e-6)
@@ -152,7 +151,7 @@ def test_softmax_rows_matches_its_xla_twin(case):
 @pytest.mark.parametrize("split", [False, True])
 def test_softmax_grad_matches_its_xla_twin(case, own_delta, split):
     logits, bias, mask, seed, plan, blk, kd, kx = _step_inputs(case)
-    _, lse = chunked_path._softmax_xla(plan, logits, bias, mask, seed, blk, seq_q=90,
+    _, lse = chunked_tier._softmax_xla(plan, logits, bias, mask, seed, blk, seq_q=90,
                                        seq_k=200, p_dtype=jnp.float32)
     dp = jax.random.normal(kd, logits.shape, jnp.float32).astype(jnp.bfloat16)
     delta = jax.random.normal(kx, lse.shape, jnp.float32)
@@ -161,7 +160,7 @@ def test_softmax_grad_matches_its_xla_twin(case, own_delta, split):
         scale=plan.scale, causal=plan.causal, dropout_rate=plan.dropout_rate,
         out_dtype=jnp.bfloat16, split=split, with_ds32=True, own_delta=own_delta,
         interpret=True)
-    dropped, parts, ds32 = chunked_path._softmax_grad_xla(
+    dropped, parts, ds32 = chunked_tier._softmax_grad_xla(
         plan, logits, dp, lse, delta, bias, mask, seed, blk, seq_q=90, seq_k=200,
         out_dtype=jnp.bfloat16, split=split, own_delta=own_delta)
     want = (dropped, *parts, ds32)
@@ -179,7 +178,7 @@ def test_step_seed_with_shard_offsets_draws_the_global_mask():
     case = (1, 2, 16, 64, (8, 0), False, None, None, 0.4)
     logits, _, _, _, plan, blk, _, _ = _step_inputs(case)
     seed4 = jnp.asarray([7, 11, 1, 2], jnp.uint32)
-    xla_p, _ = chunked_path._softmax_xla(plan, logits, None, None, seed4, blk, seq_q=90,
+    xla_p, _ = chunked_tier._softmax_xla(plan, logits, None, None, seed4, blk, seq_q=90,
                                          seq_k=200, p_dtype=jnp.float32)
     pallas_p, _ = blocked.softmax_rows(logits, blk.offsets(), None, None, seed4, seq_q=90,
                                        seq_k=200, scale=plan.scale, causal=False,
@@ -206,7 +205,7 @@ def test_pallas_step_end_to_end(case, budget_mib, monkeypatch):
     """The tier with its Pallas steps (interpreted), blocked and in one block: out, lse and
     every gradient (a cotangent on both outputs) against float64."""
     from test_backward import _cotangents, _reference_grads
-    monkeypatch.setenv(chunked_path.BUDGET_ENV, budget_mib)
+    monkeypatch.setenv(chunked_tier.BUDGET_ENV, budget_mib)
     q, k, v, bias, mask = make_inputs(case)
 
     def f(q, k, v, bias):
@@ -233,15 +232,14 @@ def test_pallas_step_end_to_end(case, budget_mib, monkeypatch):
 def _plan_of(monkeypatch, q_shape, kv_shape, dtype=jnp.bfloat16, **kw):
     """The Plan `attention(implementation=None)` makes on a (simulated) GPU."""
     import ffpa_jax.api as api
-    from ffpa_jax import pallas_path
     monkeypatch.setattr(api, "_default_backend_is_nvidia_gpu", lambda: True)
     plans = []
-    real = pallas_path.make_plan
+    real = api.plan_for
 
     def recording(*args, **kwargs):
         plans.append(real(*args, **kwargs))
         return plans[-1]
-    monkeypatch.setattr(pallas_path, "make_plan", recording)
+    monkeypatch.setattr(api, "plan_for", recording)
     q, kv = sd(q_shape, dtype), sd(kv_shape, dtype)
     jax.jit(lambda q, k, v: ffpa_jax.attention(q, k, v, **kw)).trace(q, kv, kv)
     return plans[-1]
@@ -290,17 +288,16 @@ def test_tuned_entries_name_the_tier(tmp_path, monkeypatch):
     monkeypatch.setenv("FFPA_TUNED_CONFIG_DIR", str(tmp_path))
     lookup.clear_cache()
     try:
-        ask = dict(dtype="bf16", headdim=512, seqlen_q=4096, seqlen_k=4096, nheads_q=32,
-                   nheads_kv=32, device_name=name)
-        assert tuning.tier("forward", **ask) == "pallas"  # the built-in rule says chunked
-        assert tuning.tier("backward", **ask) == "chunked"
+        ask = _problem()
+        assert tuning.tier("forward", ask, device_name=name) == "pallas"  # rule: chunked
+        assert tuning.tier("backward", ask, device_name=name) == "chunked"
         entries[1]["tier"] = "mosaic-someday"
         del entries[0]["tier"]
         (tmp_path / f"{name}.json").write_text(json.dumps(header))
         lookup.clear_cache()
-        assert tuning.tier("forward", **ask) == "chunked"
-        assert tuning.tier("backward", **ask) == "chunked"
-        assert tuning.tier("backward", **dict(ask, headdim=128)) == "pallas"
+        assert tuning.tier("forward", ask, device_name=name) == "chunked"
+        assert tuning.tier("backward", ask, device_name=name) == "chunked"
+        assert tuning.tier("backward", _problem(d=128), device_name=name) == "pallas"
     finally:
         lookup.clear_cache()
 

@@ -21,7 +21,7 @@ import pytest
 import ffpa_jax
 import tuning
 from ffpa_jax import validation
-from ffpa_jax.pallas_path import fwd_config
+from tuning.plan import fwd_config
 from pallas_kernels import FwdConfig
 from test_numerics import compare_all, random_inputs, run_reference
 from tuning import lookup as lookup_mod
@@ -149,7 +149,7 @@ def _problem():
     kv = jax.ShapeDtypeStruct((B, S, HKV, D), jnp.bfloat16)
     return validation.validate(q, kv, kv, None, None, scale=None, is_causal=False,
                                dropout_rate=0.0, dropout_rng=None, return_lse=False,
-                               implementation="pallas", interpret=True)
+                               implementation="pallas", interpret=True).problem
 
 
 def _launch(kernel, direction):
@@ -181,7 +181,7 @@ def test_positive_control_valid_file_is_used(fake_device, caplog):
     """Without this, the negative cases below could pass for the wrong reason."""
     (fake_device / FILE_NAME).write_text(_document([_entry()]))
     assert _launch("fwd_generic", "forward") == TUNED_FWD
-    assert fwd_config(_problem(), has_bias=False) == FwdConfig.from_tuned(TUNED_FWD)
+    assert fwd_config(_problem()) == FwdConfig.from_tuned(TUNED_FWD)
     assert "tuned config hit" in caplog.text and FILE_NAME in caplog.text
     lookup_mod.clear_cache()  # log each lookup again
     caplog.clear()

@@ -16,7 +16,7 @@ import ffpa_jax
 from attn_testing import (Case, assert_lse_matches, assert_matches_reference, make_inputs,
                           reference64, scale_of, xla_same_precision)
 from conftest import interpret_flag
-from ffpa_jax.pallas_path import uses_decode
+from tuning import uses_decode
 from ffpa_jax.reference import mha_reference
 from ffpa_jax.validation import as_4d
 from pallas_kernels import (DecodeConfig, FwdConfig, decode_attention, decode_num_splits,
@@ -142,7 +142,8 @@ def test_api_picks_decode_for_short_queries(t, s, expected):
     assert ("fwd_generic" in text) == (not expected)
     from ffpa_jax.validation import validate
     problem = validate(q, kv, kv, None, None, scale=None, is_causal=False, dropout_rate=0.0,
-                       dropout_rng=None, return_lse=False, implementation=None, interpret=True)
+                       dropout_rng=None, return_lse=False, implementation=None,
+                       interpret=True).problem
     assert uses_decode(problem) == expected
 
 

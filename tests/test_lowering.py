@@ -92,15 +92,15 @@ def test_fwd_variants(variant):
 
 def test_fwd_default_configs_lower_for_every_head_dim():
     """The configs the public API would pick (tuning defaults) lower at each size class."""
-    from ffpa_jax.pallas_path import fwd_config
+    from tuning.plan import fwd_config
     from ffpa_jax.validation import validate
 
     for d in (16, 64, 128, 256, 320, 512, 768, 1024):
         q = jnp.zeros((1, 128, 2, d), jnp.bfloat16)  # shape carriers only, never computed
         problem = validate(q, q, q, None, None, scale=None, is_causal=False, dropout_rate=0.0,
                            dropout_rng=None, return_lse=False, implementation=None,
-                           interpret=False)
-        lower_fwd(d=d, dv=d, t=128, s=128, config=fwd_config(problem, has_bias=False))
+                           interpret=False).problem
+        lower_fwd(d=d, dv=d, t=128, s=128, config=fwd_config(problem))
 
 
 def lower_bwd(*, d, dv, causal=False, bias_shape=None, mask=False, hq=4, hkv=2, t=300, s=257,
@@ -167,15 +167,17 @@ def test_bwd_variants(variant):
 
 
 def test_bwd_default_configs_lower_for_every_head_dim():
-    from ffpa_jax.pallas_path import make_plan
+    import dataclasses
+
     from ffpa_jax.validation import validate
+    from tuning import make_plan
 
     for d in (16, 64, 128, 256, 320, 512, 768, 1024):
         q = jnp.zeros((1, 128, 2, d), jnp.bfloat16)  # shape carriers only, never computed
         problem = validate(q, q, q, None, None, scale=None, is_causal=False, dropout_rate=0.0,
                            dropout_rng=None, return_lse=False, implementation=None,
-                           interpret=False)
-        plan = make_plan(problem, has_bias=True, interpret=False)
+                           interpret=False).problem
+        plan = make_plan(dataclasses.replace(problem, bias_shape=(1, 2, 128, 128)))
         for config in (plan.dq, plan.dkdv, plan.dbias):
             lower_bwd(d=d, dv=d, t=128, s=128, bias_shape=(1, 2, 128, 128), config=config)
 

@@ -73,7 +73,9 @@ def run_checks(interpret: bool) -> dict:
     from jax.sharding import PartitionSpec as P
 
     import ffpa_jax
-    from ffpa_jax import pallas_path, validation
+    import tuning
+    from ffpa_jax import validation
+    from pallas_kernels import tiers
 
     devices = jax.devices()
     n = len(devices)
@@ -126,9 +128,9 @@ def run_checks(interpret: bool) -> dict:
     # Control: the bare kernels, not wrapped, gather under the same batch sharding.
     problem = validation.validate(q, k, v, bias, mask, scale=None, is_causal=True,
                                   dropout_rate=0.0, dropout_rng=None, return_lse=False,
-                                  **pallas)
-    plan = pallas_path.make_plan(problem, has_bias=True, interpret=interpret)
-    bare = lambda q, k, v, bias: pallas_path.forward_kernels(plan, q, k, v, bias, mask, None)
+                                  **pallas).problem
+    plan = tuning.make_plan(problem, interpret=interpret)
+    bare = lambda q, k, v, bias: tiers.forward(plan, q, k, v, bias, mask, None)
     compiled, _ = sharded_run(bare, line, P("x"), q, k, v, bias)
     report["control/bare_kernels"] = dict(collectives=_collectives(compiled))
 

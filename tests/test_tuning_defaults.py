@@ -85,13 +85,13 @@ def test_launch_config_falls_back_to_defaults(tuned_dir, monkeypatch):
 
 def test_tuned_entry_reaches_the_kernel_config(tuned_dir, monkeypatch):
     """The public path asks `tuning` for the current device's configs at trace time."""
-    from ffpa_jax.pallas_path import make_plan
     from ffpa_jax.validation import validate
+    from tuning import make_plan
 
     monkeypatch.setattr(lookup_mod, "current_device", lambda: ("Tuned GPU", "9.0"))
     q = jnp.zeros((1, 100, 2, 64), jnp.bfloat16)  # a shape carrier
     problem = validate(q, q, q, None, None, scale=None, is_causal=False, dropout_rate=0.0,
                        dropout_rng=None, return_lse=False, implementation="xla",
-                       interpret=False)
-    plan = make_plan(problem, has_bias=False, interpret=True)
+                       interpret=False).problem
+    plan = make_plan(problem, interpret=True)
     assert (plan.fwd.block_m, plan.fwd.block_n, plan.fwd.num_warps) == (32, 16, 2)

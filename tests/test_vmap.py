@@ -16,7 +16,9 @@ import numpy as np
 from conftest import interpret_flag
 
 import ffpa_jax
-from ffpa_jax import pallas_path, partitioning, validation
+import tuning
+from ffpa_jax import partitioning, validation
+from pallas_kernels import tiers
 
 N = 3  # the vmapped axis
 
@@ -101,19 +103,19 @@ def test_vmap_dropout_shared_key_and_per_element_keys(kernel_mode):
 
 
 def test_vmap_of_the_partitioning_wrapper_directly(kernel_mode):
-    """The shard-local wrapper around forward_kernels, vmapped, equals the plain kernels
-    looped (independent of whether pallas_path already routes through it)."""
+    """The shard-local wrapper around a plan's forward, vmapped, equals the plain kernels
+    looped (independent of whether ffpa_jax.vjp already routes through it)."""
     q, k, v, bias, mask = inputs(3)
     problem = validation.validate(q[0], k[0], v[0], bias[0], mask, scale=None, is_causal=False,
                                   dropout_rate=0.0, dropout_rng=None, return_lse=False,
-                                  implementation="pallas", interpret=interpret_flag(kernel_mode))
-    plan = pallas_path.make_plan(problem, has_bias=True, interpret=interpret_flag(kernel_mode))
-    wrapped = partitioning.ShardLocal(pallas_path.forward_kernels, "forward",
-                                      row_outputs=pallas_path.forward_row_outputs)
+                                  implementation="pallas",
+                                  interpret=interpret_flag(kernel_mode)).problem
+    plan = tuning.make_plan(problem, interpret=interpret_flag(kernel_mode))
+    wrapped = partitioning.ShardLocal(tiers.forward, "forward", row_outputs=tiers.row_outputs)
     # float32 inputs: the forward returns lse with its rounding error, (out, lse, lo).
     outputs = jax.vmap(lambda q, k, v, b: wrapped(plan, q, k, v, b, mask, None))(q, k, v, bias)
     assert len(outputs) == 3
     for i in range(N):
-        expected = pallas_path.forward_kernels(plan, q[i], k[i], v[i], bias[i], mask, None)
+        expected = tiers.forward(plan, q[i], k[i], v[i], bias[i], mask, None)
         for got, want in zip(outputs, expected, strict=True):
             assert_same(got[i], want, exact=True)

@@ -9,10 +9,15 @@ from tuning.device import current_device, multiprocessor_count, sanitize_device_
 from tuning.lookup import dtype_name, lookup_config
 from tuning.registry import KERNELS, config_problem
 from tuning.schema import load_config_file, write_config_file
-from tuning.select import launch_config, tier
+from tuning.plan import make_plan, tiers, uses_decode
+from tuning.select import config_for, launch_config, tier
 
 __all__ = [
     "KERNELS",
+    "config_for",
+    "make_plan",
+    "tiers",
+    "uses_decode",
     "config_problem",
     "current_device",
     "default_config",

@@ -45,43 +45,12 @@ import numpy as np
 import pallas_kernels
 from pallas_kernels import BwdConfig, FwdConfig
 from pallas_kernels.common import capped_for_rounding
+from pallas_kernels.problem import DTYPES, Problem
 from tuning import search_space
 from tuning.autotune_tasks import DROPOUT_RATE
 
-JNP_DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 _SEED = (0x1234ABCD, 0x0BADF00D)
 _N_SAMPLES = 8  # sampled query rows / key columns per sampled head
-
-
-@dataclasses.dataclass(frozen=True)
-class ProblemSpec:
-    """One attention problem, as the kernels see it (4-D, batched)."""
-
-    batch: int
-    seq_q: int
-    seq_k: int
-    heads_q: int
-    heads_kv: int
-    head_dim: int
-    head_dim_v: int
-    dtype: str  # "bf16" | "fp16" | "fp32"
-    causal: bool = False
-    bias_shape: tuple[int, int, int, int] | None = None
-    mask_shape: tuple[int, int, int, int] | None = None
-    dropout_rate: float = 0.0
-
-    @property
-    def scale(self) -> float:
-        return 1.0 / math.sqrt(self.head_dim)
-
-    @property
-    def group(self) -> int:
-        return self.heads_q // self.heads_kv
-
-    @property
-    def headdim(self) -> int:
-        """The head dim configs are looked up by (as ffpa_jax.pallas_path does)."""
-        return max(self.head_dim, self.head_dim_v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +90,7 @@ class Inputs:
     does not matter for timing the dq/dkdv candidates).
     """
 
-    def __init__(self, spec: ProblemSpec, *, interpret: bool):
+    def __init__(self, spec: Problem, *, interpret: bool):
         self.spec, self.interpret = spec, interpret
         key = jax.random.key(spec.seq_q * 7919 + spec.seq_k * 104729 + spec.head_dim)
         self.q, self.k, self.v, self.do, self.bias = _random_inputs(key, spec=spec)
@@ -138,7 +107,7 @@ class Inputs:
             runner = RUNNERS["fwd_generic"]
             reasons = []
             for cfg in search_space.candidates("fwd_generic", headdim=self.spec.headdim,
-                                               dtype=self.spec.dtype, mode="fast"):
+                                               dtype=self.spec.dtype_name, mode="fast"):
                 try:
                     fn = runner.launcher(cfg, self.spec, self.interpret)
                     out = jax.jit(fn)(*runner.args(self))
@@ -147,7 +116,7 @@ class Inputs:
                     reasons.append(_first_line(exc))
                     continue
                 err = runner.check(out, self)
-                if err is not None and err > runner.tolerance(self.spec.dtype):
+                if err is not None and err > runner.tolerance(self.spec.dtype_name):
                     reasons.append(f"forward error {err:.3g}")
                     continue
                 self._fwd = out
@@ -166,9 +135,9 @@ class Inputs:
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def _random_inputs(key, *, spec: ProblemSpec):
+def _random_inputs(key, *, spec: Problem):
     """Standard normal q, k, v, dO (and bias) of the problem: one compiled launch."""
-    dtype = JNP_DTYPES[spec.dtype]
+    dtype = spec.dtype
     s = spec
     keys = jax.random.split(key, 5)
     shapes = [(s.batch, s.seq_q, s.heads_q, s.head_dim), (s.batch, s.seq_k, s.heads_kv, s.head_dim),
@@ -216,7 +185,7 @@ def _bcast(x, b, h, rows, cols):
     return x[ib, ih][r[:, None], c[None, :]]
 
 
-def _logits(s: ProblemSpec, q, k, bias, mask, b: int, h: int, rows, cols):
+def _logits(s: Problem, q, k, bias, mask, b: int, h: int, rows, cols):
     """float32 scale·q·kᵀ + bias at [rows, cols] of (b, h), -inf where not visible."""
     rows = jnp.asarray(rows, jnp.int32)
     cols = jnp.asarray(cols, jnp.int32)
@@ -238,7 +207,7 @@ def _probs(logits, lse):
 
 
 @functools.partial(jax.jit, static_argnames=("s", "pairs", "rows"))
-def _fwd_ref(q, k, v, bias, mask, *, s: ProblemSpec, pairs, rows):
+def _fwd_ref(q, k, v, bias, mask, *, s: Problem, pairs, rows):
     """(o [P, R, Dv], lse [P, R]) in float32 at sampled rows of the sampled (b, h) pairs."""
     outs, lses = [], []
     all_cols = np.arange(s.seq_k)
@@ -254,7 +223,7 @@ def _fwd_ref(q, k, v, bias, mask, *, s: ProblemSpec, pairs, rows):
 
 
 @functools.partial(jax.jit, static_argnames=("s", "pairs", "rows"))
-def _dq_ref(q, k, v, do, lse, delta, bias, mask, *, s: ProblemSpec, pairs, rows):
+def _dq_ref(q, k, v, do, lse, delta, bias, mask, *, s: Problem, pairs, rows):
     """dQ [P, R, D] in float32 at sampled rows, given the forward's lse and delta."""
     out = []
     all_cols = np.arange(s.seq_k)
@@ -268,7 +237,7 @@ def _dq_ref(q, k, v, do, lse, delta, bias, mask, *, s: ProblemSpec, pairs, rows)
 
 
 @functools.partial(jax.jit, static_argnames=("s", "pairs", "cols"))
-def _dkdv_ref(q, k, v, do, lse, delta, bias, mask, *, s: ProblemSpec, pairs, cols):
+def _dkdv_ref(q, k, v, do, lse, delta, bias, mask, *, s: Problem, pairs, cols):
     """(dK [P, C, D], dV [P, C, Dv]) in float32 at sampled key columns of the sampled
     (b, kv head) pairs, summed over the kv head's query heads."""
     dks, dvs = [], []
@@ -287,7 +256,7 @@ def _dkdv_ref(q, k, v, do, lse, delta, bias, mask, *, s: ProblemSpec, pairs, col
 
 
 @functools.partial(jax.jit, static_argnames=("s", "rows", "cols"))
-def _dbias_ref(q, k, v, do, lse, delta, bias, mask, *, s: ProblemSpec, rows, cols):
+def _dbias_ref(q, k, v, do, lse, delta, bias, mask, *, s: Problem, rows, cols):
     """dbias [Bb, Bh, R', C'] in float32: at sampled rows (cols) where the bias has a
     full T (S) dim, else summed over all of them, like the kernel's broadcast sum."""
     bshape = bias.shape
@@ -436,10 +405,10 @@ class KernelRunner:
     kernel: str
     direction: str
     kernel_fn: Callable | None
-    launcher: Callable[[dict, ProblemSpec, bool], Callable]
+    launcher: Callable[[dict, Problem, bool], Callable]
     args: Callable[[Inputs], tuple]
     check: Callable[[Any, Inputs], float | None]
-    fit_key: Callable[[dict, ProblemSpec], Hashable]
+    fit_key: Callable[[dict, Problem], Hashable]
     tol_16bit: float
     tol_fp32: float
     needs_bias: bool = False
@@ -451,7 +420,7 @@ class KernelRunner:
     def tolerance(self, dtype: str) -> float:
         return self.tol_fp32 if dtype == "fp32" else self.tol_16bit
 
-    def unsupported(self, spec: ProblemSpec) -> str | None:
+    def unsupported(self, spec: Problem) -> str | None:
         """Why this runner cannot tune `spec` here, or None."""
         if self.kernel_fn is None:
             return f"pallas_kernels has no {self.kernel} yet"
@@ -471,7 +440,7 @@ def _opt_args(inp: Inputs, *, with_mask: bool = True) -> list:
     return extra
 
 
-def _split_opt(spec: ProblemSpec, rest: Sequence) -> tuple:
+def _split_opt(spec: Problem, rest: Sequence) -> tuple:
     """(bias, mask, seed) from the tail of the launcher's arguments."""
     rest = list(rest)
     bias = rest.pop(0) if spec.bias_shape is not None else None
@@ -480,11 +449,11 @@ def _split_opt(spec: ProblemSpec, rest: Sequence) -> tuple:
     return bias, mask, seed
 
 
-def _seed_kw(spec: ProblemSpec, seed) -> dict:
+def _seed_kw(spec: Problem, seed) -> dict:
     return {} if not spec.dropout_rate else {"dropout_rate": spec.dropout_rate, "seed": seed}
 
 
-def _fwd_launcher(cfg: dict, spec: ProblemSpec, interpret: bool) -> Callable:
+def _fwd_launcher(cfg: dict, spec: Problem, interpret: bool) -> Callable:
     config = FwdConfig.from_tuned(cfg)
 
     def launch(q, k, v, *rest):
@@ -495,25 +464,25 @@ def _fwd_launcher(cfg: dict, spec: ProblemSpec, interpret: bool) -> Callable:
     return launch
 
 
-def _fwd_fit(cfg: dict, spec: ProblemSpec) -> Hashable:
+def _fwd_fit(cfg: dict, spec: Problem) -> Hashable:
     fitted = FwdConfig.from_tuned(cfg).fitted(spec.seq_q, spec.seq_k, spec.head_dim,
                                               spec.head_dim_v)
-    return capped_for_rounding(fitted, JNP_DTYPES[spec.dtype])[0]
+    return capped_for_rounding(fitted, spec.dtype)[0]
 
 
-def _bwd_fit(cfg: dict, spec: ProblemSpec) -> Hashable:
+def _bwd_fit(cfg: dict, spec: Problem) -> Hashable:
     fitted = BwdConfig.from_tuned(cfg).fitted(spec.seq_q, spec.seq_k, spec.head_dim,
                                               spec.head_dim_v)
-    return capped_for_rounding(fitted, JNP_DTYPES[spec.dtype])[0]
+    return capped_for_rounding(fitted, spec.dtype)[0]
 
 
-def _preproc_fit(cfg: dict, spec: ProblemSpec) -> Hashable:
+def _preproc_fit(cfg: dict, spec: Problem) -> Hashable:
     bwd = BwdConfig.from_tuned(cfg)
     fitted = bwd.fitted(spec.seq_q, spec.seq_k, spec.head_dim_v, spec.head_dim_v)
     return (fitted.block_m, fitted.block_slice, bwd.num_warps, bwd.num_stages)
 
 
-def _preproc_launcher(cfg: dict, spec: ProblemSpec, interpret: bool) -> Callable:
+def _preproc_launcher(cfg: dict, spec: Problem, interpret: bool) -> Callable:
     config = BwdConfig.from_tuned(cfg)
 
     def launch(o, do, dlse):
@@ -531,8 +500,8 @@ def _bwd_args(inp: Inputs) -> tuple:
     return (inp.q, inp.k, inp.v, inp.do, lse, inp.delta(), *_opt_args(inp))
 
 
-def _bwd_launcher(name: str) -> Callable[[dict, ProblemSpec, bool], Callable]:
-    def make(cfg: dict, spec: ProblemSpec, interpret: bool) -> Callable:
+def _bwd_launcher(name: str) -> Callable[[dict, Problem, bool], Callable]:
+    def make(cfg: dict, spec: Problem, interpret: bool) -> Callable:
         config = BwdConfig.from_tuned(cfg)
         fn = getattr(pallas_kernels, name)
 
@@ -582,19 +551,19 @@ def _decode_config(stage1: dict, stage2: dict | None = None):
     return pallas_kernels.DecodeConfig.from_tuned(stage1, stage2)
 
 
-def _decode_splits(config, spec: ProblemSpec) -> int:
+def _decode_splits(config, spec: Problem) -> int:
     return config.num_splits or pallas_kernels.decode_num_splits(
         batch=spec.batch, heads_kv=spec.heads_kv, packed_rows=spec.group * spec.seq_q,
         seq_k=spec.seq_k, head_dim_v=spec.head_dim_v, config=config,
         multiprocessors=_multiprocessors())
 
 
-def _decode_default(kernel: str, spec: ProblemSpec) -> dict:
-    return search_space.candidates(kernel, headdim=spec.headdim, dtype=spec.dtype,
+def _decode_default(kernel: str, spec: Problem) -> dict:
+    return search_space.candidates(kernel, headdim=spec.headdim, dtype=spec.dtype_name,
                                    mode="fast")[0]
 
 
-def _decode1_launcher(cfg: dict, spec: ProblemSpec, interpret: bool) -> Callable:
+def _decode1_launcher(cfg: dict, spec: Problem, interpret: bool) -> Callable:
     config = _decode_config(cfg, _decode_default("decode_fwd_stage2", spec))
     splits = _decode_splits(config, spec)
 
@@ -607,19 +576,19 @@ def _decode1_launcher(cfg: dict, spec: ProblemSpec, interpret: bool) -> Callable
     return launch
 
 
-def _decode1_fit(cfg: dict, spec: ProblemSpec) -> Hashable:
+def _decode1_fit(cfg: dict, spec: Problem) -> Hashable:
     config = _decode_config(cfg)
     fitted = config.fitted(spec.group * spec.seq_q, spec.seq_k, spec.head_dim, spec.head_dim_v)
     return (dataclasses.replace(fitted, num_splits=0), _decode_splits(config, spec))
 
 
-def _decode2_launcher(cfg: dict, spec: ProblemSpec, interpret: bool) -> Callable:
+def _decode2_launcher(cfg: dict, spec: Problem, interpret: bool) -> Callable:
     config = _decode_config(_decode_default("decode_fwd_stage1", spec), cfg)
 
     def launch(o_part, lse_part):
         return pallas_kernels.decode_fwd_stage2(o_part, lse_part, seq_q=spec.seq_q,
                                                 heads_q=spec.heads_q,
-                                                dtype=JNP_DTYPES[spec.dtype], config=config,
+                                                dtype=spec.dtype, config=config,
                                                 interpret=interpret)
     return launch
 
@@ -640,7 +609,7 @@ def _decode2_args(inp: Inputs) -> tuple:
     return inp._partials
 
 
-def _decode2_fit(cfg: dict, spec: ProblemSpec) -> Hashable:
+def _decode2_fit(cfg: dict, spec: Problem) -> Hashable:
     fitted = _decode_config(_decode_default("decode_fwd_stage1", spec), cfg).fitted(
         spec.group * spec.seq_q, spec.seq_k, spec.head_dim, spec.head_dim_v)
     return (fitted.stage2_block_dv, fitted.stage2_num_warps)
@@ -666,7 +635,7 @@ else:  # an older checkout: the rows exist, `unsupported` says why they cannot r
                                       fit_key=_fwd_fit, tol_16bit=2e-2, tol_fp32=1e-4)
 
 
-def unsupported(kernel: str, spec: ProblemSpec) -> str | None:
+def unsupported(kernel: str, spec: Problem) -> str | None:
     """Why `kernel` cannot be tuned on `spec` in this checkout, or None."""
     runner = RUNNERS.get(kernel)
     if runner is None:
@@ -731,7 +700,7 @@ def _max_rel_diff(a, b) -> float:
     return max(_rel_err(x, y) for x, y in zip(leaves_a, leaves_b))
 
 
-def tune(kernel: str, spec: ProblemSpec, *, mode: str = "fast",
+def tune(kernel: str, spec: Problem, *, mode: str = "fast",
          candidates: Sequence[dict] | None = None, interpret: bool = False,
          settings: Settings | None = None, inputs: Inputs | None = None,
          on_progress: Callable[[int, int], None] | None = None,
@@ -749,7 +718,8 @@ def tune(kernel: str, spec: ProblemSpec, *, mode: str = "fast",
         raise ValueError(f"cannot tune {kernel}: {reason}")
     settings = settings or Settings.for_mode(mode)
     if candidates is None:
-        candidates = search_space.candidates(kernel, headdim=spec.headdim, dtype=spec.dtype,
+        candidates = search_space.candidates(kernel, headdim=spec.headdim,
+                                             dtype=spec.dtype_name,
                                              mode=mode)
     inputs = inputs or Inputs(spec, interpret=interpret)
     args = runner.args(inputs)
@@ -845,7 +815,7 @@ def _measure_one(compiled, cfg, args, runner: KernelRunner, inputs: Inputs, base
         first = time.perf_counter() - start
     except Exception as exc:  # noqa: BLE001 - e.g. a launch failure
         return CandidateRecord(cfg, "run failed", detail=_first_line(exc)), None
-    tol = runner.tolerance(inputs.spec.dtype)
+    tol = runner.tolerance(inputs.spec.dtype_name)
     err = runner.check(outputs, inputs)
     if err is not None and not err <= tol:
         return CandidateRecord(cfg, "wrong result", error=err,
@@ -926,7 +896,7 @@ class MeasureBackend:
                                f"{info['platform']!r}")
         return dict(info, kernels=capabilities())
 
-    def _inputs_for(self, spec: ProblemSpec) -> Inputs:
+    def _inputs_for(self, spec: Problem) -> Inputs:
         key = dataclasses.astuple(spec)
         if self._inputs_key != key:
             self._inputs = None  # free the previous problem's arrays first
@@ -935,10 +905,11 @@ class MeasureBackend:
         return self._inputs
 
     def run(self, task: dict, *, mode: str, progress: Callable[[int, int], None]) -> dict:
-        spec = ProblemSpec(
+        spec = Problem(
             batch=task["batch"], seq_q=task["seqlen_q"], seq_k=task["seqlen_k"],
             heads_q=task["nheads_q"], heads_kv=task["nheads_kv"], head_dim=task["headdim"],
-            head_dim_v=task["headdim"], dtype=task["dtype"], causal=task["causal"],
+            head_dim_v=task["headdim"], dtype=DTYPES[task["dtype"]],
+            scale=1.0 / math.sqrt(task["headdim"]), causal=task["causal"],
             bias_shape=(1, 1, 1, task["seqlen_k"]) if task["has_attn_bias"] else None,
             dropout_rate=DROPOUT_RATE if task["has_dropout"] else 0.0)
         result = tune(task["kernel"], spec, mode=mode, interpret=self.interpret,

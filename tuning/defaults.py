@@ -6,6 +6,8 @@ the variant tables they come from). Keys are FFPA's config keys.
 
 from __future__ import annotations
 
+from pallas_kernels.tiers import TIERS
+
 # (largest head dim the row applies to, config). Rows are scanned in order.
 _FWD_GENERIC: tuple[tuple[int, dict], ...] = (
     # H200, bf16, N=4096 (docs/fwd_variants.md): 353, 460, 426, 259, 180 TF/s.
@@ -154,7 +156,6 @@ def default_config(kernel: str, *, headdim: int, dtype: str = "bf16",
 
 # ---------------------------------------------------------------- tiers
 
-TIERS = ("pallas", "chunked")
 # The kernel whose tuned entry carries a direction's "tier" field.
 TIER_KERNELS = {"forward": "fwd_generic", "backward": "bwd_generic_dkdv"}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from pallas_kernels.problem import Problem
 from tuning.defaults import TIER_KERNELS, TIERS, default_config, default_tier
 from tuning.lookup import TunedEntry, lookup_entry
 
@@ -78,19 +79,32 @@ def launch_config(kernel: str, *, direction: str, dtype: str, headdim: int, seql
     return default_config(kernel, headdim=headdim, dtype=dtype, has_dropout=has_dropout)
 
 
-def tier(direction: str, *, dtype: str, headdim: int, seqlen_q: int, seqlen_k: int,
-         causal: bool = False, has_attn_bias: bool = False, has_dropout: bool = False,
-         nheads_q: int | None = None, nheads_kv: int | None = None,
-         device_name: str | None = None) -> str:
-    """Which tier ("pallas" or "chunked") runs `direction` of this problem on this device:
-    the "tier" field of the matched tuned entry of the direction's main kernel (an added
-    field; FFPA's readers ignore it), else the built-in rule (`defaults.default_tier`)."""
-    found = lookup_entry(direction, TIER_KERNELS[direction], dtype=dtype, headdim=headdim,
-                         seqlen_q=seqlen_q, seqlen_k=seqlen_k, causal=causal,
-                         has_attn_bias=has_attn_bias, has_dropout=has_dropout,
-                         nheads_q=nheads_q, nheads_kv=nheads_kv,
-                         bias_grad=has_attn_bias if direction == "backward" else None,
-                         device_name=device_name)
+def _fields(problem: Problem, direction: str) -> dict:
+    """The lookup fields of `problem` (the tuned-config files' vocabulary)."""
+    return dict(dtype=problem.dtype_name, headdim=problem.headdim, seqlen_q=problem.seq_q,
+                seqlen_k=problem.seq_k, causal=problem.causal,
+                has_attn_bias=problem.has_bias, has_dropout=problem.has_dropout,
+                nheads_q=problem.heads_q, nheads_kv=problem.heads_kv,
+                bias_grad=problem.has_bias if direction == "backward" else None)
+
+
+def kernel_direction(kernel: str) -> str:
+    return "backward" if kernel.startswith("bwd") else "forward"
+
+
+def config_for(kernel: str, problem: Problem, *, device_name: str | None = None) -> dict:
+    """`launch_config` of `kernel` for `problem`."""
+    direction = kernel_direction(kernel)
+    return launch_config(kernel, direction=direction, batch=problem.batch,
+                         device_name=device_name, **_fields(problem, direction))
+
+
+def tier(direction: str, problem: Problem, *, device_name: str | None = None) -> str:
+    """Which tier ("pallas" or "chunked") runs `direction` of `problem` on this device: the
+    "tier" field of the matched tuned entry of the direction's main kernel (an added field;
+    FFPA's readers ignore it), else the built-in rule (`defaults.default_tier`)."""
+    fields = _fields(problem, direction)
+    found = lookup_entry(direction, TIER_KERNELS[direction], device_name=device_name, **fields)
     if found is not None and found.entry.get("tier") in TIERS:
         return found.entry["tier"]
-    return default_tier(direction, headdim=headdim, dtype=dtype)
+    return default_tier(direction, headdim=problem.headdim, dtype=problem.dtype_name)

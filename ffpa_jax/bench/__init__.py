@@ -24,10 +24,10 @@ and says so: the times then mean nothing but that the code runs.
 
 from ffpa_jax.bench.cases import KINDS, BenchCase, make_case
 from ffpa_jax.bench.cli import main
-from ffpa_jax.bench.measure import _time_ms, make_inputs, sampled_errors, time_samples
+from ffpa_jax.bench.measure import make_inputs, sampled_errors, time_samples
 from ffpa_jax.bench.peers import FFPA, PEERS, Impl, Unsupported
 from ffpa_jax.bench.report import load, merge, plot_tflops
 
-__all__ = ["KINDS", "BenchCase", "make_case", "main", "_time_ms", "make_inputs",
+__all__ = ["KINDS", "BenchCase", "make_case", "main", "make_inputs",
            "sampled_errors", "time_samples", "FFPA", "PEERS", "Impl", "Unsupported", "load",
            "merge", "plot_tflops"]

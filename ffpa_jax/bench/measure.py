@@ -20,6 +20,7 @@ import ffpa_jax
 from ffpa_jax.bench.cases import BenchCase, sparse_block_mask
 from ffpa_jax.bench.peers import Impl, Unsupported
 from ffpa_jax.reference import mha_reference
+from tuning.timing import time_samples
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 SAMPLE_ROWS = 64  # query rows per sampled (batch, head) in the error check
@@ -205,33 +206,6 @@ def sampled_errors(case: BenchCase, outputs, inputs: dict, seed: int = 0
 
 
 # ---------------------------------------------------------------- timing and memory
-def time_samples(fn, args, *, min_rep_s: float, reps: int, budget_s: float = 5.0) -> list[float]:
-    """Per-call milliseconds, `reps` samples of a warm call (after one warm-up call).
-
-    Each sample times `inner` back-to-back calls (enough to last min_rep_s) and blocks at
-    the end; a call slower than budget_s / reps gets fewer samples (at least 3)."""
-    jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    once = max(time.perf_counter() - start, 1e-6)
-    inner = max(1, int(min_rep_s / once))
-    if once * inner * reps > budget_s:
-        reps = min(reps, max(3, int(budget_s / (once * inner))))
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(inner):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append(1e3 * (time.perf_counter() - start) / inner)
-    return samples
-
-
-def _time_ms(fn, args, *, min_rep_s: float, reps: int) -> float:
-    """Median warm per-call time in ms (kept for scripts/sweep_common.py)."""
-    return statistics.median(time_samples(fn, args, min_rep_s=min_rep_s, reps=reps))
-
-
 def memory_mib(compiled) -> tuple[float | None, float | None]:
     """(peak, workspace) in MiB from XLA's memory analysis of the compiled call:
     peak = arguments + outputs + temporaries - aliased; workspace = outputs + temporaries."""

@@ -54,23 +54,19 @@ def _ffpa(case: BenchCase, interpret: bool):
 def _tiers_of(implementation: str | None):
     """(case, interpret) -> "forward tier/backward tier" of ffpa_jax's call for the case."""
     def tiers(case: BenchCase, interpret: bool) -> str:
-        import jax.numpy as jnp
-        from ffpa_jax import api, validation
-        from ffpa_jax.bench.measure import DTYPES
-        sd = jax.ShapeDtypeStruct
-        dtype = DTYPES[case.dtype]
-        problem = validation.validate(
-            sd((case.b, case.t, case.hq, case.d), dtype), sd((case.b, case.s, case.hkv, case.d),
-                                                             dtype),
-            sd((case.b, case.s, case.hkv, case.dv), dtype), None, None, scale=None,
-            is_causal=case.causal, dropout_rate=case.dropout,
-            dropout_rng=jax.random.key(0) if case.dropout else None, return_lse=False,
-            implementation=implementation, interpret=interpret)
+        import tuning
+        from ffpa_jax import api
+        from pallas_kernels.problem import DTYPES, Problem
         impl = api.resolve_implementation(implementation, interpret)
         if impl == "xla":
             return "xla"
-        forward, backward = api.tiers(problem, impl, has_bias=case.bias is not None)
-        del jnp
+        problem = Problem(batch=case.b, seq_q=case.t, seq_k=case.s, heads_q=case.hq,
+                          heads_kv=case.hkv, head_dim=case.d, head_dim_v=case.dv,
+                          dtype=DTYPES[case.dtype], scale=_scale(case), causal=case.causal,
+                          dropout_rate=case.dropout,
+                          bias_shape=(1, case.hq, case.t, case.s) if case.bias else None,
+                          mask_shape=(1, 1, case.t, case.s) if case.mask else None)
+        forward, backward = tuning.tiers(problem, impl)
         return forward if case.mode == "fwd" else f"{forward}/{backward}"
     return tiers
 

@@ -1,5 +1,5 @@
 """The `"chunked"` tier: attention as large matrix products over blocks of queries (and keys),
-with a workspace bounded by a chunk budget.
+with a workspace bounded by a budget.
 
 Each block of queries (rows [r0, r1)) against a range of keys (columns [c0, c1)) is three
 steps that XLA compiles to library GEMMs and fusions:
@@ -26,9 +26,9 @@ import os
 import jax
 import jax.numpy as jnp
 
-from ffpa_jax.validation import Problem
 from pallas_kernels.blocked import MAX_ROW_KEYS, softmax_grad, softmax_rows
 from pallas_kernels.dropout import keep_mask_reference
+from pallas_kernels.problem import Problem
 
 # Peak bytes of one block's temporaries (logits, P, dP, dS): 4 GiB unless the environment
 # variable says otherwise (`budget_from_env`).
@@ -570,7 +570,7 @@ def make_plan(problem: Problem, *, step: str, interpret: bool = False,
                                   for direction in ("forward", "backward"))
     if max_keys is not None and fwd_blocks[1] > max_keys:  # softmax_rows holds whole rows
         fwd_blocks = (fwd_blocks[0], max_keys)
-    return ChunkPlan(scale=problem.scale, causal=problem.is_causal,
+    return ChunkPlan(scale=problem.scale, causal=problem.causal,
                      dropout_rate=problem.dropout_rate, block_q=max(1, fwd_blocks[0]),
                      block_k=max(1, fwd_blocks[1]), bwd_block_q=max(1, bwd_blocks[0]),
                      bwd_block_k=max(1, bwd_blocks[1]), step=step, interpret=interpret)

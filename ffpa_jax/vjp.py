@@ -1,0 +1,85 @@
+"""The differentiable call: a plan's forward and backward (pallas_kernels.tiers) tied by a
+`custom_vjp`, each run shard-locally under sharded `jit` (ffpa_jax.partitioning).
+
+The forward saves only q, k, v, the bias and mask as given, the output in float32 and lse
+(and, in float32, lse's low word: O(B·Hq·T) beyond what the caller already holds); the
+backward recomputes the probabilities block by block. No [T, S] matrix is kept from one
+direction to the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+
+from ffpa_jax import partitioning
+from pallas_kernels import tiers
+from pallas_kernels.tiers import Plan
+
+
+# Shard-local under jit when the inputs are sharded over batch and/or heads: each
+# shard runs its own kernels, q/k/v are never gathered (see partitioning.py).
+def _shift_seed(seed, batch_offset, head_offset):
+    """A shard's dropout seed: the key's two words, then its global batch and head offsets
+    (the kernels add them, so each shard draws its slice of the unsharded mask)."""
+    offsets = jnp.stack([batch_offset, head_offset]).astype(jnp.uint32)
+    return jnp.concatenate([seed[:2].astype(jnp.uint32), offsets])
+
+
+_forward = partitioning.ShardLocal(tiers.forward, "forward", shift_seed=_shift_seed,
+                                   row_outputs=tiers.row_outputs)
+_backward = partitioning.ShardLocal(tiers.backward, "backward", shift_seed=_shift_seed)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(plan: Plan, q, k, v, bias, mask, seed):
+    out, lse, *_ = _forward(plan, q, k, v, bias, mask, seed)  # a pair's lo is the vjp's
+    return out, lse
+
+
+def _vjp_plan(plan: Plan) -> Plan:
+    return dataclasses.replace(plan, float32_out=True)
+
+
+def _primal_value(x):
+    return x.value if isinstance(x, CustomVJPPrimal) else x
+
+
+def _cotangent(x) -> tuple[jax.Array, bool]:
+    """(the cotangent as an array, whether it is a symbolic zero) for a vjp with
+    `symbolic_zeros=True`: a symbolic zero is what the caller's unused output gets."""
+    if isinstance(x, SymbolicZero):
+        return jnp.zeros(x.shape, x.dtype), True
+    return x, False
+
+
+def _attention_fwd(plan: Plan, q, k, v, bias, mask, seed):
+    q, k, v, bias, mask, seed = jax.tree.map(
+        _primal_value, (q, k, v, bias, mask, seed),
+        is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
+    plan = _vjp_plan(plan)
+    out32, *rows = _forward(plan, q, k, v, bias, mask, seed)
+    # Rounding the float32 result here equals the kernel's own rounding on store, so the
+    # primal (out, lse) is bit-identical to the undifferentiated call's.
+    return (out32.astype(q.dtype), rows[0]), (q, k, v, bias, mask, seed, out32, *rows)
+
+
+def _attention_bwd(plan: Plan, residuals, cotangents):
+    q, k, v, bias, mask, seed, out, *rows = residuals
+    (d_out, _), (d_lse, lse_unused) = map(_cotangent, cotangents)
+    plan = dataclasses.replace(_vjp_plan(plan), lse_cotangent=not lse_unused)
+    dq, dk, dv, dbias = _backward(plan, q, k, v, bias, mask, seed, out, *rows, d_out, d_lse)
+    return dq, dk, dv, dbias, None, None  # the mask and the seed get no gradient
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+
+
+def attention(q, k, v, bias4, mask4, plan: Plan, seed: jax.Array | None = None):
+    """(out, lse) through the kernels of `plan`, differentiable with respect to q, k, v and
+    bias; q/k/v batched, bias4/mask4 4-D or None; seed uint32[2] when dropping."""
+    return _attention(plan, q, k, v, bias4, mask4, seed)
