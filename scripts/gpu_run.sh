@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Everything we run on the lent GPU, in one call: environment, GPU tests, variant
-# sweep, benchmark. Results land in $OUT (or ./gpu_out). Stages are chosen by
-# arguments: env multigpu tests fuzz autotune ab resources vma sweep bwdsweep dropvar dropcfg decvar dropout
-# chunkab debugcase lsecost bench (default: env tests sweep bwdsweep bench). On a machine of several GPUs, run two
-# lists side by side with CUDA_VISIBLE_DEVICES set per list (each stage sees its GPUs).
+# Everything we run on the lent GPU, in one call: environment, GPU tests, benchmark.
+# Results land in $OUT (or ./gpu_out). Stages are chosen by arguments: env multigpu
+# tests fuzz autotune ab resources lsecost bench (default: env tests bench). On a
+# machine of several GPUs, run two lists side by side with CUDA_VISIBLE_DEVICES set
+# per list (each stage sees its GPUs).
 # TEST_PATHS narrows the tests stage (default: tests/; TEST_TAG names its log). Example,
 # on the device tool:
 #   bash scripts/gpu_run.sh env tests bench
@@ -13,7 +13,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # Several pytest workers share the one GPU: no preallocation of 75% per process.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-stages=${*:-env tests sweep bwdsweep bench}
+stages=${*:-env tests bench}
 for stage in $stages; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case $stage in
@@ -47,35 +47,8 @@ for stage in $stages; do
     resources)
       python3 scripts/kernel_resources.py --out "$OUT/kernel_resources.json" 2>&1 | tee "$OUT/kernel_resources.log" | tail -40
       ;;
-    vma)
-      python3 scripts/vma_probe.py 2>&1 | tee "$OUT/vma_probe.log" | cut -c1-400
-      ;;
-    sweep)
-      python3 scripts/fwd_variants.py --out "$OUT/fwd_variants.json" ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/fwd_variants.log" | tail -30
-      ;;
-    bwdsweep)
-      python3 scripts/bwd_variants.py --out "$OUT/bwd_variants.json" ${BWD_SWEEP_ARGS:-} 2>&1 | tee "$OUT/bwd_variants.log" | tail -30
-      ;;
-    dropvar)
-      python3 scripts/dropout_variants.py --out "$OUT/dropout_variants.json" ${DROPVAR_ARGS:-} 2>&1 | tee "$OUT/dropout_variants.log" | tail -14
-      ;;
-    dropcfg)
-      python3 scripts/dropout_configs.py --out "$OUT/dropout_configs.json" ${DROPCFG_ARGS:-} 2>&1 | tee "$OUT/dropout_configs.log" | tail -40
-      ;;
-    decvar)
-      python3 scripts/decode_variants.py --out "$OUT/decode_variants.json" ${DECVAR_ARGS:-} 2>&1 | tee "$OUT/decode_variants.log" | tail -16
-      ;;
-    dropout)
-      python3 scripts/dropout_overhead.py --out "$OUT/dropout.json" ${DROPOUT_ARGS:-} 2>&1 | tee "$OUT/dropout.log" | tail -10
-      ;;
-    chunkab)
-      python3 scripts/chunk_rounding_ab.py --out "$OUT/chunk_rounding_ab.json" 2>&1 | tee "$OUT/chunk_rounding_ab.log" | tail -20
-      ;;
     lsecost)
       python3 scripts/lse_grad_cost.py --out "$OUT/lse_grad_cost.json" ${LSECOST_ARGS:-} 2>&1 | tee "$OUT/lse_grad_cost.log" | tail -6
-      ;;
-    debugcase)
-      PYTHONPATH=.:tests python3 scripts/debug_fuzz_case.py 2>&1 | tee "$OUT/debug_fuzz_case.log" | grep -v "^  \[" | tail -20
       ;;
     bench)
       python3 -m ffpa_jax.bench --json "$OUT/bench.json" --plot "$OUT/bench.png" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -80

@@ -82,13 +82,7 @@ def main() -> int:
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--split-ds", action="store_true",
                         help="dq/dkdv as under an lse cotangent (dS in two 16-bit words)")
-    parser.add_argument("--keep-variant", default="",
-                        help="a keep-mask generator of dropout_variants.py to swap in")
     args = parser.parse_args()
-    if args.keep_variant:
-        import dropout_variants
-        from pallas_kernels import dropout
-        dropout.keep_tile = dropout_variants.VARIANTS[args.keep_variant]
     cfg = lower(args.kernel, args.headdim, args.dropout, args.causal, args.seqlen,
                 split_ds=args.split_ds)
     for ttir in kr._caught:
