@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 import ffpa_jax
-from ffpa_jax.bench import _time_ms
+from tuning.timing import median_ms
 
 SHAPES = {64: (4, 32, 4096), 128: (4, 32, 4096), 256: (1, 32, 4096), 512: (1, 32, 4096),
           1024: (1, 32, 4096)}
@@ -38,8 +38,8 @@ def lse_row(d: int) -> dict:
     split = jax.jit(lambda *a: grads(*a, with_lse=True)).lower(*args).compile()
     row = {"d": d, "shape": SHAPES[d], "causal": False}
     for _ in range(2):  # interleaved, so drift in clocks hits both alike
-        row.setdefault("out_only_ms", []).append(_time_ms(plain, args, min_rep_s=0.05, reps=5))
-        row.setdefault("with_lse_ms", []).append(_time_ms(split, args, min_rep_s=0.05, reps=5))
+        row.setdefault("out_only_ms", []).append(median_ms(plain, args, min_rep_s=0.05, reps=5))
+        row.setdefault("with_lse_ms", []).append(median_ms(split, args, min_rep_s=0.05, reps=5))
     row["ratio"] = min(row["with_lse_ms"]) / min(row["out_only_ms"])
     return row
 

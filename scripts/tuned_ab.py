@@ -1,15 +1,19 @@
-"""A/B of the committed tuned configs against the built-in defaults, on this GPU.
+"""A/B of the committed tuned file on this GPU, at every grid point of it (forward entries:
+the forward; backward entries: forward+backward; decode entries: T = 1 against
+S = seqlen_k). The public `ffpa_jax.attention` is timed twice in one process:
 
-For every grid point of this device's tuned-config file (forward entries: the
-forward; backward entries: forward+backward; decode entries: T = 1 against
-S = seqlen_k), the public `ffpa_jax.attention` is timed twice in one process: with
-the file (A) and with FFPA_SKIP_PERSIST_TUNED_CONFIG=1 (B, the defaults). The two
-are timed alternately, several rounds, and each side's median is kept, so clock
-drift hits both alike. Where the file picks exactly the default launch parameters
-for every kernel the call runs, A and B compile to the same program; the point is
-recorded as "same config" and not timed.
+- `--versus defaults` (the default): with the file (A) and with
+  FFPA_SKIP_PERSIST_TUNED_CONFIG=1 (B, the built-in configs and tier rule);
+- `--versus pallas`: the tuned dispatch, each direction on its tier (A), against
+  implementation="pallas" with the same file (B, the fused kernels alone).
+
+The two are timed alternately, several rounds, and each side's median is kept, so clock
+drift hits both alike. Where A and B would run exactly the same kernels and launch
+parameters they compile to the same program; the point is recorded as "same plan" and
+not timed.
 
     python scripts/tuned_ab.py --out ab.json [--config tuning/configs/NVIDIA_H200.json]
+        [--versus defaults|pallas]
 """
 
 from __future__ import annotations
@@ -27,9 +31,9 @@ import jax.numpy as jnp
 
 import ffpa_jax
 import tuning
-from ffpa_jax import pallas_path, validation
-from ffpa_jax.bench.measure import time_samples
+from ffpa_jax import validation
 from tuning.lookup import ENV_SKIP, PACKAGED_CONFIG_DIR
+from tuning.timing import time_samples
 
 SKIP = ENV_SKIP[0]
 SMALL_CALL_MS = 0.1
@@ -50,30 +54,35 @@ def grid_points(entries) -> list[tuple[str, int, int, int, bool]]:
     return sorted(points)
 
 
-def plan_for(q, k, v, causal: bool) -> pallas_path.Plan:
-    """The launch plan `attention` would trace for these inputs under the current env."""
+def plan_for(q, k, v, causal: bool, implementation: str):
+    """The plan `attention` would trace for these inputs under the current env."""
     problem = validation.validate(q, k, v, None, None, scale=None, is_causal=causal,
                                   dropout_rate=0.0, dropout_rng=None, return_lse=False,
-                                  implementation="pallas", interpret=False)
-    return pallas_path.make_plan(problem, has_bias=False, interpret=False)
+                                  implementation=None, interpret=False).problem
+    return tuning.make_plan(problem, tiers=tuning.tiers(problem, implementation))
 
 
-def kernels_used(plan: pallas_path.Plan, mode: str) -> tuple:
+def kernels_used(plan, mode: str) -> tuple:
+    """What a call of `mode` runs under `plan`: tiers and launch parameters."""
     if mode == "decode":
         return (plan.decode, plan.decode_splits)
+    forward = ("chunked", plan.chunk) if plan.forward_tier == "chunked" else (plan.fwd,)
     if mode == "fwd":
-        return (plan.fwd,)
-    return (plan.fwd, plan.preproc, plan.dq, plan.dkdv)
+        return forward
+    backward = (("chunked", plan.chunk) if plan.backward_tier == "chunked"
+                else (plan.preproc, plan.dq, plan.dkdv))
+    return forward + backward
 
 
-def make_fn(mode: str, causal: bool):
+def make_fn(mode: str, causal: bool, implementation: str):
     """A freshly jitted call (a new function object, so it is traced under the env now)."""
+    impl = None if implementation == "auto" else implementation
+    attend = lambda q, k, v: ffpa_jax.attention(q, k, v, is_causal=causal, implementation=impl)
     if mode in ("fwd", "decode"):
-        return jax.jit(lambda q, k, v, do: ffpa_jax.attention(q, k, v, is_causal=causal))
+        return jax.jit(lambda q, k, v, do: attend(q, k, v))
 
     def fwd_bwd(q, k, v, do):
-        out, vjp = jax.vjp(lambda q, k, v: ffpa_jax.attention(q, k, v, is_causal=causal),
-                           q, k, v)
+        out, vjp = jax.vjp(attend, q, k, v)
         return (out, *vjp(do))
     return jax.jit(fwd_bwd)
 
@@ -86,7 +95,8 @@ def with_env(skip: bool):
         os.environ.pop(SKIP, None)
 
 
-def measure_point(point, *, batch: int, heads: int, rounds: int, time_all: bool) -> dict:
+def measure_point(point, *, batch: int, heads: int, rounds: int, time_all: bool,
+                  versus: str) -> dict:
     mode, d, t, s, causal = point
     record = {"mode": mode, "headdim": d, "seqlen_q": t, "seqlen_k": s, "causal": causal,
               "batch": batch, "heads": heads}
@@ -96,21 +106,25 @@ def measure_point(point, *, batch: int, heads: int, rounds: int, time_all: bool)
     v = jax.random.normal(keys[2], (batch, s, heads, d), jnp.bfloat16)
     do = jax.random.normal(keys[3], (batch, t, heads, d), jnp.bfloat16)
     args = (q, k, v, do)
+    # (env skip, implementation) of A ("tuned") and B ("default")
+    sides = {"tuned": (False, "auto"),
+             "default": (True, "auto") if versus == "defaults" else (False, "pallas")}
     plans = {}
     fns = {}
-    for name, skip in (("tuned", False), ("default", True)):
+    for name, (skip, implementation) in sides.items():
         with_env(skip)
-        plans[name] = kernels_used(plan_for(q, k, v, causal), mode)
-        fn = make_fn(mode, causal)
+        plans[name] = kernels_used(plan_for(q, k, v, causal, implementation), mode)
+        fn = make_fn(mode, causal, implementation)
         fns[name] = fn.lower(*args).compile() if (time_all or name == "tuned") else None
     with_env(False)
     record["tuned_plan"] = repr(plans["tuned"])
     if plans["tuned"] == plans["default"] and not time_all:
-        record["status"] = "same config"
+        record["status"] = "same plan"
         return record
     if fns["default"] is None:
-        with_env(True)
-        fns["default"] = make_fn(mode, causal).lower(*args).compile()
+        skip, implementation = sides["default"]
+        with_env(skip)
+        fns["default"] = make_fn(mode, causal, implementation).lower(*args).compile()
         with_env(False)
     record["default_plan"] = repr(plans["default"])
     samples = {"tuned": [], "default": []}
@@ -140,6 +154,10 @@ def main() -> int:
     parser.add_argument("--time-all", action="store_true",
                         help="time points whose tuned and default plans are equal, too")
     parser.add_argument("--points", help="only modes in this comma list (fwd,fwdbwd,decode)")
+    parser.add_argument("--versus", choices=("defaults", "pallas"), default="defaults",
+                        help="B: the built-in configs and tier rule, or the fused kernels "
+                             "alone (implementation='pallas')")
+    parser.add_argument("--headdims", help="only these head dims (comma list)")
     args = parser.parse_args()
 
     device_name, _ = tuning.current_device()
@@ -154,7 +172,10 @@ def main() -> int:
     points = grid_points(file.entries)
     if args.points:
         points = [p for p in points if p[0] in args.points.split(",")]
+    if args.headdims:
+        points = [p for p in points if p[1] in {int(d) for d in args.headdims.split(",")}]
     results = {"device": jax.devices()[0].device_kind, "config_file": os.path.basename(path),
+               "versus": args.versus,
                "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "records": []}
     started = time.time()
     for point in points:
@@ -163,7 +184,7 @@ def main() -> int:
             continue
         try:
             record = measure_point(point, batch=batch, heads=heads, rounds=args.rounds,
-                                   time_all=args.time_all)
+                                   time_all=args.time_all, versus=args.versus)
         except Exception as exc:  # noqa: BLE001 - one bad point must not lose the others
             record = {"point": list(point), "status": f"error: {type(exc).__name__}: "
                       + (str(exc).splitlines() or [""])[0][:200]}
@@ -174,10 +195,11 @@ def main() -> int:
             json.dump(results, f, indent=1)
     timed = [r for r in results["records"] if r.get("status") == "ok"]
     if timed:
-        worst = max(timed, key=lambda r: r["ratio"])
-        print(f"{len(timed)} timed points; geomean tuned/default "
-              f"{math.exp(statistics.fmean(math.log(r['ratio']) for r in timed)):.3f}; "
-              f"worst {worst['ratio']:.3f} at {worst['mode']} D={worst['headdim']} "
+        speedups = [r["default_ms"] / r["tuned_ms"] for r in timed]
+        worst = min(timed, key=lambda r: r["default_ms"] / r["tuned_ms"])
+        print(f"{len(timed)} timed points ({args.versus}); speedup B time / A time: geomean "
+              f"{math.exp(statistics.fmean(math.log(x) for x in speedups)):.3f}, lowest "
+              f"{min(speedups):.3f} at {worst['mode']} D={worst['headdim']} "
               f"S={worst['seqlen_k']} causal={worst['causal']}")
     return 0
 

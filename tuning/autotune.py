@@ -9,7 +9,10 @@ Same flags as FFPA's `python -m ffpa_attn.autotune`:
 plus ours: `--resume` (continue an interrupted run's file), `--headdims` and
 `--seqlens` (replace the grid), `--causal both|true|false`, `--task-timeout`,
 `--dry-run` (list the tasks and exit). `FFPA_AUTOTUNE_MAX_CONFIGS=N` runs only
-the first N tasks (smoke runs). See docs/tuning.md.
+the first N tasks (smoke runs). After the kernel tasks, each prefill problem of the
+grid also gets its tiers measured (`tuning.autotune_tiers`: the "tier" field of each
+direction); `--tiers-only` measures only that, into an existing or new file, and
+`--no-tiers` skips it. See docs/tuning.md.
 
 The file is `<output-dir>/<sanitized device name>.json` (default output dir:
 the packaged `tuning/configs/`). An existing file is never replaced without
@@ -20,14 +23,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from tuning.autotune_sched import Progress, ResultStore, ResumeError, run_tasks
-from tuning.autotune_tasks import (DECODE_KERNELS, HEADDIMS, LARGE_SEQLEN, Task, build_tasks,
-                                   grid_seqlens)
+from tuning.autotune_tasks import (DECODE_KERNELS, HEADDIMS, LARGE_SEQLEN, SEQLENS, Task,
+                                   build_tasks, grid_seqlens)
 from tuning.autotune_workers import DEFAULT_BACKEND, RayExecutor, SubprocessExecutor, gpus_for
 from tuning.device import sanitize_device_name
 from tuning.lookup import PACKAGED_CONFIG_DIR
@@ -98,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="which causal variants of the prefill problems to tune")
     parser.add_argument("--task-timeout", type=float, default=1800.0,
                         help="seconds before a task's worker is killed and the task failed")
+    parser.add_argument("--tiers-only", action="store_true",
+                        help="only measure which tier runs each direction fastest (the "
+                             "'tier' field), updating this device's file in place")
+    parser.add_argument("--no-tiers", action="store_true",
+                        help="skip the tier measurement after the kernel tasks")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the tasks (for a GPU with >= 48 GiB unless --seqlens) and exit")
     # Internal: the worker backend, 'module:attr' (tests use a fake measurement).
@@ -184,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(tasks)} tasks", file=sys.stderr)
         return 0
 
+    if args.tiers_only:
+        return _measure_tiers(args, file=None)
+
     # Workers first: the file is named after the device they report.
     log_dir = Path(tempfile.mkdtemp(prefix="ffpa_autotune_logs_"))
     try:
@@ -262,7 +274,24 @@ def _run(args, executor, max_configs: int | None, log_dir: Path) -> int:
     if summary.aborted:
         _say(f"error: {summary.aborted} (logs: {log_dir})")
         return 1
+    # (a test's fake worker backend measures nothing: no tiers either)
+    if not args.no_tiers and args.worker_backend == DEFAULT_BACKEND:
+        executor.close()  # free the GPUs for the tier measurement
+        return _measure_tiers(args, file=path)
     return 0
+
+
+def _measure_tiers(args, *, file: Path | None) -> int:
+    """Run `tuning.autotune_tiers` on the grid of `args` (one GPU, its own process)."""
+    headdims = ",".join(map(str, sorted(set(args.headdims or HEADDIMS))))
+    seqlens = [s for s in (args.seqlens or SEQLENS) if s > 1]
+    command = [sys.executable, "-m", "tuning.autotune_tiers", "--headdims", headdims,
+               "--seqlens", ",".join(map(str, seqlens)), "--causal", args.causal,
+               "--dtypes", ",".join(d for d in args.dtypes if d != "fp32"),
+               "--B", str(args.B), "--H", str(args.H)]
+    command += ["--file", str(file)] if file else ["--output-dir", str(args.output_dir)]
+    _say("measuring the tiers: " + " ".join(command[1:]))
+    return subprocess.run(command, check=False).returncode
 
 
 if __name__ == "__main__":
