@@ -1,6 +1,6 @@
 """The plain-JAX attention: the `"xla"` implementation and the tests' reference.
 
-It implements the semantics of DESIGN.md exactly, in `jax.numpy` only:
+It implements the semantics of docs/design.md exactly, in `jax.numpy` only:
 logits = scale * q·kᵀ + bias, then mask, then causal (bottom-right aligned),
 softmax over keys, dropout on the probabilities, then · v.
 

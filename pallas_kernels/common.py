@@ -90,7 +90,7 @@ class KernelStatic:
     @property
     def fast_softmax(self) -> bool:
         """Whether the softmax uses `fast_exp2` and `fma` (16-bit, on the GPU, head dims
-        up to 256). These gave 2-13% at D = 64-256 on the H200 (docs/benchmarks.md).
+        up to 256). These gave 2-13% at D = 64-256 on the H200 (docs/history.md, exp2 and fma).
         At D = 512 the forward took 4.39 ms with them, against 4.14-4.24 ms before.
         That kernel already spills at 255 registers, so D > 256 keeps the plain
         operations."""
@@ -579,7 +579,7 @@ def block_visits(mask4: jax.Array, *, block_m: int, block_n: int, seq_q: int, se
         # the clamp, `jnp.minimum`, is what XLA miscompiled on the GPU (jax 0.11.2,
         # H100: `0 <= min(i·bm + bm - 1, T - 1) + S - T` came out inverted at equality,
         # e.g. T=276, S=1, dropping the only visible tile; the HLO after optimization
-        # was right, eager and CPU runs too: scripts/xla_causal_tiles_repro.py).
+        # was right, eager and CPU runs too; the repro is in docs/history.md).
         last_row_limit = jnp.arange(n_q) * block_m + (block_m - 1 + seq_k - seq_q)
         m = m & ((jnp.arange(n_kv) * block_n)[None, :] <= last_row_limit[:, None])[None, None]
     return m

@@ -1,6 +1,6 @@
 """Shared test machinery: random inputs, the float64 reference, and the tolerance rule.
 
-Tolerance rule (DESIGN.md): the error of a fp16/bf16 result against the float64
+Tolerance rule (docs/design.md): the error of a fp16/bf16 result against the float64
 reference is at most 2x (forward) or 3x (gradients) the error of the
 same-precision XLA computation against that reference, plus a floor of a few
 ulps of the output's magnitude; float32 results within 1e-5 relative (or, where XLA's
@@ -96,7 +96,7 @@ def _max_err(x, ref) -> float:
 
 
 def assert_matches_reference(name: str, got, ref64, xla, dtype, *, factor: float = 2.0):
-    """The tolerance rule of DESIGN.md, with a readable failure message.
+    """The tolerance rule of docs/design.md, with a readable failure message.
 
     Non-finite reference entries (lse = -inf of fully masked rows) must be
     matched exactly; the rest is compared by max abs error.
@@ -115,7 +115,7 @@ def assert_matches_reference(name: str, got, ref64, xla, dtype, *, factor: float
         # 1e-5 relative, unless float32 itself cannot reach it on these inputs: at logits
         # in the hundreds (inputs of magnitude 2, scale 1.5, D=149) the float32 rounding
         # of the logits alone costs XLA's own gradients 2-3.5e-5 (H100, 2026-11-21,
-        # scripts/fp32_grad_precision.py); there the rule of the 16-bit dtypes applies,
+        # docs/history.md, session 6); there the rule of the 16-bit dtypes applies,
         # `factor` x XLA's float32 error.
         err_xla = _max_err(xla, ref64)
         bound = max(1e-5 * max(magnitude, 1.0), factor * err_xla)

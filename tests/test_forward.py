@@ -220,7 +220,7 @@ def test_block_lists_under_jit(t, s, kernel_mode):
     form of the causal tile test, `0 <= min(i*bm + bm - 1, T - 1) + S - T`, came out
     inverted when XLA compiled it for the H100 (jax 0.11.2) at T=203/257/276/300 with
     S=1 (22 of 504 (T, S, bm, bn) cases); eager and CPU runs were right
-    (scripts/xla_causal_tiles_repro.py)."""
+    (the repro script is named in docs/history.md)."""
     del kernel_mode  # only selects the device: the GPU case is marked `gpu`
     mask = jax.random.bernoulli(jax.random.key(t + s), 0.7, (3, 6, 1, 1))
     for bm, bn in ((16, 16), (64, 32), (128, 128)):

@@ -1,7 +1,7 @@
 """Property-based fuzzing (hypothesis) of `ffpa_jax.attention`: the Pallas path (interpret
 mode on CPU, the real kernels under the `gpu` marker) and the XLA path against the float64
 reference, forward (out, lse) and gradients (q, k, v, bias), under the tolerance rule of
-DESIGN.md.
+docs/design.md.
 
 What is drawn:
 - a static configuration: batched or not, B, T, S (1 to a few hundred), Hq/Hkv (GQA and

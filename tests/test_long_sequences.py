@@ -5,7 +5,7 @@ matches the reference on sampled rows:
 
 - out, lse and dq on a sample of query rows: the float64 reference evaluated on just those
   rows (a row's output and dq depend only on that row), under the tolerance rule of
-  DESIGN.md with the same-precision XLA computation on the same rows as the baseline;
+  docs/design.md with the same-precision XLA computation on the same rows as the baseline;
 - dk and dv on a sample of key rows: a float32 reference chunked over query rows
   (`sampled_key_grads`, itself checked against autodiff of the float64 reference on
   small shapes by a CPU test below). Its baseline is the error of rounding the reference

@@ -100,7 +100,7 @@ def run_reference(q, k, v, bias, mask, d_out, d_lse, *, scale, causal, float64, 
 
 
 def compare_all(got, ref, xla, q, bias, *, with_grads=True):
-    """The tolerance rule of DESIGN.md on out, lse and every gradient; shapes and dtypes of
+    """The tolerance rule of docs/design.md on out, lse and every gradient; shapes and dtypes of
     the gradients are those of the primals."""
     out, lse, grads = got
     assert out.dtype == q.dtype and lse.dtype == jnp.float32, (out.dtype, lse.dtype)

@@ -1,7 +1,7 @@
 """Built-in launch parameters, used whenever no tuned entry matches.
 
-Chosen per head dim from measurements on an H100/H200 (docs/benchmarks.md has
-the variant tables they come from). Keys are FFPA's config keys.
+Chosen per head dim from measurements on an H100/H200 (docs/fwd_variants.md and
+docs/bwd_variants.md have the variant tables they come from). Keys are FFPA's config keys.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ _BWD_PREPROC: tuple[tuple[int, dict], ...] = (
 # Decode (T <= 16 against long S): memory-bound, so each program keeps the whole
 # output head dim (V is read once) and only 16 packed query rows; the D chunks of
 # QKᵀ walk in a loop above 256 to keep one K chunk live.
-# H200, bf16, B8 Hq32 Hkv8 T1 S32768 (scripts/decode_variants.py): D=128 4.17 TB/s
+# H200, bf16, B8 Hq32 Hkv8 T1 S32768 (the decode launch sweep, docs/history.md): D=128 4.17 TB/s
 # (3 stages: 3.95); D=512 3.44 TB/s with the whole D chunk static (dynamic BD=64: 2.26).
 _DECODE_STAGE1: tuple[tuple[int, dict], ...] = (
     (128, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_HEADDIM_QK=128, BLOCK_HEADDIM_V=128,
@@ -77,7 +77,7 @@ _DECODE_STAGE1: tuple[tuple[int, dict], ...] = (
                num_warps=4, num_stages=3, DYNAMIC_D=True)),
     (512, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_HEADDIM_QK=512, BLOCK_HEADDIM_V=512,
                num_warps=8, num_stages=2)),
-    # The H200 autotune run (docs/data/autotune_NVIDIA_H200_partial_2026-11-21.json,
+    # The H200 autotune run (its record is named in docs/history.md,
     # B1 H32 T1): BLOCK_N=64 takes 0.087 / 0.316 / 1.16 ms at S=1K/4K/16K against
     # 0.136 / 0.500 / 2.05 ms with 32.
     (1024, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=1024,
@@ -107,7 +107,7 @@ _FP32_OVERRIDES: dict[str, tuple[tuple[int, dict], ...]] = {
 # With dropout each tile also generates its keep-mask, which changes the best tiles.
 # Dropout is for training, so the forward that counts is the vjp's, which writes a
 # float32 output. H200, bf16, rate 0.1, N=4096, the generator of 2026-11-22
-# (scripts/dropout_configs.py, docs/data/dropout_configs_H200_2026-11-22*.json): D=128 fwd
+# (the dropout launch sweep, docs/history.md, session 9): D=128 fwd
 # 3.32 ms with a bf16 output (BN=128 with 2 stages: 4.01), dq 3.87 (BN=128: 4.00); D=512
 # fwd, float32 output, 6.24 with the plain default (BN=64 with 3 stages, the override for
 # the earlier generator: 6.57; BM=64 with 4 warps: 6.06 with a bf16 output but 9.64 with

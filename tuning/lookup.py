@@ -1,6 +1,6 @@
 """Find the tuned launch config for one kernel call, at trace time.
 
-Rules (DESIGN.md, "Tuned configs"), applied in this order:
+Rules (docs/design.md, "Tuned configs"), applied in this order:
 
 1. File: `$FFPA_TUNED_CONFIG_DIR/<sanitized device name>.json` when that
    variable is set and the file exists, else the packaged

@@ -70,12 +70,16 @@ def load(path) -> dict:
             "records": records}
 
 
-def merge(docs: list[dict]) -> list[dict]:
+def merge(docs: list[dict], device: str | None = None) -> list[dict]:
     """Records of several files, oldest file first by header date: a later record of the
     same (case label, impl) replaces an earlier one (re-measured cases show their newest
-    figure). Each record gains "source" (its file name) and "date". Speedups stay those
-    of the record's own run: never re-annotate merged records, which mixes runs."""
+    figure). With `device`, only the files measured on that device (the header's
+    "device"): figures of two GPUs never replace each other. Each record gains "source"
+    (its file name) and "date". Speedups stay those of the record's own run: never
+    re-annotate merged records, which mixes runs."""
     merged: dict[tuple[str, str], dict] = {}
+    if device is not None:
+        docs = [d for d in docs if d["header"].get("device") == device]
     for doc in sorted(docs, key=lambda d: d["header"].get("date", "")):
         for r in doc["records"]:
             merged[(r["case"], r["impl"])] = {**r, "source": pathlib.Path(doc["path"]).name,
