@@ -75,7 +75,9 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
       autotune: None (default: tuned-config files, else built-in configs), "fast" or
         "max": when the call is traced, benchmark each kernel's candidate configs for
         this exact shape on the current GPU and use the fastest correct one (cached
-        per process; needs a GPU, else a one-time warning). See docs/tuning.md.
+        per process; needs a GPU, else a one-time warning). On the XLA path
+        (implementation="xla", or None without an NVIDIA GPU) there is nothing to tune:
+        it is ignored with a one-time warning. See docs/tuning.md.
 
     Returns:
       out [B, T, Hq, Dv] in query's dtype, or (out, lse) when return_lse is True.
@@ -93,6 +95,7 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
     mask4 = validation.as_4d(mask, batched)
     seed = seed_from_key(dropout_rng) if problem.dropout_rate > 0.0 else None
     if impl == "xla":
+        runtime_autotune.warn_ignored_on_xla(call.autotune, implementation)
         keep = None
         if seed is not None:
             shape = (q.shape[0], problem.heads_q, problem.seq_q, problem.seq_k)

@@ -18,6 +18,11 @@ Notes:
 - Without a GPU (Pallas' interpreter, `interpret=True`, or a CPU backend) it
   returns None after one warning per process: timings of interpreted kernels
   mean nothing, so the tuned/default config is used instead.
+- A call that runs the XLA path (implementation="xla", or None without an NVIDIA
+  GPU) has no launch configs to tune: `autotune` is ignored there, with one
+  warning per process (`warn_ignored_on_xla`).
+- Every warning points at the caller's line (the user's call of
+  `ffpa_jax.attention`, through jit, vmap or a Flax module), not at ffpa_jax's.
 - The winners are not written anywhere: for persistent configs use
   `python -m tuning.autotune` (docs/tuning.md).
 """
@@ -31,7 +36,7 @@ from typing import Any
 
 import jax
 
-from ffpa_jax.backend import default_backend_is_nvidia_gpu
+from ffpa_jax.backend import caller_stacklevel, default_backend_is_nvidia_gpu
 from ffpa_jax.validation import check_autotune
 from pallas_kernels.problem import Problem
 
@@ -50,7 +55,24 @@ def _warn_once(key: str, message: str) -> None:
         if key in _warned:
             return
         _warned.add(key)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    warnings.warn(message, RuntimeWarning, stacklevel=caller_stacklevel())
+
+
+def warn_ignored_on_xla(mode: str | None, implementation: str | None) -> None:
+    """One warning per process: `autotune=mode` on a call that runs the XLA path, where
+    there is no kernel to tune (`implementation` as the caller passed it)."""
+    if mode is None:
+        return
+    if implementation == "xla":
+        why = "the call runs the XLA path (implementation='xla')"
+        fix = ("pass autotune=None, or implementation=None, 'pallas' or 'chunked' on an "
+               "NVIDIA GPU")
+    else:
+        why = (f"implementation={implementation!r} runs the XLA path here (JAX's default "
+               f"backend is {jax.default_backend()!r}, not an NVIDIA GPU)")
+        fix = "autotune needs an NVIDIA GPU; pass autotune=None here"
+    _warn_once("xla-path", f"ffpa_jax.attention: autotune={mode!r} is ignored: {why}, which "
+               f"has no Pallas kernel launch configs to tune; {fix}.")
 
 
 def autotuned_config(kernel: str, problem: Problem, *, mode: str | None,

@@ -1,7 +1,10 @@
 """The public function's behaviour beyond numerics: layouts, choice of implementation,
-jit/vmap, return_lse."""
+jit/vmap, return_lse, and the warnings it gives (once, at the caller's line)."""
 
 from __future__ import annotations
+
+import inspect
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -81,3 +84,53 @@ def test_vmap_over_extra_leading_dim(kernel_mode):
     batched = jax.vmap(fn)(q, k, v)
     looped = jnp.stack([fn(q[i], k[i], v[i]) for i in range(3)])
     np.testing.assert_array_equal(np.asarray(batched, np.float32), np.asarray(looped, np.float32))
+
+
+# ------------------------------------------------------------------------- warnings
+@pytest.fixture
+def fresh_warnings():
+    from ffpa_jax import runtime_autotune
+    runtime_autotune.clear_cache()  # forgets the warnings given, so each test sees its own
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught
+    runtime_autotune.clear_cache()
+
+
+def _line_after() -> int:
+    """The line number of the caller's next line."""
+    return inspect.currentframe().f_back.f_lineno + 1
+
+
+def test_autotune_on_the_xla_path_warns_once_at_the_callers_line(fresh_warnings):
+    q, k, v, _, _ = make_inputs(Case(t=8, s=8, d=16))
+    line = _line_after()
+    out = ffpa_jax.attention(q, k, v, implementation="xla", autotune="fast")
+    jax.jit(lambda q: ffpa_jax.attention(q, k, v, implementation="xla", autotune="max"))(q)
+    assert len(fresh_warnings) == 1  # once per process
+    w = fresh_warnings[0]
+    assert (w.filename, w.lineno, w.category) == (__file__, line, RuntimeWarning)
+    assert ("autotune='fast' is ignored: the call runs the XLA path (implementation='xla')"
+            in str(w.message))
+    np.testing.assert_array_equal(  # and the result is the XLA path's
+        np.asarray(out, np.float32),
+        np.asarray(ffpa_jax.attention(q, k, v, implementation="xla"), np.float32))
+
+
+def test_autotune_without_gpu_warns_at_the_callers_line_through_jit(fresh_warnings):
+    q, k, v, _, _ = make_inputs(Case(t=8, s=8, d=16))
+    if jax.devices()[0].platform != "gpu":  # implementation=None is the XLA path here
+        line = _line_after()
+        jax.jit(lambda q: ffpa_jax.attention(q, k, v, autotune="fast")).lower(q)
+        (w,) = fresh_warnings
+        assert (w.filename, w.lineno) == (__file__, line)
+        assert "implementation=None runs the XLA path here" in str(w.message)
+        assert "'cpu'" in str(w.message)
+        fresh_warnings.clear()
+    # interpreted kernels: nothing worth timing, through jit and vmap
+    line = _line_after()
+    fn = jax.vmap(lambda q: ffpa_jax.attention(q, k, v, interpret=True, autotune="max"))
+    jax.jit(fn).lower(q[None])  # traced only: the warning comes at trace time
+    (w,) = fresh_warnings
+    assert (w.filename, w.lineno) == (__file__, line)
+    assert "autotune needs an NVIDIA GPU" in str(w.message)
