@@ -26,8 +26,11 @@ It takes every argument `flax.linen.dot_product_attention` and
   are skipped). With q_length != kv_length Flax's mask is top-left aligned
   (`tril(ones(T, S))`), unlike ffpa_jax's bottom-right convention, so it is passed
   as an explicit [T, S] mask to keep Flax's meaning.
-- `precision`, `force_fp32_for_softmax`: accepted and ignored; ffpa_jax always
-  runs the softmax and accumulates in float32.
+- `precision`: accepted and ignored; ffpa_jax always runs the softmax and
+  accumulates in float32.
+- `force_fp32_for_softmax`: the softmax runs in float32 either way; the flag sets the
+  dtype of the sown weights (below) as in Flax: float32 with it, else the computation
+  dtype.
 - `module` (Flax's `sow_weights=True`): the attention weights are computed
   separately in plain JAX (O(T·S) memory, only when asked) and sown under
   'attention_weights' ('intermediates' for linen, `nnx.Intermediate` for nnx),
@@ -114,7 +117,7 @@ def flax_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout
     value [batch..., S, Hkv, Dv] (Hq a multiple of Hkv); returns
     [batch..., T, Hq, Dv]. See the module docstring for how each Flax argument maps.
     """
-    del precision, force_fp32_for_softmax  # float32 softmax and accumulation, always
+    del precision  # float32 softmax and accumulation, always
     for name, fn in (("einsum_dot_general", einsum_dot_general),
                      ("qk_attn_weights_einsum", qk_attn_weights_einsum),
                      ("attn_weights_value_einsum", attn_weights_value_einsum)):
@@ -173,15 +176,17 @@ def flax_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout
                     implementation=implementation, interpret=interpret)
 
     if module is not None:
+        # Flax sows float32 weights under force_fp32_for_softmax, else the computation dtype.
+        sown_dtype = jnp.float32 if force_fp32_for_softmax else query.dtype
         _sow(module, _sown_weights(q4, k4, bias4, mask4, scale, kernel_causal, lead,
-                                   query.dtype))
+                                   sown_dtype))
     if len(lead) > 1:
         out = jnp.reshape(out, (*lead, *out.shape[1:]))
     return out
 
 
 def _sown_weights(q, k, bias, mask, scale, is_causal, lead, dtype) -> jax.Array:
-    """The weights Flax would sow, [batch..., Hq, T, S] in the computation dtype."""
+    """The weights Flax would sow, [batch..., Hq, T, S] in `dtype`."""
     batched = q.ndim == 4
     if not batched:
         q, k = q[None], k[None]

@@ -209,6 +209,26 @@ def test_sow_weights_linen_and_nnx(kernel_mode):
     assert float(jnp.max(jnp.triu(weights, k=1))) == 0.0  # causal
 
 
+@pytest.mark.parametrize("force_fp32", [True, False])
+def test_sown_weights_dtype_follows_force_fp32_for_softmax(kernel_mode, force_fp32):
+    """bf16 modules: Flax sows float32 weights with force_fp32_for_softmax=True, bf16 without;
+    ours must sow the same dtype and values."""
+    kx, km = jax.random.split(jax.random.key(5))
+    x = jax.random.normal(kx, (2, 12, 16))
+    mask = padding_mask(km, 2, 12)
+    kw = dict(num_heads=2, dtype=jnp.bfloat16, force_fp32_for_softmax=force_fp32)
+    mods = [nn.MultiHeadDotProductAttention(attention_fn=fn, **kw)
+            for fn in (nn.dot_product_attention, ours_mapping(kernel_mode))]
+    params = mods[0].init(jax.random.key(0), x)
+    sown = [m.apply(params, x, mask=mask, sow_weights=True, mutable=["intermediates"])[1]
+            ["intermediates"]["attention_weights"][0] for m in mods]
+    assert sown[0].dtype == (jnp.float32 if force_fp32 else jnp.bfloat16)  # Flax's rule
+    assert sown[1].dtype == sown[0].dtype and sown[1].shape == sown[0].shape == (2, 2, 12, 12)
+    # Flax rounds its logits to bf16 before the softmax, ours stay float32: within a bf16 ulp
+    np.testing.assert_allclose(np.asarray(sown[1], np.float32),
+                               np.asarray(sown[0], np.float32), rtol=0, atol=5e-3)
+
+
 # ------------------------------------------------------------------------ dropout
 def _dropout_reference(query, key, value, bias=None, mask=None, *, dropout_rng, dropout_rate,
                        broadcast_dropout, deterministic, **_):
