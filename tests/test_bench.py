@@ -290,22 +290,30 @@ def test_dropout_error_catches_another_keep_mask():
 def test_cli_on_cpu_writes_json_and_plot(tmp_path, capsys):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     rc = cli.main(["--case", "self,decode", "--quick", "--mode", "fwd",
-                   "--peers", "xla,cudnn,pallas-decode", "--json", str(out), "--plot", str(png)])
-    printed = capsys.readouterr().out
+                   "--peers", "xla,cudnn,pallas-mha,pallas-decode", "--json", str(out),
+                   "--plot", str(png)])
+    captured = capsys.readouterr()
+    printed = captured.out
     assert rc == 0
-    assert cli.CPU_NOTE in printed
+    assert cli.CPU_NOTE in " ".join(printed.split())  # wrapped to the width
+    _check_cpu_text(printed, captured.err)
     doc = json.loads(out.read_text())
     assert doc["format"] == report.FORMAT and doc["header"]["cpu_fallback"] is True
     recs = {(r["kind"], r["mode"], r["impl"]): r for r in doc["records"]}
     assert len(recs) == len(doc["records"])
     # pallas-decode only gets decode rows
-    decode_impls = ("ffpa", "xla", "cudnn", "pallas-decode")
-    assert set(recs) == ({("self", "fwd", i) for i in ("ffpa", "xla", "cudnn")}
+    decode_impls = ("ffpa", "xla", "cudnn", "pallas-mha", "pallas-decode")
+    assert set(recs) == ({("self", "fwd", i) for i in ("ffpa", "xla", "cudnn", "pallas-mha")}
                          | {("decode", "fwd", i) for i in decode_impls})
-    assert all(r["status"] == "ok" for (_, _, i), r in recs.items() if i != "cudnn")
+    assert recs[("decode", "fwd", "pallas-mha")]["status"].startswith("unsupported: no GQA")
+    assert all(r["status"] == "ok" for (k, _, i), r in recs.items()
+               if i != "cudnn" and (k, i) != ("decode", "pallas-mha"))
     assert all("GPU" in r["status"] for (_, _, i), r in recs.items() if i == "cudnn")
+    # the Pallas kernels ran in the interpreter here; XLA's path did not
+    assert {i for (_, _, i), r in recs.items() if r["interpreted"]} == {
+        "ffpa", "pallas-mha", "pallas-decode"}
     assert recs[("decode", "fwd", "ffpa")]["gbps"] > 0
-    assert recs[("self", "fwd", "ffpa")]["speedup"].keys() == {"xla"}
+    assert recs[("self", "fwd", "ffpa")]["speedup"].keys() == {"xla", "pallas-mha"}
     assert png.read_bytes()[:4] == b"\x89PNG"
     # the plot draws every kind the run measured, not only "self": one seqlen per kind
     # here, so a bar per ok record, grouped by case
@@ -324,10 +332,123 @@ def test_cli_on_cpu_writes_json_and_plot(tmp_path, capsys):
              for line in ax.get_lines()}
     n = next(r["t"] for r in ok if r["kind"] == "self")
     assert lines == {r["impl"]: [n, 2 * n] for r in ok if r["kind"] == "self"}
-    assert "unsupported: cuDNN needs an NVIDIA GPU" in printed
     # the new file renders through the docs script
     table = _docs_script().render_format2(out, plot_dir=None)
     assert table.count("\n| ") == 1 + len(doc["records"])  # the header, one row per record
+
+
+def _check_cpu_text(printed: str, progress: str) -> None:
+    """The CPU run's text (a self and a decode case, forward; peers xla, cudnn, pallas-mha,
+    pallas-decode) as a new user reads it."""
+    lines = printed.splitlines()
+    assert max(map(len, lines)) <= 100 and max(map(len, progress.splitlines())) <= 100
+    head = next(line for line in lines if line.lstrip().startswith("impl"))
+    columns = head.split()
+    assert columns == ["impl", "ms", "err", "dq", "err", "peak", "MiB", "comp", "s"]
+    # ...each of them explained, with its unit, in the legend
+    legend = lines[lines.index("Columns:"):]
+    for name in ("ms", "err", "dq err", "peak MiB", "comp s"):
+        assert any(line.split(maxsplit=1)[0] == name.split()[0] and name in line
+                   for line in legend), name
+    assert any("milliseconds" in line for line in legend)
+    assert any(line.startswith("  i ") and "interpreter" in line for line in legend)
+    # the interpreted rows say so; the XLA row does not
+    rows = {line.split()[0]: line for line in lines[:lines.index("Columns:")]
+            if line.startswith("  ") and line.split()[0] in ("ffpa", "xla", "pallas-decode")}
+    assert rows["ffpa"].split()[2] == "i" and rows["pallas-decode"].split()[2] == "i"
+    assert rows["xla"].split()[2] != "i"
+    # no TF/s (0.0 on a CPU), no comparison of interpreted and compiled times
+    assert "TF/s" not in head and "faster" not in printed and "slower" not in printed
+    assert "speedup" not in printed and not any(w.startswith("x0.") for w in printed.split())
+    # the GPU-only peer is named once, with its reason; the case-specific decline as a note
+    assert printed.count("cudnn") == 1
+    assert "\n  cudnn: cuDNN needs an NVIDIA GPU" in printed
+    assert "  not run: pallas-mha [1]" in lines
+    assert "  [1] pallas-mha declined: no GQA/MQA in JAX's Pallas mha (Hq must equal Hkv)" in lines
+    assert "dropout" not in printed  # no dropout case here, and never a finding from CPU times
+
+
+def _rec(case: str, impl: str, ms: float | None = None, **kw) -> dict:
+    r = {"case": case, "kind": "self", "impl": impl, "status": "ok" if ms else kw.pop("status"),
+         "ms": ms, "tflops": 1.0, "gbps": None, "error": 1e-3, "error_dq": None,
+         "peak_mib": 10.0, "compile_s": 0.5, "interpreted": False, **kw}
+    return r
+
+
+def _block(lines: list[str], title: str) -> dict[str, str]:
+    """{impl: row} of the case that starts at the line `title`."""
+    rows = {}
+    for line in lines[lines.index(title) + 1:]:
+        if not line.startswith("  "):
+            break
+        rows[line.split()[0]] = line
+    return rows
+
+
+def test_text_table_on_a_gpu_says_faster_or_slower_and_fits_100_columns():
+    long_reason = "error: ValueError: " + "a long message from a peer's kernel " * 6
+    records = [
+        _rec("A", "ffpa", 2.0, tier="chunked/pallas"),
+        _rec("A", "xla", 5.0),          # ffpa takes 2/5 of its time
+        _rec("A", "cudnn", 1.6),        # ffpa takes 1.25 times as long
+        _rec("A", "pallas-mha", 2.0),
+        _rec("A", "pallas-mgpu", status="unsupported: float16 only"),
+        _rec("B", "ffpa", 3.0, error_dbias=2e-3, suspect=True, error_note="x" * 60),
+        _rec("B", "xla", 3.0),
+        _rec("B", "cudnn", status=long_reason),
+        _rec("B", "pallas-mha", status="unsupported: has no dropout"),
+        _rec("B", "pallas-mgpu", status="unsupported: float16 only"),
+    ]
+    text = report.text_table(records, gpu=True)
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 100
+    assert lines[0].split() == ["impl", "ms", "TF/s", "GB/s", "err", "dq", "err", "peak", "MiB",
+                                "comp", "s", "ffpa", "is"]
+    a = _block(lines, "self: A   (ffpa tier chunked/pallas)")
+    assert a["xla"].endswith("  2.50x faster")
+    assert a["cudnn"].endswith("  1.25x slower")
+    assert a["pallas-mha"].endswith("  as fast")
+    assert "ffpa is" not in a["ffpa"] and not a["ffpa"].endswith("x")
+    b = _block(lines, "self: B")
+    assert b["xla"].endswith("  as fast")
+    assert b["cudnn"].split()[1:] == ["error", "[2]"]
+    assert b["not"] == "  not run: pallas-mha [3]"  # notes are numbered as they come
+    assert "  [3] pallas-mha declined: has no dropout" in lines
+    assert "Not run in any case of this run:" in lines and "  pallas-mgpu: float16 only" in lines
+    assert text.count("pallas-mgpu") == 1  # once, not once per case
+    # the notes of ffpa's row B do not fit on it: a numbered note holds them
+    assert b["ffpa"].endswith("  [1]")
+    assert ("[1] ffpa, self: B: dbias 2.0e-03 WRONG? no error: " + "x" * 60
+            in " ".join(text.split()))
+    assert any(line.startswith("  [2] cudnn: error: ValueError: a long message") for line in lines)
+    # a short note stays on its row
+    short = report.text_table([_rec("C", "ffpa", 1.0, error_dbias=2e-3)], gpu=True)
+    assert short.splitlines()[-1].endswith("  dbias 2.0e-03")
+
+
+def test_text_table_without_gpu_and_the_legends():
+    records = [_rec("A", "ffpa", 2.0, interpreted=True), _rec("A", "xla", 1.0)]
+    lines = report.text_table(records, gpu=False).splitlines()
+    assert lines[0].split() == ["impl", "ms", "err", "dq", "err", "peak", "MiB", "comp", "s"]
+    assert lines[3].split()[:3] == ["ffpa", "2.000", "i"]
+    assert lines[4].split()[:3] == ["xla", "1.000", "1.0e-03"]
+    for gpu in (True, False):
+        head = report.text_table(records, gpu=gpu).splitlines()[0]
+        legend = report.legend(gpu=gpu, interpreted_rows=not gpu)
+        assert max(map(len, legend.splitlines())) <= 100
+        names = ["ms", "TF/s", "GB/s", "err", "dq err", "peak MiB", "comp s", "ffpa is"]
+        for name in names:
+            explained = any(line[2:].startswith(name + " ") for line in legend.splitlines())
+            assert explained == (name in head), name
+    assert "higher is better" in report.legend(gpu=True)
+    assert report.legend(gpu=True).count("lower is better") >= 4
+
+
+def test_dropout_cost_is_never_read_from_interpreted_times():
+    base = dict(kind="dropout", dropout=0.1, dropout_overhead=8.25)
+    records = [_rec("A", "ffpa", 3.0, interpreted=True, **base), _rec("A", "xla", 2.0, **base)]
+    assert report.dropout_lines(records) == [
+        "dropout 0.1: xla takes 8.25x the time without dropout (A)"]
 
 
 # ---------------------------------------------------------------- committed data and docs

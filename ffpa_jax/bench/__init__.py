@@ -9,17 +9,21 @@ Peers: cudnn (jax.nn.dot_product_attention(implementation="cudnn")), xla (jax.nn
 path, or ffpa_jax's own where jax.nn has no equivalent: dropout, causal with T != S),
 pallas-mha (JAX's Pallas attention, Triton), pallas-mgpu (JAX's Mosaic GPU attention,
 Hopper), pallas-decode (JAX's Pallas decode kernel; decode rows only). A peer that cannot
-run a case gets a row saying why.
+run a case is named under it, with the reason in a note; one that runs no case at all
+(a GPU-only peer on a CPU) is listed once.
 
-Columns: median time of a warm call (compile excluded); TF/s = 4·B·Hq·T·S·D for the
-forward (D the mean of D and Dv), halved when causal, x3.5 for forward+backward; GB/s =
-the forward's fewest bytes (q, k, v, out, bias, mask once) over its time; error = max
-|out - ref| / max |ref| on sampled query rows against the float64 reference (dq error
-likewise, forward+backward); peak device memory of the compiled call (XLA's memory
-analysis); compile s = trace + compile of the first call; ffpa's speedup over each peer.
+Columns (the output ends with this legend): ms = median time of a warm call (compile
+excluded); TF/s = 4·B·Hq·T·S·D for the forward (D the mean of D and Dv), halved when
+causal, x3.5 for forward+backward; GB/s = the forward's fewest bytes (q, k, v, out,
+bias, mask once) over its time; err = max |out - ref| / max |ref| on sampled query rows
+against the float64 reference (dq err likewise, forward+backward); peak MiB = peak
+device memory of the compiled call (XLA's memory analysis); comp s = trace + compile of
+the first call; ffpa is = ffpa's time against the row's ("2.00x faster": half its time).
+The text fits 100 columns; --json keeps every figure.
 
 Without a GPU it runs small shapes through the Pallas interpreter and XLA on the CPU,
-and says so: the times then mean nothing but that the code runs.
+and says so: rows that ran in the interpreter are marked "i", and TF/s, GB/s and the
+comparisons are left out, as those times mean nothing but that the code runs.
 """
 
 from ffpa_jax.bench.cases import KINDS, BenchCase, make_case

@@ -9,6 +9,7 @@ import json
 import os
 import platform
 import sys
+import textwrap
 
 import jax
 
@@ -55,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"comma list from {', '.join(PEERS)}, or 'none' (default: all)")
     pick.add_argument("--list", action="store_true", help="print the cases and exit")
     shape = parser.add_argument_group(
-        "shapes (any of these switches from the preset to a grid: every --case kind on every "
-        "head dim x seqlen; --case defaults to 'self' there)")
+        "shapes", "any of these switches from the preset to a grid: every --case kind on every\n"
+        "head dim x seqlen (--case defaults to 'self' there)")
     shape.add_argument("--headdims", type=_ints, help="comma list (grid default: 128)")
     shape.add_argument("--seqlens", type=_ints, help="comma list (grid default: 4096)")
     shape.add_argument("--batch", type=int, help="default: 4 for D <= 128, else 1; decode 8")
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         reps = min(reps, 3)
     if not on_gpu:
-        print(CPU_NOTE, flush=True)
+        print(textwrap.fill(CPU_NOTE, report.WIDTH), flush=True)
         reps, min_rep_s = min(reps, 2), 0.0
     header = device_header(argv)
     header.update(cpu_fallback=not on_gpu, reps=reps, min_rep_s=min_rep_s,
@@ -183,24 +184,35 @@ def main(argv: list[str] | None = None) -> int:
         for impl in [FFPA, *peers]:
             if impl.kinds is not None and case.kind not in impl.kinds:
                 continue
-            records.append(measure(case, impl, interpret=not on_gpu, min_rep_s=min_rep_s,
-                                   reps=reps, seed=args.seed))
+            record = measure(case, impl, interpret=not on_gpu, min_rep_s=min_rep_s,
+                             reps=reps, seed=args.seed)
+            # Whether its time came from Pallas' interpreter (the text marks such rows).
+            record["interpreted"] = impl.interpreted(not on_gpu, record.get("tier"))
+            records.append(record)
         report.annotate(records)
         ours = next(r for r in records if r["case"] == case.label and r["impl"] == "ffpa")
-        status = f"{ours['ms']:.3f} ms" if report.is_ok(ours) else ours["status"][:80]
-        print(f"  [{i + 1}/{len(cases)}] {case.kind:<11} {case.label}: ffpa {status}",
-              file=sys.stderr, flush=True)
+        status = ours["status"]
+        if report.is_ok(ours):
+            status = f"{ours['ms']:.3f} ms" + (" (interpreted)" if ours["interpreted"] else "")
+        progress = f"  [{i + 1}/{len(cases)}] {case.kind:<11} {case.label}: ffpa {status}"
+        if len(progress) > report.WIDTH:
+            progress = progress[:report.WIDTH - 4] + " ..."
+        print(progress, file=sys.stderr, flush=True)
         if args.json:
             _write_json(args.json, header, records)
-    print(report.text_table(records))
-    for line in report.dropout_lines(records):
-        print(line)
+    print(report.text_table(records, gpu=on_gpu))
+    print(report.legend(gpu=on_gpu, interpreted_rows=any(r["interpreted"] for r in records)))
+    if on_gpu:  # CPU times (interpreted, or XLA on a CPU) say nothing of dropout's cost
+        for line in report.dropout_lines(records):
+            print(line)
     compiles = [r for r in records if r["impl"] == "ffpa" and r.get("compile_s") is not None]
     if compiles:
         slow = max(compiles, key=lambda r: r["compile_s"])
         over = sum(r["compile_s"] > COMPILE_TARGET_S for r in compiles)
-        print(f"ffpa trace+compile: at most {slow['compile_s']:.1f} s ({slow['case']}); "
-              f"{over} of {len(compiles)} cases above the {COMPILE_TARGET_S:.0f} s target")
+        print(textwrap.fill(
+            f"ffpa trace+compile: at most {slow['compile_s']:.1f} s ({slow['kind']}: "
+            f"{slow['case']}); {over} of {len(compiles)} cases above the "
+            f"{COMPILE_TARGET_S:.0f} s target", report.WIDTH))
     if args.plot:
         title = f"{header['device']}, {header['date'][:10]}: TF/s against seqlen"
         if not on_gpu:

@@ -30,6 +30,14 @@ class Impl:
     doc: str = ""
     # ffpa_jax's own rows: (case, interpret) -> "forward tier/backward tier" that ran
     tiers: Callable[[BenchCase, bool], str] | None = None
+    # Runs Pallas kernels, so without a GPU they run in Pallas' interpreter: its times
+    # there say that the code runs, not how fast it is (the CLI marks such rows).
+    pallas: bool = False
+
+    def interpreted(self, interpret: bool, tier: str | None = None) -> bool:
+        """Whether a run with `interpret` (no GPU) went through Pallas' interpreter; `tier`:
+        the tiers ffpa_jax ran ("xla" runs no Pallas kernel)."""
+        return interpret and self.pallas and tier != "xla"
 
 
 def _scale(case: BenchCase) -> float:
@@ -247,22 +255,24 @@ def _naive_chunked(case: BenchCase, interpret: bool):
 
 
 FFPA = Impl("ffpa", _ffpa, doc="ffpa_jax.attention(): each direction on its tuned tier",
-            tiers=_tiers_of(None))
+            tiers=_tiers_of(None), pallas=True)
 PEERS: dict[str, Impl] = {
     "ffpa-pallas": Impl("ffpa-pallas", _ffpa_tier("pallas"), tiers=_tiers_of("pallas"),
+                        pallas=True,
                         doc="ffpa_jax.attention(implementation='pallas'): the fused kernels"),
     "ffpa-chunked": Impl("ffpa-chunked", _ffpa_tier("chunked"), tiers=_tiers_of("chunked"),
+                         pallas=True,
                          doc="ffpa_jax.attention(implementation='chunked'): blocked GEMMs"),
     "cudnn": Impl("cudnn", _cudnn, doc="jax.nn.dot_product_attention(implementation='cudnn')"),
     "xla": Impl("xla", _xla, doc="jax.nn.dot_product_attention(implementation='xla'); "
                 "ffpa_jax's XLA path for dropout and causal with T != S"),
-    "pallas-mha": Impl("pallas-mha", _pallas_mha,
+    "pallas-mha": Impl("pallas-mha", _pallas_mha, pallas=True,
                        doc="jax.experimental.pallas.ops.gpu.attention.mha (Triton)"),
-    "pallas-mgpu": Impl("pallas-mgpu", _pallas_mgpu,
+    "pallas-mgpu": Impl("pallas-mgpu", _pallas_mgpu, pallas=True,
                         doc="jax.experimental.pallas.ops.gpu.attention_mgpu (Mosaic GPU, Hopper)"),
     "naive-chunked": Impl("naive-chunked", _naive_chunked,
                           doc="queries in chunks of 2048 under lax.map, einsum + softmax + "
                           "einsum per chunk, jax.checkpoint (the chunked tier's floor)"),
-    "pallas-decode": Impl("pallas-decode", _pallas_decode, kinds=("decode",),
+    "pallas-decode": Impl("pallas-decode", _pallas_decode, kinds=("decode",), pallas=True,
                           doc="jax.experimental.pallas.ops.gpu.decode_attention.gqa"),
 }

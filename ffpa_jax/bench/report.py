@@ -115,52 +115,196 @@ def _problem_key(r: dict) -> tuple:
 
 
 # ---------------------------------------------------------------- tables
+WIDTH = 100  # the CLI's text fits a terminal this wide
+
+
 def _f(x, fmt: str) -> str:
     """x formatted, or a dash padded to the format's width."""
     return format(x, fmt) if x is not None else format("-", ">" + fmt.split(".")[0])
 
 
-def text_table(records: list[dict]) -> str:
-    """The CLI's table: one row per (case, impl); a peer row ends with ffpa's speedup over it
-    (peer ms / ffpa ms) or the reason it did not run."""
-    head = (f"{'kind':<11} {'case':<46} {'impl':<13} {'ms':>9} {'TF/s':>7} {'GB/s':>7} "
-            f"{'err':>8} {'dq err':>8} {'peak MiB':>9} {'comp s':>6}  ffpa speedup / status")
+def _ms(x: float) -> str:
+    return f"{x:.3f}" if x < 100 else f"{x:.1f}"
+
+
+def _sci(x) -> str:
+    return "-" if x is None else ("nan" if x != x else f"{x:.1e}")
+
+
+def interpreted(r: dict) -> bool:
+    """Whether the record's time was taken in Pallas' interpreter (a CPU run)."""
+    return bool(r.get("interpreted"))
+
+
+def versus(ours_ms: float, peer_ms: float) -> str:
+    """ffpa's time against a peer's, in words that cannot be misread: "2.45x faster" when
+    ffpa takes 1/2.45 of the peer's time, "1.30x slower" when it takes 1.3 times as long."""
+    ratio = peer_ms / ours_ms
+    if round(ratio, 2) == 1.0:
+        return "as fast"
+    x = ratio if ratio > 1 else 1 / ratio
+    return f"{x:.2f}x {'faster' if ratio > 1 else 'slower'}" if x < 100 else \
+        f"{x:.0f}x {'faster' if ratio > 1 else 'slower'}"
+
+
+def never_ran(records: list[dict]) -> dict[str, str]:
+    """{impl: reason} of the implementations that declined every case of the run for one and
+    the same reason (a GPU-only peer on a CPU, say): said once instead of once per case."""
+    statuses: dict[str, set[str]] = {}
+    for r in records:
+        statuses.setdefault(r["impl"], set()).add(r["status"])
+    return {impl: next(iter(s)).split(": ", 1)[-1] for impl, s in statuses.items()
+            if impl != "ffpa" and len(s) == 1 and next(iter(s)).startswith("unsupported")}
+
+
+def _columns(gpu: bool, marker: bool) -> list[tuple[str, int]]:
+    cols = [("impl", -13), ("ms", 8)]
+    if marker:
+        cols.append(("", 1))
+    if gpu:
+        cols += [("TF/s", 6), ("GB/s", 5)]
+    cols += [("err", 7), ("dq err", 7), ("peak MiB", 8), ("comp s", 6)]
+    if gpu:
+        cols.append(("ffpa is", -13))
+    return cols
+
+
+def _cells(cols, values: dict) -> str:
+    out = []
+    for name, width in cols:
+        text = values.get(name, "")
+        cell = f"{text:<{-width}}" if width < 0 else f"{text:>{width}}"
+        out.append(" " + cell if name == "ffpa is" else cell)  # words after numbers: a gap
+    return ("  " + " ".join(out)).rstrip()
+
+
+def text_table(records: list[dict], *, gpu: bool = True, width: int = WIDTH) -> str:
+    """The CLI's table, at most `width` columns: a line per case (kind, label and the tiers
+    ffpa ran), then a row per implementation that ran it. Implementations that declined
+    every case for one reason are listed once below the table; others that declined a case
+    are named on one line under it, with the reason in a numbered note. `gpu`: a GPU run
+    (TF/s, GB/s and ffpa's time against each peer's); else those columns are left out."""
+    marker = any(interpreted(r) for r in records)
+    cols = _columns(gpu, marker)
+    head = _cells(cols, {name: name for name, _ in cols})
     lines = [head, "-" * len(head)]
+    notes: dict[str, int] = {}
+
+    def note(text: str) -> str:
+        return f"[{notes.setdefault(text, len(notes) + 1)}]"
+
+    skipped = never_ran(records)
     by_case: dict[str, list[dict]] = {}
     for r in records:
         by_case.setdefault(r["case"], []).append(r)
     for label, rows in by_case.items():
         ours = next((r for r in rows if r["impl"] == "ffpa"), None)
         kind = rows[0].get("kind") or infer_kind(rows[0])
+        title = f"{kind}: {label}"
+        if ours is not None and ours.get("tier"):
+            title += f"   (ffpa tier {ours['tier']})"
+        lines.append(title)
+        declined = []
         for r in rows:
-            lead = f"{kind:<11} {label:<46} {r['impl']:<13}"
+            if r["impl"] in skipped:
+                continue
+            if r["status"].startswith("unsupported"):
+                why = r["status"].split(": ", 1)[-1]
+                declined.append(f"{r['impl']} {note(r['impl'] + ' declined: ' + why)}")
+                continue
             if not is_ok(r):
-                lines.append(f"{lead} {'-':>9} {'-':>7} {'-':>7} {'-':>8} {'-':>8} {'-':>9} "
-                             f"{'-':>6}  {r['status']}")
-            else:
-                note = f"tier {r['tier']} " if r.get("tier") else ""
-                if r["impl"] != "ffpa" and ours is not None and is_ok(ours):
-                    note += f"x{r['ms'] / ours['ms']:.2f}"
-                if r.get("error_dbias") is not None:
-                    note += f" dbias err {r['error_dbias']:.1e}"
-                if r.get("suspect"):
-                    note += " WRONG RESULT? (error above 5e-2 or NaN)"
-                if r.get("error_note"):
-                    note += f" (no error: {r['error_note']})"
-                lines.append(
-                    f"{lead} {r['ms']:>9.3f} {r['tflops']:>7.1f} {_f(r.get('gbps'), '7.0f')} "
-                    f"{_f(r.get('error'), '8.1e')} {_f(r.get('error_dq'), '8.1e')} "
-                    f"{_f(r.get('peak_mib'), '9.0f')} {_f(r.get('compile_s'), '6.1f')}  {note}")
-            kind, label = "", ""
+                lines.append(_cells(cols[:2], {"impl": r["impl"], "ms": "error"})
+                             + " " + note(f"{r['impl']}: {r['status']}"))
+                continue
+            values = {"impl": r["impl"], "ms": _ms(r["ms"]), "": "i" if interpreted(r) else "",
+                      "TF/s": _f(r.get("tflops"), "6.1f"), "GB/s": _f(r.get("gbps"), "5.0f"),
+                      "err": _sci(r.get("error")), "dq err": _sci(r.get("error_dq")),
+                      "peak MiB": _f(r.get("peak_mib"), "8.0f"),
+                      "comp s": _f(r.get("compile_s"), "6.1f")}
+            if (gpu and r["impl"] != "ffpa" and ours is not None and is_ok(ours)
+                    and not interpreted(r) and not interpreted(ours)):
+                values["ffpa is"] = versus(ours["ms"], r["ms"])
+            extra = []
+            if r.get("error_dbias") is not None:
+                extra.append(f"dbias {_sci(r['error_dbias'])}")
+            if r.get("suspect"):
+                extra.append("WRONG?")
+            if r.get("error_note"):
+                extra.append(f"no error: {r['error_note']}")
+            row = _cells(cols, values)
+            if extra:
+                tail = " ".join(extra)
+                if len(row) + 2 + len(tail) > width:
+                    tail = note(f"{r['impl']}, {kind}: {label}: {tail}")
+                row = f"{row}  {tail}"
+            lines.append(row)
+        if declined:
+            lines += textwrap.wrap("not run: " + ", ".join(declined), width,
+                                   initial_indent="  ", subsequent_indent="    ")
+    if skipped:
+        lines.append("Not run in any case of this run:")
+        for impl, why in skipped.items():
+            lines += textwrap.wrap(f"{impl}: {why}", width, initial_indent="  ",
+                                   subsequent_indent="    ")
+    if notes:
+        lines.append("Notes:")
+        for text, n in notes.items():
+            lines += textwrap.wrap(f"[{n}] {text}", width, initial_indent="  ",
+                                   subsequent_indent="      ")
     return "\n".join(lines)
 
 
-def dropout_lines(records: list[dict]) -> list[str]:
+def legend(*, gpu: bool, interpreted_rows: bool = False, width: int = WIDTH) -> str:
+    """What every column of `text_table` holds, its unit, and which way is better."""
+    items = [
+        ("ms", "median time of a warm call (compile excluded), milliseconds; lower is better"),
+    ]
+    if interpreted_rows:
+        items.append(("i", "ran in Pallas' interpreter on the CPU: its time shows that the code "
+                           "runs, not how fast it is on a GPU"))
+    if gpu:
+        items += [
+            ("TF/s", "teraFLOP/s, higher is better: 4·B·Hq·T·S·D per forward (D: the mean of D "
+                     "and Dv), halved when causal, x3.5 for forward+backward"),
+            ("GB/s", "gigabytes/s, higher is better: the forward's fewest bytes (q, k, v, out, "
+                     "bias and mask once) over its time; forward rows only"),
+        ]
+    items += [
+        ("err", "max |out - ref| / max |ref| on sampled query rows against a float64 "
+                "reference; relative, lower is better"),
+        ("dq err", "the same for dq (forward+backward rows); 'dbias' after a row: for the bias "
+                   "gradient"),
+        ("peak MiB", "peak device memory of the compiled call (XLA's memory analysis), MiB; "
+                     "lower is better"),
+        ("comp s", "trace + compile of the first call, seconds; lower is better"),
+    ]
+    if gpu:
+        items.append(("ffpa is", "ffpa's time against this row's: '2.00x faster' = ffpa takes "
+                                 "half this row's time, '2.00x slower' = twice"))
+    items += [("WRONG?", "an error above 5e-2, or NaN: a wrong result"),
+              ("ffpa tier", "the tier that ran ffpa's forward/backward: pallas (fused kernels), "
+                            "chunked (blocked GEMMs) or xla (dense)")]
+    lines = ["Columns:"]
+    for name, text in items:
+        lines += textwrap.wrap(f"{name:<10} {text}", width, initial_indent="  ",
+                               subsequent_indent=" " * 13)
+    if not gpu:
+        lines += textwrap.wrap(
+            "No GPU: TF/s, GB/s and ffpa's time against each peer's are left out, as CPU "
+            "times, interpreted or not, say nothing about them on a GPU.", width)
+    return "\n".join(lines)
+
+
+def dropout_lines(records: list[dict], width: int = WIDTH) -> list[str]:
+    """What dropout costs each implementation (the time over the same case's without it);
+    never for interpreted times, which say nothing about that cost on a GPU."""
     out = []
     for r in records:
-        if r.get("dropout") and is_ok(r) and r.get("dropout_overhead") is not None:
-            out.append(f"dropout {r['dropout']:g} costs x{r['dropout_overhead']:.2f} the time "
-                       f"without dropout: {r['impl']}, {r['case']}")
+        if (r.get("dropout") and is_ok(r) and r.get("dropout_overhead") is not None
+                and not interpreted(r)):
+            out += textwrap.wrap(
+                f"dropout {r['dropout']:g}: {r['impl']} takes {r['dropout_overhead']:.2f}x "
+                f"the time without dropout ({r['case']})", width, subsequent_indent="  ")
     return out
 
 
