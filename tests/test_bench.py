@@ -500,3 +500,14 @@ def test_benchmarks_notebook_is_committed_executed():
     images = [o for o in outputs if "image/png" in o.get("data", {})]
     assert len(images) >= 2  # TF/s against seqlen, and memory
     assert any("docs" in c.source and "data" in c.source for c in code)
+    # the ratio table's header names every peer as a word of its own
+    texts = [o.get("text", "") for o in outputs]
+    header = next(line for text in texts for line in text.splitlines()
+                  if line.startswith("kind ") and "ffpa ms" in line)
+    assert header.split()[5:] == ["cudnn", "xla", "pallas-mha", "pallas-mgpu", "pallas-decode"]
+
+
+def test_bench_help_fits_100_columns(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")  # argparse wraps what it may; the rest is ours
+    text = cli.build_parser().format_help()
+    assert "--case" in text and max(map(len, text.splitlines())) <= 100
