@@ -192,38 +192,82 @@ def test_step_seed_with_shard_offsets_draws_the_global_mask():
 # ---------------------------------------------------------------- end to end, Pallas step
 
 
-E2E_CASES = [
+# The blocked paths (several query and key blocks: the scans, causal groups, key-block
+# merges and accumulation at offsets) with a 64 KiB budget; on a CPU the shared matrix runs
+# the tier in one block.
+BLOCKED_CASES = [
     Case(b=2, t=113, s=203, hq=6, hkv=2, d=40, causal=True, bias_shape=(1, 6, 113, 203)),
     Case(b=1, t=70, s=37, hq=4, hkv=1, d=111, mask_shape=(1, 1, 70, 37), dtype="float16"),
+    Case(b=2, t=203, s=113, hq=4, hkv=2, d=59, causal=True, mask_shape=(2, 1, 203, 113),
+         bias_shape=(2, 1, 203, 1)),
+    Case(b=1, t=37, s=300, hq=2, hkv=1, d=320, dv=111, bias_shape=(1, 2, 1, 300),
+         dtype="float32"),
 ]
+SMALL_BUDGET_MIB = "0.25"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("budget_mib", ["0.0625", "4096"])
-@pytest.mark.parametrize("case", E2E_CASES, ids=lambda c: f"T{c.t}-S{c.s}-D{c.d}-{c.dtype}")
-def test_pallas_step_end_to_end(case, budget_mib, monkeypatch):
-    """The tier with its Pallas steps (interpreted), blocked and in one block: out, lse and
-    every gradient (a cotangent on both outputs) against float64."""
-    from test_backward import _cotangents, _reference_grads
-    monkeypatch.setenv(chunked_tier.BUDGET_ENV, budget_mib)
+def _end_to_end(case: Case, *, interpret: bool, rate: float = 0.0):
+    """out, lse and every gradient (a cotangent on both outputs) of the chunked tier against
+    float64, with `rate` dropout."""
+    from test_backward import _cotangents
+    from test_dropout import _keep
     q, k, v, bias, mask = make_inputs(case)
+    key = jax.random.key(case.seed() + 3)
+    keep = _keep(case, key, rate) if rate else None
 
     def f(q, k, v, bias):
         return ffpa_jax.attention(q, k, v, bias, mask, is_causal=case.causal, return_lse=True,
-                                  implementation="chunked", interpret=True)
+                                  dropout_rate=rate, dropout_rng=key if rate else None,
+                                  implementation="chunked", interpret=interpret)
     (out, lse), vjp = jax.vjp(f, q, k, v, bias)
-    ref_out, ref_lse = reference64(case, q, k, v, bias, mask)
-    xla_out, xla_lse = xla_same_precision(case, q, k, v, bias, mask)
+    ref_out, ref_lse = reference64(case, q, k, v, bias, mask, keep=keep, rate=rate)
+    xla_out, xla_lse = xla_same_precision(case, q, k, v, bias, mask, keep=keep, rate=rate)
     assert_matches_reference("out", out, ref_out, xla_out, q.dtype)
     assert_lse_matches(lse, ref_lse, xla_lse)
     d_out, d_lse = _cotangents(case)
     d_out = d_out.astype(q.dtype).astype(jnp.float32)
     got = vjp((d_out.astype(q.dtype), d_lse))
-    ref = _reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=True)
-    xla = _reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=False)
-    for name, g, r, x in zip(["dq", "dk", "dv", "dbias"], got, ref, xla):
+    for name, g, r, x in zip(["dq", "dk", "dv", "dbias"], got,
+                             *_reference_vjps(case, q, k, v, bias, mask, d_out, d_lse, keep,
+                                              rate)):
         if r is not None:
             assert_matches_reference(name, g, r, x, q.dtype, factor=3.0)
+
+
+def _reference_vjps(case, q, k, v, bias, mask, d_out, d_lse, keep, rate):
+    """(float64 gradients, same-precision XLA gradients) of <out, d_out> + <lse, d_lse>."""
+    from ffpa_jax.reference import mha_reference
+    from ffpa_jax.validation import as_4d
+
+    def grads(float64: bool):
+        conv = (lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64))) \
+            if float64 else (lambda x: x)
+        f = lambda q, k, v, b: mha_reference(q, k, v, as_4d(b, True), as_4d(mask, True),
+                                             scale=case.d ** -0.5 if case.scale is None
+                                             else case.scale, is_causal=case.causal,
+                                             keep_mask=keep, dropout_rate=rate)
+        (out, lse), vjp = jax.vjp(f, conv(q), conv(k), conv(v), conv(bias))
+        dl = jnp.where(jnp.isfinite(lse), conv(d_lse).astype(lse.dtype), 0)
+        return [None if g is None else np.asarray(g if float64 else g.astype(jnp.float32))
+                for g in vjp((conv(d_out).astype(out.dtype), dl))]
+    with jax.enable_x64(True):
+        ref = grads(True)
+    return ref, grads(False)
+
+
+@pytest.mark.parametrize("case,rate", zip(BLOCKED_CASES, (0.0, 0.3, 0.3, 0.0)),
+                         ids=lambda x: x if isinstance(x, float) else
+                         f"T{x.t}-S{x.s}-D{x.d}-{x.dtype}")
+def test_blocked_paths_end_to_end(case, rate, monkeypatch):
+    """The XLA step (the tier on a CPU) in many blocks."""
+    monkeypatch.setenv(chunked_tier.BUDGET_ENV, SMALL_BUDGET_MIB)
+    _end_to_end(case, interpret=False, rate=rate)
+
+
+def test_pallas_step_end_to_end(monkeypatch):
+    """The Pallas steps (interpreted) in many blocks."""
+    monkeypatch.setenv(chunked_tier.BUDGET_ENV, SMALL_BUDGET_MIB)
+    _end_to_end(BLOCKED_CASES[1], interpret=True, rate=0.2)
 
 
 # ---------------------------------------------------------------- choosing the tier
