@@ -46,7 +46,7 @@ import pallas_kernels
 from pallas_kernels import BwdConfig, FwdConfig
 from pallas_kernels.common import capped_for_rounding
 from pallas_kernels.problem import DTYPES, Problem
-from tuning import search_space
+from tuning import search_space, timing
 from tuning.autotune_tasks import DROPOUT_RATE
 
 _SEED = (0x1234ABCD, 0x0BADF00D)
@@ -675,20 +675,15 @@ def _block(x):
     return jax.block_until_ready(x)
 
 
-def _time_samples(fn, args, once: float, settings: Settings, *,
-                  reps: int | None = None) -> list[float]:
-    inner = max(1, min(1000, int(settings.min_sample_s / max(once, 1e-6))))
+def _samples_ms(fn, args, once_ms: float, settings: Settings, *,
+                reps: int | None = None) -> list[float]:
+    """Per-call milliseconds of a warm compiled candidate (`tuning.timing`): each sample loops
+    it for at least `settings.min_sample_s` (at most 1000 calls), given one call's time."""
+    once_s = once_ms / 1e3
     if reps is None:
-        reps = settings.reps_short if once < 0.05 else settings.reps_long
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        out = None
-        for _ in range(inner):
-            out = fn(*args)
-        _block(out)
-        samples.append((time.perf_counter() - start) / inner)
-    return samples
+        reps = settings.reps_short if once_s < 0.05 else settings.reps_long
+    inner = timing.calls_per_sample(once_s, settings.min_sample_s, most=1000)
+    return timing.looped_samples(fn, args, inner=inner, reps=reps)
 
 
 def _compile(fn: Callable, args: tuple):
@@ -799,10 +794,10 @@ def _confirm(finalists: dict, args, settings: Settings) -> None:
         return
     d_samples, b_samples = [], []
     for _ in range(max(2, settings.reps_short if (b_rec.ms or 0) < 50 else settings.reps_long)):
-        d_samples += _time_samples(d_fn, args, (d_rec.ms or 1.0) / 1e3, settings, reps=1)
-        b_samples += _time_samples(b_fn, args, (b_rec.ms or 1.0) / 1e3, settings, reps=1)
-    d_rec.ms = 1e3 * statistics.median(d_samples)
-    b_rec.ms = 1e3 * statistics.median(b_samples)
+        d_samples += _samples_ms(d_fn, args, d_rec.ms or 1.0, settings, reps=1)
+        b_samples += _samples_ms(b_fn, args, b_rec.ms or 1.0, settings, reps=1)
+    d_rec.ms = statistics.median(d_samples)
+    b_rec.ms = statistics.median(b_samples)
 
 
 def _measure_one(compiled, cfg, args, runner: KernelRunner, inputs: Inputs, baseline,
@@ -812,7 +807,7 @@ def _measure_one(compiled, cfg, args, runner: KernelRunner, inputs: Inputs, base
         start = time.perf_counter()
         outputs = compiled(*args)
         _block(outputs)
-        first = time.perf_counter() - start
+        first_ms = 1e3 * (time.perf_counter() - start)
     except Exception as exc:  # noqa: BLE001 - e.g. a launch failure
         return CandidateRecord(cfg, "run failed", detail=_first_line(exc)), None
     tol = runner.tolerance(inputs.spec.dtype_name)
@@ -833,13 +828,13 @@ def _measure_one(compiled, cfg, args, runner: KernelRunner, inputs: Inputs, base
                 _block(compiled(*args))
         # One sample timed like the others (short kernels looped, so launch overhead
         # does not decide), compared with the best so far before spending more time.
-        probe = _time_samples(compiled, args, first, settings, reps=1)[0]
-        if best_ms is not None and probe * 1e3 > settings.prune * best_ms:
-            record = CandidateRecord(cfg, "pruned", ms=probe * 1e3, error=err,
-                                     detail=f"probe {probe * 1e3:.3f} ms > {settings.prune:g}x best")
+        probe = _samples_ms(compiled, args, first_ms, settings, reps=1)[0]
+        if best_ms is not None and probe > settings.prune * best_ms:
+            record = CandidateRecord(cfg, "pruned", ms=probe, error=err,
+                                     detail=f"probe {probe:.3f} ms > {settings.prune:g}x best")
         else:
-            samples = [probe] + _time_samples(compiled, args, probe, settings)
-            record = CandidateRecord(cfg, "ok", ms=1e3 * statistics.median(samples), error=err)
+            samples = [probe] + _samples_ms(compiled, args, probe, settings)
+            record = CandidateRecord(cfg, "ok", ms=statistics.median(samples), error=err)
     except Exception as exc:  # noqa: BLE001
         return CandidateRecord(cfg, "run failed", detail=_first_line(exc)), None
     return record, outputs
