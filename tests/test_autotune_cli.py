@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from test_autotune_sched import FAKE_BACKEND, FAKE_DEVICE, TESTS_DIR, read_log
-from tuning import autotune, search_space
-from tuning.autotune_tasks import LARGE_SEQLEN, build_tasks, gqa_kv_heads, grid_seqlens
+from tuning.autotune import cli as autotune_cli
+from tuning.autotune import search_space
+from tuning.autotune.tasks import LARGE_SEQLEN, build_tasks, gqa_kv_heads, grid_seqlens
 from tuning.lookup import clear_cache, lookup_config
 from tuning.schema import load_config_file
 
@@ -57,28 +58,28 @@ SMALL = ("--headdims", "64,128", "--seqlens", "1,512", "--H", "4",
 ])
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
-        autotune.main(argv)
+        autotune_cli.main(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
 
 
 def test_defaults_match_ffpa():
-    args = autotune.build_parser().parse_args([])
+    args = autotune_cli.build_parser().parse_args([])
     assert (args.mode, args.directions, args.dtypes, args.B, args.H) == ("fast", "both",
                                                                         ["bf16"], 1, 32)
     assert not args.full_tasks and not args.overwrite and not args.resume
-    assert args.output_dir == Path(autotune.PACKAGED_CONFIG_DIR)
+    assert args.output_dir == Path(autotune_cli.PACKAGED_CONFIG_DIR)
 
 
 def test_bad_max_configs_env_is_refused(monkeypatch, capsys):
     monkeypatch.setenv("FFPA_AUTOTUNE_MAX_CONFIGS", "lots")
     with pytest.raises(SystemExit):
-        autotune.main(["--dry-run"])
+        autotune_cli.main(["--dry-run"])
     assert "FFPA_AUTOTUNE_MAX_CONFIGS must be a positive integer" in capsys.readouterr().err
 
 
 def dry_run(capsys, *argv) -> list[str]:
-    assert autotune.main(["--dry-run", *argv]) == 0
+    assert autotune_cli.main(["--dry-run", *argv]) == 0
     return capsys.readouterr().out.splitlines()
 
 
@@ -99,7 +100,7 @@ def test_dry_run_grid_and_cap(capsys, monkeypatch):
 
 def test_default_grid_is_ffpas():
     tasks = build_tasks(directions=("forward",), dtypes=("bf16",), batch=1, heads=32,
-                        headdims=autotune.HEADDIMS, seqlens=grid_seqlens(80.0))
+                        headdims=autotune_cli.HEADDIMS, seqlens=grid_seqlens(80.0))
     assert sorted({t.headdim for t in tasks}) == [64, 128, 256, 320, 512, 640, 768, 1024]
     assert sorted({t.seqlen_q for t in tasks}) == [1, 512, 1024, 2048, 4096, 8192, LARGE_SEQLEN]
     assert LARGE_SEQLEN not in grid_seqlens(47.5) and LARGE_SEQLEN not in grid_seqlens(None)
@@ -165,18 +166,18 @@ def test_end_to_end_two_gpus_cap_resume_refuse_overwrite(env):
 
 def test_too_few_visible_gpus_fails_clearly(env, monkeypatch, capsys):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    assert autotune.main(["--num-gpus", "2", "--output-dir", str(env), *SMALL]) == 2
+    assert autotune_cli.main(["--num-gpus", "2", "--output-dir", str(env), *SMALL]) == 2
     err = capsys.readouterr().err
     assert "--num-gpus 2 asks for 2 GPU(s), but only 1 is visible" in err
     assert not list(env.glob("*.json"))
 
 
 def test_ray_only_imported_for_ray_address(env, capsys):
-    assert autotune.main(["--output-dir", str(env), *SMALL]) == 0
+    assert autotune_cli.main(["--output-dir", str(env), *SMALL]) == 0
     assert "ray" not in sys.modules
     if "ray" in sys.modules or _has_ray():
         pytest.skip("ray is installed: the missing-ray message cannot be shown")
-    assert autotune.main(["--ray-address", "127.0.0.1:6379", "--output-dir", str(env),
+    assert autotune_cli.main(["--ray-address", "127.0.0.1:6379", "--output-dir", str(env),
                           *SMALL]) == 2
     assert "--ray-address needs Ray" in capsys.readouterr().err
 

@@ -1,4 +1,4 @@
-"""The autotuner's search spaces and its candidate filter (tuning.autotune_measure).
+"""The autotuner's search spaces and its candidate filter (tuning.autotune.measure).
 
 The filter runs the real kernels in Pallas' interpreter on tiny shapes, with
 candidates that fail to compile or compute the wrong thing injected among
@@ -13,10 +13,10 @@ import os
 import jax.numpy as jnp
 import pytest
 
-from tuning import autotune_measure as am
-from tuning import search_space
-from tuning.autotune_sched import ResultStore
-from tuning.autotune_tasks import Task
+from tuning.autotune import measure as am
+from tuning.autotune import search_space
+from tuning.autotune.sched import ResultStore
+from tuning.autotune.tasks import Task
 from tuning.defaults import default_config
 from tuning.lookup import clear_cache, lookup_config
 from pallas_kernels.problem import Problem

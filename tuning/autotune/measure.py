@@ -46,8 +46,9 @@ import pallas_kernels
 from pallas_kernels import BwdConfig, FwdConfig
 from pallas_kernels.common import capped_for_rounding
 from pallas_kernels.problem import DTYPES, Problem
-from tuning import search_space, timing
-from tuning.autotune_tasks import DROPOUT_RATE
+from tuning import timing
+from tuning.autotune import search_space
+from tuning.autotune.tasks import DROPOUT_RATE
 
 _SEED = (0x1234ABCD, 0x0BADF00D)
 _N_SAMPLES = 8  # sampled query rows / key columns per sampled head

@@ -10,7 +10,7 @@ plus ours: `--resume` (continue an interrupted run's file), `--headdims` and
 `--seqlens` (replace the grid), `--causal both|true|false`, `--task-timeout`,
 `--dry-run` (list the tasks and exit). `FFPA_AUTOTUNE_MAX_CONFIGS=N` runs only
 the first N tasks (smoke runs). After the kernel tasks, each prefill problem of the
-grid also gets its tiers measured (`tuning.autotune_tiers`: the "tier" field of each
+grid also gets its tiers measured (`tuning.autotune.tiers`: the "tier" field of each
 direction); `--tiers-only` measures only that, into an existing or new file, and
 `--no-tiers` skips it. See docs/tuning.md.
 
@@ -29,10 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from tuning.autotune_sched import Progress, ResultStore, ResumeError, run_tasks
-from tuning.autotune_tasks import (DECODE_KERNELS, HEADDIMS, LARGE_SEQLEN, SEQLENS, Task,
+from tuning.autotune.sched import Progress, ResultStore, ResumeError, run_tasks
+from tuning.autotune.tasks import (DECODE_KERNELS, HEADDIMS, LARGE_SEQLEN, SEQLENS, Task,
                                    build_tasks, grid_seqlens)
-from tuning.autotune_workers import DEFAULT_BACKEND, RayExecutor, SubprocessExecutor, gpus_for
+from tuning.autotune.workers import DEFAULT_BACKEND, RayExecutor, SubprocessExecutor, gpus_for
 from tuning.device import sanitize_device_name
 from tuning.lookup import PACKAGED_CONFIG_DIR
 
@@ -282,10 +282,10 @@ def _run(args, executor, max_configs: int | None, log_dir: Path) -> int:
 
 
 def _measure_tiers(args, *, file: Path | None) -> int:
-    """Run `tuning.autotune_tiers` on the grid of `args` (one GPU, its own process)."""
+    """Run `tuning.autotune.tiers` on the grid of `args` (one GPU, its own process)."""
     headdims = ",".join(map(str, sorted(set(args.headdims or HEADDIMS))))
     seqlens = [s for s in (args.seqlens or SEQLENS) if s > 1]
-    command = [sys.executable, "-m", "tuning.autotune_tiers", "--headdims", headdims,
+    command = [sys.executable, "-m", "tuning.autotune.tiers", "--headdims", headdims,
                "--seqlens", ",".join(map(str, seqlens)), "--causal", args.causal,
                "--dtypes", ",".join(d for d in args.dtypes if d != "fp32"),
                "--B", str(args.B), "--H", str(args.H)]
@@ -293,6 +293,3 @@ def _measure_tiers(args, *, file: Path | None) -> int:
     _say("measuring the tiers: " + " ".join(command[1:]))
     return subprocess.run(command, check=False).returncode
 
-
-if __name__ == "__main__":
-    sys.exit(main())
