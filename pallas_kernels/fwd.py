@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+from typing import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +29,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common, compat
 from pallas_kernels.common import cdiv, dot, fit_block, i32, iota
+from pallas_kernels.descriptor import (KernelDescriptor, Move, Table, add_stages, scaled, set_to,
+                                       tile_width, toggle_warps)
 
 Q_MODES = ("resident", "reload", "dynamic")
 
@@ -264,3 +268,87 @@ def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None
         interpret=interpret,
         name="fwd_generic",
     )(*inputs)
+
+
+# ------------------------------------------------------------------ descriptor
+# Built-in launch configs (used whenever no tuned entry matches), per head dim, from
+# measurements on an H100/H200 (docs/fwd_variants.md has the variant tables).
+
+_DEFAULTS: Table = (
+    # H200, bf16, N=4096 (docs/fwd_variants.md): 353, 460, 426, 259, 180 TF/s.
+    (64, dict(BLOCK_M=128, BLOCK_N=64, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=64,
+              num_warps=8, num_stages=3)),
+    (128, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_HEADDIM_QK=128, BLOCK_HEADDIM_V=128,
+               num_warps=8, num_stages=3)),
+    (256, dict(BLOCK_M=128, BLOCK_N=64, BLOCK_HEADDIM_QK=256, BLOCK_HEADDIM_V=256,
+               num_warps=8, num_stages=2)),
+    # Above 256 a static unroll over D chunks overflows shared memory (Triton's
+    # pipeliner buffers every chunk); the dynamic chunk loop keeps one live.
+    (512, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=256,
+               num_warps=8, num_stages=4, Q_MODE="dynamic")),
+    (1024, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=256,
+                num_warps=8, num_stages=4, Q_MODE="dynamic")),
+)
+# float32 tiles take twice the shared memory of 16-bit ones.
+# D <= 256: a float32 call (D=256, Dv=26, T=68, S=42, with a mask) asked 238080 of
+# 232448 bytes in the GPU fuzz, and still did with dq/dbias at BLOCK_N=64, so the
+# forward and dkdv tiles shrink too (not yet re-run on a GPU; float32 is the
+# accuracy path, not the speed one).
+# D <= 128: a float32 call (D=44, Dv=107, T=57, S=358, causal, with a mask) asked
+# 245760 bytes in the GPU fuzz of 2026-11-21; the 128-wide KV (and query) tiles
+# of the forward and dq halve.
+_FP32_OVERRIDES: Table = ((128, dict(BLOCK_N=64)), (256, dict(BLOCK_M=64, BLOCK_N=32)))
+# With dropout each tile also generates its keep-mask, which changes the best tiles.
+# Dropout is for training, so the forward that counts is the vjp's, which writes a
+# float32 output. H200, bf16, rate 0.1, N=4096, the generator of 2026-11-22
+# (the dropout launch sweep, docs/history.md, session 9): D=128 fwd
+# 3.32 ms with a bf16 output (BN=128 with 2 stages: 4.01); D=512
+# fwd, float32 output, 6.24 with the plain default (BN=64 with 3 stages, the override for
+# the earlier generator: 6.57; BM=64 with 4 warps: 6.06 with a bf16 output but 9.64 with
+# float32).
+_DROPOUT_OVERRIDES: Table = ((128, dict(BLOCK_N=64, num_stages=3)),)
+
+
+def _moves(headdim: int) -> list[Move]:
+    """The fast search: the knobs the variant sweeps (docs/fwd_variants.md) showed to matter
+    most at this head dim first."""
+    if headdim <= 128:
+        return [scaled("BLOCK_N", 2), scaled("BLOCK_N", 0.5), scaled("BLOCK_M", 0.5),
+                toggle_warps, add_stages(1), add_stages(-1), scaled("BLOCK_M", 2),
+                scaled("BLOCK_HEADDIM_QK", 0.5)]
+    if headdim <= 256:
+        return [scaled("BLOCK_N", 2), set_to("Q_MODE", "dynamic"), scaled("BLOCK_HEADDIM_QK", 0.25),
+                scaled("BLOCK_N", 0.5), add_stages(1), scaled("BLOCK_M", 0.5), toggle_warps,
+                set_to("Q_MODE", "reload")]
+    return [scaled("BLOCK_HEADDIM_V", 0.5), scaled("BLOCK_N", 0.5), add_stages(-1),
+            scaled("BLOCK_HEADDIM_QK", 2), scaled("BLOCK_M", 0.5), scaled("BLOCK_HEADDIM_V", 2),
+            toggle_warps, add_stages(-2)]
+
+
+def _grid(headdim: int) -> Iterable[dict]:
+    d = tile_width(headdim)
+    if headdim <= 128:
+        for bm, bn, w, st in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+            yield dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_HEADDIM_QK=d, BLOCK_HEADDIM_V=d,
+                       num_warps=w, num_stages=st)
+    elif headdim <= 256:
+        for bm, bn, st, (bd, mode) in itertools.product(
+                (64, 128), (32, 64, 128), (2, 3), ((d, "resident"), (64, "dynamic"))):
+            yield dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_HEADDIM_QK=bd, BLOCK_HEADDIM_V=d,
+                       num_warps=8, num_stages=st, Q_MODE=mode)
+    else:
+        for bm, bn, bd, bdv, st in itertools.product((64, 128), (64, 128, 32), (64, 128),
+                                                      (256, 128), (3, 2, 4)):
+            yield dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_HEADDIM_QK=bd, BLOCK_HEADDIM_V=bdv,
+                       num_warps=8, num_stages=st, Q_MODE="dynamic")
+
+
+FWD_GENERIC = KernelDescriptor(
+    name="fwd_generic", direction="forward", config=FwdConfig, role="attention",
+    function=fwd_generic,
+    block_keys=("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM_QK", "BLOCK_HEADDIM_V"),
+    # Q_MODE: how the QKᵀ chunks are walked (our extension of FFPA's keys; absent means
+    # "resident").
+    optional_keys=("Q_MODE",),
+    defaults=_DEFAULTS, fp32_overrides=_FP32_OVERRIDES, dropout_overrides=_DROPOUT_OVERRIDES,
+    moves=_moves, grid=_grid)

@@ -58,6 +58,27 @@ def test_search_space_sizes_validity_and_default_first(kernel):
         assert len(search_space.candidates(kernel, headdim=512, mode="fast")) == 8
 
 
+def test_every_descriptor_is_registered_defaulted_searched_and_run():
+    """The tuned-file registry, the defaults, the search space and the autotune runners all
+    come from pallas_kernels.KERNEL_DESCRIPTORS: one list names every tuned kernel."""
+    from pallas_kernels import KERNEL_DESCRIPTORS
+    from tuning import KERNELS
+
+    names = [d.name for d in KERNEL_DESCRIPTORS]
+    assert names == ["fwd_generic", "decode_fwd_stage1", "decode_fwd_stage2", "bwd_preproc",
+                     "bwd_generic_dkdv", "bwd_generic_dq", "bwd_dbias"]
+    # FFPA's fused-backward kernels are valid file entries that we never run.
+    assert list(KERNELS) == names + ["bwd_generic", "decode_bwd_stage1"]
+    assert set(am.RUNNERS) == set(names)
+    for d in KERNEL_DESCRIPTORS:
+        assert KERNELS[d.name].block_keys == d.block_keys
+        assert am.RUNNERS[d.name].kernel_fn is d.function
+        for dim in (64, 512):
+            assert config_problem(d.name, default_config(d.name, headdim=dim)) is None
+    with pytest.raises(KeyError):
+        default_config("bwd_generic", headdim=64)  # registered, but no built-in config
+
+
 def test_unknown_mode_or_kernel():
     with pytest.raises(ValueError, match="mode"):
         search_space.candidates("fwd_generic", headdim=64, mode="slow")

@@ -1,8 +1,7 @@
 """Measure candidate launch configs of one kernel on one problem: the autotuner's core.
 
 Used by the autotune CLI's workers (one process per GPU) and by
-`ffpa_jax.runtime_autotune`. This is the one module of `tuning` that imports
-JAX and `pallas_kernels`; nothing imports it at `import tuning` time.
+`ffpa_jax.runtime_autotune`; nothing imports it at `import tuning` time.
 
 For each candidate (search_space order, the built-in default first):
 1. Lower and compile it (in a thread pool). A candidate that fails to compile
@@ -17,12 +16,11 @@ For each candidate (search_space order, the built-in default first):
    best so far is dropped; the others are timed over a few repetitions.
 The fastest surviving candidate wins. Nothing that failed is ever returned.
 
-Kernels are run through `RUNNERS`, a table from kernel name to a `KernelRunner`
-(how to build its inputs, launch it and check it). A kernel without a runner,
-or one that `pallas_kernels` does not provide, is reported as unsupported (and
-its tasks skipped); a kernel that does not take `dropout_rate` yet has its
-dropout tasks skipped. To tune a new kernel, add its row to `RUNNERS` and its
-space to `search_space`.
+Kernels are run through `RUNNERS`, a `KernelRunner` (how to build its inputs, launch
+it and check it) per kernel of `pallas_kernels.KERNEL_DESCRIPTORS`, made by the runner of
+the kernel's role (`_ROLES`). A kernel without a runner is reported as unsupported (and its
+tasks skipped); a kernel that does not take `dropout_rate` has its dropout tasks skipped.
+A new kernel of a known role is tuned once it has its descriptor.
 """
 
 from __future__ import annotations
@@ -43,12 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from pallas_kernels import BwdConfig, FwdConfig
+from pallas_kernels import KERNEL_DESCRIPTORS, BwdConfig, KernelDescriptor
 from pallas_kernels.common import capped_for_rounding
 from pallas_kernels.problem import DTYPES, Problem
 from tuning import timing
 from tuning.autotune import search_space
 from tuning.autotune.tasks import DROPOUT_RATE
+from tuning.device import multiprocessor_count
 
 _SEED = (0x1234ABCD, 0x0BADF00D)
 _N_SAMPLES = 8  # sampled query rows / key columns per sampled head
@@ -454,27 +453,30 @@ def _seed_kw(spec: Problem, seed) -> dict:
     return {} if not spec.dropout_rate else {"dropout_rate": spec.dropout_rate, "seed": seed}
 
 
-def _fwd_launcher(cfg: dict, spec: Problem, interpret: bool) -> Callable:
-    config = FwdConfig.from_tuned(cfg)
-
-    def launch(q, k, v, *rest):
-        bias, mask, seed = _split_opt(spec, rest)
-        return pallas_kernels.fwd_generic(q, k, v, bias, mask, scale=spec.scale,
-                                          causal=spec.causal, config=config, interpret=interpret,
-                                          **_seed_kw(spec, seed))
-    return launch
+def _tile_fit(config_class: type) -> Callable[[dict, Problem], Hashable]:
+    """The fit key of a kernel whose config class fits its tiles to (T, S, D, Dv)."""
+    def fit(cfg: dict, spec: Problem) -> Hashable:
+        fitted = config_class.from_tuned(cfg).fitted(spec.seq_q, spec.seq_k, spec.head_dim,
+                                                     spec.head_dim_v)
+        return capped_for_rounding(fitted, spec.dtype)[0]
+    return fit
 
 
-def _fwd_fit(cfg: dict, spec: Problem) -> Hashable:
-    fitted = FwdConfig.from_tuned(cfg).fitted(spec.seq_q, spec.seq_k, spec.head_dim,
-                                              spec.head_dim_v)
-    return capped_for_rounding(fitted, spec.dtype)[0]
+def _attention_launcher(d: KernelDescriptor) -> Callable[[dict, Problem, bool], Callable]:
+    """q, k, v (bias, mask, seed) -> (o, lse)."""
+    def make(cfg: dict, spec: Problem, interpret: bool) -> Callable:
+        config = d.config.from_tuned(cfg)
+
+        def launch(q, k, v, *rest):
+            bias, mask, seed = _split_opt(spec, rest)
+            return d.function(q, k, v, bias, mask, scale=spec.scale, causal=spec.causal,
+                              config=config, interpret=interpret, **_seed_kw(spec, seed))
+        return launch
+    return make
 
 
-def _bwd_fit(cfg: dict, spec: Problem) -> Hashable:
-    fitted = BwdConfig.from_tuned(cfg).fitted(spec.seq_q, spec.seq_k, spec.head_dim,
-                                              spec.head_dim_v)
-    return capped_for_rounding(fitted, spec.dtype)[0]
+def _attention_args(inp: Inputs) -> tuple:
+    return (inp.q, inp.k, inp.v, *_opt_args(inp))
 
 
 def _preproc_fit(cfg: dict, spec: Problem) -> Hashable:
@@ -483,12 +485,15 @@ def _preproc_fit(cfg: dict, spec: Problem) -> Hashable:
     return (fitted.block_m, fitted.block_slice, bwd.num_warps, bwd.num_stages)
 
 
-def _preproc_launcher(cfg: dict, spec: Problem, interpret: bool) -> Callable:
-    config = BwdConfig.from_tuned(cfg)
+def _preproc_launcher(d: KernelDescriptor) -> Callable[[dict, Problem, bool], Callable]:
+    """o, do, dlse -> delta."""
+    def make(cfg: dict, spec: Problem, interpret: bool) -> Callable:
+        config = d.config.from_tuned(cfg)
 
-    def launch(o, do, dlse):
-        return pallas_kernels.bwd_preproc(o, do, dlse, config=config, interpret=interpret)
-    return launch
+        def launch(o, do, dlse):
+            return d.function(o, do, dlse, config=config, interpret=interpret)
+        return launch
+    return make
 
 
 def _preproc_args(inp: Inputs) -> tuple:
@@ -501,51 +506,29 @@ def _bwd_args(inp: Inputs) -> tuple:
     return (inp.q, inp.k, inp.v, inp.do, lse, inp.delta(), *_opt_args(inp))
 
 
-def _bwd_launcher(name: str) -> Callable[[dict, Problem, bool], Callable]:
+def _bwd_launcher(d: KernelDescriptor) -> Callable[[dict, Problem, bool], Callable]:
+    """q, k, v, do, lse, delta (bias, mask, seed) -> the kernel's gradient(s)."""
     def make(cfg: dict, spec: Problem, interpret: bool) -> Callable:
-        config = BwdConfig.from_tuned(cfg)
-        fn = getattr(pallas_kernels, name)
+        config = d.config.from_tuned(cfg)
 
         def launch(q, k, v, do, lse, delta, *rest):
             bias, mask, seed = _split_opt(spec, rest)
-            return fn(q, k, v, do, lse, delta, bias, mask, scale=spec.scale, causal=spec.causal,
-                      config=config, interpret=interpret, **_seed_kw(spec, seed))
+            return d.function(q, k, v, do, lse, delta, bias, mask, scale=spec.scale,
+                              causal=spec.causal, config=config, interpret=interpret,
+                              **_seed_kw(spec, seed))
         return launch
     return make
 
 
-RUNNERS: dict[str, KernelRunner] = {
-    "fwd_generic": KernelRunner(
-        "fwd_generic", "forward", pallas_kernels.fwd_generic, _fwd_launcher,
-        args=lambda inp: (inp.q, inp.k, inp.v, *_opt_args(inp)), check=_fwd_reference_err,
-        fit_key=_fwd_fit, tol_16bit=2e-2, tol_fp32=1e-4),
-    "bwd_preproc": KernelRunner(
-        "bwd_preproc", "backward", pallas_kernels.bwd_preproc, _preproc_launcher,
-        args=_preproc_args, check=_preproc_reference_err, fit_key=_preproc_fit,
-        tol_16bit=1e-3, tol_fp32=1e-4),
-    "bwd_generic_dq": KernelRunner(
-        "bwd_generic_dq", "backward", pallas_kernels.bwd_generic_dq,
-        _bwd_launcher("bwd_generic_dq"), args=_bwd_args, check=_dq_reference_err,
-        fit_key=_bwd_fit, tol_16bit=3e-2, tol_fp32=1e-3),
-    "bwd_generic_dkdv": KernelRunner(
-        "bwd_generic_dkdv", "backward", pallas_kernels.bwd_generic_dkdv,
-        _bwd_launcher("bwd_generic_dkdv"), args=_bwd_args, check=_dkdv_reference_err,
-        fit_key=_bwd_fit, tol_16bit=3e-2, tol_fp32=1e-3),
-    "bwd_dbias": KernelRunner(
-        "bwd_dbias", "backward", pallas_kernels.bwd_dbias, _bwd_launcher("bwd_dbias"),
-        args=_bwd_args, check=_dbias_reference_err, fit_key=_bwd_fit,
-        tol_16bit=3e-2, tol_fp32=1e-3, needs_bias=True),
-}
+def _backward_runner(d: KernelDescriptor, check, *, needs_bias: bool = False) -> KernelRunner:
+    return KernelRunner(d.name, d.direction, d.function, _bwd_launcher(d), args=_bwd_args,
+                        check=check, fit_key=_tile_fit(d.config), tol_16bit=3e-2,
+                        tol_fp32=1e-3, needs_bias=needs_bias)
 
 
 # Decode: stage 1 is tuned with stage 2 at its default and timed together with it
 # (what a decode call costs); stage 2 is tuned on stage 1's partials under stage 1's
 # default, timed alone. Both are checked like the forward: (out, lse) at sampled rows.
-
-
-def _multiprocessors() -> int:
-    count = getattr(jax.devices()[0], "core_count", None)
-    return int(count) if isinstance(count, int) and count > 0 else 132
 
 
 def _decode_config(stage1: dict, stage2: dict | None = None):
@@ -556,7 +539,7 @@ def _decode_splits(config, spec: Problem) -> int:
     return config.num_splits or pallas_kernels.decode_num_splits(
         batch=spec.batch, heads_kv=spec.heads_kv, packed_rows=spec.group * spec.seq_q,
         seq_k=spec.seq_k, head_dim_v=spec.head_dim_v, config=config,
-        multiprocessors=_multiprocessors())
+        multiprocessors=multiprocessor_count())
 
 
 def _decode_default(kernel: str, spec: Problem) -> dict:
@@ -616,24 +599,27 @@ def _decode2_fit(cfg: dict, spec: Problem) -> Hashable:
     return (fitted.stage2_block_dv, fitted.stage2_num_warps)
 
 
-def _kernel_or_none(name: str) -> Callable | None:
-    return getattr(pallas_kernels, name, None)
+# How the autotuner runs a kernel of each role (`KernelDescriptor.role`): a new kernel of a
+# known role needs nothing here.
+_ROLES: dict[str, Callable[[KernelDescriptor], KernelRunner]] = {
+    "attention": lambda d: KernelRunner(
+        d.name, d.direction, d.function, _attention_launcher(d), args=_attention_args,
+        check=_fwd_reference_err, fit_key=_tile_fit(d.config), tol_16bit=2e-2, tol_fp32=1e-4),
+    "delta": lambda d: KernelRunner(
+        d.name, d.direction, d.function, _preproc_launcher(d), args=_preproc_args,
+        check=_preproc_reference_err, fit_key=_preproc_fit, tol_16bit=1e-3, tol_fp32=1e-4),
+    "dq": lambda d: _backward_runner(d, _dq_reference_err),
+    "dkdv": lambda d: _backward_runner(d, _dkdv_reference_err),
+    "dbias": lambda d: _backward_runner(d, _dbias_reference_err, needs_bias=True),
+    "decode_stage1": lambda d: KernelRunner(
+        d.name, d.direction, d.function, _decode1_launcher, args=_attention_args,
+        check=_fwd_reference_err, fit_key=_decode1_fit, tol_16bit=2e-2, tol_fp32=1e-4),
+    "decode_stage2": lambda d: KernelRunner(
+        d.name, d.direction, d.function, _decode2_launcher, args=_decode2_args,
+        check=_fwd_reference_err, fit_key=_decode2_fit, tol_16bit=2e-2, tol_fp32=1e-4),
+}
 
-
-if _kernel_or_none("decode_fwd_stage1") is not None:
-    RUNNERS["decode_fwd_stage1"] = KernelRunner(
-        "decode_fwd_stage1", "forward", pallas_kernels.decode_fwd_stage1, _decode1_launcher,
-        args=lambda inp: (inp.q, inp.k, inp.v, *_opt_args(inp)), check=_fwd_reference_err,
-        fit_key=_decode1_fit, tol_16bit=2e-2, tol_fp32=1e-4)
-    RUNNERS["decode_fwd_stage2"] = KernelRunner(
-        "decode_fwd_stage2", "forward", pallas_kernels.decode_fwd_stage2, _decode2_launcher,
-        args=_decode2_args, check=_fwd_reference_err, fit_key=_decode2_fit,
-        tol_16bit=2e-2, tol_fp32=1e-4)
-else:  # an older checkout: the rows exist, `unsupported` says why they cannot run
-    for _name in ("decode_fwd_stage1", "decode_fwd_stage2"):
-        RUNNERS[_name] = KernelRunner(_name, "forward", None, _fwd_launcher,
-                                      args=lambda inp: (), check=_fwd_reference_err,
-                                      fit_key=_fwd_fit, tol_16bit=2e-2, tol_fp32=1e-4)
+RUNNERS: dict[str, KernelRunner] = {d.name: _ROLES[d.role](d) for d in KERNEL_DESCRIPTORS}
 
 
 def unsupported(kernel: str, spec: Problem) -> str | None:
