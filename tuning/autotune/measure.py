@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from pallas_kernels import KERNEL_DESCRIPTORS, BwdConfig, KernelDescriptor
+from pallas_kernels import KERNEL_DESCRIPTORS, BwdConfig, KernelDescriptor, reference
 from pallas_kernels.common import capped_for_rounding
 from pallas_kernels.problem import DTYPES, Problem
 from tuning import timing
@@ -153,11 +153,11 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
 
 
-# ------------------------------------------------------------------ sampled float32 references
+# ------------------------------------------------------------------ checks against the reference
 #
-# Each reference is one jitted function of the problem's arrays (static: the
-# spec and the sampled indices), so checking a candidate costs one small launch,
-# and no [T, S] matrix is ever formed: only [samples, S] or [T, samples] slices.
+# The float32 references are `pallas_kernels.reference`'s sampled ones: one jitted function of
+# the problem's arrays each (static: the problem and the sampled indices), so checking a
+# candidate costs one small launch, and no [T, S] matrix is ever formed.
 
 
 def _sample_indices(n: int) -> tuple[int, ...]:
@@ -167,114 +167,6 @@ def _sample_indices(n: int) -> tuple[int, ...]:
 
 def _head_pairs(batch: int, heads: int) -> tuple[tuple[int, int], ...]:
     return tuple(sorted({(0, 0), (batch - 1, heads - 1)}))
-
-
-def _f32(x):
-    return x.astype(jnp.float32)
-
-
-def _dot(a, b, spec: str):
-    return jnp.einsum(spec, _f32(a), _f32(b), precision=jax.lax.Precision.HIGHEST)
-
-
-def _bcast(x, b, h, rows, cols):
-    """x[b, h][rows, cols] of a 4-D bias/mask whose size-1 dims broadcast."""
-    ib, ih = (b if x.shape[0] > 1 else 0), (h if x.shape[1] > 1 else 0)
-    r = rows if x.shape[2] > 1 else jnp.zeros_like(rows)
-    c = cols if x.shape[3] > 1 else jnp.zeros_like(cols)
-    return x[ib, ih][r[:, None], c[None, :]]
-
-
-def _logits(s: Problem, q, k, bias, mask, b: int, h: int, rows, cols):
-    """float32 scale·q·kᵀ + bias at [rows, cols] of (b, h), -inf where not visible."""
-    rows = jnp.asarray(rows, jnp.int32)
-    cols = jnp.asarray(cols, jnp.int32)
-    logits = _dot(q[b, rows, h], k[b, cols, h // s.group], "rd,cd->rc") * s.scale
-    if bias is not None:
-        logits = logits + _f32(_bcast(bias, b, h, rows, cols))
-    ok = jnp.ones(logits.shape, bool)
-    if s.causal:
-        ok &= cols[None, :] <= rows[:, None] + (s.seq_k - s.seq_q)
-    if mask is not None:
-        ok &= _bcast(mask, b, h, rows, cols)
-    return jnp.where(ok, logits, -jnp.inf)
-
-
-def _probs(logits, lse):
-    """exp(logits - lse) with rows of lse = -inf (no visible key) giving 0."""
-    lse = lse[:, None]
-    return jnp.where(jnp.isfinite(lse) & jnp.isfinite(logits), jnp.exp(logits - lse), 0.0)
-
-
-@functools.partial(jax.jit, static_argnames=("s", "pairs", "rows"))
-def _fwd_ref(q, k, v, bias, mask, *, s: Problem, pairs, rows):
-    """(o [P, R, Dv], lse [P, R]) in float32 at sampled rows of the sampled (b, h) pairs."""
-    outs, lses = [], []
-    all_cols = np.arange(s.seq_k)
-    for b, h in pairs:
-        logits = _logits(s, q, k, bias, mask, b, h, rows, all_cols)
-        m = jnp.max(logits, axis=1)
-        m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-        total = jnp.sum(jnp.exp(logits - m_safe[:, None]), axis=1)
-        lse = jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
-        outs.append(_dot(_probs(logits, lse), v[b, :, h // s.group], "rc,cd->rd"))
-        lses.append(lse)
-    return jnp.stack(outs), jnp.stack(lses)
-
-
-@functools.partial(jax.jit, static_argnames=("s", "pairs", "rows"))
-def _dq_ref(q, k, v, do, lse, delta, bias, mask, *, s: Problem, pairs, rows):
-    """dQ [P, R, D] in float32 at sampled rows, given the forward's lse and delta."""
-    out = []
-    all_cols = np.arange(s.seq_k)
-    for b, h in pairs:
-        hk = h // s.group
-        p = _probs(_logits(s, q, k, bias, mask, b, h, rows, all_cols), lse[b, h, rows, ])
-        dp = _dot(do[b, rows, h], v[b, :, hk], "rd,cd->rc")
-        ds = p * (dp - delta[b, h, rows, ][:, None])
-        out.append(_dot(ds, k[b, :, hk], "rc,cd->rd") * s.scale)
-    return jnp.stack(out)
-
-
-@functools.partial(jax.jit, static_argnames=("s", "pairs", "cols"))
-def _dkdv_ref(q, k, v, do, lse, delta, bias, mask, *, s: Problem, pairs, cols):
-    """(dK [P, C, D], dV [P, C, Dv]) in float32 at sampled key columns of the sampled
-    (b, kv head) pairs, summed over the kv head's query heads."""
-    dks, dvs = [], []
-    all_rows = np.arange(s.seq_q)
-    for b, hk in pairs:
-        dk = dv = 0.0
-        for h in range(hk * s.group, (hk + 1) * s.group):
-            p = _probs(_logits(s, q, k, bias, mask, b, h, all_rows, cols), lse[b, h])  # [T, C]
-            dp = _dot(do[b, :, h], v[b, np.array(cols), hk], "td,cd->tc")
-            ds = p * (dp - delta[b, h][:, None])
-            dv = dv + _dot(p, do[b, :, h], "tc,td->cd")
-            dk = dk + _dot(ds, q[b, :, h], "tc,td->cd") * s.scale
-        dks.append(dk)
-        dvs.append(dv)
-    return jnp.stack(dks), jnp.stack(dvs)
-
-
-@functools.partial(jax.jit, static_argnames=("s", "rows", "cols"))
-def _dbias_ref(q, k, v, do, lse, delta, bias, mask, *, s: Problem, rows, cols):
-    """dbias [Bb, Bh, R', C'] in float32: at sampled rows (cols) where the bias has a
-    full T (S) dim, else summed over all of them, like the kernel's broadcast sum."""
-    bshape = bias.shape
-    rows_full, cols_full = bshape[2] > 1, bshape[3] > 1
-    r = np.array(rows) if rows_full else np.arange(s.seq_q)
-    c = np.array(cols) if cols_full else np.arange(s.seq_k)
-    sums = [[0.0] * bshape[1] for _ in range(bshape[0])]
-    for b in range(s.batch):
-        for h in range(s.heads_q):
-            hk = h // s.group
-            p = _probs(_logits(s, q, k, bias, mask, b, h, r, c), lse[b, h, r])
-            dp = _dot(do[b, r, h], v[b, c, hk], "rd,cd->rc")
-            ds = p * (dp - delta[b, h, r][:, None])
-            ds = ds if rows_full else jnp.sum(ds, axis=0, keepdims=True)
-            ds = ds if cols_full else jnp.sum(ds, axis=1, keepdims=True)
-            ib, ih = (b if bshape[0] > 1 else 0), (h if bshape[1] > 1 else 0)
-            sums[ib][ih] = sums[ib][ih] + ds
-    return jnp.stack([jnp.stack(row) for row in sums])
 
 
 @functools.partial(jax.jit, static_argnames=("pairs", "rows", "heads_axis"))
@@ -290,7 +182,7 @@ def _take(x, *, pairs, rows, heads_axis: int):
 @jax.jit
 def _diff_stats(got, want):
     """(all finite, max |got - want|, max |want|) in float32, on the device."""
-    got, want = _f32(got), _f32(want)
+    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
     return jnp.all(jnp.isfinite(got)), jnp.max(jnp.abs(got - want)), jnp.max(jnp.abs(want))
 
 
@@ -327,8 +219,8 @@ def _fwd_reference_err(out, inp: Inputs) -> float | None:
         return None
     o, lse = out
     pairs, rows = _head_pairs(s.batch, s.heads_q), _sample_indices(s.seq_q)
-    ref_o, ref_lse = _fwd_ref(inp.q, inp.k, inp.v, inp.bias, inp.mask, s=s, pairs=pairs,
-                              rows=rows)
+    ref_o, ref_lse = reference.sampled_forward(inp.q, inp.k, inp.v, inp.bias, inp.mask, s=s,
+                                               pairs=pairs, rows=rows)
     return max(_rel_err(_take(o, pairs=pairs, rows=rows, heads_axis=2), ref_o),
                _lse_err(_take(lse, pairs=pairs, rows=rows, heads_axis=1), ref_lse))
 
@@ -343,7 +235,7 @@ def _dq_reference_err(dq, inp: Inputs) -> float | None:
     if s.dropout_rate:
         return None
     pairs, rows = _head_pairs(s.batch, s.heads_q), _sample_indices(s.seq_q)
-    ref = _dq_ref(*_bwd_arrays(inp), s=s, pairs=pairs, rows=rows)
+    ref = reference.sampled_dq(*_bwd_arrays(inp), s=s, pairs=pairs, rows=rows)
     return _rel_err(_take(dq, pairs=pairs, rows=rows, heads_axis=2), ref)
 
 
@@ -353,7 +245,7 @@ def _dkdv_reference_err(out, inp: Inputs) -> float | None:
         return None
     dk, dv = out
     pairs, cols = _head_pairs(s.batch, s.heads_kv), _sample_indices(s.seq_k)
-    ref_dk, ref_dv = _dkdv_ref(*_bwd_arrays(inp), s=s, pairs=pairs, cols=cols)
+    ref_dk, ref_dv = reference.sampled_dkdv(*_bwd_arrays(inp), s=s, pairs=pairs, cols=cols)
     return max(_rel_err(_take(dk, pairs=pairs, rows=cols, heads_axis=2), ref_dk),
                _rel_err(_take(dv, pairs=pairs, rows=cols, heads_axis=2), ref_dv))
 
@@ -366,7 +258,7 @@ def _dbias_reference_err(dbias, inp: Inputs) -> float | None:
     if s.dropout_rate or (bshape[2] == 1 and bshape[3] == 1):
         return None
     rows, cols = _sample_indices(s.seq_q), _sample_indices(s.seq_k)
-    ref = _dbias_ref(*_bwd_arrays(inp), s=s, rows=rows, cols=cols)
+    ref = reference.sampled_dbias(*_bwd_arrays(inp), s=s, rows=rows, cols=cols)
     got = dbias
     got = got[:, :, np.array(rows)] if bshape[2] > 1 else got
     got = got[:, :, :, np.array(cols)] if bshape[3] > 1 else got
