@@ -90,8 +90,8 @@ def _fitted(config: BwdConfig, q, k, v) -> BwdConfig:
 def _fit_shared_memory(cfg: BwdConfig, q, bias, mask, dropout_rate: float) -> BwdConfig:
     """`cfg` with at most 2 pipeline stages for float32 with a bias/mask tile or dropout.
 
-    The GPU fuzz of 2026-11-21 (float32, D=81, dropout 0.5, a per-row bias) asked 278528
-    of 232448 bytes of shared memory with dq's 3 dropout stages. The forward's estimate
+    A float32 call of the GPU fuzz (D=81, dropout 0.5, a per-row bias) overflowed shared
+    memory with dq's 3 dropout stages. The forward's estimate
     (`common.fit_stages`) overshoots the backward's real use several-fold (it would cut
     the bf16 dropout dq at D=128, measured to fit with 3 stages), so the backward takes
     this narrower rule, for the case seen."""
@@ -383,8 +383,8 @@ def bwd_exact_rows(q, k, v, do, lse, dlse, bias=None, mask=None, *, scale: float
     P: XLA's softmax gradient, which normalises P and subtracts Σ P·dP of its own values.
     float32 needs both:
     - rowsum(dO ∘ O) (`bwd_preproc`) rounds differently from the kernels' dP, and the two
-      cancel in dS = P ∘ (dP − δ) (exactly, for a row that sees one key). GPU fuzz,
-      2026-11-21: float32, D=1024, T=1, S=10, dropout 0.9 gave dq 52x XLA's error.
+      cancel in dS = P ∘ (dP − δ) (exactly, for a row that sees one key): in the GPU
+      fuzz, float32, D=1024, T=1, S=10, dropout 0.9 gave dq 52x XLA's error.
     - P from the forward's lse sums to 1 only where the backward rounds every logit as
       the forward did; a row sum off by 6e-6, times |δ| ~ 27, gave dq 5x XLA's error
       (float32, D=150, S=208, logits ~ 170; Pallas interpreter).
@@ -664,10 +664,11 @@ def bwd_dbias(q, k, v, do, lse, delta, bias, mask=None, *, scale: float, causal:
 
 
 # ------------------------------------------------------------------ descriptors
-# Built-in launch configs per head dim. BLOCK_HEADDIM is the accumulated head-dim slice,
-# BLOCK_HEADDIM_QK the chunk of the S/dP reductions. H200, bf16, N=4096
-# (docs/bwd_variants.md): dq 1.68 / 3.06 / 2.98 / 6.78 / 20.8 ms and dkdv 2.53 / 4.24 /
-# 4.58 / 8.86 / 27.7 ms at D = 64 / 128 / 256 / 512 / 1024.
+# Built-in launch configs per head dim, chosen by the launch-variant sweeps on the H200
+# (docs/bwd_variants.md; the figures are in docs/history.md, "Numbers behind choices in
+# the code").
+# BLOCK_HEADDIM is the accumulated head-dim slice, BLOCK_HEADDIM_QK the chunk of the S/dP
+# reductions.
 
 _DQ_DEFAULTS: Table = (
     (64, dict(BLOCK_M=128, BLOCK_N=64, BLOCK_HEADDIM=64, BLOCK_HEADDIM_QK=64,
@@ -683,7 +684,7 @@ _DQ_DEFAULTS: Table = (
 )
 # dbias recomputes S and dP like dq, but no operand is resident: Q, dO, K and V are
 # all reloaded per tile and pipelined, so dq's D=128 tiles (4 x 32 KiB x 2 stages)
-# overflow shared memory (272 KiB asked at T=S=1000 on the H200); half-size tiles.
+# overflow shared memory; half-size tiles.
 _DBIAS_DEFAULTS: Table = tuple(
     (dim, dict(cfg, BLOCK_M=64, BLOCK_N=64, num_warps=4) if dim == 128 else cfg)
     for dim, cfg in _DQ_DEFAULTS)
@@ -704,24 +705,15 @@ _PREPROC_DEFAULTS: Table = (
 
 # float32 tiles take twice the shared memory of 16-bit ones: where a 16-bit
 # default is sized to the limit, float32 gets the smaller tile it was measured
-# with first (dq with BLOCK_N=128 at D=320 requested 288 KiB of the 227 KiB).
-# D <= 256: a float32 call (D=256, Dv=26, T=68, S=42, with a mask) asked 238080 of
-# 232448 bytes in the GPU fuzz, and still did with dq/dbias at BLOCK_N=64, so the
-# forward and dkdv tiles shrink too (not yet re-run on a GPU; float32 is the
-# accuracy path, not the speed one).
-# D <= 128: a float32 call (D=44, Dv=107, T=57, S=358, causal, with a mask) asked
-# 245760 bytes in the GPU fuzz of 2026-11-21; the 128-wide KV (and query) tiles
-# of the forward and dq halve.
+# with first; float32 calls of the GPU fuzz overflowed shared memory at D <= 128 (dq's
+# tiles halve) and D <= 256 (dq, dbias and dkdv shrink).
 _DQ_FP32: Table = ((128, dict(BLOCK_M=64, BLOCK_N=64)), (256, dict(BLOCK_N=64)),
                    (1024, dict(BLOCK_N=64)))
 _DBIAS_FP32: Table = ((256, dict(BLOCK_N=64)), (1024, dict(BLOCK_N=64)))
 _DKDV_FP32: Table = ((256, dict(BLOCK_N=64)), (1024, dict(BLOCK_M=64)))
 
-# With dropout each tile also generates its keep-mask, which changes the best tiles.
-# H200, bf16, rate 0.1, N=4096, the generator of 2026-11-22
-# (the dropout launch sweep, docs/history.md, session 9): D=128 dq 3.87 (BN=128: 4.00);
-# D=512 dq 6.55 with 128-wide QK chunks (64: 7.34; D=1024: 20.77 against 21.83), dkdv
-# 10.91 with BM=64 (11.20).
+# With dropout each tile also generates its keep-mask, which changes the best tiles (the
+# dropout launch sweep).
 _DQ_DROPOUT: Table = ((128, dict(BLOCK_N=64, num_stages=3)), (1024, dict(BLOCK_HEADDIM_QK=128)))
 _DKDV_DROPOUT: Table = ((1024, dict(BLOCK_M=64)),)
 

@@ -90,8 +90,7 @@ def _power_of_two_at_most(n: int) -> int:
 def causal_rows_cap(seq_q: int) -> int:
     """The most rows of a causal block: a quarter of T (at least 256), so that at least four
     row blocks split the triangle and the hidden blocks beyond each one's keys are skipped
-    (H200, D = 512, T = S = 4096: 1024-row blocks ran the causal forward in 1.98 ms, one
-    4096-row block in 2.72, the time of the whole square)."""
+    (one block of all T rows took as long as the whole square: docs/history.md)."""
     return max(256, -(-seq_q // 4 // 128) * 128)
 
 

@@ -302,9 +302,9 @@ def decode_attention(q, k, v, bias=None, mask=None, *, scale: float, causal: boo
 # ------------------------------------------------------------------ descriptors
 # Decode (T <= 16 against long S): memory-bound, so each program keeps the whole
 # output head dim (V is read once) and only 16 packed query rows; the D chunks of
-# QKᵀ walk in a loop above 256 to keep one K chunk live.
-# H200, bf16, B8 Hq32 Hkv8 T1 S32768 (the decode launch sweep, docs/history.md): D=128 4.17 TB/s
-# (3 stages: 3.95); D=512 3.44 TB/s with the whole D chunk static (dynamic BD=64: 2.26).
+# QKᵀ walk in a loop above 256 to keep one K chunk live, but at D = 512 the whole chunk
+# static was faster (the decode launch sweep, H200; the figures are in docs/history.md,
+# "Numbers behind choices in the code").
 _STAGE1_DEFAULTS: Table = (
     (128, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_HEADDIM_QK=128, BLOCK_HEADDIM_V=128,
                num_warps=4, num_stages=4)),
@@ -312,9 +312,7 @@ _STAGE1_DEFAULTS: Table = (
                num_warps=4, num_stages=3, DYNAMIC_D=True)),
     (512, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_HEADDIM_QK=512, BLOCK_HEADDIM_V=512,
                num_warps=8, num_stages=2)),
-    # The H200 autotune run (its record is named in docs/history.md,
-    # B1 H32 T1): BLOCK_N=64 takes 0.087 / 0.316 / 1.16 ms at S=1K/4K/16K against
-    # 0.136 / 0.500 / 2.05 ms with 32.
+    # BLOCK_N=64 beat 32 at S = 1K to 16K in the H200 autotune run.
     (1024, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=1024,
                 num_warps=8, num_stages=2, DYNAMIC_D=True)),
 )

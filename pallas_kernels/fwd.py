@@ -271,11 +271,11 @@ def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None
 
 
 # ------------------------------------------------------------------ descriptor
-# Built-in launch configs (used whenever no tuned entry matches), per head dim, from
-# measurements on an H100/H200 (docs/fwd_variants.md has the variant tables).
+# Built-in launch configs (used whenever no tuned entry matches), per head dim, chosen by
+# the launch-variant sweeps on the H200 (docs/fwd_variants.md; the figures are in
+# docs/history.md, "Numbers behind choices in the code").
 
 _DEFAULTS: Table = (
-    # H200, bf16, N=4096 (docs/fwd_variants.md): 353, 460, 426, 259, 180 TF/s.
     (64, dict(BLOCK_M=128, BLOCK_N=64, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=64,
               num_warps=8, num_stages=3)),
     (128, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_HEADDIM_QK=128, BLOCK_HEADDIM_V=128,
@@ -289,23 +289,13 @@ _DEFAULTS: Table = (
     (1024, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=256,
                 num_warps=8, num_stages=4, Q_MODE="dynamic")),
 )
-# float32 tiles take twice the shared memory of 16-bit ones.
-# D <= 256: a float32 call (D=256, Dv=26, T=68, S=42, with a mask) asked 238080 of
-# 232448 bytes in the GPU fuzz, and still did with dq/dbias at BLOCK_N=64, so the
-# forward and dkdv tiles shrink too (not yet re-run on a GPU; float32 is the
-# accuracy path, not the speed one).
-# D <= 128: a float32 call (D=44, Dv=107, T=57, S=358, causal, with a mask) asked
-# 245760 bytes in the GPU fuzz of 2026-11-21; the 128-wide KV (and query) tiles
-# of the forward and dq halve.
+# float32 tiles take twice the shared memory of 16-bit ones: float32 calls of the GPU fuzz
+# overflowed it at D <= 128 and D <= 256, so those tiles shrink (float32 is the accuracy
+# path, not the speed one).
 _FP32_OVERRIDES: Table = ((128, dict(BLOCK_N=64)), (256, dict(BLOCK_M=64, BLOCK_N=32)))
-# With dropout each tile also generates its keep-mask, which changes the best tiles.
-# Dropout is for training, so the forward that counts is the vjp's, which writes a
-# float32 output. H200, bf16, rate 0.1, N=4096, the generator of 2026-11-22
-# (the dropout launch sweep, docs/history.md, session 9): D=128 fwd
-# 3.32 ms with a bf16 output (BN=128 with 2 stages: 4.01); D=512
-# fwd, float32 output, 6.24 with the plain default (BN=64 with 3 stages, the override for
-# the earlier generator: 6.57; BM=64 with 4 warps: 6.06 with a bf16 output but 9.64 with
-# float32).
+# With dropout each tile also generates its keep-mask, which changes the best tiles (the
+# dropout launch sweep). Dropout is for training, so the forward that counts is the vjp's,
+# which writes a float32 output; at D = 512 that one is fastest with the plain default.
 _DROPOUT_OVERRIDES: Table = ((128, dict(BLOCK_N=64, num_stages=3)),)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from pallas_kernels import KERNEL_DESCRIPTORS
 from pallas_kernels.descriptor import Table
-from pallas_kernels.tiers import TIERS
 
 _DESCRIPTORS = {d.name: d for d in KERNEL_DESCRIPTORS}
 

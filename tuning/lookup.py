@@ -293,8 +293,8 @@ def lookup_entry(
     device_name: str | None = None,
     compute_capability: str | None = None,
 ) -> TunedEntry | None:
-    """The whole matched entry (as `lookup_config` matches it) with its file's "B", or
-    None. For callers that must know what problem a config was tuned on."""
+    """The matched entry (a fresh copy) with its file's "B", or None; see the module
+    docstring for the matching rules and `lookup_config` for the arguments."""
     _configure_debug_logging()
     query = _Query(
         direction=str(direction), kernel=str(kernel), dtype=dtype_name(dtype),
@@ -316,38 +316,18 @@ def lookup_entry(
     return TunedEntry(copied, batch if isinstance(batch, int) and batch > 0 else None)
 
 
-def lookup_config(
-    direction: str,
-    kernel: str,
-    *,
-    dtype: Any,
-    headdim: int,
-    seqlen_q: int,
-    seqlen_k: int,
-    causal: bool = False,
-    has_attn_bias: bool = False,
-    has_dropout: bool = False,
-    nheads_q: int | None = None,
-    nheads_kv: int | None = None,
-    autotune_mode: str = "fast",
-    bias_grad: bool | None = None,
-    device_name: str | None = None,
-    compute_capability: str | None = None,
-) -> dict[str, Any] | None:
+def lookup_config(direction: str, kernel: str, **query: Any) -> dict[str, Any] | None:
     """The tuned `config` dict for this kernel call, or None for the built-in default.
 
     `direction` is "forward" or "backward", `kernel` a name from
-    `tuning.registry.KERNELS`, `dtype` "bf16"/"fp16"/"fp32" (or a numpy/JAX
-    dtype). `device_name=None` means JAX's current device (no GPU: None);
-    `compute_capability` (e.g. "9.0") enables the same-capability fallback
-    file. Returns a fresh copy each call, safe to mutate. Never raises for a
-    bad or missing file; see the module docstring for the matching rules.
+    `tuning.registry.KERNELS`; `query` holds `lookup_entry`'s keywords: `dtype`
+    "bf16"/"fp16"/"fp32" (or a numpy/JAX dtype), `headdim`, `seqlen_q`, `seqlen_k` (required),
+    the problem's options, `device_name=None` for JAX's current device (no GPU: None) and
+    `compute_capability` (e.g. "9.0") for the same-capability fallback file. Returns a fresh
+    copy each call, safe to mutate. Never raises for a bad or missing file; see the module
+    docstring for the matching rules.
     """
-    found = lookup_entry(direction, kernel, dtype=dtype, headdim=headdim, seqlen_q=seqlen_q,
-                         seqlen_k=seqlen_k, causal=causal, has_attn_bias=has_attn_bias,
-                         has_dropout=has_dropout, nheads_q=nheads_q, nheads_kv=nheads_kv,
-                         autotune_mode=autotune_mode, bias_grad=bias_grad,
-                         device_name=device_name, compute_capability=compute_capability)
+    found = lookup_entry(direction, kernel, **query)
     return None if found is None else found.entry["config"]
 
 

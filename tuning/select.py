@@ -6,7 +6,8 @@ import logging
 from typing import Any
 
 from pallas_kernels.problem import Problem
-from tuning.defaults import TIER_KERNELS, TIERS, default_config, default_tier
+from pallas_kernels.tiers import TIERS
+from tuning.defaults import TIER_KERNELS, default_config, default_tier
 from tuning.lookup import TunedEntry, lookup_entry
 
 logger = logging.getLogger("ffpa_jax.tuning")

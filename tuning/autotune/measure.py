@@ -46,7 +46,7 @@ from pallas_kernels.common import capped_for_rounding
 from pallas_kernels.problem import DTYPES, Problem
 from tuning import timing
 from tuning.autotune import search_space
-from tuning.autotune.tasks import DROPOUT_RATE
+from tuning.autotune.tasks import Task
 from tuning.device import multiprocessor_count
 
 _SEED = (0x1234ABCD, 0x0BADF00D)
@@ -779,13 +779,11 @@ class MeasureBackend:
         return self._inputs
 
     def run(self, task: dict, *, mode: str, progress: Callable[[int, int], None]) -> dict:
-        spec = Problem(
-            batch=task["batch"], seq_q=task["seqlen_q"], seq_k=task["seqlen_k"],
-            heads_q=task["nheads_q"], heads_kv=task["nheads_kv"], head_dim=task["headdim"],
-            head_dim_v=task["headdim"], dtype=DTYPES[task["dtype"]],
-            scale=1.0 / math.sqrt(task["headdim"]), causal=task["causal"],
-            bias_shape=(1, 1, 1, task["seqlen_k"]) if task["has_attn_bias"] else None,
-            dropout_rate=DROPOUT_RATE if task["has_dropout"] else 0.0)
+        t = Task.from_dict(task)
+        spec = Problem(batch=t.batch, seq_q=t.seqlen_q, seq_k=t.seqlen_k, heads_q=t.nheads_q,
+                       heads_kv=t.nheads_kv, head_dim=t.headdim, head_dim_v=t.headdim,
+                       dtype=DTYPES[t.dtype], scale=1.0 / math.sqrt(t.headdim),
+                       causal=t.causal, bias_shape=t.bias_shape, dropout_rate=t.dropout_rate)
         result = tune(task["kernel"], spec, mode=mode, interpret=self.interpret,
                       inputs=self._inputs_for(spec), on_progress=progress)
         # The worker's stderr is its log file: one line per candidate, for diagnosis.
