@@ -2,11 +2,13 @@
 
 Rules (docs/design.md, "Tuned configs"), applied in this order:
 
-1. File: `$FFPA_TUNED_CONFIG_DIR/<sanitized device name>.json` when that
-   variable is set and the file exists, else the packaged
-   `tuning/configs/<sanitized>.json`. When neither exists, the first file (by
-   file name; the env directory before the packaged one) whose header
-   `compute_capability` equals the device's is used instead.
+1. File: `<dir>/<sanitized device name>.json` of the first of these directories
+   that holds one: `$FFPA_TUNED_CONFIG_DIR` (when set); the user's directory,
+   where `python -m tuning.autotune` writes by default (`user_config_dir()`:
+   `$XDG_CACHE_HOME/ffpa_jax/tuned_configs`, else `~/.cache/ffpa_jax/tuned_configs`);
+   the packaged `tuning/configs/`. When none holds one, the first file (by file
+   name, the directories in the same order) whose header `compute_capability`
+   equals the device's is used instead.
 2. Keep entries whose direction, kernel, autotune mode (the entry's own
    "autotune_mode", else the file's), dtype, causal, has_attn_bias and
    has_dropout match; for backward entries also bias_grad, when the caller
@@ -84,6 +86,7 @@ class _Env(NamedTuple):
     """The environment variables that change a lookup's answer."""
 
     config_dir: str | None
+    user_dir: str
     skip: bool
 
 
@@ -106,9 +109,17 @@ def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
+def user_config_dir() -> Path:
+    """The user's tuned-config directory, the autotuner's default output:
+    `$XDG_CACHE_HOME/ffpa_jax/tuned_configs`, else `~/.cache/ffpa_jax/tuned_configs`."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ffpa_jax" / "tuned_configs"
+
+
 def _read_env() -> _Env:
     skip = any(os.environ.get(name, "").strip().lower() in _TRUTHY for name in ENV_SKIP)
-    return _Env(config_dir=os.environ.get(ENV_CONFIG_DIR) or None, skip=skip)
+    return _Env(config_dir=os.environ.get(ENV_CONFIG_DIR) or None,
+                user_dir=str(user_config_dir()), skip=skip)
 
 
 def _configure_debug_logging() -> None:
@@ -141,7 +152,17 @@ def _load(path: Path) -> TunedConfigFile | None:
 
 def _config_dirs(env: _Env) -> list[Path]:
     dirs = [Path(env.config_dir)] if env.config_dir else []
-    return dirs + [PACKAGED_CONFIG_DIR]
+    return dirs + [Path(env.user_dir), PACKAGED_CONFIG_DIR]
+
+
+def config_dirs() -> list[Path]:
+    """The directories the lookup reads, in order (rule 1)."""
+    return _config_dirs(_read_env())
+
+
+def find_config_file(device_name: str, capability: str | None = None) -> TunedConfigFile | None:
+    """The tuned-config file the lookup reads for this device (rule 1), or None."""
+    return _find_file(device_name, capability, _read_env())
 
 
 def _capability_fallback(dirs: list[Path], capability: str) -> TunedConfigFile | None:

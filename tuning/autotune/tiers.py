@@ -35,6 +35,7 @@ from pallas_kernels.tiers import TIERS
 from tuning.autotune.tasks import Task, entries_for, entry_key
 from tuning.defaults import TIER_KERNELS, default_config
 from tuning.device import sanitize_device_name
+from tuning.lookup import user_config_dir
 from tuning.plan import make_plan
 from tuning.schema import load_config_file, write_config_file
 from tuning.timing import median_ms
@@ -124,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--file", type=Path, help="the tuned file to update (default: "
                         "<output-dir>/<this device>.json)")
-    parser.add_argument("--output-dir", type=Path, default=None)
+    parser.add_argument("--output-dir", type=Path, default=user_config_dir(),
+                        help="where <this device>.json is (default: the user's tuned-config "
+                             "directory, which the trace-time lookup reads)")
     ints = lambda text: [int(x) for x in text.split(",") if x]
     parser.add_argument("--headdims", type=ints, default=[128, 256, 320, 512, 768, 1024])
     parser.add_argument("--seqlens", type=ints, default=[1024, 4096, 16384])

@@ -88,12 +88,18 @@ def gpus_for(num_gpus: int) -> list[str]:
     if num_gpus < 1:
         raise ValueError(f"--num-gpus must be at least 1; got {num_gpus}")
     gpus = visible_gpus()
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        where = "CUDA_VISIBLE_DEVICES=" + repr(os.environ["CUDA_VISIBLE_DEVICES"])
+    else:
+        where = "nvidia-smi -L" if shutil.which("nvidia-smi") else "no nvidia-smi on the PATH"
+    if not gpus:
+        raise ValueError(f"the autotuner measures the kernels on NVIDIA GPUs, and none is "
+                         f"visible here ({where}). Run it on a machine with a GPU "
+                         "(--dry-run lists the tasks anywhere).")
     if len(gpus) < num_gpus:
-        where = ("CUDA_VISIBLE_DEVICES=" + repr(os.environ["CUDA_VISIBLE_DEVICES"])
-                 if "CUDA_VISIBLE_DEVICES" in os.environ else "nvidia-smi -L")
         raise ValueError(f"--num-gpus {num_gpus} asks for {num_gpus} GPU(s), but only "
                          f"{len(gpus)} {'is' if len(gpus) == 1 else 'are'} visible ({where}). "
-                         "Lower --num-gpus or make more GPUs visible.")
+                         f"Pass --num-gpus {len(gpus)} or make more GPUs visible.")
     return gpus[:num_gpus]
 
 
