@@ -296,7 +296,7 @@ class TunedEntry(NamedTuple):
     file_batch: int | None
 
 
-def lookup_entry(
+def explain_entry(
     direction: str,
     kernel: str,
     *,
@@ -313,9 +313,10 @@ def lookup_entry(
     bias_grad: bool | None = None,
     device_name: str | None = None,
     compute_capability: str | None = None,
-) -> TunedEntry | None:
-    """The matched entry (a fresh copy) with its file's "B", or None; see the module
-    docstring for the matching rules and `lookup_config` for the arguments."""
+) -> tuple[TunedEntry | None, str]:
+    """(the matched entry, a fresh copy, with its file's "B", or None; why: the file and
+    stored problem matched, or why nothing matched); see the module docstring for the
+    matching rules and `lookup_config` for the arguments."""
     _configure_debug_logging()
     query = _Query(
         direction=str(direction), kernel=str(kernel), dtype=dtype_name(dtype),
@@ -331,17 +332,23 @@ def lookup_entry(
     entry, batch, why = _cached_lookup(query, env)
     _log_once(query, env, entry is not None, why)
     if entry is None:
-        return None
+        return None, why
     copied = dict(entry)
     copied["config"] = dict(entry["config"])
-    return TunedEntry(copied, batch if isinstance(batch, int) and batch > 0 else None)
+    return TunedEntry(copied, batch if isinstance(batch, int) and batch > 0 else None), why
+
+
+def lookup_entry(direction: str, kernel: str, **query: Any) -> TunedEntry | None:
+    """The matched entry (a fresh copy) with its file's "B", or None: `explain_entry`
+    without the why."""
+    return explain_entry(direction, kernel, **query)[0]
 
 
 def lookup_config(direction: str, kernel: str, **query: Any) -> dict[str, Any] | None:
     """The tuned `config` dict for this kernel call, or None for the built-in default.
 
     `direction` is "forward" or "backward", `kernel` a name from
-    `tuning.registry.KERNELS`; `query` holds `lookup_entry`'s keywords: `dtype`
+    `tuning.registry.KERNELS`; `query` holds `explain_entry`'s keywords: `dtype`
     "bf16"/"fp16"/"fp32" (or a numpy/JAX dtype), `headdim`, `seqlen_q`, `seqlen_k` (required),
     the problem's options, `device_name=None` for JAX's current device (no GPU: None) and
     `compute_capability` (e.g. "9.0") for the same-capability fallback file. Returns a fresh
