@@ -91,7 +91,7 @@ def autotuned_config(kernel: str, problem: Problem, *, mode: str | None,
         _warn_once("no-gpu", "ffpa_jax: autotune needs an NVIDIA GPU running the compiled "
                    "kernels (not interpret mode); using the tuned or built-in configs instead.")
         return None
-    from tuning import autotune_measure  # noqa: PLC0415
+    from tuning.autotune import measure as autotune_measure  # noqa: PLC0415
 
     device = str(getattr(jax.devices()[0], "device_kind", "?"))
     key = (kernel, problem, mode, device, bool(interpret))

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from pallas_kernels.blocked import MAX_ROW_KEYS, softmax_grad, softmax_rows
 from pallas_kernels.dropout import keep_mask_reference
 from pallas_kernels.problem import Problem
+from pallas_kernels.reference import causal_keep, softmax
 
 # Peak bytes of one block's temporaries (logits, P, dP, dS): 4 GiB unless the environment
 # variable says otherwise (`budget_from_env`).
@@ -89,8 +90,7 @@ def _power_of_two_at_most(n: int) -> int:
 def causal_rows_cap(seq_q: int) -> int:
     """The most rows of a causal block: a quarter of T (at least 256), so that at least four
     row blocks split the triangle and the hidden blocks beyond each one's keys are skipped
-    (H200, D = 512, T = S = 4096: 1024-row blocks ran the causal forward in 1.98 ms, one
-    4096-row block in 2.72, the time of the whole square)."""
+    (one block of all T rows took as long as the whole square: docs/history.md)."""
     return max(256, -(-seq_q // 4 // 128) * 128)
 
 
@@ -255,9 +255,8 @@ def _visible(plan: ChunkPlan, mask, blk: _Block, *, seq_q: int, seq_k: int):
     visible = None if mask is None else _rows_of(_rows_of(mask, 2, blk.r0, blk.rows), 3,
                                                  blk.c0, blk.keys)
     if plan.causal:
-        i = blk.r0 + jnp.arange(blk.rows, dtype=jnp.int32)[:, None]
-        j = blk.c0 + jnp.arange(blk.keys, dtype=jnp.int32)[None, :]
-        keep = j <= i + (seq_k - seq_q)
+        keep = causal_keep(seq_q, seq_k, blk.r0 + jnp.arange(blk.rows, dtype=jnp.int32),
+                           blk.c0 + jnp.arange(blk.keys, dtype=jnp.int32))
         visible = keep if visible is None else visible & keep
     return visible
 
@@ -284,18 +283,7 @@ def _softmax_xla(plan: ChunkPlan, logits, bias, mask, seed, blk: _Block, *, seq_
     """`softmax_rows` as XLA ops: (P [B, Hq, rows, keys] in `p_dtype`, lse [B, Hq, rows])."""
     b, hq = logits.shape[:2]
     s = _scores_xla(plan, logits, bias, blk)
-    visible = _visible(plan, mask, blk, seq_q=seq_q, seq_k=seq_k)
-    neg_inf = jnp.asarray(-jnp.inf, jnp.float32)
-    if visible is not None:
-        s = jnp.where(visible, s, neg_inf)
-    row_max = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-    row_max = jnp.where(row_max == -jnp.inf, jnp.zeros_like(row_max), row_max)
-    unnorm = jnp.exp(s - row_max)
-    denom = jnp.sum(unnorm, axis=-1, keepdims=True)
-    has_keys = denom > 0
-    safe = jnp.where(has_keys, denom, jnp.ones_like(denom))
-    probs = unnorm / safe
-    lse = jnp.where(has_keys, row_max + jnp.log(safe), neg_inf)[..., 0]
+    probs, lse = softmax(s, _visible(plan, mask, blk, seq_q=seq_q, seq_k=seq_k))
     if plan.dropout_rate > 0.0:
         keep = _keep(plan, seed, blk, batch=b, heads_q=hq)
         probs = jnp.where(keep, probs / (1.0 - plan.dropout_rate), jnp.zeros_like(probs))

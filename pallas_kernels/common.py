@@ -76,8 +76,8 @@ class KernelStatic:
         """2^x of a float32 tile, as the softmax uses it.
 
         Pallas lowers `jnp.exp2` to libdevice's `__nv_exp2f`, which the Triton inside
-        jaxlib compiled slower than the single instruction (H200, forward D=64: 1.535
-        against 1.400 ms). 16-bit kernels on the GPU use `ex2.approx.ftz.f32` instead,
+        jaxlib compiled slower than the single instruction (docs/history.md, "exp2 and
+        fma"). 16-bit kernels on the GPU use `ex2.approx.ftz.f32` instead,
         as Triton's own `tl.math.exp2` does. Its results below 2^-126 become 0, invisible next to a row's
         max term of 1, and its relative error is about 2^-22, far below a 16-bit output's
         2^-8. float32 kernels and the interpreter keep `jnp.exp2`, whose
@@ -91,9 +91,8 @@ class KernelStatic:
     def fast_softmax(self) -> bool:
         """Whether the softmax uses `fast_exp2` and `fma` (16-bit, on the GPU, head dims
         up to 256). These gave 2-13% at D = 64-256 on the H200 (docs/history.md, exp2 and fma).
-        At D = 512 the forward took 4.39 ms with them, against 4.14-4.24 ms before.
-        That kernel already spills at 255 registers, so D > 256 keeps the plain
-        operations."""
+        At D = 512 they made the forward slower: that kernel already spills at 255
+        registers, so D > 256 keeps the plain operations."""
         return (not self.interpret and not self.natural
                 and max(self.head_dim, self.head_dim_v) <= 256)
 
@@ -135,9 +134,8 @@ def extra_tile_bytes(bias_shape, mask_shape, bias_dtype, *, block_m: int, block_
     """Bytes per KV step that a bias tile, a mask tile and the dropout generator add to a
     [block_m, block_n] score tile's pipelined loads (0 for a plain call). Broadcast dims
     of bias/mask load one element along them. Dropout is allowed one float32 tile: what
-    its generator needed while its interleave went through shared memory (before
-    2026-11-22; it now permutes registers only), kept because the dropout launch
-    defaults were measured with it."""
+    its generator needed while its interleave went through shared memory (it now permutes
+    registers only), kept because the dropout launch defaults were measured with it."""
     total = 0
     for shape, itemsize in ((bias_shape, None if bias_dtype is None
                              else jnp.dtype(bias_dtype).itemsize), (mask_shape, 1)):
@@ -153,9 +151,8 @@ def fit_stages(num_stages: int, *, resident: int, per_stage: int, extra: int) ->
     """Pipeline stages for a kernel whose loop buffers `per_stage + extra` bytes per stage
     beside `resident` bytes: the requested count, or fewer where a bias/mask/dropout
     tile (`extra` > 0) would take the estimate past SHARED_MEMORY_BYTES. Plain calls
-    (extra = 0) keep the tuned count, which was measured to fit. The GPU fuzz of
-    2026-11-21 hit 246784-294912 requested bytes with the D <= 128 defaults (3 stages)
-    plus a [T, S] mask."""
+    (extra = 0) keep the tuned count, which was measured to fit. The GPU fuzz overflowed
+    shared memory with the D <= 128 defaults (3 stages) plus a [T, S] mask."""
     while (extra and num_stages > 1
            and resident + num_stages * (per_stage + extra) > SHARED_MEMORY_BYTES):
         num_stages -= 1
@@ -219,7 +216,7 @@ def accumulate_ds(acc: jax.Array, ds: jax.Array, operand: jax.Array, *, trans_a:
     gradient ~eps·Σ|terms|, which is within the tolerance rule unless the terms cancel
     far below their size: an lse cotangent does that, as dS then holds d_lse·P, whose
     sum over MQA heads (dK) or keys (dQ) XLA's float32 softmax gradient keeps exact
-    (fuzz, 2026-11-22: dk 1.0e-2 against XLA's 2.2e-5). Both products are added to `acc`
+    (in the GPU fuzz, dk 1.0e-2 against XLA's 2.2e-5). Both products are added to `acc`
     one after the other, so Triton chains them into the accumulator (a sum of the two
     products first would cost a float32 add per accumulator element)."""
     if operand.dtype == jnp.float32:
@@ -305,7 +302,7 @@ def contract_chunks(load_a, load_b, n_chunks: int, *, dynamic: bool, shape: tupl
     pair (Knuth's TwoSum; each product has several uses, so Triton fuses none), and
     scales once at the end. A float32 dot is an in-order FMA chain whose error grows
     with its length: at D = 1024 a chain over the whole head dim gave dP errors that
-    put the GPU fuzz's dk at 3.6x XLA's (2026-11-21); chains of FLOAT32_CHUNK, summed
+    put the GPU fuzz's dk at 3.6x XLA's; chains of FLOAT32_CHUNK, summed
     with compensation, leave the rounding of the result itself as the main error.
     """
     if compensated:

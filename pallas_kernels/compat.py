@@ -10,8 +10,6 @@ import warnings
 import jax
 from jax.experimental.pallas import triton as _pl_triton
 
-JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
-
 # Since JAX 0.9 Mosaic GPU is Pallas' default GPU lowering; passing Triton's
 # CompilerParams is what selects the Triton lowering. (The class was called
 # TritonCompilerParams before JAX 0.7; we require >= 0.10.2.)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+from typing import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common, compat
 from pallas_kernels.common import cdiv, dot, fit_block, i32, iota
+from pallas_kernels.descriptor import (KernelDescriptor, Move, Table, add_stages, scaled, set_to,
+                                       tile_width, toggle_warps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,3 +297,70 @@ def decode_attention(q, k, v, bias=None, mask=None, *, scale: float, causal: boo
                                          seed=seed, precise_lse=precise_lse)
     return decode_fwd_stage2(o_part, lse_part, seq_q=q.shape[1], heads_q=q.shape[2],
                              dtype=out_dtype or q.dtype, config=config, interpret=interpret)
+
+
+# ------------------------------------------------------------------ descriptors
+# Decode (T <= 16 against long S): memory-bound, so each program keeps the whole
+# output head dim (V is read once) and only 16 packed query rows; the D chunks of
+# QKᵀ walk in a loop above 256 to keep one K chunk live, but at D = 512 the whole chunk
+# static was faster (the decode launch sweep, H200; the figures are in docs/history.md,
+# "Numbers behind choices in the code").
+_STAGE1_DEFAULTS: Table = (
+    (128, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_HEADDIM_QK=128, BLOCK_HEADDIM_V=128,
+               num_warps=4, num_stages=4)),
+    (256, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=256,
+               num_warps=4, num_stages=3, DYNAMIC_D=True)),
+    (512, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_HEADDIM_QK=512, BLOCK_HEADDIM_V=512,
+               num_warps=8, num_stages=2)),
+    # BLOCK_N=64 beat 32 at S = 1K to 16K in the H200 autotune run.
+    (1024, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=1024,
+                num_warps=8, num_stages=2, DYNAMIC_D=True)),
+)
+# float32 V tiles are twice the bytes: fewer buffered stages / keys per step.
+_STAGE1_FP32: Table = ((512, dict(BLOCK_N=16)), (1024, dict(BLOCK_N=16)))
+_STAGE2_DEFAULTS: Table = (
+    (1024, dict(BLOCK_HEADDIM_V=128, num_warps=4, num_stages=1)),
+)
+
+
+def _stage1_moves(headdim: int) -> list[Move]:
+    # Without NUM_SPLITS the kernel's heuristic picks the split count (about four
+    # waves of programs); explicit counts around it come first.
+    del headdim
+    return [set_to("NUM_SPLITS", 32), set_to("NUM_SPLITS", 8), scaled("BLOCK_N", 2),
+            scaled("BLOCK_N", 0.5), toggle_warps, add_stages(1), set_to("NUM_SPLITS", 64)]
+
+
+def _stage1_grid(headdim: int) -> Iterable[dict]:
+    d = tile_width(headdim)
+    dynamic = headdim > 256
+    for splits, bn, w, st in itertools.product((16, 32, 8, 64), (32, 64, 16), (4, 8), (3, 2)):
+        yield dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_HEADDIM_QK=min(d, 64 if dynamic else 128),
+                   BLOCK_HEADDIM_V=d, NUM_SPLITS=splits, num_warps=w, num_stages=st,
+                   **({"DYNAMIC_D": True} if dynamic else {}))
+
+
+def _stage2_moves(headdim: int) -> list[Move]:
+    del headdim
+    return [scaled("BLOCK_HEADDIM_V", 2), scaled("BLOCK_HEADDIM_V", 0.5), set_to("num_warps", 8),
+            set_to("num_warps", 2), scaled("BLOCK_HEADDIM_V", 4)]
+
+
+def _stage2_grid(headdim: int) -> Iterable[dict]:
+    del headdim
+    for st, bdv, w in itertools.product((1, 2, 3), (64, 128, 256, 512, 1024), (1, 2, 4, 8)):
+        yield dict(BLOCK_HEADDIM_V=bdv, num_warps=w, num_stages=st)
+
+
+# Stage 1 is tuned with stage 2 at its default and timed together with it (what a decode
+# call costs); stage 2 on stage 1's partials. NUM_SPLITS, DYNAMIC_D: ours (DecodeConfig).
+DECODE_FWD_STAGE1 = KernelDescriptor(
+    name="decode_fwd_stage1", direction="forward", config=DecodeConfig, role="decode_stage1",
+    function=decode_fwd_stage1,
+    block_keys=("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM_QK", "BLOCK_HEADDIM_V"),
+    optional_keys=("NUM_SPLITS", "DYNAMIC_D"), defaults=_STAGE1_DEFAULTS,
+    fp32_overrides=_STAGE1_FP32, moves=_stage1_moves, grid=_stage1_grid)
+DECODE_FWD_STAGE2 = KernelDescriptor(
+    name="decode_fwd_stage2", direction="forward", config=DecodeConfig, role="decode_stage2",
+    function=decode_fwd_stage2, block_keys=("BLOCK_HEADDIM_V",), defaults=_STAGE2_DEFAULTS,
+    moves=_stage2_moves, grid=_stage2_grid)

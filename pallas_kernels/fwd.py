@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+from typing import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +29,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common, compat
 from pallas_kernels.common import cdiv, dot, fit_block, i32, iota
+from pallas_kernels.descriptor import (KernelDescriptor, Move, Table, add_stages, scaled, set_to,
+                                       tile_width, toggle_warps)
 
 Q_MODES = ("resident", "reload", "dynamic")
 
@@ -264,3 +268,77 @@ def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None
         interpret=interpret,
         name="fwd_generic",
     )(*inputs)
+
+
+# ------------------------------------------------------------------ descriptor
+# Built-in launch configs (used whenever no tuned entry matches), per head dim, chosen by
+# the launch-variant sweeps on the H200 (docs/fwd_variants.md; the figures are in
+# docs/history.md, "Numbers behind choices in the code").
+
+_DEFAULTS: Table = (
+    (64, dict(BLOCK_M=128, BLOCK_N=64, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=64,
+              num_warps=8, num_stages=3)),
+    (128, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_HEADDIM_QK=128, BLOCK_HEADDIM_V=128,
+               num_warps=8, num_stages=3)),
+    (256, dict(BLOCK_M=128, BLOCK_N=64, BLOCK_HEADDIM_QK=256, BLOCK_HEADDIM_V=256,
+               num_warps=8, num_stages=2)),
+    # Above 256 a static unroll over D chunks overflows shared memory (Triton's
+    # pipeliner buffers every chunk); the dynamic chunk loop keeps one live.
+    (512, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=256,
+               num_warps=8, num_stages=4, Q_MODE="dynamic")),
+    (1024, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_HEADDIM_QK=64, BLOCK_HEADDIM_V=256,
+                num_warps=8, num_stages=4, Q_MODE="dynamic")),
+)
+# float32 tiles take twice the shared memory of 16-bit ones: float32 calls of the GPU fuzz
+# overflowed it at D <= 128 and D <= 256, so those tiles shrink (float32 is the accuracy
+# path, not the speed one).
+_FP32_OVERRIDES: Table = ((128, dict(BLOCK_N=64)), (256, dict(BLOCK_M=64, BLOCK_N=32)))
+# With dropout each tile also generates its keep-mask, which changes the best tiles (the
+# dropout launch sweep). Dropout is for training, so the forward that counts is the vjp's,
+# which writes a float32 output; at D = 512 that one is fastest with the plain default.
+_DROPOUT_OVERRIDES: Table = ((128, dict(BLOCK_N=64, num_stages=3)),)
+
+
+def _moves(headdim: int) -> list[Move]:
+    """The fast search: the knobs the variant sweeps (docs/fwd_variants.md) showed to matter
+    most at this head dim first."""
+    if headdim <= 128:
+        return [scaled("BLOCK_N", 2), scaled("BLOCK_N", 0.5), scaled("BLOCK_M", 0.5),
+                toggle_warps, add_stages(1), add_stages(-1), scaled("BLOCK_M", 2),
+                scaled("BLOCK_HEADDIM_QK", 0.5)]
+    if headdim <= 256:
+        return [scaled("BLOCK_N", 2), set_to("Q_MODE", "dynamic"), scaled("BLOCK_HEADDIM_QK", 0.25),
+                scaled("BLOCK_N", 0.5), add_stages(1), scaled("BLOCK_M", 0.5), toggle_warps,
+                set_to("Q_MODE", "reload")]
+    return [scaled("BLOCK_HEADDIM_V", 0.5), scaled("BLOCK_N", 0.5), add_stages(-1),
+            scaled("BLOCK_HEADDIM_QK", 2), scaled("BLOCK_M", 0.5), scaled("BLOCK_HEADDIM_V", 2),
+            toggle_warps, add_stages(-2)]
+
+
+def _grid(headdim: int) -> Iterable[dict]:
+    d = tile_width(headdim)
+    if headdim <= 128:
+        for bm, bn, w, st in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+            yield dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_HEADDIM_QK=d, BLOCK_HEADDIM_V=d,
+                       num_warps=w, num_stages=st)
+    elif headdim <= 256:
+        for bm, bn, st, (bd, mode) in itertools.product(
+                (64, 128), (32, 64, 128), (2, 3), ((d, "resident"), (64, "dynamic"))):
+            yield dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_HEADDIM_QK=bd, BLOCK_HEADDIM_V=d,
+                       num_warps=8, num_stages=st, Q_MODE=mode)
+    else:
+        for bm, bn, bd, bdv, st in itertools.product((64, 128), (64, 128, 32), (64, 128),
+                                                      (256, 128), (3, 2, 4)):
+            yield dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_HEADDIM_QK=bd, BLOCK_HEADDIM_V=bdv,
+                       num_warps=8, num_stages=st, Q_MODE="dynamic")
+
+
+FWD_GENERIC = KernelDescriptor(
+    name="fwd_generic", direction="forward", config=FwdConfig, role="attention",
+    function=fwd_generic,
+    block_keys=("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM_QK", "BLOCK_HEADDIM_V"),
+    # Q_MODE: how the QKᵀ chunks are walked (our extension of FFPA's keys; absent means
+    # "resident").
+    optional_keys=("Q_MODE",),
+    defaults=_DEFAULTS, fp32_overrides=_FP32_OVERRIDES, dropout_overrides=_DROPOUT_OVERRIDES,
+    moves=_moves, grid=_grid)

@@ -7,7 +7,6 @@ path for it.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
 

@@ -126,8 +126,8 @@ def B(bm, bn, bd, sl, w, st, dyn=False, split=False):
                      num_stages=st, dynamic=dyn, split_dkdv=split)
 
 
-# (label, head dim, kernel, config). The defaults of tuning/defaults.py first, then the
-# variants docs/fwd_variants.md and docs/bwd_variants.md measured around them.
+# (label, head dim, kernel, config). The built-in defaults (the kernels' descriptors) first,
+# then the variants docs/fwd_variants.md and docs/bwd_variants.md measured around them.
 VARIANTS = [
     ("fwd default", 128, "fwd", F(128, 128, 128, 128, 8, 3, "resident")),
     ("fwd default", 256, "fwd", F(128, 64, 256, 256, 8, 2, "resident")),

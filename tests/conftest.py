@@ -40,6 +40,18 @@ import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _no_user_tuned_configs(monkeypatch, tmp_path_factory):
+    """The tuned-config lookup also reads the user's directory (`tuning.lookup.user_config_dir`,
+    the autotuner's default output), where a real autotune run on this machine may have left
+    files; in-process, every test sees an empty one instead (a test of that directory puts
+    the real function back)."""
+    from tuning import lookup
+
+    empty = tmp_path_factory.getbasetemp() / "no_user_tuned_configs"
+    monkeypatch.setattr(lookup, "user_config_dir", lambda: empty)
+
+
 def _has_gpu() -> bool:
     try:
         return jax.devices()[0].platform == "gpu"

@@ -9,14 +9,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from test_autotune_sched import FAKE_BACKEND, FAKE_DEVICE, TESTS_DIR, read_log
-from tuning import autotune, search_space
-from tuning.autotune_tasks import LARGE_SEQLEN, build_tasks, gqa_kv_heads, grid_seqlens
+from tuning.autotune import cli as autotune_cli
+from tuning.autotune import search_space
+from tuning.autotune.tasks import LARGE_SEQLEN, build_tasks, gqa_kv_heads, grid_seqlens
+from tuning import lookup as lookup_mod
 from tuning.lookup import clear_cache, lookup_config
+from tuning.lookup import user_config_dir as real_user_config_dir
 from tuning.schema import load_config_file
 
 REPO = TESTS_DIR.parent
@@ -29,6 +31,8 @@ def env(monkeypatch, tmp_path):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     monkeypatch.setenv("FAKE_LOG", str(tmp_path / "log.jsonl"))
+    # The default output directory (the user's) inside this test's folder.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     for var in ("FFPA_AUTOTUNE_MAX_CONFIGS", "FAKE_CRASH_ON", "FAKE_HANG_ON",
                 "FAKE_NO_CONFIG_ON", "FAKE_SLEEP_S", "FAKE_OUTPUT", "FFPA_TUNED_CONFIG_DIR"):
         monkeypatch.delenv(var, raising=False)
@@ -57,28 +61,37 @@ SMALL = ("--headdims", "64,128", "--seqlens", "1,512", "--H", "4",
 ])
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
-        autotune.main(argv)
+        autotune_cli.main(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
 
 
 def test_defaults_match_ffpa():
-    args = autotune.build_parser().parse_args([])
+    args = autotune_cli.build_parser().parse_args([])
     assert (args.mode, args.directions, args.dtypes, args.B, args.H) == ("fast", "both",
                                                                         ["bf16"], 1, 32)
     assert not args.full_tasks and not args.overwrite and not args.resume
-    assert args.output_dir == Path(autotune.PACKAGED_CONFIG_DIR)
+
+
+def test_default_output_is_the_users_directory_not_the_package(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    args = autotune_cli.build_parser().parse_args([])
+    assert args.output_dir == tmp_path / "xdg" / "ffpa_jax" / "tuned_configs"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    args = autotune_cli.build_parser().parse_args([])
+    assert args.output_dir == tmp_path / "home" / ".cache" / "ffpa_jax" / "tuned_configs"
 
 
 def test_bad_max_configs_env_is_refused(monkeypatch, capsys):
     monkeypatch.setenv("FFPA_AUTOTUNE_MAX_CONFIGS", "lots")
     with pytest.raises(SystemExit):
-        autotune.main(["--dry-run"])
+        autotune_cli.main(["--dry-run"])
     assert "FFPA_AUTOTUNE_MAX_CONFIGS must be a positive integer" in capsys.readouterr().err
 
 
 def dry_run(capsys, *argv) -> list[str]:
-    assert autotune.main(["--dry-run", *argv]) == 0
+    assert autotune_cli.main(["--dry-run", *argv]) == 0
     return capsys.readouterr().out.splitlines()
 
 
@@ -99,7 +112,7 @@ def test_dry_run_grid_and_cap(capsys, monkeypatch):
 
 def test_default_grid_is_ffpas():
     tasks = build_tasks(directions=("forward",), dtypes=("bf16",), batch=1, heads=32,
-                        headdims=autotune.HEADDIMS, seqlens=grid_seqlens(80.0))
+                        headdims=autotune_cli.HEADDIMS, seqlens=grid_seqlens(80.0))
     assert sorted({t.headdim for t in tasks}) == [64, 128, 256, 320, 512, 640, 768, 1024]
     assert sorted({t.seqlen_q for t in tasks}) == [1, 512, 1024, 2048, 4096, 8192, LARGE_SEQLEN]
     assert LARGE_SEQLEN not in grid_seqlens(47.5) and LARGE_SEQLEN not in grid_seqlens(None)
@@ -165,10 +178,54 @@ def test_end_to_end_two_gpus_cap_resume_refuse_overwrite(env):
 
 def test_too_few_visible_gpus_fails_clearly(env, monkeypatch, capsys):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    assert autotune.main(["--num-gpus", "2", "--output-dir", str(env), *SMALL]) == 2
+    assert autotune_cli.main(["--num-gpus", "2", "--output-dir", str(env), *SMALL]) == 2
     err = capsys.readouterr().err
     assert "--num-gpus 2 asks for 2 GPU(s), but only 1 is visible" in err
     assert not list(env.glob("*.json"))
+
+
+def test_no_gpu_says_a_gpu_is_needed(env):
+    """Without a visible GPU the CLI says plainly that it needs one, instead of advising a
+    smaller --num-gpus; --num-gpus 0 is refused with the same reason."""
+    plain = cli("--output-dir", str(env), env_extra={"CUDA_VISIBLE_DEVICES": ""})
+    assert plain.returncode == 2
+    assert "measures the kernels on NVIDIA GPUs, and none is visible here" in plain.stderr
+    assert "Lower --num-gpus" not in plain.stderr and "Pass --num-gpus" not in plain.stderr
+    zero = cli("--num-gpus", "0", "--output-dir", str(env))
+    assert zero.returncode == 2
+    assert "at least 1" in zero.stderr and "cannot run without one" in zero.stderr
+    for bad in ("-1", "two"):
+        assert cli("--num-gpus", bad).returncode == 2
+    assert not list(env.rglob("*.json"))
+    # What runs anywhere still runs.
+    assert cli("--dry-run", "--headdims", "64", "--seqlens", "512",
+               env_extra={"CUDA_VISIBLE_DEVICES": ""}).returncode == 0
+
+
+def test_default_output_directory_is_what_the_lookup_reads(env, monkeypatch):
+    """A run without --output-dir writes into the user's directory ($XDG_CACHE_HOME here),
+    says that the lookup reads it, and the lookup finds the file there."""
+    run = cli("--headdims", "64", "--seqlens", "512", "--H", "4", "--directions", "forward",
+              "--causal", "false", "--worker-backend", FAKE_BACKEND,
+              env_extra={"CUDA_VISIBLE_DEVICES": "0"})
+    assert run.returncode == 0, run.stderr
+    folder = env / "cache" / "ffpa_jax" / "tuned_configs"
+    assert (folder / FILE_NAME).is_file()
+    assert f"the tuned-config lookup reads {folder}" in run.stderr
+    elsewhere = cli("--headdims", "64", "--seqlens", "512", "--H", "4", "--directions",
+                    "forward", "--causal", "false", "--worker-backend", FAKE_BACKEND,
+                    "--output-dir", str(env / "elsewhere"),
+                    env_extra={"CUDA_VISIBLE_DEVICES": "0"})
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    assert f"set FFPA_TUNED_CONFIG_DIR={env / 'elsewhere'}" in elsewhere.stderr
+    monkeypatch.setattr(lookup_mod, "user_config_dir", real_user_config_dir)
+    clear_cache()
+    try:
+        found = lookup_config("forward", "fwd_generic", dtype="bf16", headdim=64, seqlen_q=512,
+                              seqlen_k=512, device_name=FAKE_DEVICE)
+    finally:
+        clear_cache()
+    assert found == search_space.candidates("fwd_generic", headdim=64)[-1]
 
 
 def _has_ray() -> bool:
@@ -183,11 +240,11 @@ def _has_ray() -> bool:
 
 
 def test_ray_only_imported_for_ray_address(env, capsys):
-    assert autotune.main(["--output-dir", str(env), *SMALL]) == 0
+    assert autotune_cli.main(["--output-dir", str(env), *SMALL]) == 0
     assert "ray" not in sys.modules
     if "ray" in sys.modules or _has_ray():
         pytest.skip("ray is installed: the missing-ray message cannot be shown")
-    assert autotune.main(["--ray-address", "127.0.0.1:6379", "--output-dir", str(env),
+    assert autotune_cli.main(["--ray-address", "127.0.0.1:6379", "--output-dir", str(env),
                           *SMALL]) == 2
     assert "--ray-address needs Ray" in capsys.readouterr().err
 

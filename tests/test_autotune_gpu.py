@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tuning.autotune_workers import visible_gpus
+from tuning.autotune.workers import visible_gpus
 from tuning.device import current_device, sanitize_device_name
 from tuning.lookup import clear_cache, lookup_config
 from tuning.schema import load_config_file

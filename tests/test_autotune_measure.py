@@ -1,4 +1,4 @@
-"""The autotuner's search spaces and its candidate filter (tuning.autotune_measure).
+"""The autotuner's search spaces and its candidate filter (tuning.autotune.measure).
 
 The filter runs the real kernels in Pallas' interpreter on tiny shapes, with
 candidates that fail to compile or compute the wrong thing injected among
@@ -13,10 +13,10 @@ import os
 import jax.numpy as jnp
 import pytest
 
-from tuning import autotune_measure as am
-from tuning import search_space
-from tuning.autotune_sched import ResultStore
-from tuning.autotune_tasks import Task
+from tuning.autotune import measure as am
+from tuning.autotune import search_space
+from tuning.autotune.sched import ResultStore
+from tuning.autotune.tasks import Task
 from tuning.defaults import default_config
 from tuning.lookup import clear_cache, lookup_config
 from pallas_kernels.problem import Problem
@@ -56,6 +56,27 @@ def test_search_space_sizes_validity_and_default_first(kernel):
         assert len({tuple(sorted(c.items())) for c in full}) == len(full)
     if kernel != "bwd_preproc":  # fast mode explores: several candidates
         assert len(search_space.candidates(kernel, headdim=512, mode="fast")) == 8
+
+
+def test_every_descriptor_is_registered_defaulted_searched_and_run():
+    """The tuned-file registry, the defaults, the search space and the autotune runners all
+    come from pallas_kernels.KERNEL_DESCRIPTORS: one list names every tuned kernel."""
+    from pallas_kernels import KERNEL_DESCRIPTORS
+    from tuning import KERNELS
+
+    names = [d.name for d in KERNEL_DESCRIPTORS]
+    assert names == ["fwd_generic", "decode_fwd_stage1", "decode_fwd_stage2", "bwd_preproc",
+                     "bwd_generic_dkdv", "bwd_generic_dq", "bwd_dbias"]
+    # FFPA's fused-backward kernels are valid file entries that we never run.
+    assert list(KERNELS) == names + ["bwd_generic", "decode_bwd_stage1"]
+    assert set(am.RUNNERS) == set(names)
+    for d in KERNEL_DESCRIPTORS:
+        assert KERNELS[d.name].block_keys == d.block_keys
+        assert am.RUNNERS[d.name].kernel_fn is d.function
+        for dim in (64, 512):
+            assert config_problem(d.name, default_config(d.name, headdim=dim)) is None
+    with pytest.raises(KeyError):
+        default_config("bwd_generic", headdim=64)  # registered, but no built-in config
 
 
 def test_unknown_mode_or_kernel():

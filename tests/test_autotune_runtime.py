@@ -11,7 +11,7 @@ import pytest
 
 from ffpa_jax import runtime_autotune as rt
 from pallas_kernels.problem import Problem
-from tuning import search_space
+from tuning.autotune import search_space
 
 
 def problem(**kw) -> Problem:

@@ -1,7 +1,7 @@
 """The autotuner's scheduler, result file, resume logic and worker processes, with a fake
-measurement (no kernels run here: `FakeBackend` stands in for tuning.autotune_measure).
+measurement (no kernels run here: `FakeBackend` stands in for tuning.autotune.measure).
 
-The multi-process tests start real worker processes (`python -m tuning.autotune_workers`)
+The multi-process tests start real worker processes (`python -m tuning.autotune.workers`)
 that load `FakeBackend` from this module; what they did is read back from a log
 file each worker appends to.
 """
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tuning import search_space
-from tuning.autotune_sched import Progress, ResultStore, ResumeError, run_tasks
-from tuning.autotune_tasks import Task, build_tasks, entry_key
-from tuning.autotune_workers import InProcessExecutor, SubprocessExecutor, gpus_for, visible_gpus
+from tuning.autotune import search_space
+from tuning.autotune.sched import Progress, ResultStore, ResumeError, run_tasks
+from tuning.autotune.tasks import Task, build_tasks, entry_key
+from tuning.autotune.workers import InProcessExecutor, SubprocessExecutor, gpus_for, visible_gpus
 from tuning.schema import load_config_file
 
 TESTS_DIR = Path(__file__).resolve().parent

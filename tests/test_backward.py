@@ -14,7 +14,7 @@ import pytest
 import ffpa_jax
 from attn_testing import Case, assert_matches_reference, make_inputs, scale_of
 from conftest import call_kwargs, interpret_flag
-from ffpa_jax.reference import mha_reference
+from pallas_kernels.reference import mha_reference
 from ffpa_jax.validation import as_4d
 
 

@@ -17,7 +17,7 @@ from attn_testing import (Case, assert_lse_matches, assert_matches_reference, ma
                           reference64, scale_of, xla_same_precision)
 from conftest import interpret_flag
 from tuning import uses_decode
-from ffpa_jax.reference import mha_reference
+from pallas_kernels.reference import mha_reference
 from ffpa_jax.validation import as_4d
 from pallas_kernels import (DecodeConfig, FwdConfig, decode_attention, decode_num_splits,
                             fwd_generic)

@@ -16,7 +16,7 @@ from attn_testing import (Case, assert_lse_matches, assert_matches_reference, ma
                           reference64, scale_of, xla_same_precision)
 from conftest import call_kwargs, interpret_flag
 from ffpa_jax.dropout import seed_from_key
-from ffpa_jax.reference import mha_reference
+from pallas_kernels.reference import mha_reference
 from ffpa_jax.validation import as_4d
 from pallas_kernels import (BwdConfig, FwdConfig, bwd_generic_dkdv, bwd_preproc, fwd_generic)
 from pallas_kernels.dropout import keep_threshold, philox4x32

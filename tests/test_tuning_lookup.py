@@ -13,6 +13,7 @@ import pytest
 from tuning import device as device_mod
 from tuning import lookup as lookup_mod
 from tuning.lookup import clear_cache, lookup_config
+from tuning.lookup import user_config_dir as real_user_config_dir
 
 FFPA_L20 = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "ffpa_NVIDIA_L20.json"
 
@@ -376,6 +377,41 @@ def test_packaged_used_when_env_unset_or_lacking_file(env_dir, packaged_dir, mon
     monkeypatch.delenv("FFPA_TUNED_CONFIG_DIR")
     write_file(env_dir, [entry(fwd_config(block_m=16))])
     assert find() == fwd_config(block_m=32)
+
+
+@pytest.fixture
+def user_dir(tmp_path, monkeypatch):
+    """The user's directory, as the lookup derives it from $XDG_CACHE_HOME (or ~/.cache)."""
+    monkeypatch.setattr(lookup_mod, "user_config_dir", real_user_config_dir)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    return tmp_path / "xdg" / "ffpa_jax" / "tuned_configs"
+
+
+def test_user_dir_after_env_dir_before_packaged(env_dir, packaged_dir, user_dir, monkeypatch):
+    write_file(packaged_dir, [entry(fwd_config(block_m=32))])
+    assert find() == fwd_config(block_m=32)
+    write_file(user_dir, [entry(fwd_config(block_m=64))])
+    clear_cache()  # (lookups are cached per environment, not per file on disk)
+    assert find() == fwd_config(block_m=64)   # the user's file shadows the packaged one
+    write_file(env_dir, [entry(fwd_config(block_m=16))])
+    clear_cache()
+    assert find() == fwd_config(block_m=16)   # $FFPA_TUNED_CONFIG_DIR comes first
+    monkeypatch.delenv("FFPA_TUNED_CONFIG_DIR")
+    assert find() == fwd_config(block_m=64)
+    assert lookup_mod.config_dirs() == [user_dir, packaged_dir]
+    assert lookup_mod.find_config_file(DEVICE).path == user_dir / "Test_GPU_80GB.json"
+    # Without XDG_CACHE_HOME: ~/.cache.
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(env_dir.parent / "home"))
+    assert lookup_mod.config_dirs()[0] == env_dir.parent / "home" / ".cache" / "ffpa_jax" / \
+        "tuned_configs"
+    assert find() == fwd_config(block_m=32)
+
+
+def test_capability_fallback_reads_the_user_dir_before_packaged(packaged_dir, user_dir):
+    write_file(packaged_dir, [entry(fwd_config(block_m=8))], name="a.json")
+    write_file(user_dir, [entry(fwd_config(block_m=16))], name="z.json")
+    assert find(device_name="Unlisted GPU") == fwd_config(block_m=16)
 
 
 def test_env_dir_change_takes_effect_without_clearing(env_dir, tmp_path, monkeypatch):

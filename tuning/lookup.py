@@ -2,11 +2,13 @@
 
 Rules (docs/design.md, "Tuned configs"), applied in this order:
 
-1. File: `$FFPA_TUNED_CONFIG_DIR/<sanitized device name>.json` when that
-   variable is set and the file exists, else the packaged
-   `tuning/configs/<sanitized>.json`. When neither exists, the first file (by
-   file name; the env directory before the packaged one) whose header
-   `compute_capability` equals the device's is used instead.
+1. File: `<dir>/<sanitized device name>.json` of the first of these directories
+   that holds one: `$FFPA_TUNED_CONFIG_DIR` (when set); the user's directory,
+   where `python -m tuning.autotune` writes by default (`user_config_dir()`:
+   `$XDG_CACHE_HOME/ffpa_jax/tuned_configs`, else `~/.cache/ffpa_jax/tuned_configs`);
+   the packaged `tuning/configs/`. When none holds one, the first file (by file
+   name, the directories in the same order) whose header `compute_capability`
+   equals the device's is used instead.
 2. Keep entries whose direction, kernel, autotune mode (the entry's own
    "autotune_mode", else the file's), dtype, causal, has_attn_bias and
    has_dropout match; for backward entries also bias_grad, when the caller
@@ -84,6 +86,7 @@ class _Env(NamedTuple):
     """The environment variables that change a lookup's answer."""
 
     config_dir: str | None
+    user_dir: str
     skip: bool
 
 
@@ -106,9 +109,17 @@ def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
+def user_config_dir() -> Path:
+    """The user's tuned-config directory, the autotuner's default output:
+    `$XDG_CACHE_HOME/ffpa_jax/tuned_configs`, else `~/.cache/ffpa_jax/tuned_configs`."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ffpa_jax" / "tuned_configs"
+
+
 def _read_env() -> _Env:
     skip = any(os.environ.get(name, "").strip().lower() in _TRUTHY for name in ENV_SKIP)
-    return _Env(config_dir=os.environ.get(ENV_CONFIG_DIR) or None, skip=skip)
+    return _Env(config_dir=os.environ.get(ENV_CONFIG_DIR) or None,
+                user_dir=str(user_config_dir()), skip=skip)
 
 
 def _configure_debug_logging() -> None:
@@ -141,7 +152,17 @@ def _load(path: Path) -> TunedConfigFile | None:
 
 def _config_dirs(env: _Env) -> list[Path]:
     dirs = [Path(env.config_dir)] if env.config_dir else []
-    return dirs + [PACKAGED_CONFIG_DIR]
+    return dirs + [Path(env.user_dir), PACKAGED_CONFIG_DIR]
+
+
+def config_dirs() -> list[Path]:
+    """The directories the lookup reads, in order (rule 1)."""
+    return _config_dirs(_read_env())
+
+
+def find_config_file(device_name: str, capability: str | None = None) -> TunedConfigFile | None:
+    """The tuned-config file the lookup reads for this device (rule 1), or None."""
+    return _find_file(device_name, capability, _read_env())
 
 
 def _capability_fallback(dirs: list[Path], capability: str) -> TunedConfigFile | None:
@@ -275,7 +296,7 @@ class TunedEntry(NamedTuple):
     file_batch: int | None
 
 
-def lookup_entry(
+def explain_entry(
     direction: str,
     kernel: str,
     *,
@@ -292,9 +313,10 @@ def lookup_entry(
     bias_grad: bool | None = None,
     device_name: str | None = None,
     compute_capability: str | None = None,
-) -> TunedEntry | None:
-    """The whole matched entry (as `lookup_config` matches it) with its file's "B", or
-    None. For callers that must know what problem a config was tuned on."""
+) -> tuple[TunedEntry | None, str]:
+    """(the matched entry, a fresh copy, with its file's "B", or None; why: the file and
+    stored problem matched, or why nothing matched); see the module docstring for the
+    matching rules and `lookup_config` for the arguments."""
     _configure_debug_logging()
     query = _Query(
         direction=str(direction), kernel=str(kernel), dtype=dtype_name(dtype),
@@ -310,44 +332,30 @@ def lookup_entry(
     entry, batch, why = _cached_lookup(query, env)
     _log_once(query, env, entry is not None, why)
     if entry is None:
-        return None
+        return None, why
     copied = dict(entry)
     copied["config"] = dict(entry["config"])
-    return TunedEntry(copied, batch if isinstance(batch, int) and batch > 0 else None)
+    return TunedEntry(copied, batch if isinstance(batch, int) and batch > 0 else None), why
 
 
-def lookup_config(
-    direction: str,
-    kernel: str,
-    *,
-    dtype: Any,
-    headdim: int,
-    seqlen_q: int,
-    seqlen_k: int,
-    causal: bool = False,
-    has_attn_bias: bool = False,
-    has_dropout: bool = False,
-    nheads_q: int | None = None,
-    nheads_kv: int | None = None,
-    autotune_mode: str = "fast",
-    bias_grad: bool | None = None,
-    device_name: str | None = None,
-    compute_capability: str | None = None,
-) -> dict[str, Any] | None:
+def lookup_entry(direction: str, kernel: str, **query: Any) -> TunedEntry | None:
+    """The matched entry (a fresh copy) with its file's "B", or None: `explain_entry`
+    without the why."""
+    return explain_entry(direction, kernel, **query)[0]
+
+
+def lookup_config(direction: str, kernel: str, **query: Any) -> dict[str, Any] | None:
     """The tuned `config` dict for this kernel call, or None for the built-in default.
 
     `direction` is "forward" or "backward", `kernel` a name from
-    `tuning.registry.KERNELS`, `dtype` "bf16"/"fp16"/"fp32" (or a numpy/JAX
-    dtype). `device_name=None` means JAX's current device (no GPU: None);
-    `compute_capability` (e.g. "9.0") enables the same-capability fallback
-    file. Returns a fresh copy each call, safe to mutate. Never raises for a
-    bad or missing file; see the module docstring for the matching rules.
+    `tuning.registry.KERNELS`; `query` holds `explain_entry`'s keywords: `dtype`
+    "bf16"/"fp16"/"fp32" (or a numpy/JAX dtype), `headdim`, `seqlen_q`, `seqlen_k` (required),
+    the problem's options, `device_name=None` for JAX's current device (no GPU: None) and
+    `compute_capability` (e.g. "9.0") for the same-capability fallback file. Returns a fresh
+    copy each call, safe to mutate. Never raises for a bad or missing file; see the module
+    docstring for the matching rules.
     """
-    found = lookup_entry(direction, kernel, dtype=dtype, headdim=headdim, seqlen_q=seqlen_q,
-                         seqlen_k=seqlen_k, causal=causal, has_attn_bias=has_attn_bias,
-                         has_dropout=has_dropout, nheads_q=nheads_q, nheads_kv=nheads_kv,
-                         autotune_mode=autotune_mode, bias_grad=bias_grad,
-                         device_name=device_name, compute_capability=compute_capability)
+    found = lookup_entry(direction, kernel, **query)
     return None if found is None else found.entry["config"]
 
 

@@ -10,7 +10,7 @@ from pallas_kernels import BwdConfig, DecodeConfig, FwdConfig, chunked, decode_n
 from pallas_kernels.problem import Problem
 from pallas_kernels.tiers import TIERS, Plan
 from tuning.device import multiprocessor_count
-from tuning.select import config_for, tier
+from tuning.select import config_for, explain_tier
 
 # The decode path (split-KV, GQA heads packed into the tile) serves a query block
 # this short against at least DECODE_MIN_KEYS keys; see `uses_decode`.
@@ -62,17 +62,32 @@ def decode_config(problem: Problem, override: Override | None = None
     return config, splits
 
 
+def explain_tiers(problem: Problem, implementation: str, *, device_name: str | None = None,
+                  compute_capability: str | None = None
+                  ) -> tuple[tuple[str, str], tuple[str, str]]:
+    """((forward tier, why), (backward tier, why)) of `tiers`, for the device JAX runs on or
+    the one named."""
+    if implementation in TIERS:
+        chosen = (implementation, f"implementation={implementation!r}")
+        return chosen, chosen
+    if implementation != "auto":
+        raise ValueError(f"implementation must be 'auto' or one of {TIERS}; "
+                         f"got {implementation!r}")
+    device = dict(device_name=device_name, compute_capability=compute_capability)
+    if uses_decode(problem):
+        forward = ("pallas", f"decode shape (T <= {DECODE_MAX_QUERIES} queries against "
+                             f">= {DECODE_MIN_KEYS} keys): the decode kernels")
+    else:
+        forward = explain_tier("forward", problem, **device)
+    return forward, explain_tier("backward", problem, **device)
+
+
 def tiers(problem: Problem, implementation: str) -> tuple[str, str]:
     """(forward tier, backward tier) of a call: `implementation` is a tier name, or "auto"
     (each direction on the tier the tuned data, then the built-in rule, picks). The decode
     shapes' forward always runs the Pallas decode kernels."""
-    if implementation in TIERS:
-        return implementation, implementation
-    if implementation != "auto":
-        raise ValueError(f"implementation must be 'auto' or one of {TIERS}; "
-                         f"got {implementation!r}")
-    forward = "pallas" if uses_decode(problem) else tier("forward", problem)
-    return forward, tier("backward", problem)
+    (forward, _), (backward, _) = explain_tiers(problem, implementation)
+    return forward, backward
 
 
 def make_plan(problem: Problem, *, interpret: bool = False, precise_lse: bool = False,

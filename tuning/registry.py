@@ -1,9 +1,9 @@
 """Names of the kernels that take tuned launch parameters, and what a valid config is.
 
-This is the only place where `tuning` knows anything about the kernels: the names
-used in the tuned-config files (FFPA's names), the keys each kernel's `config`
-dict carries, and the limits a config must respect for the kernel to run it.
-The kernels themselves (in `pallas_kernels`) never import this module.
+The kernels and their config keys come from their descriptors
+(`pallas_kernels.KERNEL_DESCRIPTORS`); here are the names used in the tuned-config files
+(FFPA's), the keys each kernel's `config` dict carries, and the limits a config must
+respect for the kernel to run it.
 """
 
 from __future__ import annotations
@@ -11,21 +11,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from pallas_kernels import KERNEL_DESCRIPTORS
+from pallas_kernels.fwd import Q_MODES
+
 # Block sizes must be powers of two (Triton tiles); these are the bounds we
 # accept from a file. Anything outside is an invalid entry, skipped at lookup.
 _MAX_BLOCK_ROWS = 256
 _MAX_BLOCK_HEADDIM = 1024
 _VALID_WARPS = (1, 2, 4, 8, 16)
 _MAX_STAGES = 8
-# How fwd_generic walks the D chunks of QKᵀ (our extension of FFPA's keys;
-# absent means "resident"). See pallas_kernels/fwd.py.
-Q_MODES = ("resident", "reload", "dynamic")
-
-
-# Our extensions of FFPA's backward keys (absent = the kernel's default):
-# BLOCK_HEADDIM_QK, the head-dim chunk of the S and dP reductions; DYNAMIC_D, walk
-# those chunks with a dynamic loop; SPLIT_DKDV, dK and dV in separate programs.
-_BWD_OPTIONAL = ("BLOCK_HEADDIM_QK", "DYNAMIC_D")
 # Only our own keys are type-checked: FFPA's D_CHUNK (unused here) is left as written.
 _BOOL_KEYS = ("DYNAMIC_D", "SPLIT_DKDV")
 
@@ -40,28 +34,17 @@ class KernelSpec:
     optional_keys: tuple[str, ...] = ()
 
 
+# FFPA also persists fused-backward and decode-backward entries; we do not run those
+# kernels, but their entries are valid and simply never looked up.
+_FFPA_ONLY = (
+    KernelSpec("bwd_generic", "backward", ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM")),
+    KernelSpec("decode_bwd_stage1", "backward", ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM")),
+)
+
 KERNELS: dict[str, KernelSpec] = {
     spec.name: spec
-    for spec in (
-        KernelSpec("fwd_generic", "forward",
-                   ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM_QK", "BLOCK_HEADDIM_V"), ("Q_MODE",)),
-        KernelSpec("decode_fwd_stage1", "forward",
-                   ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM_QK", "BLOCK_HEADDIM_V"),
-                   ("NUM_SPLITS", "DYNAMIC_D")),
-        KernelSpec("decode_fwd_stage2", "forward", ("BLOCK_HEADDIM_V",)),
-        KernelSpec("bwd_preproc", "backward", ("BLOCK_M", "BLOCK_HEADDIM"), ("D_CHUNK",)),
-        KernelSpec("bwd_generic_dkdv", "backward", ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM"),
-                   _BWD_OPTIONAL + ("SPLIT_DKDV",)),
-        KernelSpec("bwd_generic_dq", "backward", ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM"),
-                   _BWD_OPTIONAL),
-        # Ours: the bias gradient, summed over the bias's broadcast dims in-kernel.
-        KernelSpec("bwd_dbias", "backward", ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM"),
-                   _BWD_OPTIONAL),
-        # FFPA also persists fused-backward and decode-backward entries; we do not
-        # run those kernels, but their entries are valid and simply never looked up.
-        KernelSpec("bwd_generic", "backward", ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM")),
-        KernelSpec("decode_bwd_stage1", "backward", ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM")),
-    )
+    for spec in (*(KernelSpec(d.name, d.direction, d.block_keys, d.optional_keys)
+                   for d in KERNEL_DESCRIPTORS), *_FFPA_ONLY)
 }
 
 

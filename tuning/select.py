@@ -6,8 +6,9 @@ import logging
 from typing import Any
 
 from pallas_kernels.problem import Problem
-from tuning.defaults import TIER_KERNELS, TIERS, default_config, default_tier
-from tuning.lookup import TunedEntry, lookup_entry
+from pallas_kernels.tiers import TIERS
+from tuning.defaults import TIER_KERNELS, default_config, default_tier
+from tuning.lookup import TunedEntry, explain_entry
 
 logger = logging.getLogger("ffpa_jax.tuning")
 
@@ -25,8 +26,9 @@ def _same_group(entry: dict, nheads_q: int | None, nheads_kv: int | None) -> boo
 
 def usable_config(kernel: str, found: TunedEntry, *, headdim: int, seqlen_k: int,
                   nheads_q: int | None, nheads_kv: int | None,
-                  batch: int | None) -> dict[str, Any] | None:
-    """The matched entry's config as this call may use it, or None for the default.
+                  batch: int | None) -> tuple[dict[str, Any] | None, str]:
+    """(the matched entry's config as this call may use it, or None for the default; why
+    not, or what was changed).
 
     Three guards on top of the lookup rules (which pick the *nearest* stored problem):
     - The decode kernels pack the query heads of a GQA group (times T) into the rows
@@ -41,42 +43,57 @@ def usable_config(kernel: str, found: TunedEntry, *, headdim: int, seqlen_k: int
     """
     entry, config = found.entry, found.entry["config"]  # a fresh copy: ours to edit
     if kernel.startswith("decode") and not _same_group(entry, nheads_q, nheads_kv):
-        logger.debug("tuned %s entry for heads %s/%s not used for heads %s/%s (another "
-                     "packing of query heads into the tile)", kernel, entry["nheads_q"],
-                     entry["nheads_kv"], nheads_q, nheads_kv)
-        return None
+        why = (f"the entry for heads {entry['nheads_q']}/{entry['nheads_kv']} is not used for "
+               f"heads {nheads_q}/{nheads_kv} (another packing of query heads into the tile)")
+        logger.debug("tuned %s %s", kernel, why)
+        return None, why
     if _padded(entry["headdim"]) < _padded(headdim):
-        logger.debug("tuned %s entry for headdim=%s not used at headdim=%s (narrower tiles)",
-                     kernel, entry["headdim"], headdim)
-        return None
+        why = (f"the entry for headdim={entry['headdim']} is not used at headdim={headdim} "
+               "(narrower tiles)")
+        logger.debug("tuned %s %s", kernel, why)
+        return None, why
     if "NUM_SPLITS" in config and not (entry["seqlen_k"] == seqlen_k
                                        and entry["nheads_kv"] == nheads_kv
                                        and found.file_batch == batch):
         del config["NUM_SPLITS"]
-    return config
+        return config, "its NUM_SPLITS left to the heuristic (tuned on another problem)"
+    return config, ""
 
 
-def launch_config(kernel: str, *, direction: str, dtype: str, headdim: int, seqlen_q: int,
-                  seqlen_k: int, causal: bool = False, has_attn_bias: bool = False,
-                  has_dropout: bool = False, nheads_q: int | None = None,
-                  nheads_kv: int | None = None, bias_grad: bool | None = None,
-                  batch: int | None = None, device_name: str | None = None) -> dict:
+def explain_launch_config(kernel: str, *, direction: str, dtype: str, headdim: int,
+                          seqlen_q: int, seqlen_k: int, causal: bool = False,
+                          has_attn_bias: bool = False, has_dropout: bool = False,
+                          nheads_q: int | None = None, nheads_kv: int | None = None,
+                          bias_grad: bool | None = None, batch: int | None = None,
+                          device_name: str | None = None,
+                          compute_capability: str | None = None) -> tuple[dict, str]:
+    """(`launch_config`'s config, why: the tuned entry it came from, or why the built-in
+    default applies)."""
+    found, where = explain_entry(direction, kernel, dtype=dtype, headdim=headdim,
+                                 seqlen_q=seqlen_q, seqlen_k=seqlen_k, causal=causal,
+                                 has_attn_bias=has_attn_bias, has_dropout=has_dropout,
+                                 nheads_q=nheads_q, nheads_kv=nheads_kv, bias_grad=bias_grad,
+                                 device_name=device_name,
+                                 compute_capability=compute_capability)
+    if found is not None:
+        tuned, note = usable_config(kernel, found, headdim=headdim, seqlen_k=seqlen_k,
+                                    nheads_q=nheads_q, nheads_kv=nheads_kv, batch=batch)
+        if tuned is not None:
+            return tuned, f"tuned entry ({where})" + (f"; {note}" if note else "")
+        where = note
+    return (default_config(kernel, headdim=headdim, dtype=dtype, has_dropout=has_dropout),
+            f"built-in default ({where})")
+
+
+def launch_config(kernel: str, **problem: Any) -> dict:
     """The tuned config for this problem on this device, else the built-in default.
 
     Called at trace time; the lookup caches, so a traced step pays nothing.
     Entries a kernel cannot launch never get this far: the file loader drops them,
-    and `usable_config` drops those tuned for a narrower head dim.
+    and `usable_config` drops those tuned for a narrower head dim. The keywords are
+    `explain_launch_config`'s.
     """
-    found = lookup_entry(direction, kernel, dtype=dtype, headdim=headdim, seqlen_q=seqlen_q,
-                         seqlen_k=seqlen_k, causal=causal, has_attn_bias=has_attn_bias,
-                         has_dropout=has_dropout, nheads_q=nheads_q, nheads_kv=nheads_kv,
-                         bias_grad=bias_grad, device_name=device_name)
-    if found is not None:
-        tuned = usable_config(kernel, found, headdim=headdim, seqlen_k=seqlen_k,
-                              nheads_q=nheads_q, nheads_kv=nheads_kv, batch=batch)
-        if tuned is not None:
-            return tuned
-    return default_config(kernel, headdim=headdim, dtype=dtype, has_dropout=has_dropout)
+    return explain_launch_config(kernel, **problem)[0]
 
 
 def _fields(problem: Problem, direction: str) -> dict:
@@ -92,19 +109,36 @@ def kernel_direction(kernel: str) -> str:
     return "backward" if kernel.startswith("bwd") else "forward"
 
 
+def explain_config(kernel: str, problem: Problem, *, device_name: str | None = None,
+                   compute_capability: str | None = None) -> tuple[dict, str]:
+    """(`config_for`'s config, why)."""
+    direction = kernel_direction(kernel)
+    return explain_launch_config(kernel, direction=direction, batch=problem.batch,
+                                 device_name=device_name, compute_capability=compute_capability,
+                                 **_fields(problem, direction))
+
+
 def config_for(kernel: str, problem: Problem, *, device_name: str | None = None) -> dict:
     """`launch_config` of `kernel` for `problem`."""
-    direction = kernel_direction(kernel)
-    return launch_config(kernel, direction=direction, batch=problem.batch,
-                         device_name=device_name, **_fields(problem, direction))
+    return explain_config(kernel, problem, device_name=device_name)[0]
+
+
+def explain_tier(direction: str, problem: Problem, *, device_name: str | None = None,
+                 compute_capability: str | None = None) -> tuple[str, str]:
+    """(`tier`'s answer, why: the tuned entry that names it, or the built-in rule)."""
+    fields = _fields(problem, direction)
+    found, where = explain_entry(direction, TIER_KERNELS[direction], device_name=device_name,
+                                 compute_capability=compute_capability, **fields)
+    if found is not None and found.entry.get("tier") in TIERS:
+        return found.entry["tier"], f"tuned entry ({where})"
+    if found is not None:
+        where = f"the matched entry ({where}) names no tier"
+    return (default_tier(direction, headdim=problem.headdim, dtype=problem.dtype_name),
+            f"built-in rule ({where})")
 
 
 def tier(direction: str, problem: Problem, *, device_name: str | None = None) -> str:
     """Which tier ("pallas" or "chunked") runs `direction` of `problem` on this device: the
     "tier" field of the matched tuned entry of the direction's main kernel (an added field;
     FFPA's readers ignore it), else the built-in rule (`defaults.default_tier`)."""
-    fields = _fields(problem, direction)
-    found = lookup_entry(direction, TIER_KERNELS[direction], device_name=device_name, **fields)
-    if found is not None and found.entry.get("tier") in TIERS:
-        return found.entry["tier"]
-    return default_tier(direction, headdim=problem.headdim, dtype=problem.dtype_name)
+    return explain_tier(direction, problem, device_name=device_name)[0]

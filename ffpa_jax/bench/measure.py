@@ -19,7 +19,7 @@ import numpy as np
 import ffpa_jax
 from ffpa_jax.bench.cases import BenchCase, sparse_block_mask
 from ffpa_jax.bench.peers import Impl, Unsupported
-from ffpa_jax.reference import mha_reference
+from pallas_kernels.reference import causal_keep, rows_reference
 from tuning.timing import time_samples
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
@@ -114,18 +114,13 @@ def _dropout_keep(case: BenchCase, rng, bs, hs, step: int) -> np.ndarray:
 def _reference64(q, k, v, bias, visible, keep, do, *, scale: float, rate: float,
                  with_dbias: bool = False):
     """float64 out [P, R, Dv], dq [P, R, D] (None without `do`) and, `with_dbias`, the
-    bias rows' gradient [P, R, S] of each sampled pair: q [P, R, D], k [P, S, D],
-    v [P, S, Dv], bias/visible/keep [P, R, S] or None."""
-    def as4(x):
-        return None if x is None else x[None, None]  # [1, 1, R, S]
-
+    bias rows' gradient [P, R, S] of each sampled pair (`rows_reference`, and its vjp):
+    q [P, R, D], k [P, S, D], v [P, S, Dv], bias/visible/keep [P, R, S] or None."""
     def one(q, k, v, bias, visible, keep, do):
 
         def ref(q_rows, bias_rows):
-            out, _ = mha_reference(q_rows[None, :, None], k[None, :, None], v[None, :, None],
-                                   as4(bias_rows), as4(visible), scale=scale,
-                                   keep_mask=as4(keep), dropout_rate=rate)
-            return out[0, :, 0]
+            return rows_reference(q_rows, k, v, bias_rows, visible, keep, scale=scale,
+                                  dropout_rate=rate)[0]
         if do is None:
             return ref(q, bias), None, None
         if with_dbias:
@@ -165,8 +160,8 @@ def reference_rows(case: BenchCase, inputs: dict, seed: int):
     visible = np.ones((len(bs), len(t_rows), case.s), bool)
     if inputs["mask"] is not None:
         visible &= np.asarray(jax.device_get(inputs["mask"][::step]), bool)[None]
-    if case.causal:  # bottom-right aligned, written out since only some rows are kept
-        visible &= (np.arange(case.s)[None, :] <= t_rows[:, None] + (case.s - case.t))[None]
+    if case.causal:  # at the kept rows only
+        visible &= np.asarray(causal_keep(case.t, case.s, rows=t_rows))[None]
     bias = None if inputs["bias"] is None else _host(_bias_rows(inputs["bias"], hs, step=step))
     keep = None if not case.dropout else _dropout_keep(case, inputs["rng"], bs, hs, step)
     do = None if inputs["do"] is None else _host(_rows(inputs["do"], bs, hs, step=step))

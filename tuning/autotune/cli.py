@@ -10,13 +10,16 @@ plus ours: `--resume` (continue an interrupted run's file), `--headdims` and
 `--seqlens` (replace the grid), `--causal both|true|false`, `--task-timeout`,
 `--dry-run` (list the tasks and exit). `FFPA_AUTOTUNE_MAX_CONFIGS=N` runs only
 the first N tasks (smoke runs). After the kernel tasks, each prefill problem of the
-grid also gets its tiers measured (`tuning.autotune_tiers`: the "tier" field of each
+grid also gets its tiers measured (`tuning.autotune.tiers`: the "tier" field of each
 direction); `--tiers-only` measures only that, into an existing or new file, and
 `--no-tiers` skips it. See docs/tuning.md.
 
-The file is `<output-dir>/<sanitized device name>.json` (default output dir:
-the packaged `tuning/configs/`). An existing file is never replaced without
-`--overwrite` (or continued without `--resume`).
+The file is `<output-dir>/<sanitized device name>.json`. The default output dir is the
+user's tuned-config directory, `$XDG_CACHE_HOME/ffpa_jax/tuned_configs` (else
+`~/.cache/ffpa_jax/tuned_configs`), which the trace-time lookup reads after
+`$FFPA_TUNED_CONFIG_DIR` and before the packaged `tuning/configs/`. An existing file is
+never replaced without `--overwrite` (or continued without `--resume`). The autotuner
+measures on NVIDIA GPUs: without one it says so and exits (`--dry-run` works anywhere).
 """
 
 from __future__ import annotations
@@ -29,12 +32,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from tuning.autotune_sched import Progress, ResultStore, ResumeError, run_tasks
-from tuning.autotune_tasks import (DECODE_KERNELS, HEADDIMS, LARGE_SEQLEN, SEQLENS, Task,
+from tuning.autotune.sched import Progress, ResultStore, ResumeError, run_tasks
+from tuning.autotune.tasks import (DECODE_KERNELS, HEADDIMS, LARGE_SEQLEN, SEQLENS, Task,
                                    build_tasks, grid_seqlens)
-from tuning.autotune_workers import DEFAULT_BACKEND, RayExecutor, SubprocessExecutor, gpus_for
+from tuning.autotune.workers import DEFAULT_BACKEND, RayExecutor, SubprocessExecutor, gpus_for
 from tuning.device import sanitize_device_name
-from tuning.lookup import PACKAGED_CONFIG_DIR
+from tuning.lookup import config_dirs, user_config_dir
 
 ENV_MAX_CONFIGS = "FFPA_AUTOTUNE_MAX_CONFIGS"
 _DTYPES = ("bf16", "fp16", "fp32")
@@ -57,6 +60,18 @@ def _dtype_list(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(
             f"dtypes must be a comma-separated subset of {','.join(_DTYPES)}; got {text!r}")
     return list(dict.fromkeys(values))
+
+
+def _gpu_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected the number of GPUs to use, at least 1 (one worker process per GPU; "
+            f"the autotuner measures on NVIDIA GPUs and cannot run without one); got {text!r}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -86,9 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="replace an existing file for this device")
     parser.add_argument("--resume", action="store_true",
                         help="continue an interrupted run: keep its entries, run the rest")
-    parser.add_argument("--output-dir", type=Path, default=PACKAGED_CONFIG_DIR,
-                        help=f"where <device>.json goes (default {PACKAGED_CONFIG_DIR})")
-    parser.add_argument("--num-gpus", type=_positive, default=None,
+    default_dir = user_config_dir()
+    parser.add_argument("--output-dir", type=Path, default=default_dir,
+                        help=f"where <device>.json goes (default {default_dir}: the user's "
+                             "directory, which the trace-time lookup reads after "
+                             "$FFPA_TUNED_CONFIG_DIR and before the packaged tuning/configs/; "
+                             "elsewhere, point FFPA_TUNED_CONFIG_DIR at it)")
+    parser.add_argument("--num-gpus", type=_gpu_count, default=None,
                         help="worker processes, one per GPU (default 1; with --ray-address: "
                              "every GPU of the cluster)")
     parser.add_argument("--ray-address", default=None,
@@ -271,6 +290,7 @@ def _run(args, executor, max_configs: int | None, log_dir: Path) -> int:
     _say(f"wrote {path}: {len(store.entries)} entries ({summary.entries} new), "
          f"{summary.failed} task(s) failed, {minutes:.1f} min"
          + ("" if complete else "; incomplete: run again with --resume to continue"))
+    _say(where_the_lookup_reads(path))
     if summary.aborted:
         _say(f"error: {summary.aborted} (logs: {log_dir})")
         return 1
@@ -281,11 +301,22 @@ def _run(args, executor, max_configs: int | None, log_dir: Path) -> int:
     return 0
 
 
+def where_the_lookup_reads(path: Path) -> str:
+    """A line on whether the trace-time lookup reads `path`, and how to make it."""
+    dirs = config_dirs()
+    folder = Path(path).resolve().parent
+    if folder in [d.resolve() for d in dirs]:
+        return (f"the tuned-config lookup reads {folder} (in this order: "
+                f"{', '.join(map(str, dirs))})")
+    return (f"the tuned-config lookup does not read {folder}: set "
+            f"FFPA_TUNED_CONFIG_DIR={folder} to use it")
+
+
 def _measure_tiers(args, *, file: Path | None) -> int:
-    """Run `tuning.autotune_tiers` on the grid of `args` (one GPU, its own process)."""
+    """Run `tuning.autotune.tiers` on the grid of `args` (one GPU, its own process)."""
     headdims = ",".join(map(str, sorted(set(args.headdims or HEADDIMS))))
     seqlens = [s for s in (args.seqlens or SEQLENS) if s > 1]
-    command = [sys.executable, "-m", "tuning.autotune_tiers", "--headdims", headdims,
+    command = [sys.executable, "-m", "tuning.autotune.tiers", "--headdims", headdims,
                "--seqlens", ",".join(map(str, seqlens)), "--causal", args.causal,
                "--dtypes", ",".join(d for d in args.dtypes if d != "fp32"),
                "--B", str(args.B), "--H", str(args.H)]
@@ -293,6 +324,3 @@ def _measure_tiers(args, *, file: Path | None) -> int:
     _say("measuring the tiers: " + " ".join(command[1:]))
     return subprocess.run(command, check=False).returncode
 
-
-if __name__ == "__main__":
-    sys.exit(main())

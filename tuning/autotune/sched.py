@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, TextIO
 
-from tuning.autotune_tasks import Task, entries_for, entry_key
+from tuning.autotune.tasks import Task, entries_for, entry_key
 from tuning.schema import load_config_file, write_config_file
 
 # Failures a resumed run retries (the others would fail the same way again).

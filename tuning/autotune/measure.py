@@ -1,8 +1,7 @@
 """Measure candidate launch configs of one kernel on one problem: the autotuner's core.
 
 Used by the autotune CLI's workers (one process per GPU) and by
-`ffpa_jax.runtime_autotune`. This is the one module of `tuning` that imports
-JAX and `pallas_kernels`; nothing imports it at `import tuning` time.
+`ffpa_jax.runtime_autotune`; nothing imports it at `import tuning` time.
 
 For each candidate (search_space order, the built-in default first):
 1. Lower and compile it (in a thread pool). A candidate that fails to compile
@@ -17,12 +16,11 @@ For each candidate (search_space order, the built-in default first):
    best so far is dropped; the others are timed over a few repetitions.
 The fastest surviving candidate wins. Nothing that failed is ever returned.
 
-Kernels are run through `RUNNERS`, a table from kernel name to a `KernelRunner`
-(how to build its inputs, launch it and check it). A kernel without a runner,
-or one that `pallas_kernels` does not provide, is reported as unsupported (and
-its tasks skipped); a kernel that does not take `dropout_rate` yet has its
-dropout tasks skipped. To tune a new kernel, add its row to `RUNNERS` and its
-space to `search_space`.
+Kernels are run through `RUNNERS`, a `KernelRunner` (how to build its inputs, launch
+it and check it) per kernel of `pallas_kernels.KERNEL_DESCRIPTORS`, made by the runner of
+the kernel's role (`_ROLES`). A kernel without a runner is reported as unsupported (and its
+tasks skipped); a kernel that does not take `dropout_rate` has its dropout tasks skipped.
+A new kernel of a known role is tuned once it has its descriptor.
 """
 
 from __future__ import annotations
@@ -43,11 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from pallas_kernels import BwdConfig, FwdConfig
+from pallas_kernels import KERNEL_DESCRIPTORS, BwdConfig, KernelDescriptor, reference
 from pallas_kernels.common import capped_for_rounding
 from pallas_kernels.problem import DTYPES, Problem
-from tuning import search_space
-from tuning.autotune_tasks import DROPOUT_RATE
+from tuning import timing
+from tuning.autotune import search_space
+from tuning.autotune.tasks import Task
+from tuning.device import multiprocessor_count
 
 _SEED = (0x1234ABCD, 0x0BADF00D)
 _N_SAMPLES = 8  # sampled query rows / key columns per sampled head
@@ -153,11 +153,11 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
 
 
-# ------------------------------------------------------------------ sampled float32 references
+# ------------------------------------------------------------------ checks against the reference
 #
-# Each reference is one jitted function of the problem's arrays (static: the
-# spec and the sampled indices), so checking a candidate costs one small launch,
-# and no [T, S] matrix is ever formed: only [samples, S] or [T, samples] slices.
+# The float32 references are `pallas_kernels.reference`'s sampled ones: one jitted function of
+# the problem's arrays each (static: the problem and the sampled indices), so checking a
+# candidate costs one small launch, and no [T, S] matrix is ever formed.
 
 
 def _sample_indices(n: int) -> tuple[int, ...]:
@@ -167,114 +167,6 @@ def _sample_indices(n: int) -> tuple[int, ...]:
 
 def _head_pairs(batch: int, heads: int) -> tuple[tuple[int, int], ...]:
     return tuple(sorted({(0, 0), (batch - 1, heads - 1)}))
-
-
-def _f32(x):
-    return x.astype(jnp.float32)
-
-
-def _dot(a, b, spec: str):
-    return jnp.einsum(spec, _f32(a), _f32(b), precision=jax.lax.Precision.HIGHEST)
-
-
-def _bcast(x, b, h, rows, cols):
-    """x[b, h][rows, cols] of a 4-D bias/mask whose size-1 dims broadcast."""
-    ib, ih = (b if x.shape[0] > 1 else 0), (h if x.shape[1] > 1 else 0)
-    r = rows if x.shape[2] > 1 else jnp.zeros_like(rows)
-    c = cols if x.shape[3] > 1 else jnp.zeros_like(cols)
-    return x[ib, ih][r[:, None], c[None, :]]
-
-
-def _logits(s: Problem, q, k, bias, mask, b: int, h: int, rows, cols):
-    """float32 scale·q·kᵀ + bias at [rows, cols] of (b, h), -inf where not visible."""
-    rows = jnp.asarray(rows, jnp.int32)
-    cols = jnp.asarray(cols, jnp.int32)
-    logits = _dot(q[b, rows, h], k[b, cols, h // s.group], "rd,cd->rc") * s.scale
-    if bias is not None:
-        logits = logits + _f32(_bcast(bias, b, h, rows, cols))
-    ok = jnp.ones(logits.shape, bool)
-    if s.causal:
-        ok &= cols[None, :] <= rows[:, None] + (s.seq_k - s.seq_q)
-    if mask is not None:
-        ok &= _bcast(mask, b, h, rows, cols)
-    return jnp.where(ok, logits, -jnp.inf)
-
-
-def _probs(logits, lse):
-    """exp(logits - lse) with rows of lse = -inf (no visible key) giving 0."""
-    lse = lse[:, None]
-    return jnp.where(jnp.isfinite(lse) & jnp.isfinite(logits), jnp.exp(logits - lse), 0.0)
-
-
-@functools.partial(jax.jit, static_argnames=("s", "pairs", "rows"))
-def _fwd_ref(q, k, v, bias, mask, *, s: Problem, pairs, rows):
-    """(o [P, R, Dv], lse [P, R]) in float32 at sampled rows of the sampled (b, h) pairs."""
-    outs, lses = [], []
-    all_cols = np.arange(s.seq_k)
-    for b, h in pairs:
-        logits = _logits(s, q, k, bias, mask, b, h, rows, all_cols)
-        m = jnp.max(logits, axis=1)
-        m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-        total = jnp.sum(jnp.exp(logits - m_safe[:, None]), axis=1)
-        lse = jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
-        outs.append(_dot(_probs(logits, lse), v[b, :, h // s.group], "rc,cd->rd"))
-        lses.append(lse)
-    return jnp.stack(outs), jnp.stack(lses)
-
-
-@functools.partial(jax.jit, static_argnames=("s", "pairs", "rows"))
-def _dq_ref(q, k, v, do, lse, delta, bias, mask, *, s: Problem, pairs, rows):
-    """dQ [P, R, D] in float32 at sampled rows, given the forward's lse and delta."""
-    out = []
-    all_cols = np.arange(s.seq_k)
-    for b, h in pairs:
-        hk = h // s.group
-        p = _probs(_logits(s, q, k, bias, mask, b, h, rows, all_cols), lse[b, h, rows, ])
-        dp = _dot(do[b, rows, h], v[b, :, hk], "rd,cd->rc")
-        ds = p * (dp - delta[b, h, rows, ][:, None])
-        out.append(_dot(ds, k[b, :, hk], "rc,cd->rd") * s.scale)
-    return jnp.stack(out)
-
-
-@functools.partial(jax.jit, static_argnames=("s", "pairs", "cols"))
-def _dkdv_ref(q, k, v, do, lse, delta, bias, mask, *, s: Problem, pairs, cols):
-    """(dK [P, C, D], dV [P, C, Dv]) in float32 at sampled key columns of the sampled
-    (b, kv head) pairs, summed over the kv head's query heads."""
-    dks, dvs = [], []
-    all_rows = np.arange(s.seq_q)
-    for b, hk in pairs:
-        dk = dv = 0.0
-        for h in range(hk * s.group, (hk + 1) * s.group):
-            p = _probs(_logits(s, q, k, bias, mask, b, h, all_rows, cols), lse[b, h])  # [T, C]
-            dp = _dot(do[b, :, h], v[b, np.array(cols), hk], "td,cd->tc")
-            ds = p * (dp - delta[b, h][:, None])
-            dv = dv + _dot(p, do[b, :, h], "tc,td->cd")
-            dk = dk + _dot(ds, q[b, :, h], "tc,td->cd") * s.scale
-        dks.append(dk)
-        dvs.append(dv)
-    return jnp.stack(dks), jnp.stack(dvs)
-
-
-@functools.partial(jax.jit, static_argnames=("s", "rows", "cols"))
-def _dbias_ref(q, k, v, do, lse, delta, bias, mask, *, s: Problem, rows, cols):
-    """dbias [Bb, Bh, R', C'] in float32: at sampled rows (cols) where the bias has a
-    full T (S) dim, else summed over all of them, like the kernel's broadcast sum."""
-    bshape = bias.shape
-    rows_full, cols_full = bshape[2] > 1, bshape[3] > 1
-    r = np.array(rows) if rows_full else np.arange(s.seq_q)
-    c = np.array(cols) if cols_full else np.arange(s.seq_k)
-    sums = [[0.0] * bshape[1] for _ in range(bshape[0])]
-    for b in range(s.batch):
-        for h in range(s.heads_q):
-            hk = h // s.group
-            p = _probs(_logits(s, q, k, bias, mask, b, h, r, c), lse[b, h, r])
-            dp = _dot(do[b, r, h], v[b, c, hk], "rd,cd->rc")
-            ds = p * (dp - delta[b, h, r][:, None])
-            ds = ds if rows_full else jnp.sum(ds, axis=0, keepdims=True)
-            ds = ds if cols_full else jnp.sum(ds, axis=1, keepdims=True)
-            ib, ih = (b if bshape[0] > 1 else 0), (h if bshape[1] > 1 else 0)
-            sums[ib][ih] = sums[ib][ih] + ds
-    return jnp.stack([jnp.stack(row) for row in sums])
 
 
 @functools.partial(jax.jit, static_argnames=("pairs", "rows", "heads_axis"))
@@ -290,7 +182,7 @@ def _take(x, *, pairs, rows, heads_axis: int):
 @jax.jit
 def _diff_stats(got, want):
     """(all finite, max |got - want|, max |want|) in float32, on the device."""
-    got, want = _f32(got), _f32(want)
+    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
     return jnp.all(jnp.isfinite(got)), jnp.max(jnp.abs(got - want)), jnp.max(jnp.abs(want))
 
 
@@ -327,8 +219,8 @@ def _fwd_reference_err(out, inp: Inputs) -> float | None:
         return None
     o, lse = out
     pairs, rows = _head_pairs(s.batch, s.heads_q), _sample_indices(s.seq_q)
-    ref_o, ref_lse = _fwd_ref(inp.q, inp.k, inp.v, inp.bias, inp.mask, s=s, pairs=pairs,
-                              rows=rows)
+    ref_o, ref_lse = reference.sampled_forward(inp.q, inp.k, inp.v, inp.bias, inp.mask, s=s,
+                                               pairs=pairs, rows=rows)
     return max(_rel_err(_take(o, pairs=pairs, rows=rows, heads_axis=2), ref_o),
                _lse_err(_take(lse, pairs=pairs, rows=rows, heads_axis=1), ref_lse))
 
@@ -343,7 +235,7 @@ def _dq_reference_err(dq, inp: Inputs) -> float | None:
     if s.dropout_rate:
         return None
     pairs, rows = _head_pairs(s.batch, s.heads_q), _sample_indices(s.seq_q)
-    ref = _dq_ref(*_bwd_arrays(inp), s=s, pairs=pairs, rows=rows)
+    ref = reference.sampled_dq(*_bwd_arrays(inp), s=s, pairs=pairs, rows=rows)
     return _rel_err(_take(dq, pairs=pairs, rows=rows, heads_axis=2), ref)
 
 
@@ -353,7 +245,7 @@ def _dkdv_reference_err(out, inp: Inputs) -> float | None:
         return None
     dk, dv = out
     pairs, cols = _head_pairs(s.batch, s.heads_kv), _sample_indices(s.seq_k)
-    ref_dk, ref_dv = _dkdv_ref(*_bwd_arrays(inp), s=s, pairs=pairs, cols=cols)
+    ref_dk, ref_dv = reference.sampled_dkdv(*_bwd_arrays(inp), s=s, pairs=pairs, cols=cols)
     return max(_rel_err(_take(dk, pairs=pairs, rows=cols, heads_axis=2), ref_dk),
                _rel_err(_take(dv, pairs=pairs, rows=cols, heads_axis=2), ref_dv))
 
@@ -366,7 +258,7 @@ def _dbias_reference_err(dbias, inp: Inputs) -> float | None:
     if s.dropout_rate or (bshape[2] == 1 and bshape[3] == 1):
         return None
     rows, cols = _sample_indices(s.seq_q), _sample_indices(s.seq_k)
-    ref = _dbias_ref(*_bwd_arrays(inp), s=s, rows=rows, cols=cols)
+    ref = reference.sampled_dbias(*_bwd_arrays(inp), s=s, rows=rows, cols=cols)
     got = dbias
     got = got[:, :, np.array(rows)] if bshape[2] > 1 else got
     got = got[:, :, :, np.array(cols)] if bshape[3] > 1 else got
@@ -453,27 +345,30 @@ def _seed_kw(spec: Problem, seed) -> dict:
     return {} if not spec.dropout_rate else {"dropout_rate": spec.dropout_rate, "seed": seed}
 
 
-def _fwd_launcher(cfg: dict, spec: Problem, interpret: bool) -> Callable:
-    config = FwdConfig.from_tuned(cfg)
-
-    def launch(q, k, v, *rest):
-        bias, mask, seed = _split_opt(spec, rest)
-        return pallas_kernels.fwd_generic(q, k, v, bias, mask, scale=spec.scale,
-                                          causal=spec.causal, config=config, interpret=interpret,
-                                          **_seed_kw(spec, seed))
-    return launch
+def _tile_fit(config_class: type) -> Callable[[dict, Problem], Hashable]:
+    """The fit key of a kernel whose config class fits its tiles to (T, S, D, Dv)."""
+    def fit(cfg: dict, spec: Problem) -> Hashable:
+        fitted = config_class.from_tuned(cfg).fitted(spec.seq_q, spec.seq_k, spec.head_dim,
+                                                     spec.head_dim_v)
+        return capped_for_rounding(fitted, spec.dtype)[0]
+    return fit
 
 
-def _fwd_fit(cfg: dict, spec: Problem) -> Hashable:
-    fitted = FwdConfig.from_tuned(cfg).fitted(spec.seq_q, spec.seq_k, spec.head_dim,
-                                              spec.head_dim_v)
-    return capped_for_rounding(fitted, spec.dtype)[0]
+def _attention_launcher(d: KernelDescriptor) -> Callable[[dict, Problem, bool], Callable]:
+    """q, k, v (bias, mask, seed) -> (o, lse)."""
+    def make(cfg: dict, spec: Problem, interpret: bool) -> Callable:
+        config = d.config.from_tuned(cfg)
+
+        def launch(q, k, v, *rest):
+            bias, mask, seed = _split_opt(spec, rest)
+            return d.function(q, k, v, bias, mask, scale=spec.scale, causal=spec.causal,
+                              config=config, interpret=interpret, **_seed_kw(spec, seed))
+        return launch
+    return make
 
 
-def _bwd_fit(cfg: dict, spec: Problem) -> Hashable:
-    fitted = BwdConfig.from_tuned(cfg).fitted(spec.seq_q, spec.seq_k, spec.head_dim,
-                                              spec.head_dim_v)
-    return capped_for_rounding(fitted, spec.dtype)[0]
+def _attention_args(inp: Inputs) -> tuple:
+    return (inp.q, inp.k, inp.v, *_opt_args(inp))
 
 
 def _preproc_fit(cfg: dict, spec: Problem) -> Hashable:
@@ -482,12 +377,15 @@ def _preproc_fit(cfg: dict, spec: Problem) -> Hashable:
     return (fitted.block_m, fitted.block_slice, bwd.num_warps, bwd.num_stages)
 
 
-def _preproc_launcher(cfg: dict, spec: Problem, interpret: bool) -> Callable:
-    config = BwdConfig.from_tuned(cfg)
+def _preproc_launcher(d: KernelDescriptor) -> Callable[[dict, Problem, bool], Callable]:
+    """o, do, dlse -> delta."""
+    def make(cfg: dict, spec: Problem, interpret: bool) -> Callable:
+        config = d.config.from_tuned(cfg)
 
-    def launch(o, do, dlse):
-        return pallas_kernels.bwd_preproc(o, do, dlse, config=config, interpret=interpret)
-    return launch
+        def launch(o, do, dlse):
+            return d.function(o, do, dlse, config=config, interpret=interpret)
+        return launch
+    return make
 
 
 def _preproc_args(inp: Inputs) -> tuple:
@@ -500,51 +398,29 @@ def _bwd_args(inp: Inputs) -> tuple:
     return (inp.q, inp.k, inp.v, inp.do, lse, inp.delta(), *_opt_args(inp))
 
 
-def _bwd_launcher(name: str) -> Callable[[dict, Problem, bool], Callable]:
+def _bwd_launcher(d: KernelDescriptor) -> Callable[[dict, Problem, bool], Callable]:
+    """q, k, v, do, lse, delta (bias, mask, seed) -> the kernel's gradient(s)."""
     def make(cfg: dict, spec: Problem, interpret: bool) -> Callable:
-        config = BwdConfig.from_tuned(cfg)
-        fn = getattr(pallas_kernels, name)
+        config = d.config.from_tuned(cfg)
 
         def launch(q, k, v, do, lse, delta, *rest):
             bias, mask, seed = _split_opt(spec, rest)
-            return fn(q, k, v, do, lse, delta, bias, mask, scale=spec.scale, causal=spec.causal,
-                      config=config, interpret=interpret, **_seed_kw(spec, seed))
+            return d.function(q, k, v, do, lse, delta, bias, mask, scale=spec.scale,
+                              causal=spec.causal, config=config, interpret=interpret,
+                              **_seed_kw(spec, seed))
         return launch
     return make
 
 
-RUNNERS: dict[str, KernelRunner] = {
-    "fwd_generic": KernelRunner(
-        "fwd_generic", "forward", pallas_kernels.fwd_generic, _fwd_launcher,
-        args=lambda inp: (inp.q, inp.k, inp.v, *_opt_args(inp)), check=_fwd_reference_err,
-        fit_key=_fwd_fit, tol_16bit=2e-2, tol_fp32=1e-4),
-    "bwd_preproc": KernelRunner(
-        "bwd_preproc", "backward", pallas_kernels.bwd_preproc, _preproc_launcher,
-        args=_preproc_args, check=_preproc_reference_err, fit_key=_preproc_fit,
-        tol_16bit=1e-3, tol_fp32=1e-4),
-    "bwd_generic_dq": KernelRunner(
-        "bwd_generic_dq", "backward", pallas_kernels.bwd_generic_dq,
-        _bwd_launcher("bwd_generic_dq"), args=_bwd_args, check=_dq_reference_err,
-        fit_key=_bwd_fit, tol_16bit=3e-2, tol_fp32=1e-3),
-    "bwd_generic_dkdv": KernelRunner(
-        "bwd_generic_dkdv", "backward", pallas_kernels.bwd_generic_dkdv,
-        _bwd_launcher("bwd_generic_dkdv"), args=_bwd_args, check=_dkdv_reference_err,
-        fit_key=_bwd_fit, tol_16bit=3e-2, tol_fp32=1e-3),
-    "bwd_dbias": KernelRunner(
-        "bwd_dbias", "backward", pallas_kernels.bwd_dbias, _bwd_launcher("bwd_dbias"),
-        args=_bwd_args, check=_dbias_reference_err, fit_key=_bwd_fit,
-        tol_16bit=3e-2, tol_fp32=1e-3, needs_bias=True),
-}
+def _backward_runner(d: KernelDescriptor, check, *, needs_bias: bool = False) -> KernelRunner:
+    return KernelRunner(d.name, d.direction, d.function, _bwd_launcher(d), args=_bwd_args,
+                        check=check, fit_key=_tile_fit(d.config), tol_16bit=3e-2,
+                        tol_fp32=1e-3, needs_bias=needs_bias)
 
 
 # Decode: stage 1 is tuned with stage 2 at its default and timed together with it
 # (what a decode call costs); stage 2 is tuned on stage 1's partials under stage 1's
 # default, timed alone. Both are checked like the forward: (out, lse) at sampled rows.
-
-
-def _multiprocessors() -> int:
-    count = getattr(jax.devices()[0], "core_count", None)
-    return int(count) if isinstance(count, int) and count > 0 else 132
 
 
 def _decode_config(stage1: dict, stage2: dict | None = None):
@@ -555,7 +431,7 @@ def _decode_splits(config, spec: Problem) -> int:
     return config.num_splits or pallas_kernels.decode_num_splits(
         batch=spec.batch, heads_kv=spec.heads_kv, packed_rows=spec.group * spec.seq_q,
         seq_k=spec.seq_k, head_dim_v=spec.head_dim_v, config=config,
-        multiprocessors=_multiprocessors())
+        multiprocessors=multiprocessor_count())
 
 
 def _decode_default(kernel: str, spec: Problem) -> dict:
@@ -615,24 +491,27 @@ def _decode2_fit(cfg: dict, spec: Problem) -> Hashable:
     return (fitted.stage2_block_dv, fitted.stage2_num_warps)
 
 
-def _kernel_or_none(name: str) -> Callable | None:
-    return getattr(pallas_kernels, name, None)
+# How the autotuner runs a kernel of each role (`KernelDescriptor.role`): a new kernel of a
+# known role needs nothing here.
+_ROLES: dict[str, Callable[[KernelDescriptor], KernelRunner]] = {
+    "attention": lambda d: KernelRunner(
+        d.name, d.direction, d.function, _attention_launcher(d), args=_attention_args,
+        check=_fwd_reference_err, fit_key=_tile_fit(d.config), tol_16bit=2e-2, tol_fp32=1e-4),
+    "delta": lambda d: KernelRunner(
+        d.name, d.direction, d.function, _preproc_launcher(d), args=_preproc_args,
+        check=_preproc_reference_err, fit_key=_preproc_fit, tol_16bit=1e-3, tol_fp32=1e-4),
+    "dq": lambda d: _backward_runner(d, _dq_reference_err),
+    "dkdv": lambda d: _backward_runner(d, _dkdv_reference_err),
+    "dbias": lambda d: _backward_runner(d, _dbias_reference_err, needs_bias=True),
+    "decode_stage1": lambda d: KernelRunner(
+        d.name, d.direction, d.function, _decode1_launcher, args=_attention_args,
+        check=_fwd_reference_err, fit_key=_decode1_fit, tol_16bit=2e-2, tol_fp32=1e-4),
+    "decode_stage2": lambda d: KernelRunner(
+        d.name, d.direction, d.function, _decode2_launcher, args=_decode2_args,
+        check=_fwd_reference_err, fit_key=_decode2_fit, tol_16bit=2e-2, tol_fp32=1e-4),
+}
 
-
-if _kernel_or_none("decode_fwd_stage1") is not None:
-    RUNNERS["decode_fwd_stage1"] = KernelRunner(
-        "decode_fwd_stage1", "forward", pallas_kernels.decode_fwd_stage1, _decode1_launcher,
-        args=lambda inp: (inp.q, inp.k, inp.v, *_opt_args(inp)), check=_fwd_reference_err,
-        fit_key=_decode1_fit, tol_16bit=2e-2, tol_fp32=1e-4)
-    RUNNERS["decode_fwd_stage2"] = KernelRunner(
-        "decode_fwd_stage2", "forward", pallas_kernels.decode_fwd_stage2, _decode2_launcher,
-        args=_decode2_args, check=_fwd_reference_err, fit_key=_decode2_fit,
-        tol_16bit=2e-2, tol_fp32=1e-4)
-else:  # an older checkout: the rows exist, `unsupported` says why they cannot run
-    for _name in ("decode_fwd_stage1", "decode_fwd_stage2"):
-        RUNNERS[_name] = KernelRunner(_name, "forward", None, _fwd_launcher,
-                                      args=lambda inp: (), check=_fwd_reference_err,
-                                      fit_key=_fwd_fit, tol_16bit=2e-2, tol_fp32=1e-4)
+RUNNERS: dict[str, KernelRunner] = {d.name: _ROLES[d.role](d) for d in KERNEL_DESCRIPTORS}
 
 
 def unsupported(kernel: str, spec: Problem) -> str | None:
@@ -675,20 +554,15 @@ def _block(x):
     return jax.block_until_ready(x)
 
 
-def _time_samples(fn, args, once: float, settings: Settings, *,
-                  reps: int | None = None) -> list[float]:
-    inner = max(1, min(1000, int(settings.min_sample_s / max(once, 1e-6))))
+def _samples_ms(fn, args, once_ms: float, settings: Settings, *,
+                reps: int | None = None) -> list[float]:
+    """Per-call milliseconds of a warm compiled candidate (`tuning.timing`): each sample loops
+    it for at least `settings.min_sample_s` (at most 1000 calls), given one call's time."""
+    once_s = once_ms / 1e3
     if reps is None:
-        reps = settings.reps_short if once < 0.05 else settings.reps_long
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        out = None
-        for _ in range(inner):
-            out = fn(*args)
-        _block(out)
-        samples.append((time.perf_counter() - start) / inner)
-    return samples
+        reps = settings.reps_short if once_s < 0.05 else settings.reps_long
+    inner = timing.calls_per_sample(once_s, settings.min_sample_s, most=1000)
+    return timing.looped_samples(fn, args, inner=inner, reps=reps)
 
 
 def _compile(fn: Callable, args: tuple):
@@ -799,10 +673,10 @@ def _confirm(finalists: dict, args, settings: Settings) -> None:
         return
     d_samples, b_samples = [], []
     for _ in range(max(2, settings.reps_short if (b_rec.ms or 0) < 50 else settings.reps_long)):
-        d_samples += _time_samples(d_fn, args, (d_rec.ms or 1.0) / 1e3, settings, reps=1)
-        b_samples += _time_samples(b_fn, args, (b_rec.ms or 1.0) / 1e3, settings, reps=1)
-    d_rec.ms = 1e3 * statistics.median(d_samples)
-    b_rec.ms = 1e3 * statistics.median(b_samples)
+        d_samples += _samples_ms(d_fn, args, d_rec.ms or 1.0, settings, reps=1)
+        b_samples += _samples_ms(b_fn, args, b_rec.ms or 1.0, settings, reps=1)
+    d_rec.ms = statistics.median(d_samples)
+    b_rec.ms = statistics.median(b_samples)
 
 
 def _measure_one(compiled, cfg, args, runner: KernelRunner, inputs: Inputs, baseline,
@@ -812,7 +686,7 @@ def _measure_one(compiled, cfg, args, runner: KernelRunner, inputs: Inputs, base
         start = time.perf_counter()
         outputs = compiled(*args)
         _block(outputs)
-        first = time.perf_counter() - start
+        first_ms = 1e3 * (time.perf_counter() - start)
     except Exception as exc:  # noqa: BLE001 - e.g. a launch failure
         return CandidateRecord(cfg, "run failed", detail=_first_line(exc)), None
     tol = runner.tolerance(inputs.spec.dtype_name)
@@ -833,13 +707,13 @@ def _measure_one(compiled, cfg, args, runner: KernelRunner, inputs: Inputs, base
                 _block(compiled(*args))
         # One sample timed like the others (short kernels looped, so launch overhead
         # does not decide), compared with the best so far before spending more time.
-        probe = _time_samples(compiled, args, first, settings, reps=1)[0]
-        if best_ms is not None and probe * 1e3 > settings.prune * best_ms:
-            record = CandidateRecord(cfg, "pruned", ms=probe * 1e3, error=err,
-                                     detail=f"probe {probe * 1e3:.3f} ms > {settings.prune:g}x best")
+        probe = _samples_ms(compiled, args, first_ms, settings, reps=1)[0]
+        if best_ms is not None and probe > settings.prune * best_ms:
+            record = CandidateRecord(cfg, "pruned", ms=probe, error=err,
+                                     detail=f"probe {probe:.3f} ms > {settings.prune:g}x best")
         else:
-            samples = [probe] + _time_samples(compiled, args, probe, settings)
-            record = CandidateRecord(cfg, "ok", ms=1e3 * statistics.median(samples), error=err)
+            samples = [probe] + _samples_ms(compiled, args, probe, settings)
+            record = CandidateRecord(cfg, "ok", ms=statistics.median(samples), error=err)
     except Exception as exc:  # noqa: BLE001
         return CandidateRecord(cfg, "run failed", detail=_first_line(exc)), None
     return record, outputs
@@ -905,13 +779,11 @@ class MeasureBackend:
         return self._inputs
 
     def run(self, task: dict, *, mode: str, progress: Callable[[int, int], None]) -> dict:
-        spec = Problem(
-            batch=task["batch"], seq_q=task["seqlen_q"], seq_k=task["seqlen_k"],
-            heads_q=task["nheads_q"], heads_kv=task["nheads_kv"], head_dim=task["headdim"],
-            head_dim_v=task["headdim"], dtype=DTYPES[task["dtype"]],
-            scale=1.0 / math.sqrt(task["headdim"]), causal=task["causal"],
-            bias_shape=(1, 1, 1, task["seqlen_k"]) if task["has_attn_bias"] else None,
-            dropout_rate=DROPOUT_RATE if task["has_dropout"] else 0.0)
+        t = Task.from_dict(task)
+        spec = Problem(batch=t.batch, seq_q=t.seqlen_q, seq_k=t.seqlen_k, heads_q=t.nheads_q,
+                       heads_kv=t.nheads_kv, head_dim=t.headdim, head_dim_v=t.headdim,
+                       dtype=DTYPES[t.dtype], scale=1.0 / math.sqrt(t.headdim),
+                       causal=t.causal, bias_shape=t.bias_shape, dropout_rate=t.dropout_rate)
         result = tune(task["kernel"], spec, mode=mode, interpret=self.interpret,
                       inputs=self._inputs_for(spec), on_progress=progress)
         # The worker's stderr is its log file: one line per candidate, for diagnosis.

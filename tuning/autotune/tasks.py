@@ -48,10 +48,6 @@ class Task:
     has_dropout: bool = False
 
     @property
-    def bias_grad(self) -> bool | None:
-        return self.has_attn_bias if self.direction == "backward" else None
-
-    @property
     def bias_shape(self) -> tuple[int, int, int, int] | None:
         return (1, 1, 1, self.seqlen_k) if self.has_attn_bias else None
 
@@ -62,13 +58,6 @@ class Task:
     @property
     def key(self) -> str:
         return entry_key(self.as_dict())
-
-    @property
-    def problem_key(self) -> tuple:
-        """Tasks with equal problem keys share inputs (and forward outputs)."""
-        return (self.case_name, self.dtype, self.headdim, self.seqlen_q, self.seqlen_k,
-                self.causal, self.batch, self.nheads_q, self.nheads_kv, self.has_attn_bias,
-                self.has_dropout)
 
     def label(self) -> str:
         heads = "" if self.nheads_q == self.nheads_kv else f" H{self.nheads_q}/{self.nheads_kv}"

@@ -1,7 +1,7 @@
 """Where autotune tasks run: worker processes (one per GPU), in-process, or a Ray cluster.
 
 Every executor offers the same small interface to the scheduler
-(`tuning.autotune_sched`): `slots` (how many tasks run at once), `start()` (the
+(`tuning.autotune.sched`): `slots` (how many tasks run at once), `start()` (the
 workers' hello: device name, memory, which kernels they can tune), `submit(slot,
 task)`, an `events` queue of `(slot, message)` and `restart(slot)`.
 
@@ -12,7 +12,7 @@ Messages (JSON objects, also the wire format between processes):
   `{"type": "result", "task": {...}, "error": "..."}`: a task finished.
 - `{"type": "exit", "detail": "..."}`: the worker is gone (crash, kill, EOF).
 
-Worker processes (`python -m tuning.autotune_workers --backend MODULE:ATTR`)
+Worker processes (`python -m tuning.autotune.workers --backend MODULE:ATTR`)
 each see one GPU (CUDA_VISIBLE_DEVICES set by the parent) and run one task at
 a time. They speak JSON lines on stdin/stdout; everything else a worker prints
 (JAX, Triton, XLA) goes to its log file. A worker that crashes or hangs costs
@@ -34,8 +34,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-DEFAULT_BACKEND = "tuning.autotune_measure:MeasureBackend"
-_REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_BACKEND = "tuning.autotune.measure:MeasureBackend"
+_REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_backend(spec: str):
@@ -88,12 +88,18 @@ def gpus_for(num_gpus: int) -> list[str]:
     if num_gpus < 1:
         raise ValueError(f"--num-gpus must be at least 1; got {num_gpus}")
     gpus = visible_gpus()
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        where = "CUDA_VISIBLE_DEVICES=" + repr(os.environ["CUDA_VISIBLE_DEVICES"])
+    else:
+        where = "nvidia-smi -L" if shutil.which("nvidia-smi") else "no nvidia-smi on the PATH"
+    if not gpus:
+        raise ValueError(f"the autotuner measures the kernels on NVIDIA GPUs, and none is "
+                         f"visible here ({where}). Run it on a machine with a GPU "
+                         "(--dry-run lists the tasks anywhere).")
     if len(gpus) < num_gpus:
-        where = ("CUDA_VISIBLE_DEVICES=" + repr(os.environ["CUDA_VISIBLE_DEVICES"])
-                 if "CUDA_VISIBLE_DEVICES" in os.environ else "nvidia-smi -L")
         raise ValueError(f"--num-gpus {num_gpus} asks for {num_gpus} GPU(s), but only "
                          f"{len(gpus)} {'is' if len(gpus) == 1 else 'are'} visible ({where}). "
-                         "Lower --num-gpus or make more GPUs visible.")
+                         f"Pass --num-gpus {len(gpus)} or make more GPUs visible.")
     return gpus[:num_gpus]
 
 
@@ -189,7 +195,7 @@ class _Worker:
         env.setdefault("PYTHONUNBUFFERED", "1")
         self.log = open(log_path, "a", encoding="utf-8")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tuning.autotune_workers", "--backend", backend],
+            [sys.executable, "-m", "tuning.autotune.workers", "--backend", backend],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env,
             text=True, bufsize=1, cwd=str(_REPO_ROOT))
         self.reader = threading.Thread(target=self._read, daemon=True)

@@ -1,0 +1,302 @@
+"""`python -m ffpa_jax.info`: what ffpa_jax sees on this machine, and what a call would run.
+
+    python -m ffpa_jax.info
+    python -m ffpa_jax.info --shape 1,4096,32,128 --kv-heads 8 --causal --dtype bf16
+    python -m ffpa_jax.info --shape 1,4096,32,512 --device-name "NVIDIA H200"
+
+Prints the device, the jax/jaxlib (and Triton) versions, which tuned-config file the lookup
+reads for this device, and, for a shape (q [B, T, Hq, D]; `--kv-heads`, `--kv-len`, `--dv`,
+`--causal`, `--dtype`, `--bias`, `--mask`, `--dropout` for the rest), which implementation
+and tier each direction runs and every launch config a call would use, each with why: the
+tuned entry it matched, or the built-in default or rule. `--device-name` (and
+`--compute-capability`) answer for that GPU's tuned file from any machine. Runtime autotune
+(`autotune="fast"`) is not shown: it measures at trace time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import tuning
+from ffpa_jax import api, validation
+from ffpa_jax.backend import default_backend_is_nvidia_gpu
+from pallas_kernels import chunked
+from pallas_kernels.bwd import BwdConfig, rows_in_one_tile
+from pallas_kernels.decode import DecodeConfig, decode_num_splits
+from pallas_kernels.problem import DTYPES, Problem
+from tuning.lookup import ENV_CONFIG_DIR, config_dirs, find_config_file
+
+_DTYPE_NAMES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16",
+                "fp32": "fp32", "float32": "fp32"}
+WIDTH = 100
+
+
+def _ints(text: str, count: int | None = None) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers; got {text!r}")
+    if count is not None and len(values) != count:
+        raise argparse.ArgumentTypeError(f"expected {count} comma-separated integers; "
+                                         f"got {text!r}")
+    return values
+
+
+def _dtype(text: str) -> str:
+    if text.lower() not in _DTYPE_NAMES:
+        raise argparse.ArgumentTypeError(f"dtype must be one of bf16, fp16, fp32; got {text!r}")
+    return _DTYPE_NAMES[text.lower()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m ffpa_jax.info", description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Without --shape only the machine's part is printed.")
+    parser.add_argument("--shape", type=lambda t: _ints(t, 4), metavar="B,T,Hq,D",
+                        help="the query's shape")
+    parser.add_argument("--kv-heads", type=int, default=None, metavar="H",
+                        help="key/value heads (default Hq)")
+    parser.add_argument("--kv-len", type=int, default=None, metavar="S",
+                        help="key/value sequence length (default T)")
+    parser.add_argument("--dv", type=int, default=None, help="value head dim (default D)")
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--dtype", type=_dtype, default="bf16", help="bf16 (default), fp16, fp32")
+    parser.add_argument("--bias", type=lambda t: _ints(t, 4), default=None, metavar="B,H,T,S",
+                        help="a float32 bias of this 4-D shape (each dim 1 or full)")
+    parser.add_argument("--mask", type=lambda t: _ints(t, 4), default=None, metavar="B,H,T,S",
+                        help="a bool mask of this 4-D shape (each dim 1 or full)")
+    parser.add_argument("--dropout", type=float, default=0.0, metavar="RATE")
+    parser.add_argument("--implementation", choices=("pallas", "chunked", "xla"), default=None,
+                        help="as attention()'s argument (default None: what a call picks)")
+    parser.add_argument("--device-name", default=None,
+                        help="answer for this NVIDIA GPU (its device_kind, e.g. 'NVIDIA H200') "
+                             "instead of JAX's device")
+    parser.add_argument("--compute-capability", default=None, metavar="CC",
+                        help="with --device-name: its compute capability (e.g. 9.0), for the "
+                             "lookup's same-capability fallback")
+    return parser
+
+
+# ---------------------------------------------------------------- the machine
+
+
+def _version(module: str) -> str:
+    try:
+        return importlib.import_module(module).__version__
+    except Exception as exc:  # noqa: BLE001 - report what is missing, never fail
+        return f"not importable ({type(exc).__name__})"
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("ffpa-jax")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def machine_lines(device_name: str | None, capability: str | None) -> list[str]:
+    device = jax.devices()[0]
+    gpu = default_backend_is_nvidia_gpu()
+    kind = getattr(device, "device_kind", "?")
+    lines = [f"ffpa_jax {_package_version()} ({os.path.dirname(os.path.abspath(__file__))})",
+             f"device: {kind} (platform {device.platform}, {jax.device_count()} device(s)); "
+             + ("an NVIDIA GPU: the compiled kernels run" if gpu else
+                "no NVIDIA GPU: attention() runs the plain-JAX path here"),
+             f"versions: jax {jax.__version__}, jaxlib {_version('jaxlib')}, "
+             f"triton {_version('triton')}"]
+    dirs = [str(d) for d in config_dirs()]
+    env = os.environ.get(ENV_CONFIG_DIR)
+    lines.append("tuned configs, in the lookup's order: " + ", ".join(dirs)
+                 + ("" if env else f" (${ENV_CONFIG_DIR} unset)"))
+    if device_name is None and gpu:
+        device_name = str(kind)
+        capability = capability or str(getattr(device, "compute_capability", "")) or None
+    if device_name is None:
+        lines.append("  for this device: none (no GPU: the built-in defaults and rules apply)")
+        return lines
+    found = find_config_file(device_name, capability)
+    label = f"for {device_name}" + (f" (cc {capability})" if capability else "")
+    if found is None:
+        lines.append(f"  {label}: no file (the built-in defaults and rules apply)")
+    else:
+        made_on = found.header.get("device_name")
+        lines.append(f"  {label}: {found.path} ({len(found.entries)} entries, autotune mode "
+                     f"{found.header.get('autotune_mode')}"
+                     + ("" if made_on == device_name else f", made on {made_on!r}") + ")")
+    return lines
+
+
+# ---------------------------------------------------------------- a call
+
+
+def problem_of(args) -> Problem:
+    """The call's `Problem`, checked as attention() checks its arguments."""
+    b, t, hq, d = args.shape
+    s = args.kv_len or t
+    hkv = args.kv_heads or hq
+    dtype = DTYPES[args.dtype]
+    sds = jax.ShapeDtypeStruct
+    bias = None if args.bias is None else sds(args.bias, jnp.float32)
+    mask = None if args.mask is None else sds(args.mask, jnp.bool_)
+    rng = jax.random.key(0) if args.dropout else None
+    call = validation.validate(
+        sds((b, t, hq, d), dtype), sds((b, s, hkv, d), dtype),
+        sds((b, s, hkv, args.dv or d), dtype), bias, mask, scale=None, is_causal=args.causal,
+        dropout_rate=args.dropout, dropout_rng=rng, return_lse=False,
+        implementation=args.implementation, interpret=False)
+    return call.problem
+
+
+def _describe(p: Problem) -> str:
+    extras = ["causal" if p.causal else "not causal",
+              f"bias {p.bias_shape}" if p.bias_shape else "no bias",
+              f"mask {p.mask_shape}" if p.mask_shape else "no mask",
+              f"dropout {p.dropout_rate:g}" if p.dropout_rate else "no dropout"]
+    return (f"B={p.batch} T={p.seq_q} S={p.seq_k} Hq={p.heads_q} Hkv={p.heads_kv} "
+            f"D={p.head_dim} Dv={p.head_dim_v} {p.dtype_name}, " + ", ".join(extras))
+
+
+def _config_text(config: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in config.items() if k != "num_ctas")
+
+
+def _kernel_lines(kernel: str, problem: Problem, device: dict, note: str = "") -> list[str]:
+    config, why = tuning.explain_config(kernel, problem, **device)
+    return [f"    {kernel}{note}: {_config_text(config)}", f"      <- {why}"]
+
+
+def _forward_lines(problem: Problem, device: dict) -> list[str]:
+    if not tuning.uses_decode(problem):
+        return _kernel_lines("fwd_generic", problem, device)
+    lines = (_kernel_lines("decode_fwd_stage1", problem, device)
+             + _kernel_lines("decode_fwd_stage2", problem, device))
+    stage1, _ = tuning.explain_config("decode_fwd_stage1", problem, **device)
+    config = DecodeConfig.from_tuned(stage1)
+    if config.num_splits:
+        lines.append(f"    key splits: {config.num_splits} (the tuned NUM_SPLITS)")
+    else:
+        sms = tuning.multiprocessor_count()
+        splits = decode_num_splits(batch=problem.batch, heads_kv=problem.heads_kv,
+                                   packed_rows=problem.group * problem.seq_q,
+                                   seq_k=problem.seq_k, head_dim_v=problem.head_dim_v,
+                                   config=config, multiprocessors=sms)
+        lines.append(f"    key splits: {splits} (the heuristic, for {sms} multiprocessors)")
+    return lines
+
+
+def _backward_lines(problem: Problem, device: dict) -> list[str]:
+    configs = {k: BwdConfig.from_tuned(tuning.explain_config(k, problem, **device)[0])
+               for k in ("bwd_generic_dq", "bwd_generic_dkdv", "bwd_dbias")}
+    if problem.dtype_name == "fp32":
+        lines = ["    delta: bwd_exact_rows (float32), with bwd_generic_dq's config"]
+    elif rows_in_one_tile(problem.seq_k, *configs.values()):
+        lines = ["    delta: each kernel's own P and dP (every row's keys fit one tile)"]
+    else:
+        lines = _kernel_lines("bwd_preproc", problem, device)
+    lines += (_kernel_lines("bwd_generic_dq", problem, device)
+              + _kernel_lines("bwd_generic_dkdv", problem, device))
+    if problem.has_bias and problem.bias_shape[-1] == 1:
+        lines.append("    dbias: summed from d_lse (a bias constant along the keys)")
+    elif problem.has_bias:
+        lines += _kernel_lines("bwd_dbias", problem, device)
+    return lines
+
+
+def _chunked_lines(problem: Problem, direction: str, step: str) -> list[str]:
+    plan = chunked.make_plan(problem, step=step)
+    if direction == "backward":
+        plan = plan.for_backward()
+    budget = chunked.budget_from_env() / 2**20
+    return [f"    blocks: {plan.block_q} query rows x {plan.block_k} keys "
+            f"(workspace budget {budget:g} MiB, ${chunked.BUDGET_ENV}); "
+            f"the step between the GEMMs: {plan.step}"]
+
+
+def call_lines(problem: Problem, implementation: str | None, device_name: str | None,
+               capability: str | None) -> list[str]:
+    gpu = default_backend_is_nvidia_gpu() or device_name is not None
+    lines = [f"problem: {_describe(problem)}"]
+    if implementation is None and device_name is not None:
+        impl, why = "auto", f"implementation=None on an NVIDIA GPU ({device_name})"
+    elif implementation == "pallas" and not gpu:
+        impl, why = "pallas", "implementation='pallas' (here it needs interpret=True)"
+    else:
+        impl = api.resolve_implementation(implementation, interpret=False)
+        why = (f"implementation={implementation!r}" if implementation is not None else
+               "implementation=None " + ("on an NVIDIA GPU" if impl == "auto" else
+                                        "without an NVIDIA GPU"))
+    if impl == "xla":
+        lines.append(f"implementation: xla <- {why}: the dense plain-JAX path "
+                     "(pallas_kernels.reference), no launch configs, O(T*S) memory")
+        if not gpu:
+            lines.append("  (pass --device-name to see what a given GPU would run)")
+        return lines
+    lines.append(f"implementation: {impl} <- {why}")
+    device = dict(device_name=device_name, compute_capability=capability)
+    forward, backward = tuning.explain_tiers(problem, impl, **device)
+    step = "pallas" if gpu else "xla"
+    for direction, (tier, tier_why) in (("forward", forward), ("backward", backward)):
+        lines.append(f"  {direction}: {tier} <- {tier_why}")
+        if tier == "chunked":
+            lines += _chunked_lines(problem, direction, step)
+        elif direction == "forward":
+            lines += _forward_lines(problem, device)
+        else:
+            lines += _backward_lines(problem, device)
+    return lines
+
+
+def _wrap(line: str) -> list[str]:
+    """`line` folded at WIDTH columns, continuation lines indented under its first word."""
+    indent = " " * (len(line) - len(line.lstrip()) + 4)
+    out, rest = [], line
+    while len(rest) > WIDTH:
+        cut = rest.rfind(" ", len(indent) + 1, WIDTH)
+        if cut <= len(indent):
+            break
+        out.append(rest[:cut])
+        rest = indent + rest[cut + 1:]
+    return out + [rest]
+
+
+def _tuned_file(device_name: str | None, capability: str | None) -> str | None:
+    if device_name is None and default_backend_is_nvidia_gpu():
+        device_name, capability = tuning.current_device()
+    found = None if device_name is None else find_config_file(device_name, capability)
+    return None if found is None else str(found.path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.compute_capability and not args.device_name:
+        parser.error("--compute-capability goes with --device-name")
+    lines = machine_lines(args.device_name, args.compute_capability)
+    if args.shape is not None:
+        try:
+            problem = problem_of(args)
+        except (TypeError, ValueError) as err:
+            parser.error(str(err))
+        calls = call_lines(problem, args.implementation, args.device_name,
+                           args.compute_capability)
+        path = _tuned_file(args.device_name, args.compute_capability)
+        lines += [line.replace(path, "the tuned file") if path else line for line in calls]
+    elif any(v is not None for v in (args.kv_heads, args.kv_len, args.dv, args.bias,
+                                      args.mask, args.implementation)):
+        parser.error("--kv-heads, --kv-len, --dv, --bias, --mask and --implementation "
+                     "describe a call: give its --shape too")
+    for line in lines:
+        print("\n".join(_wrap(line)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""The plain-JAX attention reference: the semantics of docs/design.md in `jax.numpy` only.
+
+logits = scale · q·kᵀ + bias, then the mask, then causality (bottom-right aligned), softmax
+over keys, dropout on the probabilities, then · v. One implementation, several uses:
+- `mha_reference`, dense: the `"xla"` implementation (`ffpa_jax.attention`), and the
+  tests' reference (in float64: any float dtype works here).
+- `rows_reference`: the same at some query rows of one head, with the visibility written
+  out ([rows, S] at most): the bench's float64 check and the autotuner's forward check.
+- `sampled_forward`, `sampled_dq`, `sampled_dkdv`, `sampled_dbias`: the autotuner's float32
+  checks at a few query rows or key columns, the gradients from the forward's row
+  statistics (lse, δ). They never form a [T, S] matrix, only [rows, S] or [T, columns]
+  slices, so they are cheap at any problem size.
+- `softmax`: the masked softmax of all of them, also the chunked tier's XLA step.
+
+Inputs of `mha_reference` are batched ([B, T, Hq, D] etc.) with bias/mask broadcastable to
+[B, Hq, T, S]; `ffpa_jax.attention` does that normalisation. No infinity is formed unless a
+row has no visible key (its lse is -inf), so `jax.debug_infs` does not trip on attention
+that masks nothing, nor on a mask that leaves every row a key.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.problem import Problem
+
+
+def accumulation_dtype(dtype) -> jnp.dtype:
+    """float32 for 16/32-bit inputs, float64 for float64 inputs."""
+    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+
+
+def causal_keep(t: int, s: int, rows=None, cols=None) -> jax.Array:
+    """bool [T, S]: query i sees key j iff j <= i + (S - T) (bottom-right aligned); at the
+    query rows `rows` and key columns `cols` only when given ([R, C])."""
+    rows = jnp.arange(t) if rows is None else jnp.asarray(rows)
+    cols = jnp.arange(s) if cols is None else jnp.asarray(cols)
+    return cols[None, :] <= rows[:, None] + (s - t)
+
+
+def attention_logits(q, k, bias, *, scale: float) -> jax.Array:
+    """scale·q·kᵀ + bias as [B, Hq, T, S] in the accumulation dtype; GQA by reshape, no repeat."""
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    acc = accumulation_dtype(q.dtype)
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=acc,
+                        precision=jax.lax.Precision.HIGHEST)
+    logits = logits.reshape(b, hq, t, k.shape[1]) * jnp.asarray(scale, acc)
+    if bias is not None:
+        logits = logits + bias.astype(acc)
+    return logits
+
+
+def softmax(scores, visible=None) -> tuple[jax.Array, jax.Array]:
+    """(P, lse) of float `scores` over the last axis, counting only the keys where `visible`
+    (bool, broadcastable; None: all) is True. A row with no visible key (or only -inf
+    scores) gets P = 0 and lse = -inf, never NaN; lse has the scores' shape without the
+    last axis.
+
+    Hidden keys are filled with the dtype's lowest finite value, not -inf: exp() takes them
+    to exactly 0 all the same, and no infinity exists unless a row has no visible key."""
+    lowest = jnp.finfo(scores.dtype).min
+    if visible is not None:
+        scores = jnp.where(visible, scores, jnp.asarray(lowest, scores.dtype))
+    # The max only stabilises exp(); it cancels in the result, so no gradient flows through
+    # it. A row without a visible finite score (max <= lowest) uses 0.
+    row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    row_max = jnp.where(row_max <= lowest, jnp.zeros_like(row_max), row_max)
+    unnorm = jnp.exp(scores - row_max)
+    denom = jnp.sum(unnorm, axis=-1, keepdims=True)
+    has_keys = denom > 0
+    probs = unnorm / jnp.where(has_keys, denom, jnp.ones_like(denom))
+    # log(0) = -inf exactly for the rows without keys (or with a NaN: the reference's lse
+    # of such a row is -inf too).
+    zeros = jnp.zeros_like(denom)
+    lse = jnp.where(has_keys, row_max, zeros) + jnp.log(jnp.where(has_keys, denom, zeros))
+    return probs, lse[..., 0]
+
+
+def mha_reference(q, k, v, bias=None, mask=None, *, scale: float, is_causal: bool = False,
+                  keep_mask=None, dropout_rate: float = 0.0):
+    """Attention output [B, T, Hq, Dv] (dtype of q) and lse [B, Hq, T] (accumulation dtype).
+
+    `keep_mask` (bool, broadcastable to [B, Hq, T, S]) applies dropout with rate
+    `dropout_rate` to the normalised probabilities; lse stays undropped.
+    Rows with no key left give output 0 and lse -inf.
+    """
+    b, t, hq, _ = q.shape
+    s, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+    acc = accumulation_dtype(q.dtype)
+    logits = attention_logits(q, k, bias, scale=scale)
+    visible = mask
+    if is_causal:
+        visible = causal_keep(t, s) if visible is None else visible & causal_keep(t, s)
+    probs, lse = softmax(logits, visible)
+
+    if keep_mask is not None and dropout_rate > 0.0:
+        probs = jnp.where(keep_mask, probs / (1.0 - dropout_rate), jnp.zeros_like(probs))
+
+    # Like every mixed-precision attention (and jax.nn's), the probabilities
+    # meet V in V's dtype with a float32 accumulator.
+    probs = probs.astype(v.dtype) if jnp.dtype(v.dtype).itemsize < 4 else probs.astype(acc)
+    pg = probs.reshape(b, hkv, hq // hkv, t, s)
+    out = jnp.einsum("bkgts,bskd->btkgd", pg, v, preferred_element_type=acc,
+                     precision=jax.lax.Precision.HIGHEST)
+    return out.reshape(b, t, hq, dv).astype(q.dtype), lse
+
+
+# ------------------------------------------------------------------ sampled rows and columns
+
+
+def rows_reference(q, k, v, bias=None, visible=None, keep=None, *, scale: float,
+                   dropout_rate: float = 0.0) -> tuple[jax.Array, jax.Array]:
+    """(out [R, Dv], lse [R]) of one head at R of its query rows: `mha_reference` of those rows.
+
+    q [R, D] (the rows), k [S, D], v [S, Dv]; bias, visible (the mask and the causality of
+    those rows, written out) and keep (the dropout keep-mask) [R, S] or None."""
+    def as4(x):
+        return None if x is None else x[None, None]
+    out, lse = mha_reference(q[None, :, None], k[None, :, None], v[None, :, None], as4(bias),
+                             as4(visible), scale=scale, keep_mask=as4(keep),
+                             dropout_rate=dropout_rate)
+    return out[0, :, 0], lse[0, 0]
+
+
+def _f32(x):
+    return x.astype(jnp.float32)
+
+
+def _dot(a, b, spec: str):
+    return jnp.einsum(spec, _f32(a), _f32(b), precision=jax.lax.Precision.HIGHEST)
+
+
+def _at(x, b, h, rows, cols):
+    """x[b, h][rows, cols] of a 4-D bias or mask whose size-1 dims broadcast."""
+    ib, ih = (b if x.shape[0] > 1 else 0), (h if x.shape[1] > 1 else 0)
+    r = rows if x.shape[2] > 1 else jnp.zeros_like(rows)
+    c = cols if x.shape[3] > 1 else jnp.zeros_like(cols)
+    return x[ib, ih][r[:, None], c[None, :]]
+
+
+def _visible_at(s: Problem, mask, b: int, h: int, rows, cols):
+    """bool [R, C]: which keys of (b, h) rows `rows` see at columns `cols`, or None (all)."""
+    visible = None if mask is None else _at(mask, b, h, rows, cols)
+    if s.causal:
+        keep = causal_keep(s.seq_q, s.seq_k, rows, cols)
+        visible = keep if visible is None else visible & keep
+    return visible
+
+
+def _sampled_logits(s: Problem, q, k, bias, b: int, h: int, rows, cols):
+    """float32 scale·q·kᵀ + bias of (b, h) at [rows, cols]."""
+    bias_at = None if bias is None else _f32(_at(bias, b, h, rows, cols))[None, None]
+    return attention_logits(_f32(q[b, rows, h])[None, :, None],
+                            _f32(k[b, cols, h // s.group])[None, :, None], bias_at,
+                            scale=s.scale)[0, 0]
+
+
+def _probs_given_lse(logits, visible, lse):
+    """P = exp(logits - lse) from the rows' lse: 0 where the key is hidden, its logit not
+    finite, or the row has no visible key (lse = -inf)."""
+    ok = jnp.isfinite(logits) & jnp.isfinite(lse)[:, None]
+    if visible is not None:
+        ok &= visible
+    return jnp.where(ok, jnp.exp(logits - lse[:, None]), 0.0)
+
+
+def _indices(ix):
+    return jnp.asarray(np.asarray(ix), jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("s", "pairs", "rows"))
+def sampled_forward(q, k, v, bias, mask, *, s: Problem, pairs, rows):
+    """(o [P, R, Dv], lse [P, R]) in float32 at query rows `rows` of the (batch, head)
+    `pairs`: `rows_reference` of each pair."""
+    outs, lses = [], []
+    r, cols = _indices(rows), _indices(np.arange(s.seq_k))
+    for b, h in pairs:
+        hk = h // s.group
+        o, lse = rows_reference(_f32(q[b, r, h]), _f32(k[b, :, hk]), _f32(v[b, :, hk]),
+                                None if bias is None else _f32(_at(bias, b, h, r, cols)),
+                                _visible_at(s, mask, b, h, r, cols), scale=s.scale)
+        outs.append(o)
+        lses.append(lse)
+    return jnp.stack(outs), jnp.stack(lses)
+
+
+@functools.partial(jax.jit, static_argnames=("s", "pairs", "rows"))
+def sampled_dq(q, k, v, do, lse, delta, bias, mask, *, s: Problem, pairs, rows):
+    """dQ [P, R, D] in float32 at query rows `rows` of the (batch, head) `pairs`, given the
+    forward's lse and δ [B, Hq, T]."""
+    out = []
+    r, cols = _indices(rows), _indices(np.arange(s.seq_k))
+    for b, h in pairs:
+        hk = h // s.group
+        p = _probs_given_lse(_sampled_logits(s, q, k, bias, b, h, r, cols),
+                             _visible_at(s, mask, b, h, r, cols), lse[b, h, r])
+        dp = _dot(do[b, r, h], v[b, :, hk], "rd,cd->rc")
+        ds = p * (dp - delta[b, h, r][:, None])
+        out.append(_dot(ds, k[b, :, hk], "rc,cd->rd") * s.scale)
+    return jnp.stack(out)
+
+
+@functools.partial(jax.jit, static_argnames=("s", "pairs", "cols"))
+def sampled_dkdv(q, k, v, do, lse, delta, bias, mask, *, s: Problem, pairs, cols):
+    """(dK [P, C, D], dV [P, C, Dv]) in float32 at key columns `cols` of the (batch, KV head)
+    `pairs`, summed over the KV head's query heads, given the forward's lse and δ."""
+    dks, dvs = [], []
+    rows, c = _indices(np.arange(s.seq_q)), _indices(cols)
+    for b, hk in pairs:
+        dk = dv = 0.0
+        for h in range(hk * s.group, (hk + 1) * s.group):
+            p = _probs_given_lse(_sampled_logits(s, q, k, bias, b, h, rows, c),
+                                 _visible_at(s, mask, b, h, rows, c), lse[b, h])  # [T, C]
+            dp = _dot(do[b, :, h], v[b, c, hk], "td,cd->tc")
+            ds = p * (dp - delta[b, h][:, None])
+            dv = dv + _dot(p, do[b, :, h], "tc,td->cd")
+            dk = dk + _dot(ds, q[b, :, h], "tc,td->cd") * s.scale
+        dks.append(dk)
+        dvs.append(dv)
+    return jnp.stack(dks), jnp.stack(dvs)
+
+
+@functools.partial(jax.jit, static_argnames=("s", "rows", "cols"))
+def sampled_dbias(q, k, v, do, lse, delta, bias, mask, *, s: Problem, rows, cols):
+    """dbias [Bb, Bh, R', C'] in float32 of a bias [Bb, Bh, T|1, S|1]: at rows `rows`
+    (columns `cols`) where the bias has a full T (S) dim, else summed over all of them,
+    like the kernel's broadcast sum; given the forward's lse and δ."""
+    bshape = bias.shape
+    rows_full, cols_full = bshape[2] > 1, bshape[3] > 1
+    r = _indices(rows if rows_full else np.arange(s.seq_q))
+    c = _indices(cols if cols_full else np.arange(s.seq_k))
+    sums = [[0.0] * bshape[1] for _ in range(bshape[0])]
+    for b in range(s.batch):
+        for h in range(s.heads_q):
+            hk = h // s.group
+            p = _probs_given_lse(_sampled_logits(s, q, k, bias, b, h, r, c),
+                                 _visible_at(s, mask, b, h, r, c), lse[b, h, r])
+            dp = _dot(do[b, r, h], v[b, c, hk], "rd,cd->rc")
+            ds = p * (dp - delta[b, h, r][:, None])
+            ds = ds if rows_full else jnp.sum(ds, axis=0, keepdims=True)
+            ds = ds if cols_full else jnp.sum(ds, axis=1, keepdims=True)
+            ib, ih = (b if bshape[0] > 1 else 0), (h if bshape[1] > 1 else 0)
+            sums[ib][ih] = sums[ib][ih] + ds
+    return jnp.stack([jnp.stack(row) for row in sums])

@@ -1,0 +1,111 @@
+"""`python -m ffpa_jax.info` on a CPU machine: the machine's part, and what a call would run
+(on this CPU, and for a named GPU whose tuned file the test writes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jaxlib
+import pytest
+
+from conftest import HAS_GPU
+
+REPO = Path(__file__).resolve().parents[1]
+DEVICE = "Info Test GPU"
+TUNED_FWD = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_HEADDIM_QK": 64, "BLOCK_HEADDIM_V": 64,
+             "num_warps": 2, "num_stages": 1, "num_ctas": 1}
+
+pytestmark = pytest.mark.skipif(HAS_GPU, reason="checks the output on a machine without a GPU")
+
+
+def info(*args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ffpa_jax.info", *args], capture_output=True,
+                          text=True, cwd=REPO, timeout=300, env=env)
+
+
+@pytest.fixture
+def env(tmp_path) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO), XDG_CACHE_HOME=str(tmp_path / "cache"),
+               FFPA_TUNED_CONFIG_DIR=str(tmp_path / "tuned"))
+    env.pop("FFPA_SKIP_PERSIST_TUNED_CONFIG", None)
+    return env
+
+
+def write_tuned_file(folder: Path) -> Path:
+    """A file for DEVICE: one forward entry (D=64, 1024 x 1024, 4/4 heads) that names the
+    pallas tier and a launch config no built-in default has."""
+    entry = {"direction": "forward", "kernel": "fwd_generic", "case_name": "common",
+             "causal": False, "dtype": "bf16", "headdim": 64, "seqlen_q": 1024,
+             "seqlen_k": 1024, "nheads_q": 4, "nheads_kv": 4, "has_attn_bias": False,
+             "has_dropout": False, "config": TUNED_FWD, "tier": "pallas"}
+    folder.mkdir(parents=True)
+    path = folder / "Info_Test_GPU.json"
+    path.write_text(json.dumps({"schema_version": 1, "device_name": DEVICE,
+                                "compute_capability": "42.7", "autotune_mode": "fast",
+                                "entries": [entry]}))
+    return path
+
+
+def test_machine_part_on_a_cpu(env, tmp_path):
+    run = info(env=env)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert "device: cpu (platform cpu" in out and "no NVIDIA GPU" in out
+    assert f"versions: jax {jax.__version__}, jaxlib {jaxlib.__version__}, triton " in out
+    # The lookup's folders, in order: the env's, the user's (under XDG_CACHE_HOME), packaged.
+    order = [str(tmp_path / "tuned"), str(tmp_path / "cache" / "ffpa_jax" / "tuned_configs"),
+             str(REPO / "tuning" / "configs")]
+    flat = " ".join(out.split())
+    positions = [flat.index(folder) for folder in order]
+    assert positions == sorted(positions)
+    assert "for this device: none (no GPU" in out
+    assert all(len(line) <= 100 for line in out.splitlines())
+
+
+def test_a_call_on_this_cpu_runs_xla_unless_told_otherwise(env):
+    run = info("--shape", "2,300,8,96", "--kv-heads", "2", "--causal", env=env)
+    assert run.returncode == 0, run.stderr
+    flat = " ".join(run.stdout.split())
+    assert "problem: B=2 T=300 S=300 Hq=8 Hkv=2 D=96 Dv=96 bf16, causal" in flat
+    assert "implementation: xla <- implementation=None without an NVIDIA GPU" in flat
+    chunked = info("--shape", "2,300,8,96", "--implementation", "chunked", env=env)
+    assert chunked.returncode == 0, chunked.stderr
+    flat = " ".join(chunked.stdout.split())
+    assert "forward: chunked <- implementation='chunked'" in flat
+    assert "backward: chunked <- implementation='chunked'" in flat
+    assert "the step between the GEMMs: xla" in flat
+
+
+def test_a_call_on_a_named_gpu_says_which_config_and_why(env, tmp_path):
+    path = write_tuned_file(tmp_path / "tuned")
+    run = info("--shape", "1,1000,4,64", "--device-name", DEVICE, env=env)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert all(len(line) <= 100 for line in out.splitlines())
+    flat = " ".join(out.split())
+    assert f"for {DEVICE}: {path} (1 entries, autotune mode fast)" in flat
+    assert f"implementation: auto <- implementation=None on an NVIDIA GPU ({DEVICE})" in flat
+    # The forward: the tier and the launch config of the tuned entry (T=1000 -> 1024 stored).
+    matched = "tuned entry (the tuned file: headdim=64 seqlen_q=1024 seqlen_k=1024 heads=4/4)"
+    assert f"forward: pallas <- {matched}" in flat
+    assert (f"fwd_generic: BLOCK_M=32 BLOCK_N=16 BLOCK_HEADDIM_QK=64 BLOCK_HEADDIM_V=64 "
+            f"num_warps=2 num_stages=1 <- {matched}") in flat
+    # The backward: no entry, so the built-in rule (D=64: the fused kernels) and defaults.
+    assert "backward: pallas <- built-in rule (no compatible entry in the tuned file)" in flat
+    assert ("bwd_generic_dq: BLOCK_M=128 BLOCK_N=64 BLOCK_HEADDIM=64 BLOCK_HEADDIM_QK=64 "
+            "num_warps=8 num_stages=3 <- built-in default (no compatible entry in the tuned "
+            "file)") in flat
+    assert "bwd_preproc: BLOCK_M=64 BLOCK_HEADDIM=128 num_warps=4 num_stages=1" in flat
+    assert "bwd_dbias" not in flat  # no bias
+
+
+def test_bad_arguments_are_refused(env):
+    bad = info("--shape", "1,64,6,64", "--kv-heads", "4", env=env)
+    assert bad.returncode == 2
+    assert "must be a multiple of key/value heads Hkv=4" in bad.stderr
+    assert info("--kv-heads", "4", env=env).returncode == 2  # a call needs its --shape

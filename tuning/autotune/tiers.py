@@ -1,0 +1,181 @@
+"""Measure which tier runs each direction fastest on this GPU and record it in the tuned file.
+
+For every problem of the grid (square, T = S, causal or not, no bias or dropout: the
+"common" case), both tiers' forward and both tiers' backward are timed on the same random
+inputs: the backwards take the same residuals (the output in float32 and lse), so each
+direction is compared alone. The faster tier goes into the "tier" field of the entry that
+`tuning.tier` reads for that direction (fwd_generic for the forward, bwd_generic_dkdv for
+the backward), beside "tier_ms" with both times; an absent entry is added with the
+built-in launch config. FFPA's readers ignore both fields.
+
+    python -m tuning.autotune.tiers --file tuning/configs/NVIDIA_H200.json
+        [--headdims 128,256,512] [--seqlens 1024,4096] [--causal both] [--dtypes bf16]
+        [--B 1] [--H 32] [--budget-s 600]
+
+`python -m tuning.autotune` runs this after its kernel tasks (and alone with --tiers-only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import tiers as tiers_mod
+from pallas_kernels.problem import DTYPES, Problem
+from pallas_kernels.tiers import TIERS
+from tuning.autotune.tasks import Task, entries_for, entry_key
+from tuning.defaults import TIER_KERNELS, default_config
+from tuning.device import sanitize_device_name
+from tuning.lookup import user_config_dir
+from tuning.plan import make_plan
+from tuning.schema import load_config_file, write_config_file
+from tuning.timing import median_ms
+
+
+def problem_of(*, dtype: str, headdim: int, seqlen: int, causal: bool, batch: int,
+               heads: int) -> Problem:
+    return Problem(batch=batch, seq_q=seqlen, seq_k=seqlen, heads_q=heads, heads_kv=heads,
+                   head_dim=headdim, head_dim_v=headdim, dtype=DTYPES[dtype],
+                   scale=1.0 / math.sqrt(headdim), causal=causal)
+
+
+def _plan(problem: Problem, tier: str):
+    """The vjp's plan of `tier` in both directions (float32 output: the backward's residual)."""
+    plan = make_plan(problem, tiers=(tier, tier))
+    return dataclasses.replace(plan, float32_out=True)
+
+
+def measure(problem: Problem, *, min_rep_s: float = 0.05, reps: int = 5) -> dict:
+    """{direction: {tier: ms}} of `problem` (ms None where a tier failed to run)."""
+    keys = jax.random.split(jax.random.key(problem.head_dim * 7919 + problem.seq_q), 4)
+    shape_q = (problem.batch, problem.seq_q, problem.heads_q, problem.head_dim)
+    shape_k = (problem.batch, problem.seq_k, problem.heads_kv, problem.head_dim)
+    q = jax.random.normal(keys[0], shape_q, problem.dtype)
+    k = jax.random.normal(keys[1], shape_k, problem.dtype)
+    v = jax.random.normal(keys[2], shape_k, problem.dtype)
+    do = jax.random.normal(keys[3], shape_q, problem.dtype)
+    times: dict[str, dict[str, float | None]] = {"forward": {}, "backward": {}}
+    residuals = None
+    for tier in TIERS:
+        plan = _plan(problem, tier)
+        forward = jax.jit(lambda q, k, v, plan=plan: tiers_mod.forward(
+            plan, q, k, v, None, None, None))
+        try:
+            times["forward"][tier] = median_ms(forward, (q, k, v), min_rep_s=min_rep_s,
+                                               reps=reps)
+            if residuals is None:
+                residuals = jax.block_until_ready(forward(q, k, v))
+        except Exception as exc:  # noqa: BLE001 - a tier that cannot run this problem loses
+            print(f"  forward {tier}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+            times["forward"][tier] = None
+    if residuals is None:
+        return times
+    out, *rows = residuals
+    d_lse = jnp.zeros_like(rows[0])
+    for tier in TIERS:
+        plan = _plan(problem, tier)
+        backward = jax.jit(lambda q, k, v, out, do, *rows, plan=plan: tiers_mod.backward(
+            plan, q, k, v, None, None, None, out, *rows, do, d_lse))
+        try:
+            times["backward"][tier] = median_ms(backward, (q, k, v, out, do, *rows),
+                                                min_rep_s=min_rep_s, reps=reps)
+        except Exception as exc:  # noqa: BLE001
+            print(f"  backward {tier}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+            times["backward"][tier] = None
+    return times
+
+
+def winner(times: dict[str, float | None]) -> str | None:
+    ran = {tier: ms for tier, ms in times.items() if ms is not None}
+    return min(ran, key=ran.get) if ran else None
+
+
+def record(entries: list[dict], problem: Problem, direction: str, times: dict) -> None:
+    """Write the direction's winning tier into its entry of `entries` (added when absent)."""
+    tier = winner(times)
+    if tier is None:
+        return
+    kernel = TIER_KERNELS[direction]
+    task = Task(direction=direction, kernel=kernel, case_name="common",
+                dtype=problem.dtype_name, headdim=problem.head_dim, seqlen_q=problem.seq_q,
+                seqlen_k=problem.seq_k, causal=problem.causal, batch=problem.batch,
+                nheads_q=problem.heads_q, nheads_kv=problem.heads_kv)
+    key = task.key
+    matches = [e for e in entries if entry_key(e) == key]
+    if not matches:
+        config = default_config(kernel, headdim=problem.headdim, dtype=problem.dtype_name)
+        matches = entries_for(task, config)[:1]
+        entries.extend(matches)
+    for entry in matches:
+        entry["tier"] = tier
+        entry["tier_ms"] = {t: None if ms is None else round(ms, 4) for t, ms in times.items()}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m tuning.autotune.tiers",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--file", type=Path, help="the tuned file to update (default: "
+                        "<output-dir>/<this device>.json)")
+    parser.add_argument("--output-dir", type=Path, default=user_config_dir(),
+                        help="where <this device>.json is (default: the user's tuned-config "
+                             "directory, which the trace-time lookup reads)")
+    ints = lambda text: [int(x) for x in text.split(",") if x]
+    parser.add_argument("--headdims", type=ints, default=[128, 256, 320, 512, 768, 1024])
+    parser.add_argument("--seqlens", type=ints, default=[1024, 4096, 16384])
+    parser.add_argument("--causal", choices=("both", "true", "false"), default="both")
+    parser.add_argument("--dtypes", type=lambda t: t.split(","), default=["bf16"])
+    parser.add_argument("--B", type=int, default=1)
+    parser.add_argument("--H", type=int, default=32)
+    parser.add_argument("--budget-s", type=float, default=float("inf"),
+                        help="stop starting new problems after this many seconds")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        print("error: the tiers are measured on an NVIDIA GPU; JAX's device is "
+              f"{device.platform!r}", file=sys.stderr)
+        return 2
+    path = args.file or (args.output_dir / f"{sanitize_device_name(device.device_kind)}.json")
+    loaded = load_config_file(path) if path.exists() else None
+    if path.exists() and loaded is None:
+        print(f"error: {path} is not a valid tuned-config file", file=sys.stderr)
+        return 2
+    header = dict(loaded.header) if loaded is not None else {
+        "device_name": device.device_kind, "autotune_mode": "fast", "B": args.B, "H": args.H,
+        "compute_capability": str(getattr(device, "compute_capability", "")) or None}
+    entries = [dict(e) for e in loaded.entries] if loaded is not None else []
+    header["tier_grid"] = {"headdims": args.headdims, "seqlens": args.seqlens,
+                           "causal": args.causal, "dtypes": args.dtypes, "B": args.B,
+                           "H": args.H}
+    causal = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
+    started = time.monotonic()
+    for dtype, d, n, c in itertools.product(args.dtypes, args.headdims, args.seqlens, causal):
+        if time.monotonic() - started > args.budget_s:
+            print(f"budget of {args.budget_s:.0f} s spent: stopping", file=sys.stderr)
+            break
+        problem = problem_of(dtype=dtype, headdim=d, seqlen=n, causal=c, batch=args.B,
+                             heads=args.H)
+        times = measure(problem)
+        for direction in ("forward", "backward"):
+            record(entries, problem, direction, times[direction])
+        print(json.dumps({"dtype": dtype, "headdim": d, "seqlen": n, "causal": c, **times}),
+              flush=True)
+        write_config_file(path, header, entries)
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
