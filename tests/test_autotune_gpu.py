@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from pallas_kernels.tiers import TIERS
 from tuning.autotune.workers import visible_gpus
 from tuning.device import current_device, sanitize_device_name
 from tuning.lookup import clear_cache, lookup_config
@@ -45,8 +46,19 @@ def test_smoke_autotune_end_to_end(tmp_path):
     done = run_cli(tmp_path, "--headdims", "64", "--seqlens", "1,512")
     assert done.returncode == 0, done.stderr[-4000:]
     # The first 4 tasks: decode stage 1 and 2 at Nkv = 512 (each also written as its
-    # causal twin), then fwd_generic and bwd_preproc at T = S = 512.
-    check_file(tmp_path, 6)
+    # causal twin), then fwd_generic and bwd_preproc at T = S = 512: 6 entries. The tier
+    # measurement then records each direction's tier at T = S = 512, causal and not, in
+    # fwd_generic's and bwd_generic_dkdv's entries, adding the 3 that are absent.
+    path = check_file(tmp_path, 9)
+    tiered = [e for e in load_config_file(path).entries
+              if e["kernel"] in ("fwd_generic", "bwd_generic_dkdv")]
+    assert sorted((e["kernel"], e["causal"]) for e in tiered) == [
+        ("bwd_generic_dkdv", False), ("bwd_generic_dkdv", True),
+        ("fwd_generic", False), ("fwd_generic", True)]
+    for entry in tiered:
+        assert entry["tier"] in TIERS and entry["seqlen_q"] == 512
+        assert set(entry["tier_ms"]) == set(TIERS)
+        assert entry["tier_ms"][entry["tier"]] == min(entry["tier_ms"].values())
     os.environ["FFPA_TUNED_CONFIG_DIR"] = str(tmp_path)
     clear_cache()
     try:
