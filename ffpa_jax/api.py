@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 
 import tuning
-from ffpa_jax import runtime_autotune, validation, vjp
+from ffpa_jax import determinism, runtime_autotune, validation, vjp
 from ffpa_jax.backend import default_backend_is_nvidia_gpu as _default_backend_is_nvidia_gpu
 from ffpa_jax.dropout import seed_from_key
 from ffpa_jax.reference import mha_reference
@@ -32,12 +32,14 @@ def resolve_implementation(implementation: str | None, interpret: bool) -> str:
 
 
 def plan_for(problem, implementation: str, *, interpret: bool, precise_lse: bool = False,
-             autotune: str | None = None):
-    """The `Plan` of a call resolved to `implementation` ("pallas", "chunked" or "auto")."""
+             autotune: str | None = None, deterministic: bool = True):
+    """The `Plan` of a call resolved to `implementation` ("pallas", "chunked" or "auto");
+    `deterministic` (resolved: a bool) picks the Pallas backward's kernels."""
     step = "pallas" if interpret or _default_backend_is_nvidia_gpu() else "xla"
     plan = tuning.make_plan(problem, interpret=interpret, precise_lse=precise_lse,
                             tiers=tuning.tiers(problem, implementation), step=step,
-                            override=runtime_autotune.override(autotune, interpret))
+                            override=runtime_autotune.override(autotune, interpret),
+                            deterministic=deterministic)
     if autotune is not None:
         runtime_autotune.release_inputs()  # the benchmark's own inputs
     return plan
@@ -47,8 +49,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
               bias: jax.Array | None = None, mask: jax.Array | None = None, *,
               scale: float | None = None, is_causal: bool = False, dropout_rate: float = 0.0,
               dropout_rng: jax.Array | None = None, return_lse: bool = False,
-              implementation: str | None = None, interpret: bool = False,
-              autotune: str | None = None):
+              deterministic: bool | None = None, implementation: str | None = None,
+              interpret: bool = False, autotune: str | None = None):
     """Exact scaled dot-product attention, memory-efficient on NVIDIA GPUs.
 
     Args:
@@ -65,6 +67,14 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
         the Pallas path the forward then sums q·kᵀ over head-dim chunks in float32,
         which keeps lse as accurate as XLA's at large D and is slower there (up to
         1.6x the forward time at D >= 512; see docs/benchmarks.md).
+      deterministic: whether the gradients must be bitwise reproducible. True: the Pallas
+        backward's deterministic kernels (no atomics). False: its one-pass backward, which
+        sums dQ with float32 atomic adds (faster; dQ may differ in its last bits from run
+        to run; dK, dV and dbias stay reproducible). None (default): True exactly when
+        XLA_FLAGS turns on --xla_gpu_deterministic_ops (read when the call is traced).
+        Both meet the same accuracy rule. It chooses between the Pallas backward's
+        kernels only: the forward uses no atomics, and the chunked and XLA tiers are XLA
+        computations, reproducible as far as XLA (and its flag) makes them.
       implementation: None, "pallas", "chunked" or "xla". None on an NVIDIA GPU runs each
         direction on the tier measured fastest for this device and shape (the tuned
         configs' "tier" field, else a built-in rule: see `tiers`), and XLA elsewhere.
@@ -86,7 +96,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
     call = validation.validate(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng, return_lse=return_lse,
-        implementation=implementation, interpret=interpret, autotune=autotune)
+        implementation=implementation, interpret=interpret, autotune=autotune,
+        deterministic=deterministic)
     problem, batched = call.problem, call.batched
     impl = resolve_implementation(implementation, interpret)
 
@@ -107,7 +118,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
         # lse is computed either way (the backward needs it); its precise, slower
         # form only when the caller sees it.
         plan = plan_for(problem, impl, interpret=interpret, precise_lse=return_lse,
-                        autotune=call.autotune)
+                        autotune=call.autotune,
+                        deterministic=determinism.resolve(deterministic))
         out, lse = vjp.attention(q, k, v, bias4, mask4, plan, seed)
     if not batched:
         out, lse = out[0], lse[0]

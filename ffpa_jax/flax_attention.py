@@ -46,7 +46,11 @@ here (ffpa_jax's rule), while Flax fills masked logits with the dtype's minimum
 and returns the mean of the values for such a row.
 
 Keyword-only extras, forwarded to `ffpa_jax.attention`: `scale`,
-`implementation` ("pallas", "xla" or None) and `interpret`.
+`implementation` ("pallas", "xla" or None), `interpret`, and `deterministic_backward`
+(None, True or False), which is `ffpa_jax.attention`'s `deterministic` (a bitwise
+reproducible backward, or the faster one with atomic dQ; None: XLA's
+--xla_gpu_deterministic_ops decides). It has its own name because Flax's positional
+`deterministic` means "no dropout", and keeps that meaning here.
 
 Flax itself is imported only when `module` is given (to sow weights), so this
 file does not make Flax a dependency of `ffpa_jax`.
@@ -109,7 +113,8 @@ def flax_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout
                       qk_attn_weights_einsum=None, attn_weights_value_einsum=None,
                       promote_dtype=None, is_causal: bool = False,
                       scale: float | None = None, implementation: str | None = None,
-                      interpret: bool = False) -> jax.Array:
+                      interpret: bool = False,
+                      deterministic_backward: bool | None = None) -> jax.Array:
     """Drop-in `attention_fn` for `flax.linen.MultiHeadDotProductAttention` and
     `flax.nnx.MultiHeadAttention`, computed by `ffpa_jax.attention`.
 
@@ -173,7 +178,8 @@ def flax_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout
     out = attention(q4, k4, v4, bias4, mask4, scale=scale, is_causal=kernel_causal,
                     dropout_rate=float(dropout_rate) if dropping else 0.0,
                     dropout_rng=dropout_rng if dropping else None,
-                    implementation=implementation, interpret=interpret)
+                    deterministic=deterministic_backward, implementation=implementation,
+                    interpret=interpret)
 
     if module is not None:
         # Flax sows float32 weights under force_fp32_for_softmax, else the computation dtype.

@@ -9,8 +9,10 @@ reads for this device, and, for a shape (q [B, T, Hq, D]; `--kv-heads`, `--kv-le
 `--causal`, `--dtype`, `--bias`, `--mask`, `--dropout` for the rest), which implementation
 and tier each direction runs and every launch config a call would use, each with why: the
 tuned entry it matched, or the built-in default or rule. `--device-name` (and
-`--compute-capability`) answer for that GPU's tuned file from any machine. Runtime autotune
-(`autotune="fast"`) is not shown: it measures at trace time.
+`--compute-capability`) answer for that GPU's tuned file from any machine. The Pallas
+backward shown is the one `deterministic` picks (`--deterministic`, default: as a call with
+None, from XLA_FLAGS' --xla_gpu_deterministic_ops). Runtime autotune (`autotune="fast"`) is
+not shown: it measures at trace time.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import tuning
-from ffpa_jax import api, validation
+from ffpa_jax import api, determinism, validation
 from ffpa_jax.backend import default_backend_is_nvidia_gpu
 from pallas_kernels import chunked
 from pallas_kernels.bwd import BwdConfig, rows_in_one_tile
@@ -76,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dropout", type=float, default=0.0, metavar="RATE")
     parser.add_argument("--implementation", choices=("pallas", "chunked", "xla"), default=None,
                         help="as attention()'s argument (default None: what a call picks)")
+    parser.add_argument("--deterministic", choices=("none", "true", "false"), default="none",
+                        help="as attention()'s argument (default none: XLA_FLAGS' "
+                             "--xla_gpu_deterministic_ops decides)")
     parser.add_argument("--device-name", default=None,
                         help="answer for this NVIDIA GPU (its device_kind, e.g. 'NVIDIA H200') "
                              "instead of JAX's device")
@@ -192,17 +197,23 @@ def _forward_lines(problem: Problem, device: dict) -> list[str]:
     return lines
 
 
-def _backward_lines(problem: Problem, device: dict) -> list[str]:
+def _backward_lines(problem: Problem, device: dict, deterministic: tuple[bool, str]
+                    ) -> list[str]:
+    flag, why = deterministic
+    main = (("bwd_generic_dq", "bwd_generic_dkdv") if flag else ("bwd_fused_atomic",))
     configs = {k: BwdConfig.from_tuned(tuning.explain_config(k, problem, **device)[0])
-               for k in ("bwd_generic_dq", "bwd_generic_dkdv", "bwd_dbias")}
+               for k in (*main, "bwd_dbias")}
+    lines = [f"    deterministic={flag} <- {why}: "
+             + ("dQ and dK/dV in their own kernels, no atomics (bitwise reproducible)" if flag
+                else "one pass over the tiles, dQ summed with float32 atomic adds")]
     if problem.dtype_name == "fp32":
-        lines = ["    delta: bwd_exact_rows (float32), with bwd_generic_dq's config"]
+        lines.append("    delta: bwd_exact_rows (float32), with bwd_generic_dq's config")
     elif rows_in_one_tile(problem.seq_k, *configs.values()):
-        lines = ["    delta: each kernel's own P and dP (every row's keys fit one tile)"]
+        lines.append("    delta: each kernel's own P and dP (every row's keys fit one tile)")
     else:
-        lines = _kernel_lines("bwd_preproc", problem, device)
-    lines += (_kernel_lines("bwd_generic_dq", problem, device)
-              + _kernel_lines("bwd_generic_dkdv", problem, device))
+        lines += _kernel_lines("bwd_preproc", problem, device)
+    for kernel in main:
+        lines += _kernel_lines(kernel, problem, device)
     if problem.has_bias and problem.bias_shape[-1] == 1:
         lines.append("    dbias: summed from d_lse (a bias constant along the keys)")
     elif problem.has_bias:
@@ -220,8 +231,18 @@ def _chunked_lines(problem: Problem, direction: str, step: str) -> list[str]:
             f"the step between the GEMMs: {plan.step}"]
 
 
+def explain_deterministic(deterministic: bool | None) -> tuple[bool, str]:
+    """(the backward's mode, why) for attention()'s `deterministic`."""
+    if deterministic is not None:
+        return deterministic, f"deterministic={deterministic}"
+    flag = determinism.xla_deterministic_ops()
+    return flag, ("deterministic=None, and XLA_FLAGS turns on --xla_gpu_deterministic_ops"
+                  if flag else "deterministic=None, and XLA_FLAGS leaves "
+                  "--xla_gpu_deterministic_ops off")
+
+
 def call_lines(problem: Problem, implementation: str | None, device_name: str | None,
-               capability: str | None) -> list[str]:
+               capability: str | None, deterministic: bool | None = None) -> list[str]:
     gpu = default_backend_is_nvidia_gpu() or device_name is not None
     lines = [f"problem: {_describe(problem)}"]
     if implementation is None and device_name is not None:
@@ -250,7 +271,7 @@ def call_lines(problem: Problem, implementation: str | None, device_name: str | 
         elif direction == "forward":
             lines += _forward_lines(problem, device)
         else:
-            lines += _backward_lines(problem, device)
+            lines += _backward_lines(problem, device, explain_deterministic(deterministic))
     return lines
 
 
@@ -285,8 +306,9 @@ def main(argv: list[str] | None = None) -> int:
             problem = problem_of(args)
         except (TypeError, ValueError) as err:
             parser.error(str(err))
+        deterministic = {"none": None, "true": True, "false": False}[args.deterministic]
         calls = call_lines(problem, args.implementation, args.device_name,
-                           args.compute_capability)
+                           args.compute_capability, deterministic)
         path = _tuned_file(args.device_name, args.compute_capability)
         lines += [line.replace(path, "the tuned file") if path else line for line in calls]
     elif any(v is not None for v in (args.kv_heads, args.kv_len, args.dv, args.bias,

@@ -116,7 +116,7 @@ def _check_prng_key(rng: Any) -> None:
 
 
 def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, dropout_rng,
-             return_lse, implementation, interpret, autotune=None) -> Call:
+             return_lse, implementation, interpret, autotune=None, deterministic=None) -> Call:
     """Check every argument of `attention`; return the checked `Call`."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         _require_array(name, x)
@@ -189,6 +189,9 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, d
         raise TypeError(f"return_lse must be a bool; got {return_lse!r}.")
     if not isinstance(interpret, (bool, np.bool_)):
         raise TypeError(f"interpret must be a bool; got {interpret!r}.")
+    if deterministic is not None and not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError("deterministic must be None (XLA's --xla_gpu_deterministic_ops "
+                        f"decides), True or False; got {deterministic!r}.")
     if implementation not in IMPLEMENTATIONS:
         raise ValueError("implementation must be None, 'pallas', 'chunked' or 'xla'; got "
                          f"{implementation!r}.")

@@ -4,7 +4,8 @@
 The forward saves only q, k, v, the bias and mask as given, the output in float32 and lse
 (and, in float32, lse's low word: O(B·Hq·T) beyond what the caller already holds); the
 backward recomputes the probabilities block by block. No [T, S] matrix is kept from one
-direction to the other.
+direction to the other. The plan is the vjp's static (nondiff) argument: it carries every
+choice of the backward, `deterministic` included, so both are fixed when the call is traced.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ This package never imports `ffpa_jax`; its callers pass fully normalised inputs
 from pallas_kernels.bwd import (BWD_DBIAS, BWD_GENERIC_DKDV, BWD_GENERIC_DQ, BWD_PREPROC,
                                 BwdConfig, bwd_dbias, bwd_exact_rows, bwd_generic_dkdv,
                                 bwd_generic_dq, bwd_preproc, rows_in_one_tile)
+from pallas_kernels.bwd_fused import BWD_FUSED_ATOMIC, bwd_fused_atomic
 from pallas_kernels.decode import (DECODE_FWD_STAGE1, DECODE_FWD_STAGE2, DecodeConfig,
                                    decode_attention, decode_fwd_stage1, decode_fwd_stage2,
                                    decode_num_splits)
@@ -17,10 +18,10 @@ from pallas_kernels.fwd import FWD_GENERIC, FwdConfig, fwd_generic
 # registry, the built-in defaults, the autotuner's search space and runners derive from this.
 KERNEL_DESCRIPTORS: tuple[KernelDescriptor, ...] = (
     FWD_GENERIC, DECODE_FWD_STAGE1, DECODE_FWD_STAGE2,
-    BWD_PREPROC, BWD_GENERIC_DKDV, BWD_GENERIC_DQ, BWD_DBIAS,
+    BWD_PREPROC, BWD_GENERIC_DKDV, BWD_GENERIC_DQ, BWD_DBIAS, BWD_FUSED_ATOMIC,
 )
 
 __all__ = ["BwdConfig", "DecodeConfig", "FwdConfig", "KERNEL_DESCRIPTORS", "KernelDescriptor",
            "decode_attention", "decode_fwd_stage1", "decode_fwd_stage2", "decode_num_splits",
-           "bwd_dbias", "bwd_exact_rows", "bwd_generic_dkdv", "bwd_generic_dq",
-           "bwd_preproc", "fwd_generic", "rows_in_one_tile"]
+           "bwd_dbias", "bwd_exact_rows", "bwd_fused_atomic", "bwd_generic_dkdv",
+           "bwd_generic_dq", "bwd_preproc", "fwd_generic", "rows_in_one_tile"]

@@ -483,7 +483,12 @@ def _dkdv_kernel(*refs, st: common.KernelStatic, tasks: tuple[tuple[str, int], .
                           with_dk=kind in ("dkdv", "dk"), with_dv=kind in ("dkdv", "dv"), sl=sl)
 
 
-def _dkdv_program(st, r, dk_ref, dv_ref, b, hk, kv_block, kv_start, *, with_dk, with_dv, sl):
+def _dkdv_program(st, r, dk_ref, dv_ref, b, hk, kv_block, kv_start, *, with_dk, with_dv, sl,
+                  on_ds=None):
+    """One program's dK and/or dV slice `sl` of KV block `kv_block`. `on_ds` (the fused
+    backward, pallas_kernels.bwd_fused) is called once per program as
+    `on_ds(k_chunk)` with the K chunk loader, and returns `visit(h, q_start, ds)`, run on
+    each tile's dS (with_dk only)."""
     cfg = st.cfg
     bm, bn, width = cfg.block_m, cfg.block_n, cfg.block_slice
     tile = _Tile(st, r, b, hk)
@@ -492,6 +497,7 @@ def _dkdv_program(st, r, dk_ref, dv_ref, b, hk, kv_block, kv_start, *, with_dk, 
         k_chunk = tile.resident(k_chunk, _n_chunks(st, st.head_dim))
         if with_dk:
             v_chunk = tile.resident(v_chunk, _n_chunks(st, st.head_dim_v))
+    ds_visit = on_ds(k_chunk) if on_ds is not None and with_dk else None
 
     def visit(q_block, accs, h, *, causal_mask, with_mask):
         dk_acc, dv_acc = accs
@@ -510,6 +516,8 @@ def _dkdv_program(st, r, dk_ref, dv_ref, b, hk, kv_block, kv_start, *, with_dk, 
                                        n_rows=st.seq_q, n_cols=st.head_dim)
             dk_acc = common.accumulate_ds(dk_acc, ds, q_slice, trans_a=True,
                                           split=st.split_ds)
+        if ds_visit is not None:
+            ds_visit(h, q_start, ds)
         return dk_acc, dv_acc
 
     def over_q_blocks(h, accs):

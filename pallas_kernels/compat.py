@@ -59,3 +59,11 @@ def output_struct(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
     if value is None:
         return jax.ShapeDtypeStruct(shape, dtype)
     return jax.ShapeDtypeStruct(shape, dtype, **{keyword: value})
+
+
+def atomic_add(ref, idx, value) -> None:
+    """`ref[idx] += value` atomically (float32 `atom.add` per element on the GPU).
+
+    Unmasked: Pallas' interpreter implements this primitive only without a mask, so the
+    caller pads its target to whole tiles instead."""
+    _pl_triton.atomic_add(ref, idx, value)

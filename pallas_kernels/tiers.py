@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from pallas_kernels import chunked
 from pallas_kernels.bwd import (BwdConfig, bwd_dbias, bwd_exact_rows, bwd_generic_dkdv,
                                 bwd_generic_dq, bwd_preproc, rows_in_one_tile)
+from pallas_kernels.bwd_fused import bwd_fused_atomic
 from pallas_kernels.chunked import ChunkPlan
 from pallas_kernels.decode import DecodeConfig, decode_attention
 from pallas_kernels.fwd import FwdConfig, fwd_generic
@@ -64,6 +65,11 @@ class Plan:
     forward_tier: str = "pallas"
     backward_tier: str = "pallas"
     chunk: ChunkPlan | None = None
+    # The Pallas backward: bitwise reproducible (bwd_generic_dq and bwd_generic_dkdv, no
+    # atomics), or, when False, one pass with dQ summed by float32 atomic adds
+    # (`bwd_fused_atomic`, launched with `fused`): 5 matmuls per tile pair against 7.
+    deterministic: bool = True
+    fused: BwdConfig | None = None
 
 
 def forward(plan: Plan, q, k, v, bias, mask, seed):
@@ -112,7 +118,7 @@ def backward(plan: Plan, q, k, v, bias, mask, seed, out, *rows_and_cotangents):
                                        scale=plan.scale, causal=plan.causal,
                                        interpret=plan.interpret, dropout_rate=plan.dropout_rate,
                                        seed=seed, lse_lo=lse_lo)
-    elif rows_in_one_tile(k.shape[1], plan.dq, plan.dkdv, plan.dbias):
+    elif rows_in_one_tile(k.shape[1], *_main_configs(plan), plan.dbias):
         # Each kernel sees a row's keys in one tile and forms δ from its own P and dP.
         delta, own_delta = d_lse, True
     else:
@@ -120,10 +126,14 @@ def backward(plan: Plan, q, k, v, bias, mask, seed, out, *rows_and_cotangents):
     common = dict(scale=plan.scale, causal=plan.causal, interpret=plan.interpret,
                   dropout_rate=plan.dropout_rate, seed=seed, lse_lo=lse_lo, own_delta=own_delta)
     split = dict(split_ds=plan.lse_cotangent)
-    dq = bwd_generic_dq(q, k, v, d_out, lse, delta, bias, mask, config=plan.dq, **common,
-                        **split)
-    dk, dv = bwd_generic_dkdv(q, k, v, d_out, lse, delta, bias, mask, config=plan.dkdv,
-                              **common, **split)
+    if not plan.deterministic:
+        dq, dk, dv = bwd_fused_atomic(q, k, v, d_out, lse, delta, bias, mask, config=plan.fused,
+                                      **common, **split)
+    else:
+        dq = bwd_generic_dq(q, k, v, d_out, lse, delta, bias, mask, config=plan.dq, **common,
+                            **split)
+        dk, dv = bwd_generic_dkdv(q, k, v, d_out, lse, delta, bias, mask, config=plan.dkdv,
+                                  **common, **split)
     dbias = None
     if bias is not None and bias.shape[-1] == 1:
         dbias = chunked.row_constant_dbias(d_lse, bias)
@@ -131,6 +141,11 @@ def backward(plan: Plan, q, k, v, bias, mask, seed, out, *rows_and_cotangents):
         dbias = bwd_dbias(q, k, v, d_out, lse, delta, bias, mask, config=plan.dbias,
                           **common).astype(bias.dtype)
     return dq, dk, dv, dbias
+
+
+def _main_configs(plan: Plan) -> tuple[BwdConfig, ...]:
+    """The configs of the kernels that compute dQ, dK and dV under `plan`."""
+    return (plan.dq, plan.dkdv) if plan.deterministic else (plan.fused,)
 
 
 def row_outputs(plan: Plan) -> int:

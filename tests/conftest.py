@@ -104,6 +104,21 @@ def tier(request, monkeypatch) -> str:
     return request.param
 
 
+@pytest.fixture(params=[pytest.param(False, id="fast-bwd"), pytest.param(True, id="det-bwd")])
+def deterministic(request) -> bool:
+    """`attention`'s `deterministic` in a backward test: the one-pass backward with atomic
+    dQ (False, what runs by default) or the bitwise-reproducible kernels (True). Only the
+    Pallas tier has two backwards (see `skip_single_backward`)."""
+    return request.param
+
+
+def skip_single_backward(tier: str, deterministic: bool) -> None:
+    """Skip the deterministic=True duplicate of a test on a tier whose backward does not
+    depend on the flag (the chunked tier: XLA GEMMs, no atomics of ours)."""
+    if tier != "pallas" and deterministic:
+        pytest.skip(f"the {tier} tier has one backward; deterministic=False covers it")
+
+
 def call_kwargs(tier: str, mode: str) -> dict:
     """`attention`'s implementation/interpret arguments for a tier in a kernel mode. The
     chunked tier on a CPU runs its plain-XLA step (what it runs there for users too); its

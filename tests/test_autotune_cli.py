@@ -103,8 +103,9 @@ def test_dry_run_grid_and_cap(capsys, monkeypatch):
     assert sum("decode_fwd_stage1" in line for line in lines) == 2
     full = dry_run(capsys, "--directions", "both", "--headdims", "64", "--seqlens", "512",
                    "--full-tasks", "--causal", "false")
-    # common: fwd + 3 bwd; attn-mask: fwd + dq, dkdv, dbias; dropout, gqa, mqa: fwd + dq, dkdv.
-    assert len(full) == 4 + 4 + 3 * 3
+    # common: fwd + 4 bwd (preproc, dq, dkdv, fused); attn-mask: fwd + dq, dkdv, fused, dbias;
+    # dropout, gqa, mqa: fwd + dq, dkdv, fused.
+    assert len(full) == 5 + 5 + 3 * 4
     assert any("H32/8" in line for line in full) and any("H32/1" in line for line in full)
     monkeypatch.setenv("FFPA_AUTOTUNE_MAX_CONFIGS", "3")
     assert len(dry_run(capsys, "--headdims", "64")) == 3
@@ -132,7 +133,7 @@ def test_end_to_end_two_gpus_cap_resume_refuse_overwrite(env):
     assert first.returncode == 0, first.stderr
     # decode: 2 kernels x 2 head dims x Nkv = 512, skipped with the backend's reason.
     assert "skipping 4 task(s): no decode yet" in first.stderr
-    assert "running the first 3 of 16 tasks" in first.stderr
+    assert "running the first 3 of 20 tasks" in first.stderr
     partial = load_config_file(path)
     assert len(partial.entries) == 3 and partial.header["autotune_status"]["complete"] is False
     assert "--resume" in first.stderr

@@ -28,7 +28,8 @@ def spec_of(**fields) -> Problem:
     return Problem(dtype="bfloat16", scale=fields["head_dim"] ** -0.5, **fields)
 from tuning.schema import load_config_file
 
-TUNED_KERNELS = ("fwd_generic", "bwd_preproc", "bwd_generic_dq", "bwd_generic_dkdv", "bwd_dbias")
+TUNED_KERNELS = ("fwd_generic", "bwd_preproc", "bwd_generic_dq", "bwd_generic_dkdv", "bwd_dbias",
+                 "bwd_fused_atomic")
 GRID_DIMS = (64, 128, 256, 320, 512, 640, 768, 1024)
 QUICK = am.Settings(prune=1e9, min_sample_s=0.0, reps_short=1, reps_long=1,
                     task_budget_s=1e9, compile_workers=2, warmup_s=0.0)
@@ -66,7 +67,7 @@ def test_every_descriptor_is_registered_defaulted_searched_and_run():
 
     names = [d.name for d in KERNEL_DESCRIPTORS]
     assert names == ["fwd_generic", "decode_fwd_stage1", "decode_fwd_stage2", "bwd_preproc",
-                     "bwd_generic_dkdv", "bwd_generic_dq", "bwd_dbias"]
+                     "bwd_generic_dkdv", "bwd_generic_dq", "bwd_dbias", "bwd_fused_atomic"]
     # FFPA's fused-backward kernels are valid file entries that we never run.
     assert list(KERNELS) == names + ["bwd_generic", "decode_bwd_stage1"]
     assert set(am.RUNNERS) == set(names)
@@ -223,3 +224,19 @@ def test_decode_runners_check_both_stages_against_the_reference():
     stage2 = am.tune("decode_fwd_stage2", spec, interpret=True, settings=QUICK, inputs=inputs,
                      candidates=search_space.candidates("decode_fwd_stage2", headdim=16)[:1])
     assert [r.status for r in stage2.records] == ["ok"] and stage2.records[0].error < 2e-2
+
+
+def test_fused_backward_runner_checks_its_dq_against_the_reference():
+    """bwd_fused_atomic returns (dq, dk, dv): a candidate whose dq is wrong is discarded,
+    the correct one wins (its dk and dv pass the dK/dV check)."""
+    spec = spec_of(batch=1, seq_q=32, seq_k=40, heads_q=4, heads_kv=2, head_dim=16,
+                   head_dim_v=16, causal=True)
+    runner = perturbing_runner("bwd_fused_atomic", bad_everywhere_warps=2, bad_row_warps=-1,
+                               row=0)
+    good = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_HEADDIM=16, BLOCK_HEADDIM_QK=16, num_warps=4,
+                num_stages=2, num_ctas=1)
+    result = am.tune("bwd_fused_atomic", spec, candidates=[dict(good, num_warps=2), good],
+                     interpret=True, settings=QUICK, runner=runner)
+    assert [r.status for r in result.records] == ["wrong result", "ok"]
+    assert "float32 reference" in result.records[0].detail
+    assert result.best == good

@@ -38,7 +38,7 @@ class FakeBackend:
     def hello(self) -> dict:
         kernels = {name: {"missing": None, "dropout": True}
                    for name in ("fwd_generic", "bwd_preproc", "bwd_generic_dq",
-                                "bwd_generic_dkdv", "bwd_dbias")}
+                                "bwd_generic_dkdv", "bwd_dbias", "bwd_fused_atomic")}
         kernels["decode_fwd_stage1"] = {"missing": "no decode yet", "dropout": False}
         kernels["decode_fwd_stage2"] = {"missing": "no decode yet", "dropout": False}
         return {"platform": "gpu", "device_name": os.environ.get("FAKE_DEVICE", FAKE_DEVICE),
@@ -128,7 +128,7 @@ def test_scheduler_writes_each_result_at_once_and_marks_failures(fake_env, monke
     assert (summary.entries, summary.failed, summary.aborted) == (len(tasks) - 1, 1, None)
     log = read_log(fake_env / "log.jsonl")
     # Task i saw every earlier success already in the file.
-    assert [rec["on_disk"] for rec in log] == [0, 1, 2, 2, 3, 4, 5, 6][:len(log)]
+    assert [rec["on_disk"] for rec in log] == [0, 1, 2, 2, 3, 4, 5, 6, 7, 8][:len(log)]
     loaded = load_config_file(path)
     assert loaded is not None and loaded.skipped == 0
     assert len(loaded.entries) == len(tasks) - 1
@@ -177,13 +177,13 @@ def test_fresh_store_replaces_an_existing_file(tmp_path):
 def test_progress_line_counts_tasks_and_estimates_time_left():
     tasks = small_tasks()
     progress = Progress(tasks, slots=1, stream=Quiet())
-    assert "0/8 tasks" in progress.line() and "left ?" in progress.line()
+    assert "0/10 tasks" in progress.line() and "left ?" in progress.line()
     progress.started_task(0, tasks[0])
     progress.step(0, "candidate 3/8")
     assert "now: fwd_generic bf16 D=64 T=512 S=512 (candidate 3/8)" in progress.line()
     progress.started = time.monotonic() - 10
     progress.finished(0, tasks[0], "ok")
-    assert "1/8 tasks" in progress.line()
+    assert "1/10 tasks" in progress.line()
     assert progress.time_left() is not None and progress.time_left() > 0
 
 

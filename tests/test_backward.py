@@ -13,7 +13,7 @@ import pytest
 
 import ffpa_jax
 from attn_testing import Case, assert_matches_reference, make_inputs, scale_of
-from conftest import call_kwargs, interpret_flag
+from conftest import call_kwargs, interpret_flag, skip_single_backward
 from pallas_kernels.reference import mha_reference
 from ffpa_jax.validation import as_4d
 
@@ -49,14 +49,14 @@ def _reference_grads(case: Case, q, k, v, bias, mask, d_out, d_lse, *, float64: 
 
 
 def _pallas_grads(case: Case, mode: str, q, k, v, bias, mask, d_out, d_lse, *,
-                  outputs: str = "both", tier: str = "pallas"):
+                  outputs: str = "both", tier: str = "pallas", deterministic=None):
     """Gradients of <out, d_out> + <lse, d_lse>. With outputs="out" ("lse") the function
     differentiated returns out (lse) alone, so the other output's cotangent reaches the
     custom_vjp as a symbolic zero, as in a loss of that output only."""
     def f(q, k, v, bias):
         out, lse = ffpa_jax.attention(q, k, v, bias, mask, scale=case.scale,
                                       is_causal=case.causal, return_lse=True,
-                                      **call_kwargs(tier, mode))
+                                      deterministic=deterministic, **call_kwargs(tier, mode))
         return {"both": (out, lse), "out": out, "lse": lse}[outputs]
     result, vjp = jax.vjp(f, q, k, v, bias)
     d_out = d_out.astype(q.dtype)
@@ -64,7 +64,10 @@ def _pallas_grads(case: Case, mode: str, q, k, v, bias, mask, d_out, d_lse, *,
 
 
 def check_grads(case: Case, mode: str, tier: str = "pallas", *, inputs=None,
-                outputs: str = "both"):
+                outputs: str = "both", deterministic=None):
+    """The gradients of the call (`deterministic`: which Pallas backward) against the
+    float64 reference under the tolerance rule."""
+    skip_single_backward(tier, bool(deterministic))
     q, k, v, bias, mask = make_inputs(case) if inputs is None else inputs
     d_out, d_lse = _cotangents(case)
     d_out = d_out.astype(q.dtype).astype(jnp.float32)  # the cotangent as the kernel sees it
@@ -73,7 +76,7 @@ def check_grads(case: Case, mode: str, tier: str = "pallas", *, inputs=None,
     elif outputs == "lse":
         d_out = jnp.zeros_like(d_out)
     got = _pallas_grads(case, mode, q, k, v, bias, mask, d_out, d_lse, outputs=outputs,
-                        tier=tier)
+                        tier=tier, deterministic=deterministic)
     ref = _reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=True)
     xla = _reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=False)
     names = ["dq", "dk", "dv", "dbias"]
@@ -100,8 +103,8 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("case", SHAPES, ids=lambda c: f"T{c.t}-S{c.s}-H{c.hq}.{c.hkv}-D{c.d}.{c.head_dim_v}")
-def test_grad_shapes_bf16(case, kernel_mode, tier):
-    check_grads(case, kernel_mode, tier)
+def test_grad_shapes_bf16(case, kernel_mode, tier, deterministic):
+    check_grads(case, kernel_mode, tier, deterministic=deterministic)
 
 
 @pytest.mark.parametrize("case,outputs", [
@@ -111,24 +114,26 @@ def test_grad_shapes_bf16(case, kernel_mode, tier):
     (Case(b=2, t=113, s=70, hq=6, hkv=2, d=59, causal=True), "out"),
     (Case(b=2, t=113, s=70, hq=6, hkv=2, d=59, causal=True), "lse"),
 ], ids=lambda x: x if isinstance(x, str) else f"T{x.t}-S{x.s}-H{x.hq}.{x.hkv}-D{x.d}")
-def test_grad_of_one_output(case, outputs, kernel_mode, tier):
+def test_grad_of_one_output(case, outputs, kernel_mode, tier, deterministic):
     """A loss of out alone (the lse cotangent a symbolic zero: dS enters the matmuls in one
     16-bit word) or of lse alone (the output's cotangent a symbolic zero). S=1 with out
     alone has dq exactly 0, so the rule's bound is 0 there: it failed (~1e-6, from δ =
     rowsum(dO ∘ O)) until 16-bit rows that fit one tile took δ from the tile's own P and dP."""
-    check_grads(case, kernel_mode, tier, outputs=outputs)
+    check_grads(case, kernel_mode, tier, outputs=outputs, deterministic=deterministic)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("case", [SHAPES[0], SHAPES[1], SHAPES[4], SHAPES[6]],
                          ids=lambda c: f"D{c.d}")
-def test_grad_other_dtypes(case, dtype, kernel_mode, tier):
-    check_grads(dataclasses.replace(case, dtype=dtype), kernel_mode, tier)
+def test_grad_other_dtypes(case, dtype, kernel_mode, tier, deterministic):
+    check_grads(dataclasses.replace(case, dtype=dtype), kernel_mode, tier,
+                deterministic=deterministic)
 
 
 @pytest.mark.parametrize("t,s", [(113, 203), (203, 113), (1, 113), (64, 64)])
-def test_grad_causal(t, s, kernel_mode, tier):
-    check_grads(Case(b=2, t=t, s=s, hq=6, hkv=2, d=59, causal=True), kernel_mode, tier)
+def test_grad_causal(t, s, kernel_mode, tier, deterministic):
+    check_grads(Case(b=2, t=t, s=s, hq=6, hkv=2, d=59, causal=True), kernel_mode, tier,
+                deterministic=deterministic)
 
 
 BIAS_SHAPES = [(37, 70), (70,), (1, 1, 1, 70), (2, 1, 1, 70), (1, 4, 1, 70), (1, 4, 37, 70),
@@ -136,25 +141,27 @@ BIAS_SHAPES = [(37, 70), (70,), (1, 1, 1, 70), (2, 1, 1, 70), (1, 4, 1, 70), (1,
 
 
 @pytest.mark.parametrize("shape", BIAS_SHAPES, ids=str)
-def test_grad_bias_broadcast(shape, kernel_mode, tier):
+def test_grad_bias_broadcast(shape, kernel_mode, tier, deterministic):
     """The bias gradient has the caller's shape, summed over its broadcast dims."""
-    check_grads(Case(b=2, t=37, s=70, hq=4, hkv=2, d=48, bias_shape=shape), kernel_mode, tier)
+    check_grads(Case(b=2, t=37, s=70, hq=4, hkv=2, d=48, bias_shape=shape), kernel_mode, tier,
+                deterministic=deterministic)
 
 
 @pytest.mark.parametrize("shape", [(37, 70), (2, 1, 1, 70), (1, 4, 37, 70)], ids=str)
-def test_grad_mask(shape, kernel_mode, tier):
+def test_grad_mask(shape, kernel_mode, tier, deterministic):
     check_grads(Case(b=2, t=37, s=70, hq=4, hkv=2, d=48, mask_shape=shape, causal=True),
-                kernel_mode, tier)
+                kernel_mode, tier, deterministic=deterministic)
 
 
-def test_grad_fully_masked_rows_are_zero(kernel_mode, tier):
+def test_grad_fully_masked_rows_are_zero(kernel_mode, tier, deterministic):
     """Rows with no visible key: zero gradient into q, no NaN anywhere."""
     case = Case(b=1, t=40, s=60, hq=4, hkv=2, d=40, mask_shape=(1, 4, 40, 60),
                 bias_shape=(1, 4, 40, 60))
     q, k, v, bias, mask = make_inputs(case)
     mask = mask.at[:, :, 5, :].set(False)
     bias = bias.at[:, 2, 9, :].set(-jnp.inf)
-    dq, dk, dv, dbias = check_grads(case, kernel_mode, tier, inputs=(q, k, v, bias, mask))
+    dq, dk, dv, dbias = check_grads(case, kernel_mode, tier, inputs=(q, k, v, bias, mask),
+                                    deterministic=deterministic)
     assert np.all(np.asarray(dq, np.float32)[0, 5] == 0.0)
     assert np.all(np.asarray(dq, np.float32)[0, 9, 2] == 0.0)
     assert np.all(np.asarray(dbias)[0, :, 5] == 0.0)
@@ -162,10 +169,10 @@ def test_grad_fully_masked_rows_are_zero(kernel_mode, tier):
         assert not np.isnan(np.asarray(g, np.float32)).any()
 
 
-def test_grad_causal_more_queries_than_keys_no_nan(kernel_mode, tier):
+def test_grad_causal_more_queries_than_keys_no_nan(kernel_mode, tier, deterministic):
     """T > S causal: the first T - S rows see nothing; gradients stay finite and exact."""
     dq, *_ = check_grads(Case(b=1, t=90, s=30, hq=2, hkv=1, d=64, causal=True), kernel_mode,
-                         tier)
+                         tier, deterministic=deterministic)
     assert np.all(np.asarray(dq, np.float32)[:, :60] == 0.0)
 
 
@@ -196,14 +203,16 @@ def test_finite_differences_float32():
 
 
 def test_backward_is_deterministic(kernel_mode):
-    """Same inputs, same gradients, bit for bit (no atomics anywhere)."""
+    """deterministic=True: same inputs, same gradients, bit for bit (no atomics anywhere)."""
     case = Case(b=2, t=70, s=90, hq=6, hkv=2, d=64, bias_shape=(1, 6, 1, 90), causal=True)
     q, k, v, bias, mask = make_inputs(case)
     d_out, d_lse = _cotangents(case)
     runs = 10 if kernel_mode == "gpu" else 2
-    first = _pallas_grads(case, kernel_mode, q, k, v, bias, mask, d_out, d_lse)
+    first = _pallas_grads(case, kernel_mode, q, k, v, bias, mask, d_out, d_lse,
+                          deterministic=True)
     for _ in range(runs - 1):
-        again = _pallas_grads(case, kernel_mode, q, k, v, bias, mask, d_out, d_lse)
+        again = _pallas_grads(case, kernel_mode, q, k, v, bias, mask, d_out, d_lse,
+                              deterministic=True)
         for a, b in zip(first, again):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
@@ -247,17 +256,19 @@ def test_grad_under_jit_and_vmap_and_compile_cache(kernel_mode):
 @pytest.mark.parametrize("bias_shape,dropout_rate", [((1, 1, 1, 1), 0.0), ((1, 1, 1, 1), 0.3),
                                                      ((1, 3, 14, 1), 0.3), ((1,), 0.0)],
                          ids=["scalar", "scalar-drop", "per-row-drop", "rank1"])
-def test_grad_of_key_constant_bias(bias_shape, dropout_rate, kernel_mode, tier):
+def test_grad_of_key_constant_bias(bias_shape, dropout_rate, kernel_mode, tier, deterministic):
     from test_fuzz import Config, check_example
+    skip_single_backward(tier, deterministic)
     cfg = Config(batched=True, b=1, t=14, s=46, hq=3, hkv=1, d=54, dv=54, dtype="bfloat16",
                  causal=False, bias_shape=bias_shape, bias_dtype="float16", mask_shape=(1, 46),
                  scale=None, dropout_rate=dropout_rate, with_grads=True)
     kw = call_kwargs(tier, kernel_mode)
     check_example(cfg, seed=1, magnitude=1.0, mask_density=0.5, neg_inf_bias_rows=False,
-                  impl=kw["implementation"], interpret=kw["interpret"])
+                  impl=kw["implementation"], interpret=kw["interpret"],
+                  deterministic=deterministic)
 
 
-def test_grad_float32_d256_small_dv(kernel_mode):
+def test_grad_float32_d256_small_dv(kernel_mode, deterministic):
     """The GPU fuzz's shared-memory overflow (dq at float32, D=256: 238080 of 232448
     bytes), with its row-constant bias and per-head mask."""
     from test_fuzz import Config, check_example
@@ -265,10 +276,11 @@ def test_grad_float32_d256_small_dv(kernel_mode):
                  causal=False, bias_shape=(1, 68, 1), bias_dtype="float16",
                  mask_shape=(6, 1, 42), scale=None, dropout_rate=0.0, with_grads=True)
     check_example(cfg, seed=3, magnitude=1.0, mask_density=0.5, neg_inf_bias_rows=False,
-                  impl="pallas", interpret=interpret_flag(kernel_mode))
+                  impl="pallas", interpret=interpret_flag(kernel_mode),
+                  deterministic=deterministic)
 
 
-def test_grad_float32_d44_dv107_causal_mask(kernel_mode):
+def test_grad_float32_d44_dv107_causal_mask(kernel_mode, deterministic):
     """The GPU fuzz's shared-memory overflow of 2026-11-21 (float32, D=44, Dv=107 in the
     128-wide tiles: 245760 of 232448 bytes), causal with a per-head key mask."""
     from test_fuzz import Config, check_example
@@ -276,11 +288,12 @@ def test_grad_float32_d44_dv107_causal_mask(kernel_mode):
                  causal=True, bias_shape=None, bias_dtype="float32", mask_shape=(1, 4, 1, 358),
                  scale=1.217, dropout_rate=0.0, with_grads=True)
     check_example(cfg, seed=131071, magnitude=2.0, mask_density=0.9, neg_inf_bias_rows=False,
-                  impl="pallas", interpret=interpret_flag(kernel_mode))
+                  impl="pallas", interpret=interpret_flag(kernel_mode),
+                  deterministic=deterministic)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_grad_single_visible_key_is_exactly_zero_dq(dtype, kernel_mode):
+def test_grad_single_visible_key_is_exactly_zero_dq(dtype, kernel_mode, deterministic):
     """A row that sees one key has P = 1 and dS = dP - Σ P·dP = 0 exactly, as in XLA's
     softmax gradient: dq of that row is exactly 0, with dropout too. With δ taken as
     rowsum(dO ∘ O), which rounds differently from the kernels' dP, the GPU fuzz of
@@ -302,7 +315,8 @@ def test_grad_single_visible_key_is_exactly_zero_dq(dtype, kernel_mode):
 
     def f(q):
         return ffpa_jax.attention(q, k, v, mask=jnp.asarray(mask), dropout_rate=0.5,
-                                  dropout_rng=kr, interpret=interpret)
+                                  dropout_rng=kr, interpret=interpret,
+                                  deterministic=deterministic)
     out, vjp = jax.vjp(f, q)  # (lse's own gradient would not be 0: lse = the one logit)
     (dq,) = vjp(d_out)
     dq = np.asarray(dq)
@@ -349,11 +363,12 @@ _FLOAT32_FUZZ_DRAWS = {
 
 
 @pytest.mark.parametrize("draw", sorted(_FLOAT32_FUZZ_DRAWS))
-def test_grad_float32_fuzz_draws(draw, kernel_mode):
+def test_grad_float32_fuzz_draws(draw, kernel_mode, deterministic):
     from test_fuzz import Config, check_example
     config, example = _FLOAT32_FUZZ_DRAWS[draw]
     cfg = Config(dtype="float32", with_grads=True, **config)
-    check_example(cfg, impl="pallas", interpret=interpret_flag(kernel_mode), **example)
+    check_example(cfg, impl="pallas", interpret=interpret_flag(kernel_mode),
+                  deterministic=deterministic, **example)
 
 
 def _inner_jaxprs(eqn):
@@ -385,31 +400,33 @@ def _kernel_dots(jaxpr, kernel_name: str) -> list[int]:
     return list(walk(jaxpr))
 
 
-def test_lse_cotangent_adds_the_split_ds_products_only_when_lse_is_differentiated():
+def test_lse_cotangent_adds_the_split_ds_products_only_when_lse_is_differentiated(
+        deterministic):
     """Differentiating only the output leaves the lse cotangent a symbolic zero: dq and
     dK/dV keep one dS product each. Differentiating through lse feeds dS as two 16-bit
-    words (one more product in each); float32 kernels take dS as it is either way."""
+    words (one more product in each); float32 kernels take dS as it is either way. The
+    one-pass backward holds both products (dK's and dQ's) in one kernel."""
     q = jax.random.normal(jax.random.key(0), (1, 40, 2, 32), jnp.bfloat16)
+    kernels = ("bwd_generic_dq", "bwd_generic_dkdv") if deterministic else ("bwd_fused_atomic",)
+    extra = 1 if deterministic else 2  # per kernel: dQ's and/or dK's second word
 
     def dots(loss, dtype):
         x = q.astype(dtype)
         jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, x).jaxpr
-        return _kernel_dots(jaxpr, "bwd_generic_dq"), _kernel_dots(jaxpr, "bwd_generic_dkdv")
+        return [_kernel_dots(jaxpr, name) for name in kernels]
 
     def out_only(q, k):
-        return jnp.sum(ffpa_jax.attention(q, k, k, implementation="pallas", interpret=True)
-                       .astype(jnp.float32))
+        return jnp.sum(ffpa_jax.attention(q, k, k, implementation="pallas", interpret=True,
+                                          deterministic=deterministic).astype(jnp.float32))
 
     def with_lse(q, k):
         out, lse = ffpa_jax.attention(q, k, k, return_lse=True, implementation="pallas",
-                                      interpret=True)
+                                      interpret=True, deterministic=deterministic)
         return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.sin(lse))
 
-    plain_dq, plain_dkdv = dots(out_only, jnp.bfloat16)
-    split_dq, split_dkdv = dots(with_lse, jnp.bfloat16)
-    assert len(plain_dq) == len(split_dq) == 1 and len(plain_dkdv) == len(split_dkdv) == 1
-    assert split_dq[0] == plain_dq[0] + 1, (plain_dq, split_dq)
-    assert split_dkdv[0] == plain_dkdv[0] + 1, (plain_dkdv, split_dkdv)
+    for plain, split in zip(dots(out_only, jnp.bfloat16), dots(with_lse, jnp.bfloat16)):
+        assert len(plain) == len(split) == 1, (plain, split)
+        assert split[0] == plain[0] + extra, (plain, split)
     assert dots(with_lse, jnp.float32) == dots(out_only, jnp.float32)
 
 

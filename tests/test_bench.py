@@ -511,3 +511,24 @@ def test_bench_help_fits_100_columns(monkeypatch):
     monkeypatch.setenv("COLUMNS", "100")  # argparse wraps what it may; the rest is ours
     text = cli.build_parser().format_help()
     assert "--case" in text and max(map(len, text.splitlines())) <= 100
+
+
+def test_deterministic_option_and_the_two_backward_peers(monkeypatch, capsys):
+    """--deterministic fixes the ffpa row's backward; ffpa-det and ffpa-fast run each one,
+    and neither is among the default peers."""
+    seen = []
+
+    def attention(*args, deterministic=None, **kwargs):
+        seen.append(deterministic)
+        return args[0]
+    monkeypatch.setattr(peers.ffpa_jax, "attention", attention)
+    case = cases.make_case("self", d=16, n=32, b=1, h=2)
+    for impl, expected in ((peers.ffpa_impl(None), None), (peers.ffpa_impl(True), True),
+                           (peers.ffpa_impl(False), False), (peers.PEERS["ffpa-det"], True),
+                           (peers.PEERS["ffpa-fast"], False)):
+        impl.make(case, True)(*(jnp.zeros((1, 32, 2, 16)),) * 3, None, None, None)
+        assert seen[-1] is expected, impl.name
+    assert peers.ffpa_impl(None) is peers.FFPA
+    assert not {"ffpa-det", "ffpa-fast"} & set(peers.DEFAULT_PEERS)
+    assert cli.main(["--list", "--deterministic", "false", "--peers", "ffpa-det"]) == 0
+    assert "implementations: ffpa, ffpa-det" in capsys.readouterr().out

@@ -181,7 +181,8 @@ def _np_normal(rng: np.random.Generator, shape, dtype, magnitude=1.0):
 
 
 def check_example(cfg: Config, *, seed: int, magnitude: float, mask_density: float,
-                  neg_inf_bias_rows: bool, impl: str, interpret: bool):
+                  neg_inf_bias_rows: bool, impl: str, interpret: bool,
+                  deterministic: bool | None = None):
     rng = np.random.default_rng(seed)
     lead = (cfg.b,) if cfg.batched else ()
     q = _np_normal(rng, lead + (cfg.t, cfg.hq, cfg.d), cfg.dtype, magnitude)
@@ -209,7 +210,7 @@ def check_example(cfg: Config, *, seed: int, magnitude: float, mask_density: flo
     kw = dict(scale=cfg.scale, causal=cfg.causal, dropout_rate=cfg.dropout_rate,
               with_grads=cfg.with_grads)
     got = run_attention(q, k, v, bias, mask, drop_key, d_out, d_lse, impl=impl,
-                        interpret=interpret, **kw)
+                        interpret=interpret, deterministic=deterministic, **kw)
     ref = run_reference(q, k, v, bias, mask, d_out, d_lse, float64=True, keep=keep, **kw)
     xla = run_reference(q, k, v, bias, mask, d_out, d_lse, float64=False, keep=keep, **kw)
     out_shape = lead + (cfg.t, cfg.hq, cfg.dv)

@@ -95,13 +95,24 @@ def test_a_call_on_a_named_gpu_says_which_config_and_why(env, tmp_path):
     assert f"forward: pallas <- {matched}" in flat
     assert (f"fwd_generic: BLOCK_M=32 BLOCK_N=16 BLOCK_HEADDIM_QK=64 BLOCK_HEADDIM_V=64 "
             f"num_warps=2 num_stages=1 <- {matched}") in flat
-    # The backward: no entry, so the built-in rule (D=64: the fused kernels) and defaults.
+    # The backward: no entry, so the built-in rule (D=64: the fused kernels) and defaults;
+    # by default (XLA_FLAGS without --xla_gpu_deterministic_ops) the one-pass backward.
     assert "backward: pallas <- built-in rule (no compatible entry in the tuned file)" in flat
+    assert ("deterministic=False <- deterministic=None, and XLA_FLAGS leaves "
+            "--xla_gpu_deterministic_ops off: one pass over the tiles") in flat
+    assert ("bwd_fused_atomic: BLOCK_M=64 BLOCK_N=64 BLOCK_HEADDIM=64 BLOCK_HEADDIM_QK=64 "
+            "num_warps=4 num_stages=3 <- built-in default (no compatible entry in the tuned "
+            "file)") in flat
+    assert "bwd_preproc: BLOCK_M=64 BLOCK_HEADDIM=128 num_warps=4 num_stages=1" in flat
+    assert "bwd_generic_dq" not in flat and "bwd_dbias" not in flat  # no bias
+    run = info("--shape", "1,1000,4,64", "--device-name", DEVICE, "--deterministic", "true",
+               env=env)
+    flat = " ".join(run.stdout.split())
+    assert "deterministic=True <- deterministic=True: dQ and dK/dV in their own kernels" in flat
     assert ("bwd_generic_dq: BLOCK_M=128 BLOCK_N=64 BLOCK_HEADDIM=64 BLOCK_HEADDIM_QK=64 "
             "num_warps=8 num_stages=3 <- built-in default (no compatible entry in the tuned "
             "file)") in flat
-    assert "bwd_preproc: BLOCK_M=64 BLOCK_HEADDIM=128 num_warps=4 num_stages=1" in flat
-    assert "bwd_dbias" not in flat  # no bias
+    assert "bwd_fused_atomic" not in flat
 
 
 def test_bad_arguments_are_refused(env):

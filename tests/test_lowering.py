@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import (BwdConfig, FwdConfig, bwd_dbias, bwd_exact_rows, bwd_generic_dkdv,
-                            bwd_generic_dq, bwd_preproc, fwd_generic)
+from pallas_kernels import (BwdConfig, FwdConfig, bwd_dbias, bwd_exact_rows, bwd_fused_atomic,
+                            bwd_generic_dkdv, bwd_generic_dq, bwd_preproc, fwd_generic)
 
 sd = jax.ShapeDtypeStruct
 
@@ -177,9 +177,88 @@ def test_bwd_default_configs_lower_for_every_head_dim():
         problem = validate(q, q, q, None, None, scale=None, is_causal=False, dropout_rate=0.0,
                            dropout_rng=None, return_lse=False, implementation=None,
                            interpret=False).problem
-        plan = make_plan(dataclasses.replace(problem, bias_shape=(1, 2, 128, 128)))
+        plan = make_plan(dataclasses.replace(problem, bias_shape=(1, 2, 128, 128)),
+                         deterministic=False)
         for config in (plan.dq, plan.dkdv, plan.dbias):
             lower_bwd(d=d, dv=d, t=128, s=128, bias_shape=(1, 2, 128, 128), config=config)
+        lower_fused(d=d, dv=d, t=128, s=128, bias_shape=(1, 2, 128, 128), config=plan.fused)
+
+
+def lower_fused(*, d, dv, causal=False, bias_shape=None, mask=False, hq=4, hkv=2, t=300, s=257,
+                dtype=jnp.bfloat16, config=BwdConfig(), dropout=0.0, seed_words=2,
+                split_ds=False, own_delta=False):
+    """Lower the one-pass backward (`bwd_fused_atomic`, deterministic=False) as the vjp runs
+    it: after bwd_preproc (float32: bwd_exact_rows; `own_delta`: neither), and bwd_dbias
+    with a bias. Its dQ must be summed with float32 atomic adds."""
+    args = [sd((2, t, hq, d), dtype), sd((2, s, hkv, d), dtype), sd((2, s, hkv, dv), dtype),
+            sd((2, t, hq, dv), dtype), sd((2, t, hq, dv), dtype), sd((2, hq, t), jnp.float32),
+            sd((seed_words,), jnp.uint32)]
+    if bias_shape:
+        args.append(sd(bias_shape, jnp.float32))
+    if mask:
+        args.append(sd((2, 1, t, s), jnp.bool_))
+
+    def f(q, k, v, o, do, lse, seed, *rest):
+        b = rest[0] if bias_shape else None
+        m = rest[-1] if mask else None
+        kw = dict(scale=0.1, causal=causal, config=config, dropout_rate=dropout, seed=seed)
+        if dtype == jnp.float32:
+            delta, lse_lo = bwd_exact_rows(q, k, v, do, lse, lse, b, m, **kw)
+            kw["lse_lo"] = lse_lo
+        elif own_delta:
+            delta = lse  # stands for dlse
+            kw["own_delta"] = True
+        else:
+            delta = bwd_preproc(o, do, lse, config=config)
+        outs = list(bwd_fused_atomic(q, k, v, do, lse, delta, b, m, split_ds=split_ds, **kw))
+        if b is not None:
+            outs.append(bwd_dbias(q, k, v, do, lse, delta, b, m, **kw))
+        return outs
+
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    kernels = 1 + (not own_delta) + bool(bias_shape)  # fused, preproc/exact rows, dbias
+    assert text.count("__gpu$xla.gpu.triton") == kernels
+    return text
+
+
+@pytest.mark.parametrize("d", [32, 64, 128, 256, 512, 1024, 1000])
+@pytest.mark.parametrize("dynamic,split", [(False, False), (True, False), (True, True)])
+def test_fused_head_dims(d, dynamic, split):
+    """The one-pass backward at every head dim, in each of dK/dV's splits of it (dQ's slices
+    ride on the dK programs)."""
+    lower_fused(d=d, dv=d, config=BwdConfig(block_m=64, block_n=64, block_d=64,
+                                            block_slice=min(256, d), dynamic=dynamic,
+                                            split_dkdv=split))
+
+
+@pytest.mark.parametrize("variant", [
+    dict(causal=True), dict(bias_shape=(1, 4, 300, 257)), dict(bias_shape=(1, 1, 1, 257)),
+    dict(bias_shape=(2, 4, 300, 1)), dict(mask=True), dict(causal=True, mask=True,
+                                                           bias_shape=(2, 1, 300, 257)),
+    dict(hq=8, hkv=1), dict(hq=6, hkv=2), dict(dv=40), dict(d=40, dv=300),
+    dict(dtype=jnp.float16), dict(dtype=jnp.float32), dict(dtype=jnp.float32, d=1024, dv=1024),
+    dict(t=1, s=3000), dict(t=3000, s=1), dict(split_ds=True),
+    dict(split_ds=True, d=512, dv=512, hq=8, hkv=1),
+    dict(own_delta=True, s=57, causal=True, bias_shape=(2, 4, 300, 57), dropout=0.1),
+    dict(own_delta=True, s=1, split_ds=True), dict(dropout=0.1),
+    dict(dropout=0.1, causal=True, mask=True, seed_words=4),
+], ids=lambda v: "-".join(f"{k}={getattr(x, '__name__', x)}" for k, x in v.items()))
+def test_fused_variants(variant):
+    kwargs = dict(d=111, dv=111)
+    kwargs.update(variant)
+    if kwargs["d"] > 256 or kwargs["dv"] > 256:
+        kwargs["config"] = BwdConfig(block_slice=256, dynamic=True, split_dkdv=True)
+    assert "atomic_rmw" in lower_fused(**kwargs)  # (the op's name in the kernel's bytecode)
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(hq=8, hkv=1, causal=True, dropout=0.1),
+                                     dict(dtype=jnp.float32, bias_shape=(1, 4, 300, 257))],
+                         ids=["plain", "mqa-causal-dropout", "float32-bias"])
+def test_deterministic_backward_has_no_atomics(variant):
+    """deterministic=True's kernels reduce everything inside their programs."""
+    kwargs = dict(d=111, dv=111)
+    kwargs.update(variant)
+    assert "atomic_rmw" not in lower_bwd(**kwargs)
 
 
 DROPOUT_VARIANTS = [dict(), dict(causal=True, bias=True, mask=True), dict(hq=8, hkv=1, dv=40),
@@ -200,7 +279,8 @@ def test_dropout_variants(variant):
     lower_bwd(**kwargs)
 
 
-def test_forward_and_backward_lower_with_explicit_sharding(monkeypatch):
+@pytest.mark.parametrize("deterministic,kernels", [(True, 4), (False, 3)])
+def test_forward_and_backward_lower_with_explicit_sharding(monkeypatch, deterministic, kernels):
     """Inputs sharded over an Explicit mesh axis (jax.make_mesh's default) carry the
     axis in their types; a Pallas ref of such a type rejects integer indexing, so
     the call must go through ffpa_jax's own shard_map (the jax 0.11 GPU failure of
@@ -214,15 +294,19 @@ def test_forward_and_backward_lower_with_explicit_sharding(monkeypatch):
              sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("b")))
 
     def step(q, k, v):
-        out, vjp = jax.vjp(lambda q, k, v: ffpa_jax.attention(q, k, v, is_causal=True),
+        out, vjp = jax.vjp(lambda q, k, v: ffpa_jax.attention(q, k, v, is_causal=True,
+                                                              deterministic=deterministic),
                            q, k, v)
         return out, vjp(out)
 
     text = jax.jit(step).trace(arg, arg, arg).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 4  # forward, preproc, dq, dkdv
+    # forward, preproc, then dq and dkdv, or the one-pass backward
+    assert text.count("__gpu$xla.gpu.triton") == kernels
 
 
-def test_forward_and_backward_lower_inside_shard_map_with_check_vma(monkeypatch):
+@pytest.mark.parametrize("deterministic,kernels", [(True, 4), (False, 3)])
+def test_forward_and_backward_lower_inside_shard_map_with_check_vma(monkeypatch, deterministic,
+                                                                    kernels):
     """Inside a user's shard_map (default check_vma=True) every pallas_call output must
     declare the manual axes it varies over; lowering the Triton kernels checks it."""
     import ffpa_jax
@@ -232,7 +316,8 @@ def test_forward_and_backward_lower_inside_shard_map_with_check_vma(monkeypatch)
     mesh = jax.make_mesh((1,), ("b",))
     spec = jax.sharding.PartitionSpec("b")
     arg = sd((2, 96, 4, 64), jnp.bfloat16, sharding=jax.sharding.NamedSharding(mesh, spec))
-    attn = lambda q, k, v: ffpa_jax.attention(q, k, v, is_causal=True)
+    attn = lambda q, k, v: ffpa_jax.attention(q, k, v, is_causal=True,
+                                              deterministic=deterministic)
     smap = jax.shard_map(attn, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
 
     def step(q, k, v):
@@ -240,7 +325,8 @@ def test_forward_and_backward_lower_inside_shard_map_with_check_vma(monkeypatch)
         return out, vjp(out)
 
     text = jax.jit(step).trace(arg, arg, arg).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 4  # forward, preproc, dq, dkdv
+    # forward, preproc, then dq and dkdv, or the one-pass backward
+    assert text.count("__gpu$xla.gpu.triton") == kernels
 
 
 @pytest.mark.parametrize("t,d", [(128, 256), (128, 512), (100, 1000), (1, 512)],

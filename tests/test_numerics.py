@@ -44,15 +44,16 @@ def _as_4d(x, batched: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "impl", "interpret",
-                                             "dropout_rate", "with_grads"))
+                                             "dropout_rate", "with_grads", "deterministic"))
 def run_attention(q, k, v, bias, mask, rng, d_out, d_lse, *, scale, causal, impl, interpret,
-                  dropout_rate=0.0, with_grads=True):
+                  dropout_rate=0.0, with_grads=True, deterministic=None):
     """(out, lse, (dq, dk, dv, dbias)) through the public `attention`; the gradients are
     those of <out, d_out> + <lse, d_lse> (None without `with_grads`)."""
     def f(q, k, v, bias):
         return ffpa_jax.attention(q, k, v, bias, mask, scale=scale, is_causal=causal,
                                   dropout_rate=dropout_rate, dropout_rng=rng, return_lse=True,
-                                  implementation=impl, interpret=interpret)
+                                  deterministic=deterministic, implementation=impl,
+                                  interpret=interpret)
     if not with_grads:
         out, lse = f(q, k, v, bias)
         return out, lse, None

@@ -12,7 +12,7 @@ import tuning
 from tuning import lookup as lookup_mod
 
 KERNELS_WITH_DEFAULTS = ["fwd_generic", "bwd_preproc", "bwd_generic_dq", "bwd_generic_dkdv",
-                         "bwd_dbias"]
+                         "bwd_dbias", "bwd_fused_atomic"]
 HEAD_DIMS = [1, 40, 64, 65, 128, 200, 256, 320, 512, 640, 1000, 1024]
 
 

@@ -92,10 +92,11 @@ def tiers(problem: Problem, implementation: str) -> tuple[str, str]:
 
 def make_plan(problem: Problem, *, interpret: bool = False, precise_lse: bool = False,
               tiers: tuple[str, str] = ("pallas", "pallas"), step: str = "pallas",
-              override: Override | None = None) -> Plan:
+              override: Override | None = None, deterministic: bool = True) -> Plan:
     """The plan of one call. `tiers` = (forward tier, backward tier); `step` is the chunked
     tier's step between its GEMMs ("pallas", or "xla" where no GPU runs the kernels);
-    `precise_lse` when the caller returns lse (see Plan)."""
+    `precise_lse` when the caller returns lse (see Plan); `deterministic=False` lets the
+    Pallas backward sum dQ with atomics (`bwd_fused_atomic`, one pass over the tiles)."""
     decode, splits = (decode_config(problem, override) if uses_decode(problem) else (None, 1))
     chunk = (chunked.make_plan(problem, step=step, interpret=interpret)
              if "chunked" in tiers else None)
@@ -108,4 +109,7 @@ def make_plan(problem: Problem, *, interpret: bool = False, precise_lse: bool = 
                 preproc=bwd_config("bwd_preproc", problem, override),
                 dq=bwd_config("bwd_generic_dq", problem, override),
                 dkdv=bwd_config("bwd_generic_dkdv", problem, override),
-                dbias=bwd_config("bwd_dbias", problem, override))
+                dbias=bwd_config("bwd_dbias", problem, override),
+                deterministic=deterministic,
+                fused=(None if deterministic
+                       else bwd_config("bwd_fused_atomic", problem, override)))

@@ -8,9 +8,11 @@ non-aligned (N = 8191). With no shape option a GPU runs the issue's target shape
 Peers: cudnn (jax.nn.dot_product_attention(implementation="cudnn")), xla (jax.nn's XLA
 path, or ffpa_jax's own where jax.nn has no equivalent: dropout, causal with T != S),
 pallas-mha (JAX's Pallas attention, Triton), pallas-mgpu (JAX's Mosaic GPU attention,
-Hopper), pallas-decode (JAX's Pallas decode kernel; decode rows only). A peer that cannot
-run a case is named under it, with the reason in a note; one that runs no case at all
-(a GPU-only peer on a CPU) is listed once.
+Hopper), pallas-decode (JAX's Pallas decode kernel; decode rows only); on request only,
+ffpa-det and ffpa-fast (ffpa_jax with deterministic=True / False: its two backwards; the
+ffpa row runs what --deterministic says, by default what XLA_FLAGS' deterministic-ops flag
+picks). A peer that cannot run a case is named under it, with the reason in a note; one that
+runs no case at all (a GPU-only peer on a CPU) is listed once.
 
 Columns (the output ends with this legend): ms = median time of a warm call (compile
 excluded); TF/s = 4·B·Hq·T·S·D for the forward (D the mean of D and Dv), halved when

@@ -17,7 +17,7 @@ from ffpa_jax.bench import cases as cases_mod
 from ffpa_jax.bench import report
 from ffpa_jax.bench.cases import KINDS, BenchCase
 from ffpa_jax.bench.measure import DTYPES, measure
-from ffpa_jax.bench.peers import FFPA, PEERS
+from ffpa_jax.bench.peers import DEFAULT_PEERS, PEERS, ffpa_impl
 
 COMPILE_TARGET_S = 10.0
 CPU_NOTE = ("No GPU found: running small shapes through the Pallas interpreter and XLA on the "
@@ -52,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     pick.add_argument("--mode", choices=["fwd", "fwdbwd", "both"], default="both",
                       help="forward only, forward+backward, or both (default); "
                            "decode is forward only")
-    pick.add_argument("--peers", default=",".join(PEERS),
-                      help=f"comma list from {', '.join(PEERS)}, or 'none' (default: all)")
+    pick.add_argument("--peers", default=",".join(DEFAULT_PEERS),
+                      help=f"comma list from {', '.join(PEERS)}, or 'none' (default: "
+                           f"{', '.join(DEFAULT_PEERS)})")
     pick.add_argument("--list", action="store_true", help="print the cases and exit")
     shape = parser.add_argument_group(
         "shapes", "any of these switches from the preset to a grid: every --case kind on every\n"
@@ -74,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     opts.add_argument("--min-rep-s", type=float, default=0.05,
                       help="each sample repeats the call to last at least this long (GPU)")
     opts.add_argument("--seed", type=int, default=0)
+    opts.add_argument("--deterministic", choices=["none", "true", "false"], default="none",
+                      help="the ffpa row's attention(deterministic=...): none (default: XLA's "
+                           "--xla_gpu_deterministic_ops decides), true (the bitwise-"
+                           "reproducible backward) or false (atomic dQ); the peers ffpa-det "
+                           "and ffpa-fast run the other")
     out = parser.add_argument_group("output")
     out.add_argument("--json", help="write the header and every record here (rewritten after "
                      "each case, so an interrupted run keeps what it measured)")
@@ -152,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     peers = _peers(parser, args.peers)
+    ffpa = ffpa_impl({"none": None, "true": True, "false": False}[args.deterministic])
     on_gpu = jax.devices()[0].platform == "gpu"
     try:
         cases = select_cases(args, on_gpu)
@@ -171,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     header = device_header(argv)
     header.update(cpu_fallback=not on_gpu, reps=reps, min_rep_s=min_rep_s,
                   implementations=["ffpa", *(p.name for p in peers)],
+                  ffpa_deterministic=args.deterministic,
                   error_sample=("max |out - ref| / max |ref| against mha_reference in float64 "
                                 "on the host, every (T//64)-th query row of (batch, head) = "
                                 "(0, 0), (B//2, Hq//2), (B-1, Hq-1); of out, dq, and dbias "
@@ -181,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{header['date']}  ({len(cases)} cases)", flush=True)
     records: list[dict] = []
     for i, case in enumerate(cases):
-        for impl in [FFPA, *peers]:
+        for impl in [ffpa, *peers]:
             if impl.kinds is not None and case.kind not in impl.kinds:
                 continue
             record = measure(case, impl, interpret=not on_gpu, min_rep_s=min_rep_s,

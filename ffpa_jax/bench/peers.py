@@ -45,11 +45,13 @@ def _scale(case: BenchCase) -> float:
 
 
 # ---------------------------------------------------------------- ffpa_jax
-def _ffpa_run(case: BenchCase, implementation: str | None, interpret: bool):
+def _ffpa_run(case: BenchCase, implementation: str | None, interpret: bool,
+              deterministic: bool | None = None):
     def run(q, k, v, bias, mask, rng):
         return ffpa_jax.attention(q, k, v, bias=bias, mask=mask, is_causal=case.causal,
                                   dropout_rate=case.dropout,
                                   dropout_rng=rng if case.dropout else None,
+                                  deterministic=deterministic,
                                   implementation=implementation, interpret=interpret)
     return run
 
@@ -57,6 +59,22 @@ def _ffpa_run(case: BenchCase, implementation: str | None, interpret: bool):
 def _ffpa(case: BenchCase, interpret: bool):
     """The tuned dispatch (implementation=None): each direction on its measured tier."""
     return _ffpa_run(case, None, interpret)
+
+
+def _ffpa_deterministic(deterministic: bool):
+    """The tuned dispatch with the backward's mode fixed (`attention(deterministic=...)`)."""
+    def make(case: BenchCase, interpret: bool):
+        return _ffpa_run(case, None, interpret, deterministic)
+    return make
+
+
+def ffpa_impl(deterministic: bool | None) -> Impl:
+    """The ffpa row: `FFPA` (deterministic=None, as a call without the argument), or with
+    the backward's mode fixed (the bench's --deterministic)."""
+    if deterministic is None:
+        return FFPA
+    return dataclasses.replace(FFPA, make=_ffpa_deterministic(deterministic),
+                               doc=f"{FFPA.doc}, deterministic={deterministic}")
 
 
 def _tiers_of(implementation: str | None):
@@ -263,6 +281,12 @@ PEERS: dict[str, Impl] = {
     "ffpa-chunked": Impl("ffpa-chunked", _ffpa_tier("chunked"), tiers=_tiers_of("chunked"),
                          pallas=True,
                          doc="ffpa_jax.attention(implementation='chunked'): blocked GEMMs"),
+    "ffpa-det": Impl("ffpa-det", _ffpa_deterministic(True), tiers=_tiers_of(None), pallas=True,
+                     doc="ffpa_jax.attention(deterministic=True): the bitwise-reproducible "
+                     "backward"),
+    "ffpa-fast": Impl("ffpa-fast", _ffpa_deterministic(False), tiers=_tiers_of(None),
+                      pallas=True, doc="ffpa_jax.attention(deterministic=False): the backward "
+                      "with atomic dQ"),
     "cudnn": Impl("cudnn", _cudnn, doc="jax.nn.dot_product_attention(implementation='cudnn')"),
     "xla": Impl("xla", _xla, doc="jax.nn.dot_product_attention(implementation='xla'); "
                 "ffpa_jax's XLA path for dropout and causal with T != S"),
@@ -276,3 +300,7 @@ PEERS: dict[str, Impl] = {
     "pallas-decode": Impl("pallas-decode", _pallas_decode, kinds=("decode",), pallas=True,
                           doc="jax.experimental.pallas.ops.gpu.decode_attention.gqa"),
 }
+
+# The peers a run compares with unless --peers names others: ffpa's own two backwards
+# (ffpa-det, ffpa-fast) only on request, as the ffpa row already runs one of them.
+DEFAULT_PEERS = tuple(name for name in PEERS if name not in ("ffpa-det", "ffpa-fast"))

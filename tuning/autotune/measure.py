@@ -250,6 +250,13 @@ def _dkdv_reference_err(out, inp: Inputs) -> float | None:
                _rel_err(_take(dv, pairs=pairs, rows=cols, heads_axis=2), ref_dv))
 
 
+def _dqdkdv_reference_err(out, inp: Inputs) -> float | None:
+    """The fused backward's (dq, dk, dv), each checked as its own kernel's output is."""
+    dq, dk, dv = out
+    errs = (_dq_reference_err(dq, inp), _dkdv_reference_err((dk, dv), inp))
+    return None if None in errs else max(errs)
+
+
 def _dbias_reference_err(dbias, inp: Inputs) -> float | None:
     """dbias at sampled positions, for biases that do not broadcast over both rows and
     columns (the CLI's [1, 1, 1, S] does not); None otherwise: baseline check only."""
@@ -502,6 +509,7 @@ _ROLES: dict[str, Callable[[KernelDescriptor], KernelRunner]] = {
         check=_preproc_reference_err, fit_key=_preproc_fit, tol_16bit=1e-3, tol_fp32=1e-4),
     "dq": lambda d: _backward_runner(d, _dq_reference_err),
     "dkdv": lambda d: _backward_runner(d, _dkdv_reference_err),
+    "dqdkdv": lambda d: _backward_runner(d, _dqdkdv_reference_err),
     "dbias": lambda d: _backward_runner(d, _dbias_reference_err, needs_bias=True),
     "decode_stage1": lambda d: KernelRunner(
         d.name, d.direction, d.function, _decode1_launcher, args=_attention_args,

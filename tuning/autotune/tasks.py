@@ -25,7 +25,9 @@ LARGE_SEQLEN_MIN_GIB = 48
 DROPOUT_RATE = 0.1
 
 FORWARD_KERNELS = ("fwd_generic",)
-BACKWARD_KERNELS = ("bwd_preproc", "bwd_generic_dq", "bwd_generic_dkdv")
+# bwd_fused_atomic is the backward of deterministic=False (the default unless XLA's
+# deterministic-ops flag is on); dq and dkdv are deterministic=True's.
+BACKWARD_KERNELS = ("bwd_preproc", "bwd_generic_dq", "bwd_generic_dkdv", "bwd_fused_atomic")
 DECODE_KERNELS = ("decode_fwd_stage1", "decode_fwd_stage2")
 
 
@@ -78,7 +80,7 @@ class Task:
         """A rough relative cost (seconds-like) for time-left estimates and ordering."""
         work = self.batch * self.nheads_q * self.seqlen_q * self.seqlen_k * self.headdim
         factor = {"fwd_generic": 4, "bwd_generic_dq": 6, "bwd_generic_dkdv": 8,
-                  "bwd_dbias": 6, "bwd_preproc": 0.0}.get(self.kernel, 2)
+                  "bwd_fused_atomic": 10, "bwd_dbias": 6, "bwd_preproc": 0.0}.get(self.kernel, 2)
         if self.causal:
             factor /= 2
         # ~1 s of compiling and checking per task, plus ~a dozen timed calls at ~250 TF/s.
