@@ -5,6 +5,10 @@ unchanged: compare before and after with
     python scripts/ir_fingerprint.py before.json   # on the old code
     python scripts/ir_fingerprint.py after.json    # on the new code
     cmp before.json after.json
+A second path also fingerprints the one-pass backward (`bwd_fused_atomic`, the
+deterministic=False backward) into that file, apart from the 168, so the first file stays
+comparable with ones written before that kernel existed:
+    python scripts/ir_fingerprint.py after.json fused.json
 Source locations are left out of the IR (traceback limit 0), so moving lines
 does not change a fingerprint; any change to what a kernel computes does. Only the
 Triton kernels' serialized IR is hashed (the `ir = "..."` payload of each custom
@@ -45,11 +49,14 @@ def lower_decode(*, d, dv, dtype=jnp.bfloat16, causal=False, bias=False, mask=Fa
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def _digest(text: str) -> str:
+    kernels = re.findall(r'ir = "((?:[^"\\]|\\.)*)"', text)
+    assert kernels, "no Triton kernel payload in the lowered text"
+    return hashlib.sha256("\n".join(kernels).encode()).hexdigest()
+
+
 def fingerprints() -> dict[str, str]:
-    def digest(text: str) -> str:
-        kernels = re.findall(r'ir = "((?:[^"\\]|\\.)*)"', text)
-        assert kernels, "no Triton kernel payload in the lowered text"
-        return hashlib.sha256("\n".join(kernels).encode()).hexdigest()
+    digest = _digest
     out = {}
     fwd_variants = [dict(), dict(causal=True), dict(bias=True), dict(mask=True),
                     dict(causal=True, bias=True, mask=True), dict(hq=8, hkv=1), dict(dv=40),
@@ -82,7 +89,30 @@ def fingerprints() -> dict[str, str]:
     return out
 
 
+def fused_fingerprints() -> dict[str, str]:
+    """bwd_fused_atomic (with bwd_preproc or bwd_exact_rows, and bwd_dbias with a bias) over
+    the backward's variants and configs, and with dropout."""
+    out = {}
+    variants = [dict(), dict(causal=True), dict(bias_shape=(1, 4, 300, 257)),
+                dict(bias_shape=(2, 1, 1, 257)), dict(mask=True),
+                dict(causal=True, mask=True, bias_shape=(2, 1, 300, 257)), dict(hq=8, hkv=1),
+                dict(dv=40), dict(dtype=jnp.float32), dict(split_ds=True),
+                dict(dropout=0.1), dict(dropout=0.1, causal=True, mask=True)]
+    configs = (BwdConfig(), BwdConfig(dynamic=True, block_slice=64),
+               BwdConfig(dynamic=True, split_dkdv=True, block_slice=64))
+    for d in (64, 111, 512):
+        for i, variant in enumerate(variants):
+            for cfg in configs:
+                kw = {"d": d, "dv": d, **variant}
+                out[f"fused{i}-{d}-{cfg}"] = _digest(lowering.lower_fused(config=cfg, **kw))
+    return out
+
+
 if __name__ == "__main__":
     prints = fingerprints()
     pathlib.Path(sys.argv[1]).write_text(json.dumps(prints, indent=0, sort_keys=True))
     print(f"{len(prints)} variants fingerprinted -> {sys.argv[1]}")
+    if len(sys.argv) > 2:
+        fused = fused_fingerprints()
+        pathlib.Path(sys.argv[2]).write_text(json.dumps(fused, indent=0, sort_keys=True))
+        print(f"{len(fused)} bwd_fused_atomic variants fingerprinted -> {sys.argv[2]}")

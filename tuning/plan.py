@@ -98,6 +98,11 @@ def make_plan(problem: Problem, *, interpret: bool = False, precise_lse: bool = 
     `precise_lse` when the caller returns lse (see Plan); `deterministic=False` lets the
     Pallas backward sum dQ with atomics (`bwd_fused_atomic`, one pass over the tiles)."""
     decode, splits = (decode_config(problem, override) if uses_decode(problem) else (None, 1))
+    # Runtime autotune measures only the kernels the backward launches: without determinism
+    # bwd_generic_dkdv does not run, nor bwd_generic_dq but for float32's bwd_exact_rows,
+    # which borrows its config.
+    dkdv_override = override if deterministic else None
+    dq_override = override if deterministic or problem.dtype_name == "fp32" else None
     chunk = (chunked.make_plan(problem, step=step, interpret=interpret)
              if "chunked" in tiers else None)
     return Plan(decode=decode, decode_splits=splits, scale=problem.scale,
@@ -107,8 +112,8 @@ def make_plan(problem: Problem, *, interpret: bool = False, precise_lse: bool = 
                 lse_pair=problem.dtype_name == "fp32",
                 fwd=fwd_config(problem, override),
                 preproc=bwd_config("bwd_preproc", problem, override),
-                dq=bwd_config("bwd_generic_dq", problem, override),
-                dkdv=bwd_config("bwd_generic_dkdv", problem, override),
+                dq=bwd_config("bwd_generic_dq", problem, dq_override),
+                dkdv=bwd_config("bwd_generic_dkdv", problem, dkdv_override),
                 dbias=bwd_config("bwd_dbias", problem, override),
                 deterministic=deterministic,
                 fused=(None if deterministic
