@@ -12,8 +12,8 @@ dV and dbias are (dbias keeps its own kernel, `bwd_dbias`).
 
 - dQ's slices follow dK's: the program that accumulates dK's head-dim slice `sl` (every
   program with a dK task, see `bwd.dkdv_tasks`) adds dQ's slice `sl`, since dQ's head dim
-  is K's. So any D runs, split as the dK/dV kernel splits it; a program of a dV-only task
-  computes no dS and adds nothing.
+  is K's, in blocks of at most DQ_COLUMNS columns. So any D runs, split as the dK/dV kernel
+  splits it; a program of a dV-only task computes no dS and adds nothing.
 - The buffer is padded to whole [BLOCK_M, BLOCK_HEADDIM] tiles, [B, ⌈T⌉, Hq, ⌈D⌉]: every
   atomic add is unmasked (padded rows and columns receive zeros: dS is 0 past T, K is 0
   past D), which Pallas' interpreter requires and which spares the GPU the bound checks.
@@ -37,27 +37,39 @@ from pallas_kernels.common import cdiv, i32
 from pallas_kernels.descriptor import KernelDescriptor, Table
 
 
+# The widest column block of dQ that one atomic add takes. The float32 product leaves the
+# MMA's register layout through shared memory on its way to the atomics: a whole 512-wide
+# slice at BLOCK_M = 128 would need 256 KiB there (offline, sm_90: the D = 512 default
+# overflowed), a 128-wide block 64 KiB.
+DQ_COLUMNS = 128
+
+
 def _dq_adder(st: common.KernelStatic, r: dict, dq_ref, b, hk, kv_start, sl: int, k_chunk):
     """`visit(h, q_start, ds)` for one program: dQ[b, q rows, h, slice sl] += dS·K[kv rows,
-    slice sl] (unscaled: the conversion pass applies the scale once)."""
+    slice sl] (unscaled: the conversion pass applies the scale once), in column blocks of
+    at most DQ_COLUMNS; blocks wholly past D are skipped (the buffer is 0 there)."""
     cfg = st.cfg
     bm, bn, width = cfg.block_m, cfg.block_n, cfg.block_slice
+    cols = min(width, DQ_COLUMNS)
+    starts = [start for start in range(sl * width, (sl + 1) * width, cols)
+              if start < st.head_dim]
 
-    def load_slice():
-        return common.load_tile(r["k"], b, kv_start, bn, hk, sl * width, width,
+    def load_columns(start):
+        return common.load_tile(r["k"], b, kv_start, bn, hk, start, cols,
                                 n_rows=st.seq_k, n_cols=st.head_dim)
 
-    # K's chunks of the S reduction are resident when unrolled; where a chunk is the slice
-    # (the 16-bit defaults up to D = 128) it serves dQ as well, else the slice is reloaded
-    # per tile, as the dK/dV program reloads its Q and dO slices.
-    resident = k_chunk(sl) if not cfg.dynamic and cfg.block_d == width else None
+    # K's chunks of the S reduction are resident when unrolled; where a chunk is the whole
+    # block (the 16-bit defaults up to D = 128) it serves dQ as well, else K's columns are
+    # reloaded per tile, as the dK/dV program reloads its Q and dO slices.
+    resident = (k_chunk(sl) if not cfg.dynamic and cfg.block_d == width == cols else None)
 
     def visit(h, q_start, ds):
-        k_slice = load_slice() if resident is None else resident
-        part = common.accumulate_ds(jnp.zeros((bm, width), jnp.float32), ds, k_slice,
-                                    split=st.split_ds)
-        compat.atomic_add(dq_ref, (i32(b), common.ds(q_start, bm), i32(h),
-                                   common.ds(sl * width, width)), part)
+        for start in starts:
+            k_cols = load_columns(start) if resident is None else resident
+            part = common.accumulate_ds(jnp.zeros((bm, cols), jnp.float32), ds, k_cols,
+                                        split=st.split_ds)
+            compat.atomic_add(dq_ref, (i32(b), common.ds(q_start, bm), i32(h),
+                                       common.ds(start, cols)), part)
     return visit
 
 
@@ -125,16 +137,28 @@ def bwd_fused_atomic(q, k, v, do, lse, delta, bias=None, mask=None, *, scale: fl
 
 
 # ------------------------------------------------------------------ descriptor
-# Built-in launch configs: `bwd_generic_dkdv`'s, whose program this kernel runs (the dQ
-# product and its atomic adds come on top); its own tuned entries replace them per device.
-_DEFAULTS: Table = bwd._DKDV_DEFAULTS
-_FP32: Table = bwd._DKDV_FP32
-_DROPOUT: Table = bwd._DKDV_DROPOUT
+# Built-in launch configs: `bwd_generic_dkdv`'s, whose program this kernel runs, where the
+# dQ product and its atomic adds still fit beside dK's and dV's accumulators; its own tuned
+# entries replace them per device. Compiled offline for sm_90 (scripts/kernel_resources.py):
+# at D = 128, 4 warps spill and 8 do not; from D = 512, BLOCK_M = 128 (dK/dV's) spills
+# several times more than 64 once the [BLOCK_M, 128] dQ blocks are live too.
+_DEFAULTS: Table = (
+    (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_HEADDIM=64, BLOCK_HEADDIM_QK=64,
+              num_warps=4, num_stages=3)),
+    (128, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_HEADDIM=128, BLOCK_HEADDIM_QK=128,
+               num_warps=8, num_stages=2)),
+    (256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_HEADDIM=256, BLOCK_HEADDIM_QK=64,
+               DYNAMIC_D=True, SPLIT_DKDV=True, num_warps=8, num_stages=3)),
+    (1024, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_HEADDIM=512, BLOCK_HEADDIM_QK=64,
+                DYNAMIC_D=True, SPLIT_DKDV=True, num_warps=8, num_stages=3)),
+)
+# float32 tiles take twice the shared memory: dK/dV's smaller float32 tile at D = 256.
+_FP32: Table = ((256, dict(BLOCK_N=64)),)
 
 BWD_FUSED_ATOMIC = KernelDescriptor(
     name="bwd_fused_atomic", direction="backward", config=BwdConfig, role="dqdkdv",
     function=bwd_fused_atomic, block_keys=("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM"),
     optional_keys=("BLOCK_HEADDIM_QK", "DYNAMIC_D", "SPLIT_DKDV"), defaults=_DEFAULTS,
-    fp32_overrides=_FP32, dropout_overrides=_DROPOUT,
+    fp32_overrides=_FP32,
     moves=functools.partial(bwd._moves, split_dkdv=True),
     grid=functools.partial(bwd._grid, split_dkdv=True))

@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax._src.pallas.triton import lowering as pallas_triton_lowering
 
-from pallas_kernels import BwdConfig, FwdConfig, bwd_generic_dkdv, bwd_generic_dq, fwd_generic
+from pallas_kernels import (BwdConfig, FwdConfig, bwd_fused_atomic, bwd_generic_dkdv,
+                            bwd_generic_dq, fwd_generic)
 
 # The H100/H200 limit of shared memory per block (227 KiB).
 SHARED_LIMIT = 232448
@@ -149,6 +150,14 @@ VARIANTS = [
     ("dkdv dK and dV together", 512, "dkdv", B(128, 64, 64, 512, 8, 3, dyn=True, split=False)),
     ("dq whole D, BM=128", 512, "dq", B(128, 128, 64, 512, 8, 3, dyn=True)),
     ("dkdv static unroll", 512, "dkdv", B(128, 64, 64, 512, 8, 3, dyn=False, split=True)),
+    # bwd_fused_atomic (deterministic=False): its defaults, and dK/dV's where they differ
+    ("fused default", 64, "fused", B(64, 64, 64, 64, 4, 3)),
+    ("fused default", 128, "fused", B(64, 64, 128, 128, 8, 2)),
+    ("fused at dkdv's 4 warps", 128, "fused", B(64, 64, 128, 128, 4, 2)),
+    ("fused default", 256, "fused", B(64, 128, 64, 256, 8, 3, dyn=True, split=True)),
+    ("fused default", 512, "fused", B(64, 64, 64, 512, 8, 3, dyn=True, split=True)),
+    ("fused at dkdv's BM=128", 512, "fused", B(128, 64, 64, 512, 8, 3, dyn=True, split=True)),
+    ("fused default", 1024, "fused", B(64, 64, 64, 512, 8, 3, dyn=True, split=True)),
 ]
 
 
@@ -163,7 +172,8 @@ def lower_variant(d: int, kernel: str, cfg, n: int, *, dropout: float = 0.0,
     kw = dict(scale=1.0 / math.sqrt(d), causal=causal, config=cfg, dropout_rate=dropout)
     if split_ds:
         kw["split_ds"] = True
-    kernels = {"fwd": fwd_generic, "dq": bwd_generic_dq, "dkdv": bwd_generic_dkdv}
+    kernels = {"fwd": fwd_generic, "dq": bwd_generic_dq, "dkdv": bwd_generic_dkdv,
+               "fused": bwd_fused_atomic}
     argv = (shape,) * 3 if kernel == "fwd" else (shape,) * 4 + (stats,) * 2
 
     def fn(*a):
