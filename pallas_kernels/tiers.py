@@ -18,8 +18,16 @@ from pallas_kernels.bwd import (BwdConfig, bwd_dbias, bwd_exact_rows, bwd_generi
 from pallas_kernels.chunked import ChunkPlan
 from pallas_kernels.decode import DecodeConfig, decode_attention
 from pallas_kernels.fwd import FwdConfig, fwd_generic
+from pallas_kernels.problem import FeatureArrays, Problem
 
 TIERS = ("pallas", "chunked")
+
+
+def fused_unsupported(problem: Problem) -> tuple[str, ...]:
+    """The features `problem` uses that the fused kernels (fwd.py, bwd.py, decode.py) do not
+    implement yet, by their argument names: such a call runs on the chunked tier (the plan's
+    rule, `tuning.plan.explain_tiers`), and an explicit implementation="pallas" is refused."""
+    return problem.features
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,19 +72,35 @@ class Plan:
     forward_tier: str = "pallas"
     backward_tier: str = "pallas"
     chunk: ChunkPlan | None = None
+    # The static LLM features (their runtime arrays come as `FeatureArrays`): the sliding
+    # window (left, right) and the logit soft cap.
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
 
 
-def forward(plan: Plan, q, k, v, bias, mask, seed):
+def _check_fused(plan: Plan, features) -> None:
+    """The fused kernels take none of the LLM features yet: a plan that sends such a call to
+    them is a bug in the routing (`fused_unsupported`)."""
+    if plan.window is not None or plan.softcap is not None or (
+            features is not None and any(x is not None for x in features)):
+        raise NotImplementedError("the fused Pallas kernels do not implement the LLM "
+                                  "features yet; the plan must route this call to the "
+                                  "chunked tier")
+
+
+def forward(plan: Plan, q, k, v, bias, mask, seed, features: FeatureArrays | None = None):
     """(out, lse) from the forward kernel, or (out, hi, lo) with hi = lse and lo its low
-    word when `plan.lse_pair` (see Plan). `seed` is the dropout seed (uint32[2]) or None.
+    word when `plan.lse_pair` (see Plan). `seed` is the dropout seed (uint32[2]) or None;
+    `features` the feature arrays (segment ids, lengths, sinks) or None.
 
     Every argument array has batch as dim 0 and heads as dim 2 (q/k/v) or dim 1
     (bias/mask), so this function is what a sharding wrapper partitions."""
     out_dtype = jnp.float32 if plan.float32_out else None
     if plan.forward_tier == "chunked":
-        out, lse = chunked.forward(plan.chunk, q, k, v, bias, mask, seed)
+        out, lse = chunked.forward(plan.chunk, q, k, v, bias, mask, seed, features)
         out = out if plan.float32_out else out.astype(q.dtype)
         return (out, lse, jnp.zeros_like(lse)) if plan.lse_pair else (out, lse)
+    _check_fused(plan, features)
     if plan.decode is not None:
         out, lse = decode_attention(q, k, v, bias, mask, scale=plan.scale, causal=plan.causal,
                                     config=plan.decode, num_splits=plan.decode_splits,
@@ -93,17 +117,22 @@ def forward(plan: Plan, q, k, v, bias, mask, seed):
                        precise_lse=plan.precise_lse, lse_pair=plan.lse_pair)
 
 
-def backward(plan: Plan, q, k, v, bias, mask, seed, out, *rows_and_cotangents):
+def backward(plan: Plan, q, k, v, bias, mask, seed, out, *rows_and_cotangents,
+             features: FeatureArrays | None = None):
     """(dq, dk, dv, dbias) from the backward kernels (dbias None without a bias).
     `rows_and_cotangents`: the forward's row statistics (lse, or hi and lo with
-    `plan.lse_pair`), then d_out and d_lse."""
+    `plan.lse_pair`), then d_out and d_lse; `features` the feature arrays or None. The
+    probabilities need no sink (lse counts them); their own gradient is the caller's
+    (closed form: ffpa_jax.vjp.sinks_grad)."""
     if plan.lse_pair:
         lse, lse_lo, d_out, d_lse = rows_and_cotangents
     else:
         (lse, d_out, d_lse), lse_lo = rows_and_cotangents, None
     if plan.backward_tier == "chunked":
         chunk = dataclasses.replace(plan.chunk.for_backward(), lse_cotangent=plan.lse_cotangent)
-        return chunked.backward(chunk, q, k, v, bias, mask, seed, out, lse, d_out, d_lse)
+        return chunked.backward(chunk, q, k, v, bias, mask, seed, out, lse, d_out, d_lse,
+                                features)
+    _check_fused(plan, features)
     # A row without keys has lse = -inf and no gradient path; drop its lse cotangent.
     d_lse = jnp.where(lse == -jnp.inf, 0.0, d_lse.astype(jnp.float32))
     own_delta = False

@@ -8,7 +8,7 @@ from typing import Callable
 
 from pallas_kernels import BwdConfig, DecodeConfig, FwdConfig, chunked, decode_num_splits
 from pallas_kernels.problem import Problem
-from pallas_kernels.tiers import TIERS, Plan
+from pallas_kernels.tiers import TIERS, Plan, fused_unsupported
 from tuning.device import multiprocessor_count
 from tuning.select import config_for, explain_tier
 
@@ -74,6 +74,11 @@ def explain_tiers(problem: Problem, implementation: str, *, device_name: str | N
         raise ValueError(f"implementation must be 'auto' or one of {TIERS}; "
                          f"got {implementation!r}")
     device = dict(device_name=device_name, compute_capability=compute_capability)
+    missing = fused_unsupported(problem)
+    if missing:
+        chosen = ("chunked", f"{', '.join(missing)}: not in the fused kernels yet, the chunked "
+                             "tier runs it")
+        return chosen, chosen
     if uses_decode(problem):
         forward = ("pallas", f"decode shape (T <= {DECODE_MAX_QUERIES} queries against "
                              f">= {DECODE_MIN_KEYS} keys): the decode kernels")
@@ -85,7 +90,8 @@ def explain_tiers(problem: Problem, implementation: str, *, device_name: str | N
 def tiers(problem: Problem, implementation: str) -> tuple[str, str]:
     """(forward tier, backward tier) of a call: `implementation` is a tier name, or "auto"
     (each direction on the tier the tuned data, then the built-in rule, picks). The decode
-    shapes' forward always runs the Pallas decode kernels."""
+    shapes' forward always runs the Pallas decode kernels; a call with a feature the fused
+    kernels do not implement yet (`fused_unsupported`) runs on the chunked tier."""
     (forward, _), (backward, _) = explain_tiers(problem, implementation)
     return forward, backward
 
@@ -101,7 +107,8 @@ def make_plan(problem: Problem, *, interpret: bool = False, precise_lse: bool = 
              if "chunked" in tiers else None)
     return Plan(decode=decode, decode_splits=splits, scale=problem.scale,
                 forward_tier=tiers[0], backward_tier=tiers[1], chunk=chunk,
-                causal=problem.causal, interpret=interpret,
+                causal=problem.causal, interpret=interpret, window=problem.window,
+                softcap=problem.softcap,
                 dropout_rate=problem.dropout_rate, precise_lse=precise_lse,
                 lse_pair=problem.dtype_name == "fp32",
                 fwd=fwd_config(problem, override),
