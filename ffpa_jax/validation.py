@@ -8,6 +8,7 @@ a problem every layer reads) and the call's own options.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -158,13 +159,10 @@ def _check_soft_cap(cap: Any) -> float | None:
     if cap is None:
         return None
     cap = _static_number("logits_soft_cap", cap, "float")
-    if isinstance(cap, (bool, np.bool_)):
-        raise TypeError(f"logits_soft_cap must be a positive real number or None; got {cap!r}.")
-    try:
-        value = float(cap)
-    except (TypeError, ValueError):
+    if isinstance(cap, (bool, np.bool_)) or not isinstance(cap, numbers.Real):
         raise TypeError(f"logits_soft_cap must be a positive real number or None; got {cap!r} "
-                        f"({type(cap).__name__}).") from None
+                        f"({type(cap).__name__}).")
+    value = float(cap)
     if not (math.isfinite(value) and value > 0.0):
         raise ValueError(f"logits_soft_cap must be a finite number > 0; got {value}.")
     return value
