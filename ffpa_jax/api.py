@@ -115,10 +115,10 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
     Returns:
       out [B, T, Hq, Dv] in query's dtype, or (out, lse) when return_lse is True.
       A query row with no visible key gives out = 0 and lse = -inf (with sinks: out 0 and
-      lse = the head's sink). jax.nn.dot_product_attention differs there: its rows whose
-      keys are all masked average all values (and padding query rows output 0 there too).
-      jax.nn's arguments not taken here: return_residual (use return_lse: lse is [B, Hq, T],
-      not [B, T, Hq]) and implementation's "cudnn".
+      lse = the head's sink). jax.nn.dot_product_attention differs there for a row that is
+      not padding (query_seq_lengths) but sees no key: it averages all values; padding rows
+      are 0 in both. jax.nn's arguments not taken here: return_residual (use return_lse;
+      lse is [B, Hq, T], not [B, T, Hq]) and implementation's "cudnn".
     """
     call = validation.validate(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
