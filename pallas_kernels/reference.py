@@ -175,16 +175,19 @@ def mha_reference(q, k, v, bias=None, mask=None, *, scale: float, is_causal: boo
 
 
 def rows_reference(q, k, v, bias=None, visible=None, keep=None, *, scale: float,
-                   dropout_rate: float = 0.0) -> tuple[jax.Array, jax.Array]:
+                   dropout_rate: float = 0.0, softcap: float | None = None,
+                   sink=None) -> tuple[jax.Array, jax.Array]:
     """(out [R, Dv], lse [R]) of one head at R of its query rows: `mha_reference` of those rows.
 
-    q [R, D] (the rows), k [S, D], v [S, Dv]; bias, visible (the mask and the causality of
-    those rows, written out) and keep (the dropout keep-mask) [R, S] or None."""
+    q [R, D] (the rows), k [S, D], v [S, Dv]; bias, visible (the mask, causality, window,
+    segments and lengths of those rows, written out) and keep (the dropout keep-mask)
+    [R, S] or None; `softcap` and the head's `sink` (a scalar) as in `mha_reference`."""
     def as4(x):
         return None if x is None else x[None, None]
     out, lse = mha_reference(q[None, :, None], k[None, :, None], v[None, :, None], as4(bias),
                              as4(visible), scale=scale, keep_mask=as4(keep),
-                             dropout_rate=dropout_rate)
+                             dropout_rate=dropout_rate, softcap=softcap,
+                             sinks=None if sink is None else jnp.reshape(sink, (1,)))
     return out[0, :, 0], lse[0, 0]
 
 
