@@ -17,9 +17,10 @@ def resolve_implementation(implementation: str | None, interpret: bool,
                            problem=None) -> str:
     """Which implementation runs: the explicit choice, else "auto" on an NVIDIA GPU (each
     direction on the tier the tuned data or the built-in rule picks: `tuning.tiers`), the
-    Pallas kernels when interpreting (the chunked tier where `problem` uses a feature the
-    fused kernels do not support yet), and XLA elsewhere. An explicit "pallas" with such a
-    feature is refused, naming it: the caller asked for kernels that cannot run it."""
+    Pallas kernels when interpreting (a direction whose fused kernels lacked a feature
+    `problem` uses would run on the chunked tier: `tuning.tiers`), and XLA elsewhere. An
+    explicit "pallas" with such a feature is refused, naming it: the caller asked for
+    kernels that cannot run it."""
     if implementation in ("xla", "chunked"):
         return implementation
     if implementation == "pallas":
@@ -32,13 +33,13 @@ def resolve_implementation(implementation: str | None, interpret: bool,
         missing = () if problem is None else fused_unsupported(problem)
         if missing:
             raise ValueError(
-                f"implementation='pallas' does not support {', '.join(missing)} yet: the fused "
-                "Pallas kernels do not implement it. Pass implementation=None (which runs such "
-                "calls on the chunked tier) or implementation='chunked' (same results, bounded "
-                "memory), or 'xla'.")
+                f"implementation='pallas' does not support {', '.join(missing)}: the fused "
+                "Pallas kernels do not implement it. Pass implementation=None (which runs "
+                "such a direction on the chunked tier) or implementation='chunked' (same "
+                "results, bounded memory), or 'xla'.")
         return "pallas"
     if interpret:
-        return "chunked" if problem is not None and fused_unsupported(problem) else "pallas"
+        return "pallas"
     return "auto" if _default_backend_is_nvidia_gpu() else "xla"
 
 

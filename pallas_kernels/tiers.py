@@ -23,11 +23,15 @@ from pallas_kernels.problem import FeatureArrays, Problem
 TIERS = ("pallas", "chunked")
 
 
-def fused_unsupported(problem: Problem) -> tuple[str, ...]:
-    """The features `problem` uses that the fused kernels (fwd.py, bwd.py, decode.py) do not
-    implement yet, by their argument names: such a call runs on the chunked tier (the plan's
-    rule, `tuning.plan.explain_tiers`), and an explicit implementation="pallas" is refused."""
-    return problem.features
+def fused_unsupported(problem: Problem, direction: str | None = None) -> tuple[str, ...]:
+    """The features `problem` uses that the fused kernels of `direction` ("forward",
+    "backward"; None: either) do not implement, by their argument names: that direction
+    runs on the chunked tier (the plan's rule, `tuning.plan.explain_tiers`), and an explicit
+    implementation="pallas" is refused. fwd_generic and the backward kernels take every
+    feature; the decode kernels none yet (a decode-shaped call with a feature runs
+    fwd_generic, or the chunked tier under the measured choice: `tuning.plan`)."""
+    del problem, direction
+    return ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,16 +82,6 @@ class Plan:
     softcap: float | None = None
 
 
-def _check_fused(plan: Plan, features) -> None:
-    """The fused kernels take none of the LLM features yet: a plan that sends such a call to
-    them is a bug in the routing (`fused_unsupported`)."""
-    if plan.window is not None or plan.softcap is not None or (
-            features is not None and any(x is not None for x in features)):
-        raise NotImplementedError("the fused Pallas kernels do not implement the LLM "
-                                  "features yet; the plan must route this call to the "
-                                  "chunked tier")
-
-
 def forward(plan: Plan, q, k, v, bias, mask, seed, features: FeatureArrays | None = None):
     """(out, lse) from the forward kernel, or (out, hi, lo) with hi = lse and lo its low
     word when `plan.lse_pair` (see Plan). `seed` is the dropout seed (uint32[2]) or None;
@@ -100,7 +94,6 @@ def forward(plan: Plan, q, k, v, bias, mask, seed, features: FeatureArrays | Non
         out, lse = chunked.forward(plan.chunk, q, k, v, bias, mask, seed, features)
         out = out if plan.float32_out else out.astype(q.dtype)
         return (out, lse, jnp.zeros_like(lse)) if plan.lse_pair else (out, lse)
-    _check_fused(plan, features)
     if plan.decode is not None:
         out, lse = decode_attention(q, k, v, bias, mask, scale=plan.scale, causal=plan.causal,
                                     config=plan.decode, num_splits=plan.decode_splits,
@@ -114,7 +107,14 @@ def forward(plan: Plan, q, k, v, bias, mask, seed, features: FeatureArrays | Non
     return fwd_generic(q, k, v, bias, mask, scale=plan.scale, causal=plan.causal,
                        config=plan.fwd, interpret=plan.interpret,
                        dropout_rate=plan.dropout_rate, seed=seed, out_dtype=out_dtype,
-                       precise_lse=plan.precise_lse, lse_pair=plan.lse_pair)
+                       precise_lse=plan.precise_lse, lse_pair=plan.lse_pair,
+                       window=plan.window, softcap=plan.softcap,
+                       features=_given(features))
+
+
+def _given(features):
+    """`features` when it holds an array, else None (the kernels' inputs stay as before)."""
+    return features if features is not None and any(x is not None for x in features) else None
 
 
 def backward(plan: Plan, q, k, v, bias, mask, seed, out, *rows_and_cotangents,
@@ -132,7 +132,8 @@ def backward(plan: Plan, q, k, v, bias, mask, seed, out, *rows_and_cotangents,
         chunk = dataclasses.replace(plan.chunk.for_backward(), lse_cotangent=plan.lse_cotangent)
         return chunked.backward(chunk, q, k, v, bias, mask, seed, out, lse, d_out, d_lse,
                                 features)
-    _check_fused(plan, features)
+    features = _given(features)
+    feature_kw = dict(window=plan.window, softcap=plan.softcap, features=features)
     # A row without keys has lse = -inf and no gradient path; drop its lse cotangent.
     d_lse = jnp.where(lse == -jnp.inf, 0.0, d_lse.astype(jnp.float32))
     own_delta = False
@@ -140,21 +141,25 @@ def backward(plan: Plan, q, k, v, bias, mask, seed, out, *rows_and_cotangents,
         delta, lse_lo = bwd_exact_rows(q, k, v, d_out, lse, d_lse, bias, mask, config=plan.dq,
                                        scale=plan.scale, causal=plan.causal,
                                        interpret=plan.interpret, dropout_rate=plan.dropout_rate,
-                                       seed=seed, lse_lo=lse_lo)
+                                       seed=seed, lse_lo=lse_lo, **feature_kw)
     elif rows_in_one_tile(k.shape[1], plan.dq, plan.dkdv, plan.dbias):
         # Each kernel sees a row's keys in one tile and forms δ from its own P and dP.
         delta, own_delta = d_lse, True
     else:
         delta = bwd_preproc(out, d_out, d_lse, config=plan.preproc, interpret=plan.interpret)
     common = dict(scale=plan.scale, causal=plan.causal, interpret=plan.interpret,
-                  dropout_rate=plan.dropout_rate, seed=seed, lse_lo=lse_lo, own_delta=own_delta)
+                  dropout_rate=plan.dropout_rate, seed=seed, lse_lo=lse_lo, own_delta=own_delta,
+                  **feature_kw)
     split = dict(split_ds=plan.lse_cotangent)
     dq = bwd_generic_dq(q, k, v, d_out, lse, delta, bias, mask, config=plan.dq, **common,
                         **split)
     dk, dv = bwd_generic_dkdv(q, k, v, d_out, lse, delta, bias, mask, config=plan.dkdv,
                               **common, **split)
     dbias = None
-    if bias is not None and bias.shape[-1] == 1:
+    # A bias constant over the keys only shifts lse, unless the soft cap bends it or a
+    # sink (which it does not shift) shares the denominator: then the kernel's dS sum.
+    if (bias is not None and bias.shape[-1] == 1 and plan.softcap is None
+            and (features is None or features.sinks is None)):
         dbias = chunked.row_constant_dbias(d_lse, bias)
     elif bias is not None:
         dbias = bwd_dbias(q, k, v, d_out, lse, delta, bias, mask, config=plan.dbias,

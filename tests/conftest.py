@@ -118,11 +118,10 @@ def call_kwargs(tier: str, mode: str) -> dict:
     return dict(implementation=tier, interpret=mode == "interpret")
 
 
-# The tiers of the LLM features' matrix (test_features.py): the fused kernels do not take
-# them yet (such calls run on the chunked tier; an explicit "pallas" is refused), so the
-# matrix runs the XLA path, the chunked tier, and on a CPU the chunked tier's Pallas steps
-# in Pallas' interpreter ("chunked-step": on a GPU, "chunked" runs those steps for real).
-FEATURE_TIERS = ("xla", "chunked", "chunked-step")
+# The tiers of the LLM features' matrix (test_features.py): the XLA path, the chunked
+# tier, on a CPU the chunked tier's Pallas steps in Pallas' interpreter ("chunked-step": on
+# a GPU, "chunked" runs those steps for real), and the fused kernels.
+FEATURE_TIERS = ("xla", "chunked", "chunked-step", "pallas")
 
 
 @pytest.fixture(params=FEATURE_TIERS)

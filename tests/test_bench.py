@@ -532,14 +532,14 @@ def test_feature_kinds_count_their_visible_pairs():
 
 @pytest.mark.parametrize("kind", ["packed", "window", "softcap"])
 def test_feature_kinds_measure_against_float64(kind):
-    """ffpa (the chunked tier, its steps interpreted) and the XLA peer (jax.nn with a dense
-    mask or its window; ffpa's XLA path for the cap) meet the float64 rows check."""
+    """ffpa (the fused kernels, interpreted) and the XLA peer (jax.nn with a dense mask or
+    its window; ffpa's XLA path for the cap) meet the float64 rows check."""
     case = dataclasses.replace(make_case(kind, d=32, n=64, b=2, h=2), mode="fwdbwd")
     for impl in (peers.FFPA, peers.PEERS["xla"]):
         r = _measure(case, impl)
         assert r["status"] == "ok" and not r["suspect"], r
         assert r["error"] < 1e-2 and r["error_dq"] < 1e-2, r
-    assert _measure(case, peers.FFPA)["tier"] == "chunked/chunked"
+    assert _measure(case, peers.FFPA)["tier"] == "pallas/pallas"
 
 
 @pytest.mark.parametrize("peer,kind,why", [

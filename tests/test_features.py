@@ -6,8 +6,9 @@ reference with the tolerance rule (forward 2x, gradients 3x the same-precision X
 odd head dims, T != S both ways, GQA and MQA, combined with causality, masks and biases,
 rows that see no key; then against what it must equal: packed ids the dense mask of their
 equality, the window the dense band mask, the lengths jax.nn.dot_product_attention, the
-sinks one more key of zero value. The fused kernels do not take these features yet: the
-routing (auto: the chunked tier; an explicit "pallas": a clear error) is checked here too.
+sinks one more key of zero value. The fused kernels take them all, the decode kernels not
+yet: the routing of decode shapes is checked here too, and the forward and backward
+kernels in many small tiles (their block ranges) against float64.
 """
 
 from __future__ import annotations
@@ -429,47 +430,104 @@ FEATURE_CALLS = {
 
 
 @pytest.mark.parametrize("name", sorted(FEATURE_CALLS))
-def test_explicit_pallas_refuses_a_feature_it_lacks(name):
-    q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
-    with pytest.raises(ValueError) as info:
-        ffpa_jax.attention(q, q, q, implementation="pallas", interpret=True,
-                           **FEATURE_CALLS[name](1, 8, 8, 2))
-    message = str(info.value)
-    for word in (name, "implementation='pallas'", "implementation=None", "'chunked'"):
-        assert word in message, (word, message)
-
-
-@pytest.mark.parametrize("name", sorted(FEATURE_CALLS))
-def test_auto_runs_a_feature_on_the_chunked_tier(name, monkeypatch):
-    """On a (simulated) GPU, implementation=None plans both directions on the chunked tier,
-    the decode shapes' forward too."""
+def test_auto_runs_a_feature_on_the_measured_tiers(name, monkeypatch):
+    """On a (simulated) GPU, implementation=None plans a feature's call like any other (the
+    fused kernels at D = 64), except a decode shape's forward: the chunked tier (the decode
+    kernels take no feature yet)."""
     from test_chunked import _plan_of
-    for q_shape, kv_shape in (((1, 512, 4, 64), (1, 512, 4, 64)),
-                              ((2, 1, 8, 128), (2, 4096, 2, 128))):
+    monkeypatch.setenv("FFPA_SKIP_PERSIST_TUNED_CONFIG", "1")
+    for q_shape, kv_shape, forward in (((1, 512, 4, 64), (1, 512, 4, 64), "pallas"),
+                                       ((2, 1, 8, 64), (2, 4096, 2, 64), "chunked")):
         b, t, h = q_shape[0], q_shape[1], q_shape[2]
         plan = _plan_of(monkeypatch, q_shape, kv_shape,
                         **FEATURE_CALLS[name](b, t, kv_shape[1], h))
-        assert (plan.forward_tier, plan.backward_tier) == ("chunked", "chunked")
-        assert plan.chunk is not None
+        assert (plan.forward_tier, plan.backward_tier) == (forward, "pallas")
+        assert plan.decode is None
 
 
-def test_interpret_without_implementation_runs_the_chunked_tier():
-    q, k, v = _f32_inputs(b=1, t=20, s=30)
-    kw = dict(local_window_size=(3, 3), logits_soft_cap=2.0)
-    got = ffpa_jax.attention(q, k, v, interpret=True, **kw)
+def test_explicit_pallas_runs_a_decode_shape_on_the_generic_forward(monkeypatch):
+    from ffpa_jax import api
+    plans = []
+    real = api.plan_for
+    monkeypatch.setattr(api, "plan_for", lambda *a, **k: plans.append(real(*a, **k))
+                        or plans[-1])
+    q, k, v = _f32_inputs(b=2, t=1, s=200)
+    kw = dict(local_window_size=(30, 0), logits_soft_cap=2.0)
+    got = ffpa_jax.attention(q, k, v, implementation="pallas", interpret=True, **kw)
     want = ffpa_jax.attention(q, k, v, implementation="xla", **kw)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
+    assert (plans[-1].forward_tier, plans[-1].decode) == ("pallas", None)
+    assert plans[-1].window == (30, 0) and plans[-1].softcap == 2.0
 
 
 def test_info_names_the_reason(monkeypatch):
     import tuning
     from pallas_kernels.problem import Problem
-    problem = Problem(batch=1, seq_q=512, seq_k=512, heads_q=4, heads_kv=4, head_dim=64,
-                      head_dim_v=64, dtype=jnp.bfloat16, scale=0.125, window=(8, 0),
-                      sinks=True)
-    (fwd, why), (bwd, _) = tuning.explain_tiers(problem, "auto")
-    assert (fwd, bwd) == ("chunked", "chunked")
-    assert "local_window_size" in why and "sinks" in why
+    decode = Problem(batch=1, seq_q=1, seq_k=512, heads_q=4, heads_kv=4, head_dim=64,
+                     head_dim_v=64, dtype=jnp.bfloat16, scale=0.125, softcap=30.0)
+    (fwd, why), _ = tuning.explain_tiers(decode, "auto")
+    assert fwd == "chunked" and "decode" in why and "logits_soft_cap" in why
+
+
+# ---------------------------------------------------------------- the fused forward kernel
+
+# Small tiles (16 x 16) split these into many query and key blocks: the window's band, the
+# segments' block ranges and the lengths bound each query block's walk over key blocks.
+KERNEL_CASES = [
+    Case(b=2, t=113, s=203, hq=6, hkv=2, d=40, causal=True, window=(20, 0), segments=3,
+         sinks=True, q_lengths=(100, 113), kv_lengths=(203, 150)),
+    Case(b=2, t=203, s=113, hq=4, hkv=1, d=59, window=(9, 30), softcap=1.3,
+         bias_shape=(1, 4, 203, 113), dtype="float16"),
+    Case(b=1, t=150, s=150, hq=2, hkv=2, d=111, segments=4, sorted_ids=False, softcap=2.0,
+         mask_shape=(1, 1, 150, 150), kv_lengths=(120,), dtype="float32"),
+    Case(b=2, t=77, s=90, hq=2, hkv=1, d=40, segments=5, causal=True, q_lengths=(0, 50)),
+]
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=_ids)
+def test_forward_kernel_in_small_tiles(case):
+    from pallas_kernels import FwdConfig, fwd_generic
+    from pallas_kernels.problem import FeatureArrays
+    q, k, v, bias, mask = make_inputs(case)
+    features = make_features(case)
+    arrays = FeatureArrays(features.get("q_segment_ids"), features.get("kv_segment_ids"),
+                           features.get("query_seq_lengths"),
+                           features.get("key_value_seq_lengths"), features.get("sinks"))
+    out, lse = fwd_generic(q, k, v, as_4d(bias, True), as_4d(mask, True),
+                           scale=scale_of(case), causal=case.causal,
+                           config=FwdConfig(block_m=16, block_n=16, block_d=32, block_dv=32),
+                           interpret=True, window=case.window, softcap=case.softcap,
+                           features=arrays)
+    ref_out, ref_lse = reference64(case, q, k, v, bias, mask, features=features)
+    xla_out, xla_lse = xla_same_precision(case, q, k, v, bias, mask, features=features)
+    assert_matches_reference("out", out, ref_out, xla_out, q.dtype)
+    assert_lse_matches(lse, ref_lse, xla_lse)
+
+
+@pytest.mark.parametrize("sorted_ids", [True, False])
+@pytest.mark.parametrize("t,s,bm,bn", [(113, 203, 16, 32), (203, 113, 64, 16), (1, 70, 16, 16)])
+def test_segment_block_ranges_hold_every_meeting_block(sorted_ids, t, s, bm, bn):
+    """Every (query block, key block) pair with a query and a key of one segment lies in the
+    query block's range; with contiguous segments each block in the range meets it."""
+    from pallas_kernels.common import segment_block_ranges
+    ka, kb = jax.random.split(jax.random.key(t + s + bm))
+    q_ids = jax.random.randint(ka, (3, t), 0, 6)
+    kv_ids = jax.random.randint(kb, (3, s), 0, 5)
+    if sorted_ids:
+        q_ids, kv_ids = jnp.sort(q_ids, axis=1), jnp.sort(kv_ids, axis=1)
+    ranges = np.asarray(segment_block_ranges(q_ids, kv_ids, block_m=bm, block_n=bn))
+    q_ids, kv_ids = np.asarray(q_ids), np.asarray(kv_ids)
+    for b in range(3):
+        for i in range(-(-t // bm)):
+            lo, hi = ranges[b, i]
+            rows = q_ids[b, i * bm:(i + 1) * bm]
+            for j in range(-(-s // bn)):
+                cols = kv_ids[b, j * bn:(j + 1) * bn]
+                meets = np.isin(rows, cols).any()
+                if meets:
+                    assert lo <= j < hi, (b, i, j, lo, hi)
+                elif sorted_ids and lo <= j < hi:
+                    assert rows.min() <= cols.max() and cols.min() <= rows.max()
 
 
 # ---------------------------------------------------------------- the chunked tier in blocks
@@ -574,3 +632,28 @@ def test_chunked_tier_builds_no_t_by_s_array(features, monkeypatch):
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv)
     big = [shape for shape in _shapes_in(jaxpr.jaxpr) if t in shape and s in shape]
     assert not big, big[:3]
+
+
+def _small_tiles(monkeypatch):
+    """Every fused kernel's launch config at 16 x 16 tiles (32-wide head-dim chunks): the
+    shapes below then split into many query and key blocks in each direction."""
+    import tuning.plan as plan
+    small = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_HEADDIM_QK=32, BLOCK_HEADDIM_V=32,
+                 BLOCK_HEADDIM=32, num_warps=4, num_stages=2)
+    monkeypatch.setattr(plan, "launch_config", lambda kernel, problem, override=None: small)
+
+
+BACKWARD_KERNEL_CASES = KERNEL_CASES + [
+    # S within one 16-wide tile: δ and the normalisation from the tile itself, with the sink
+    Case(b=2, t=40, s=13, hq=4, hkv=2, d=40, sinks=True, softcap=1.5, segments=2,
+         bias_shape=(2, 1, 40, 1)),
+]
+
+
+@pytest.mark.parametrize("case", BACKWARD_KERNEL_CASES, ids=_ids)
+def test_fused_kernels_in_small_tiles(case, monkeypatch):
+    """The fused forward and backward (dq, dkdv, dbias; float32: exact rows) with the
+    features' block ranges over many blocks, against float64."""
+    _small_tiles(monkeypatch)
+    run_case(case, "pallas")
+    check_grads(case, "pallas")

@@ -67,31 +67,43 @@ def explain_tiers(problem: Problem, implementation: str, *, device_name: str | N
                   ) -> tuple[tuple[str, str], tuple[str, str]]:
     """((forward tier, why), (backward tier, why)) of `tiers`, for the device JAX runs on or
     the one named."""
+    def routed(direction):
+        missing = fused_unsupported(problem, direction)
+        if not missing:
+            return None
+        return ("chunked", f"{', '.join(missing)}: not in the fused {direction} kernels yet, "
+                           "the chunked tier runs it")
     if implementation in TIERS:
         chosen = (implementation, f"implementation={implementation!r}")
-        return chosen, chosen
+        if implementation != "pallas":
+            return chosen, chosen
+        return routed("forward") or chosen, routed("backward") or chosen
     if implementation != "auto":
         raise ValueError(f"implementation must be 'auto' or one of {TIERS}; "
                          f"got {implementation!r}")
     device = dict(device_name=device_name, compute_capability=compute_capability)
-    missing = fused_unsupported(problem)
-    if missing:
-        chosen = ("chunked", f"{', '.join(missing)}: not in the fused kernels yet, the chunked "
-                             "tier runs it")
-        return chosen, chosen
+    backward = routed("backward") or explain_tier("backward", problem, **device)
+    if uses_decode(problem) and problem.features:
+        return ("chunked", f"decode shape with {', '.join(problem.features)}: the decode "
+                           "kernels do not take them yet, the chunked tier runs it"), backward
+    forward = routed("forward")
+    if forward is not None:
+        return forward, backward
     if uses_decode(problem):
         forward = ("pallas", f"decode shape (T <= {DECODE_MAX_QUERIES} queries against "
                              f">= {DECODE_MIN_KEYS} keys): the decode kernels")
     else:
         forward = explain_tier("forward", problem, **device)
-    return forward, explain_tier("backward", problem, **device)
+    return forward, backward
 
 
 def tiers(problem: Problem, implementation: str) -> tuple[str, str]:
     """(forward tier, backward tier) of a call: `implementation` is a tier name, or "auto"
     (each direction on the tier the tuned data, then the built-in rule, picks). The decode
-    shapes' forward always runs the Pallas decode kernels; a call with a feature the fused
-    kernels do not implement yet (`fused_unsupported`) runs on the chunked tier."""
+    shapes' forward always runs the Pallas decode kernels (with a language-model feature,
+    which they do not take yet, the chunked tier); a direction with a feature its fused
+    kernels do not implement yet (`fused_unsupported`) runs on the chunked tier, under
+    "auto" and "pallas" alike (the API refuses an explicit "pallas" before)."""
     (forward, _), (backward, _) = explain_tiers(problem, implementation)
     return forward, backward
 
@@ -102,7 +114,9 @@ def make_plan(problem: Problem, *, interpret: bool = False, precise_lse: bool = 
     """The plan of one call. `tiers` = (forward tier, backward tier); `step` is the chunked
     tier's step between its GEMMs ("pallas", or "xla" where no GPU runs the kernels);
     `precise_lse` when the caller returns lse (see Plan)."""
-    decode, splits = (decode_config(problem, override) if uses_decode(problem) else (None, 1))
+    # The decode kernels take no language-model feature yet: fwd_generic runs those calls.
+    decode, splits = (decode_config(problem, override)
+                      if uses_decode(problem) and not problem.features else (None, 1))
     chunk = (chunked.make_plan(problem, step=step, interpret=interpret)
              if "chunked" in tiers else None)
     return Plan(decode=decode, decode_splits=splits, scale=problem.scale,
