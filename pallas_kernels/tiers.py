@@ -27,9 +27,8 @@ def fused_unsupported(problem: Problem, direction: str | None = None) -> tuple[s
     """The features `problem` uses that the fused kernels of `direction` ("forward",
     "backward"; None: either) do not implement, by their argument names: that direction
     runs on the chunked tier (the plan's rule, `tuning.plan.explain_tiers`), and an explicit
-    implementation="pallas" is refused. fwd_generic and the backward kernels take every
-    feature; the decode kernels none yet (a decode-shaped call with a feature runs
-    fwd_generic, or the chunked tier under the measured choice: `tuning.plan`)."""
+    implementation="pallas" is refused. Every fused kernel (fwd_generic, decode, backward)
+    takes every feature today: nothing is routed."""
     del problem, direction
     return ()
 
@@ -99,7 +98,8 @@ def forward(plan: Plan, q, k, v, bias, mask, seed, features: FeatureArrays | Non
                                     config=plan.decode, num_splits=plan.decode_splits,
                                     interpret=plan.interpret, dropout_rate=plan.dropout_rate,
                                     seed=seed, out_dtype=out_dtype,
-                                    precise_lse=plan.precise_lse)
+                                    precise_lse=plan.precise_lse, window=plan.window,
+                                    softcap=plan.softcap, features=_given(features))
         if not plan.lse_pair:
             return out, lse
         # The decode kernels merge their splits' lse: no exact pair here.

@@ -6,9 +6,8 @@ reference with the tolerance rule (forward 2x, gradients 3x the same-precision X
 odd head dims, T != S both ways, GQA and MQA, combined with causality, masks and biases,
 rows that see no key; then against what it must equal: packed ids the dense mask of their
 equality, the window the dense band mask, the lengths jax.nn.dot_product_attention, the
-sinks one more key of zero value. The fused kernels take them all, the decode kernels not
-yet: the routing of decode shapes is checked here too, and the forward and backward
-kernels in many small tiles (their block ranges) against float64.
+sinks one more key of zero value. Every fused kernel takes them: the forward, backward and
+decode kernels in many small tiles or splits (their block ranges) against float64 too.
 """
 
 from __future__ import annotations
@@ -430,22 +429,61 @@ FEATURE_CALLS = {
 
 
 @pytest.mark.parametrize("name", sorted(FEATURE_CALLS))
-def test_auto_runs_a_feature_on_the_measured_tiers(name, monkeypatch):
-    """On a (simulated) GPU, implementation=None plans a feature's call like any other (the
-    fused kernels at D = 64), except a decode shape's forward: the chunked tier (the decode
-    kernels take no feature yet)."""
+def test_auto_plans_a_feature_like_any_call(name, monkeypatch):
+    """On a (simulated) GPU, implementation=None plans a feature's call like any other: the
+    fused kernels at D = 64, and a decode shape's forward on the decode kernels."""
     from test_chunked import _plan_of
     monkeypatch.setenv("FFPA_SKIP_PERSIST_TUNED_CONFIG", "1")
-    for q_shape, kv_shape, forward in (((1, 512, 4, 64), (1, 512, 4, 64), "pallas"),
-                                       ((2, 1, 8, 64), (2, 4096, 2, 64), "chunked")):
+    for q_shape, kv_shape, decode in (((1, 512, 4, 64), (1, 512, 4, 64), False),
+                                      ((2, 1, 8, 64), (2, 4096, 2, 64), True)):
         b, t, h = q_shape[0], q_shape[1], q_shape[2]
         plan = _plan_of(monkeypatch, q_shape, kv_shape,
                         **FEATURE_CALLS[name](b, t, kv_shape[1], h))
-        assert (plan.forward_tier, plan.backward_tier) == (forward, "pallas")
-        assert plan.decode is None
+        assert (plan.forward_tier, plan.backward_tier) == ("pallas", "pallas")
+        assert (plan.decode is not None) == decode
 
 
-def test_explicit_pallas_runs_a_decode_shape_on_the_generic_forward(monkeypatch):
+# Decode shapes (T <= 16 against S >= 128): the split-KV kernels with the features; the
+# query heads of a GQA group packed into one tile, the sinks merged in stage 2.
+DECODE_CASES = [
+    Case(b=2, t=1, s=300, hq=6, hkv=2, d=59, causal=True, window=(100, 0), segments=3,
+         sinks=True, softcap=1.5, q_lengths=(1, 1), kv_lengths=(280, 130)),
+    Case(b=2, t=5, s=200, hq=4, hkv=1, d=40, segments=2, sorted_ids=False, sinks=True,
+         q_lengths=(5, 3), window=(40, 10), dtype="float32"),
+    Case(b=1, t=16, s=129, hq=2, hkv=2, d=111, causal=True, softcap=0.8,
+         bias_shape=(1, 2, 16, 129), mask_shape=(1, 1, 16, 129), kv_lengths=(0,), sinks=True,
+         dtype="float16"),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=_ids)
+def test_decode_shapes(case, kernel_mode):
+    """Through the public API (the decode kernels for the forward, the fused backward) and
+    through decode_attention in many splits of 16 keys, against float64."""
+    from pallas_kernels import DecodeConfig, decode_attention
+    from pallas_kernels.problem import FeatureArrays
+    run_case(case, "pallas", kernel_mode)
+    if kernel_mode != "interpret":
+        return
+    check_grads(case, "pallas", kernel_mode)
+    q, k, v, bias, mask = make_inputs(case)
+    features = make_features(case)
+    arrays = FeatureArrays(features.get("q_segment_ids"), features.get("kv_segment_ids"),
+                           features.get("query_seq_lengths"),
+                           features.get("key_value_seq_lengths"), features.get("sinks"))
+    out, lse = decode_attention(q, k, v, as_4d(bias, True), as_4d(mask, True),
+                                scale=scale_of(case), causal=case.causal,
+                                config=DecodeConfig(block_m=16, block_n=16, block_d=32,
+                                                    block_dv=32),
+                                num_splits=5, interpret=True, window=case.window,
+                                softcap=case.softcap, features=arrays)
+    ref_out, ref_lse = reference64(case, q, k, v, bias, mask, features=features)
+    xla_out, xla_lse = xla_same_precision(case, q, k, v, bias, mask, features=features)
+    assert_matches_reference("out", out, ref_out, xla_out, q.dtype)
+    assert_lse_matches(lse, ref_lse, xla_lse)
+
+
+def test_decode_plan_uses_the_decode_kernels(monkeypatch):
     from ffpa_jax import api
     plans = []
     real = api.plan_for
@@ -456,17 +494,8 @@ def test_explicit_pallas_runs_a_decode_shape_on_the_generic_forward(monkeypatch)
     got = ffpa_jax.attention(q, k, v, implementation="pallas", interpret=True, **kw)
     want = ffpa_jax.attention(q, k, v, implementation="xla", **kw)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
-    assert (plans[-1].forward_tier, plans[-1].decode) == ("pallas", None)
+    assert plans[-1].forward_tier == "pallas" and plans[-1].decode is not None
     assert plans[-1].window == (30, 0) and plans[-1].softcap == 2.0
-
-
-def test_info_names_the_reason(monkeypatch):
-    import tuning
-    from pallas_kernels.problem import Problem
-    decode = Problem(batch=1, seq_q=1, seq_k=512, heads_q=4, heads_kv=4, head_dim=64,
-                     head_dim_v=64, dtype=jnp.bfloat16, scale=0.125, softcap=30.0)
-    (fwd, why), _ = tuning.explain_tiers(decode, "auto")
-    assert fwd == "chunked" and "decode" in why and "logits_soft_cap" in why
 
 
 # ---------------------------------------------------------------- the fused forward kernel

@@ -347,3 +347,34 @@ def test_returned_lse_lowers_the_precise_kernel(t, d, monkeypatch):
     precise, plain = kernels(True), kernels(False)
     assert len(precise) == len(plain) >= 1
     assert precise[0] != plain[0]  # the forward (or decode stage 1) kernel
+
+
+@pytest.mark.parametrize("variant", [
+    dict(window=(256, 0)), dict(softcap=30.0), dict(ids=True), dict(lengths=True),
+    dict(sinks=True), dict(window=(64, 8), softcap=20.0, ids=True, lengths=True, sinks=True,
+                           causal=True, dtype=jnp.float32),
+], ids=lambda v: "-".join(f"{k}={getattr(x, '__name__', x)}" for k, x in v.items()))
+def test_decode_feature_variants(variant):
+    """The language-model features (issue 24) in both decode stages (GQA 8/2, T = 4)."""
+    from pallas_kernels import DecodeConfig, decode_attention
+    from pallas_kernels.problem import FeatureArrays
+    kw = dict(variant)
+    dtype = kw.pop("dtype", jnp.bfloat16)
+    ids, lengths, sinks = kw.pop("ids", False), kw.pop("lengths", False), kw.pop("sinks", False)
+    causal = kw.pop("causal", False)
+    args = [sd((2, 4, 8, 111), dtype), sd((2, 3000, 2, 111), dtype),
+            sd((2, 3000, 2, 111), dtype)]
+    extra = ([sd((2, 4), jnp.int32), sd((2, 3000), jnp.int32)] if ids else []) + (
+        [sd((2,), jnp.int32)] * 2 if lengths else []) + ([sd((8,), jnp.float32)] if sinks
+                                                         else [])
+
+    def f(q, k, v, *rest):
+        rest = list(rest)
+        q_ids, kv_ids = (rest.pop(0), rest.pop(0)) if ids else (None, None)
+        q_len, kv_len = (rest.pop(0), rest.pop(0)) if lengths else (None, None)
+        feats = FeatureArrays(q_ids, kv_ids, q_len, kv_len, rest.pop(0) if sinks else None)
+        return decode_attention(q, k, v, scale=0.1, causal=causal, config=DecodeConfig(),
+                                num_splits=4, features=feats, **kw)
+
+    text = jax.jit(f).trace(*args, *extra).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2

@@ -83,9 +83,6 @@ def explain_tiers(problem: Problem, implementation: str, *, device_name: str | N
                          f"got {implementation!r}")
     device = dict(device_name=device_name, compute_capability=compute_capability)
     backward = routed("backward") or explain_tier("backward", problem, **device)
-    if uses_decode(problem) and problem.features:
-        return ("chunked", f"decode shape with {', '.join(problem.features)}: the decode "
-                           "kernels do not take them yet, the chunked tier runs it"), backward
     forward = routed("forward")
     if forward is not None:
         return forward, backward
@@ -100,9 +97,8 @@ def explain_tiers(problem: Problem, implementation: str, *, device_name: str | N
 def tiers(problem: Problem, implementation: str) -> tuple[str, str]:
     """(forward tier, backward tier) of a call: `implementation` is a tier name, or "auto"
     (each direction on the tier the tuned data, then the built-in rule, picks). The decode
-    shapes' forward always runs the Pallas decode kernels (with a language-model feature,
-    which they do not take yet, the chunked tier); a direction with a feature its fused
-    kernels do not implement yet (`fused_unsupported`) runs on the chunked tier, under
+    shapes' forward always runs the Pallas decode kernels; a direction with a feature its
+    fused kernels do not implement (`fused_unsupported`) runs on the chunked tier, under
     "auto" and "pallas" alike (the API refuses an explicit "pallas" before)."""
     (forward, _), (backward, _) = explain_tiers(problem, implementation)
     return forward, backward
@@ -114,9 +110,7 @@ def make_plan(problem: Problem, *, interpret: bool = False, precise_lse: bool = 
     """The plan of one call. `tiers` = (forward tier, backward tier); `step` is the chunked
     tier's step between its GEMMs ("pallas", or "xla" where no GPU runs the kernels);
     `precise_lse` when the caller returns lse (see Plan)."""
-    # The decode kernels take no language-model feature yet: fwd_generic runs those calls.
-    decode, splits = (decode_config(problem, override)
-                      if uses_decode(problem) and not problem.features else (None, 1))
+    decode, splits = (decode_config(problem, override) if uses_decode(problem) else (None, 1))
     chunk = (chunked.make_plan(problem, step=step, interpret=interpret)
              if "chunked" in tiers else None)
     return Plan(decode=decode, decode_splits=splits, scale=problem.scale,
