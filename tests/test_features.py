@@ -686,3 +686,34 @@ def test_fused_kernels_in_small_tiles(case, monkeypatch):
     _small_tiles(monkeypatch)
     run_case(case, "pallas")
     check_grads(case, "pallas")
+
+
+def test_a_feature_a_kernel_lacks_is_routed_or_refused(monkeypatch):
+    """The mechanism for a feature some fused kernels lack (none today): with
+    `fused_unsupported` declaring one for the backward, the plan runs that direction on the
+    chunked tier (also with interpret=True), and an explicit "pallas" is refused naming it."""
+    import ffpa_jax.api as api
+    import tuning.plan as plan_module
+    from test_chunked import _plan_of
+
+    def lacks(problem, direction=None):
+        return ("logits_soft_cap",) if direction in (None, "backward") and problem.softcap \
+            else ()
+    monkeypatch.setattr(api, "fused_unsupported", lacks)
+    monkeypatch.setattr(plan_module, "fused_unsupported", lacks)
+    monkeypatch.setenv("FFPA_SKIP_PERSIST_TUNED_CONFIG", "1")
+    q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
+    with pytest.raises(ValueError) as info:
+        ffpa_jax.attention(q, q, q, logits_soft_cap=5.0, implementation="pallas",
+                           interpret=True)
+    for word in ("logits_soft_cap", "implementation='pallas'", "implementation=None",
+                 "'chunked'"):
+        assert word in str(info.value)
+    plan = _plan_of(monkeypatch, (1, 512, 4, 64), (1, 512, 4, 64), logits_soft_cap=5.0)
+    assert (plan.forward_tier, plan.backward_tier) == ("pallas", "chunked")
+    (_, _), (tier, why) = plan_module.explain_tiers(
+        api.validation.validate(q, q, q, None, None, scale=None, is_causal=False,
+                                dropout_rate=0.0, dropout_rng=None, return_lse=False,
+                                implementation=None, interpret=True,
+                                logits_soft_cap=5.0).problem, "pallas")
+    assert tier == "chunked" and "logits_soft_cap" in why and "backward" in why
