@@ -46,7 +46,13 @@ here (ffpa_jax's rule), while Flax fills masked logits with the dtype's minimum
 and returns the mean of the values for such a row.
 
 Keyword-only extras, forwarded to `ffpa_jax.attention`: `scale`,
-`implementation` ("pallas", "xla" or None) and `interpret`.
+`implementation` ("pallas", "chunked", "xla" or None) and `interpret`, and the
+language-model features Flax's attention_fn interface has no argument for (set them with
+functools.partial, or a lambda for per-batch data): `local_window_size`,
+`logits_soft_cap`, `sinks`, `q_segment_ids` / `kv_segment_ids` ([batch..., T] /
+[batch..., S]) and `query_seq_lengths` / `key_value_seq_lengths` ([batch...]), with
+ffpa_jax's meaning (the window is aligned bottom-right when q_length != kv_length, as
+causality is in ffpa_jax; Flax has no window of its own). Sown weights include them.
 
 Flax itself is imported only when `module` is given (to sow weights), so this
 file does not make Flax a dependency of `ffpa_jax`.
@@ -60,7 +66,7 @@ import jax
 import jax.numpy as jnp
 
 from ffpa_jax.api import attention
-from ffpa_jax.reference import attention_logits, causal_keep
+from ffpa_jax.reference import attention_logits, causal_keep, feature_keep, soft_cap, softmax
 
 
 def _flatten_batch(x, lead: tuple[int, ...], rank: int):
@@ -77,14 +83,30 @@ def _flatten_batch(x, lead: tuple[int, ...], rank: int):
     return jnp.reshape(x, (math.prod(lead), *rest))
 
 
-def _attention_weights(q, k, bias, mask, *, scale: float, is_causal: bool) -> jax.Array:
-    """softmax probabilities [B, Hq, T, S] (float32) with ffpa_jax's semantics, for sowing."""
-    logits = attention_logits(q, k, bias, scale=scale)
+def _attention_weights(q, k, bias, mask, *, scale: float, is_causal: bool,
+                       features: dict | None = None) -> jax.Array:
+    """softmax probabilities [B, Hq, T, S] (float32) with ffpa_jax's semantics, for sowing;
+    `features`: attention's feature arguments, batched."""
+    f = features or {}
+    logits = soft_cap(attention_logits(q, k, bias, scale=scale), f.get("logits_soft_cap"))
     keep = jnp.ones(logits.shape, bool)
     if mask is not None:
         keep = keep & mask
     if is_causal:
         keep = keep & causal_keep(q.shape[1], k.shape[1])
+    window = f.get("local_window_size")
+    visible = feature_keep(q.shape[1], k.shape[1], jnp.arange(q.shape[1]),
+                           jnp.arange(k.shape[1]),
+                           window=(window, window) if isinstance(window, int) else window,
+                           q_segment_ids=f.get("q_segment_ids"),
+                           kv_segment_ids=f.get("kv_segment_ids"),
+                           q_lengths=f.get("query_seq_lengths"),
+                           kv_lengths=f.get("key_value_seq_lengths"))
+    if visible is not None:
+        keep = keep & visible
+    if f.get("sinks") is not None:
+        sink = jnp.asarray(f["sinks"], jnp.float32)[None, :, None]
+        return softmax(logits, keep, sink)[0]
     logits = jnp.where(keep, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
@@ -109,7 +131,10 @@ def flax_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout
                       qk_attn_weights_einsum=None, attn_weights_value_einsum=None,
                       promote_dtype=None, is_causal: bool = False,
                       scale: float | None = None, implementation: str | None = None,
-                      interpret: bool = False) -> jax.Array:
+                      interpret: bool = False, local_window_size=None,
+                      logits_soft_cap: float | None = None, sinks=None, q_segment_ids=None,
+                      kv_segment_ids=None, query_seq_lengths=None,
+                      key_value_seq_lengths=None) -> jax.Array:
     """Drop-in `attention_fn` for `flax.linen.MultiHeadDotProductAttention` and
     `flax.nnx.MultiHeadAttention`, computed by `ffpa_jax.attention`.
 
@@ -163,38 +188,54 @@ def flax_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout
         kernel_causal = False
 
     lead = tuple(query.shape[:-3])
+    per_batch = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                     query_seq_lengths=query_seq_lengths,
+                     key_value_seq_lengths=key_value_seq_lengths)
     if len(lead) > 1:
         rank = query.ndim
         q4, k4, v4 = (jnp.reshape(x, (math.prod(lead), *x.shape[-3:])) for x in (query, key, value))
         bias4, mask4 = _flatten_batch(bias, lead, rank), _flatten_batch(mask, lead, rank)
+        # ids [batch..., L] and lengths [batch...] take the same single batch dim
+        per_batch = {name: None if x is None else
+                     jnp.reshape(x, (math.prod(lead),) + tuple(jnp.shape(x)[len(lead):]))
+                     for name, x in per_batch.items()}
     else:
         q4, k4, v4, bias4, mask4 = query, key, value, bias, mask
+    features = dict(per_batch, local_window_size=local_window_size,
+                    logits_soft_cap=logits_soft_cap, sinks=sinks)
 
     out = attention(q4, k4, v4, bias4, mask4, scale=scale, is_causal=kernel_causal,
                     dropout_rate=float(dropout_rate) if dropping else 0.0,
                     dropout_rng=dropout_rng if dropping else None,
-                    implementation=implementation, interpret=interpret)
+                    implementation=implementation, interpret=interpret, **features)
 
     if module is not None:
         # Flax sows float32 weights under force_fp32_for_softmax, else the computation dtype.
         sown_dtype = jnp.float32 if force_fp32_for_softmax else query.dtype
         _sow(module, _sown_weights(q4, k4, bias4, mask4, scale, kernel_causal, lead,
-                                   sown_dtype))
+                                   sown_dtype, features))
     if len(lead) > 1:
         out = jnp.reshape(out, (*lead, *out.shape[1:]))
     return out
 
 
-def _sown_weights(q, k, bias, mask, scale, is_causal, lead, dtype) -> jax.Array:
+def _sown_weights(q, k, bias, mask, scale, is_causal, lead, dtype,
+                  features: dict | None = None) -> jax.Array:
     """The weights Flax would sow, [batch..., Hq, T, S] in `dtype`."""
     batched = q.ndim == 4
+    features = dict(features or {})
     if not batched:
         q, k = q[None], k[None]
+        for name, rank in (("q_segment_ids", 2), ("kv_segment_ids", 2),
+                           ("query_seq_lengths", 1), ("key_value_seq_lengths", 1)):
+            x = features.get(name)
+            if x is not None:
+                features[name] = jnp.reshape(x, (1,) * (rank - jnp.ndim(x)) + jnp.shape(x))
     as4 = lambda x: None if x is None else jnp.reshape(x, (1,) * (4 - x.ndim) + tuple(x.shape))
     d = q.shape[-1]
     w = _attention_weights(q, k, as4(bias), as4(mask),
                            scale=1.0 / math.sqrt(d) if scale is None else float(scale),
-                           is_causal=is_causal)
+                           is_causal=is_causal, features=features)
     w = w.astype(dtype)
     if not batched:
         return w[0]

@@ -50,11 +50,19 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from pallas_kernels.problem import FeatureArrays
+
 # Roles of the arrays that cross the kernel boundary (see `_spec`).
 QKV = "qkv"    # [B, L, H, D]: batch dim 0, heads dim 2
 BM = "bm"      # bias/mask [B|1, Hq|1, T|1, S|1]
 LSE = "lse"    # [B, Hq, T]
 REP = "rep"    # replicated (the dropout seed)
+SEQ_Q = "seq_q"  # q_segment_ids [B, T]
+SEQ_K = "seq_k"  # kv_segment_ids [B, S]
+PER_BATCH = "per_batch"  # sequence lengths [B]
+PER_HEAD = "per_head"  # sinks [Hq]
+# The roles of `FeatureArrays`' fields, in its order.
+FEATURE_ROLES = (SEQ_Q, SEQ_K, PER_BATCH, PER_BATCH, PER_HEAD)
 
 _NEED_REPLICATION = ("t", "s", "d", "e")
 
@@ -70,6 +78,8 @@ class _Layout:
     in_shapes: tuple[tuple[int, ...], ...]
     out_roles: tuple[str, ...]
     out_shapes: tuple[tuple[int, ...], ...]
+    # Which fields of the call's `FeatureArrays` are given (their arrays follow the seed).
+    features: tuple[bool, ...] = (False,) * len(FEATURE_ROLES)
 
     @property
     def batch(self) -> int:
@@ -130,6 +140,12 @@ def _spec(role: str, shape: tuple[int, ...], batch_axes, head_axes) -> Partition
     if role == BM:
         return PartitionSpec(b if shape[0] != 1 else None, h if shape[1] != 1 else None,
                              None, None)
+    if role in (SEQ_Q, SEQ_K):
+        return PartitionSpec(b, None)
+    if role == PER_BATCH:
+        return PartitionSpec(b)
+    if role == PER_HEAD:
+        return PartitionSpec(h)
     return PartitionSpec(*(None,) * len(shape))
 
 
@@ -174,10 +190,19 @@ def _sharding_rule(layout: _Layout) -> tuple[str, dict]:
             return f"b {heads_q} t"
         if role == BM:
             return bm_mapping(shape)
+        if role == SEQ_Q:
+            return "b t"
+        if role == SEQ_K:
+            return "b s"
+        if role == PER_BATCH:
+            return "b"
+        if role == PER_HEAD:
+            return heads_q
         return " ".join(next(fresh) for _ in shape) if shape else ""
 
     has_bias, has_mask, has_seed = layout.present
     in_names = ["q", "k", "v"] + ["bias"] * has_bias + ["mask"] * has_mask + ["seed"] * has_seed
+    in_names += ["feature"] * sum(layout.features)
     n_fixed = len(in_names)
     if layout.kind == "backward":
         in_names += ["out" if role == QKV else "lse" for role in layout.in_roles[n_fixed:]]
@@ -222,9 +247,11 @@ def _explicit_axes(x) -> bool:
 class ShardLocal:
     """Wraps `forward_kernels` or `backward_kernels` so that they run shard-locally.
 
-    forward:  fn(plan, q, k, v, bias, mask, seed) -> (out, lse, ...)
-    backward: fn(plan, q, k, v, bias, mask, seed, *residuals_and_cotangents)
+    forward:  fn(plan, q, k, v, bias, mask, seed, features=) -> (out, lse, ...)
+    backward: fn(plan, q, k, v, bias, mask, seed, *residuals_and_cotangents, features=)
               -> (dq, dk, dv, dbias or None)
+    `features` is the call's `FeatureArrays` (or None); its arrays are split with the batch
+    (ids, lengths) and the heads (sinks) like the other inputs.
 
     `row_outputs(plan)` is how many [B, Hq, T] arrays the forward returns after out.
     `shift_seed(seed, batch_offset, head_offset) -> seed` (traced int32 offsets of
@@ -245,10 +272,15 @@ class ShardLocal:
         self._cache = functools.lru_cache(maxsize=256)(self._build)
 
     # -- packing: None-free positional arrays <-> the kernels' signature --------
-    def _layout(self, plan, q, k, v, bias, mask, seed, extra) -> tuple[_Layout, list]:
+    def _layout(self, plan, q, k, v, bias, mask, seed, extra,
+                features=None) -> tuple[_Layout, list]:
         present = (bias is not None, mask is not None, seed is not None)
-        ins = [q, k, v] + [x for x in (bias, mask, seed) if x is not None] + list(extra)
+        feats = tuple(features) if features is not None else (None,) * len(FEATURE_ROLES)
+        given = tuple(x is not None for x in feats)
+        ins = ([q, k, v] + [x for x in (bias, mask, seed) if x is not None]
+               + [x for x in feats if x is not None] + list(extra))
         in_roles = [QKV, QKV, QKV] + [BM] * present[0] + [BM] * present[1] + [REP] * present[2]
+        in_roles += [role for role, g in zip(FEATURE_ROLES, given) if g]
         if self.kind == "forward":
             # out, then `row_outputs(plan)` row statistics [B, Hq, T] (lse, or its parts).
             n_rows = self.row_outputs(plan)
@@ -263,7 +295,7 @@ class ShardLocal:
                 (tuple(bias.shape),) if present[0] else ())
         return _Layout(kind=self.kind, plan=plan, present=present, in_roles=tuple(in_roles),
                        in_shapes=tuple(tuple(x.shape) for x in ins), out_roles=out_roles,
-                       out_shapes=out_shapes), ins
+                       out_shapes=out_shapes, features=given), ins
 
     def _call_kernels(self, layout: _Layout, arrays, seed_offsets=None):
         """The kernels on (local) arrays, returning a flat tuple of arrays."""
@@ -276,14 +308,18 @@ class ShardLocal:
         bias, mask, seed = opt
         if seed is not None and seed_offsets is not None:
             seed = self.shift_seed(seed, *seed_offsets)
-        outs = self.kernels(layout.plan, q, k, v, bias, mask, seed, *rest)
+        kwargs = {}
+        if any(layout.features):
+            kwargs["features"] = FeatureArrays(*(rest.pop(0) if g else None
+                                                 for g in layout.features))
+        outs = self.kernels(layout.plan, q, k, v, bias, mask, seed, *rest, **kwargs)
         if self.kind == "backward":
             dq, dk, dv, dbias = outs
             return (dq, dk, dv) + ((dbias,) if layout.present[0] else ())
         return tuple(outs)
 
-    def __call__(self, plan, q, k, v, bias, mask, seed, *extra):
-        layout, arrays = self._layout(plan, q, k, v, bias, mask, seed, extra)
+    def __call__(self, plan, q, k, v, bias, mask, seed, *extra, features=None):
+        layout, arrays = self._layout(plan, q, k, v, bias, mask, seed, extra, features)
         if any(_explicit_axes(x) for x in arrays):
             outs = self._explicit_call(layout, arrays)
         else:

@@ -3,6 +3,7 @@ reference of the project (the tests', the bench's and the autotuner's too), unde
 the XLA path and the Flax adapter import it by."""
 
 from pallas_kernels.reference import (accumulation_dtype, attention_logits, causal_keep,
-                                      mha_reference)
+                                      feature_keep, mha_reference, soft_cap, softmax)
 
-__all__ = ["accumulation_dtype", "attention_logits", "causal_keep", "mha_reference"]
+__all__ = ["accumulation_dtype", "attention_logits", "causal_keep", "feature_keep",
+           "mha_reference", "soft_cap", "softmax"]

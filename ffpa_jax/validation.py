@@ -8,13 +8,14 @@ a problem every layer reads) and the call's own options.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.problem import Problem
+from pallas_kernels.problem import FeatureArrays, Problem
 
 MAX_HEAD_DIM = 1024
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -29,6 +30,12 @@ class Call(NamedTuple):
     problem: Problem
     batched: bool
     autotune: str | None
+
+
+# Integer dtypes that every id and length converts to int32 without loss (int64 and uint32
+# would be truncated silently: they are refused instead).
+_ID_DTYPES = tuple(jnp.dtype(t) for t in (jnp.int8, jnp.int16, jnp.int32, jnp.uint8,
+                                          jnp.uint16))
 
 
 def _shape_str(x) -> str:
@@ -115,8 +122,96 @@ def _check_prng_key(rng: Any) -> None:
                     f"jax.random.PRNGKey(...)); got {_shape_str(rng)}.")
 
 
+def _static_number(name: str, value: Any, what: str) -> Any:
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"{name} must be a static Python {what} (it shapes the computation); "
+                        "got a traced value. Pass a Python number, not a jax array.")
+    if isinstance(value, (jax.Array, np.ndarray)):
+        if value.shape != ():
+            raise TypeError(f"{name} must be a Python {what}; got an array of shape "
+                            f"{tuple(value.shape)}.")
+        value = value.item()
+    return value
+
+
+def _check_window(window: Any) -> tuple[int, int] | None:
+    """`local_window_size` as jax.nn takes it: None, an int w (= (w, w)) or (left, right)."""
+    if window is None:
+        return None
+    pair = (window, window) if not isinstance(window, (tuple, list)) else tuple(window)
+    if len(pair) != 2:
+        raise ValueError("local_window_size must be an int or a pair (left, right) of ints; "
+                         f"got {window!r} ({len(pair)} entries).")
+    out = []
+    for side, value in zip(("left", "right"), pair):
+        value = _static_number("local_window_size", value, "int")
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"local_window_size must be an int or a pair (left, right) of ints; "
+                            f"got {window!r} (its {side} size is {type(value).__name__}).")
+        if value < 0:
+            raise ValueError(f"local_window_size must be >= 0 on both sides; got {window!r} "
+                             f"(its {side} size is {int(value)}).")
+        out.append(int(value))
+    return out[0], out[1]
+
+
+def _check_soft_cap(cap: Any) -> float | None:
+    if cap is None:
+        return None
+    cap = _static_number("logits_soft_cap", cap, "float")
+    if isinstance(cap, (bool, np.bool_)) or not isinstance(cap, numbers.Real):
+        raise TypeError(f"logits_soft_cap must be a positive real number or None; got {cap!r} "
+                        f"({type(cap).__name__}).")
+    value = float(cap)
+    if not (math.isfinite(value) and value > 0.0):
+        raise ValueError(f"logits_soft_cap must be a finite number > 0; got {value}.")
+    return value
+
+
+def _check_ids(name: str, x: Any, shape: tuple[int, ...], dims: str) -> None:
+    """An int array of exactly `shape`: segment ids or sequence lengths."""
+    _require_array(name, x)
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {dims} = {shape}; got {_shape_str(x)}.")
+    if jnp.dtype(x.dtype) not in _ID_DTYPES:
+        raise TypeError(f"{name} must be int32 (or a narrower integer type); got "
+                        f"{_shape_str(x)}. Convert with .astype(jnp.int32).")
+
+
+def _check_features(*, batched: bool, b: int, t: int, s: int, hq: int, q_segment_ids,
+                    kv_segment_ids, query_seq_lengths, key_value_seq_lengths, sinks) -> None:
+    """Shapes and dtypes of the feature arrays (their values are data: never read here)."""
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        given, missing = (("q_segment_ids", "kv_segment_ids") if kv_segment_ids is None
+                          else ("kv_segment_ids", "q_segment_ids"))
+        raise ValueError(f"{given} was given without {missing}: packed sequences need both "
+                         "(for self-attention pass the same ids as both).")
+    if q_segment_ids is not None:
+        _check_ids("q_segment_ids", q_segment_ids, (b, t) if batched else (t,),
+                   "[B, T]" if batched else "[T]")
+        _check_ids("kv_segment_ids", kv_segment_ids, (b, s) if batched else (s,),
+                   "[B, S]" if batched else "[S]")
+    for name, x in (("query_seq_lengths", query_seq_lengths),
+                    ("key_value_seq_lengths", key_value_seq_lengths)):
+        if x is None:
+            continue
+        _require_array(name, x)
+        if not batched and tuple(x.shape) == ():
+            x = jax.ShapeDtypeStruct((1,), x.dtype)
+        _check_ids(name, x, (b,), "[B]" if batched else "[1] (or a scalar, without batch)")
+    if sinks is not None:
+        _require_array("sinks", sinks)
+        if tuple(sinks.shape) != (hq,):
+            raise ValueError(f"sinks must have shape [Hq] = ({hq},) (one logit per query "
+                             f"head); got {_shape_str(sinks)}.")
+        if not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise TypeError(f"sinks must have a float dtype; got {_shape_str(sinks)}.")
+
+
 def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, dropout_rng,
-             return_lse, implementation, interpret, autotune=None) -> Call:
+             return_lse, implementation, interpret, autotune=None, local_window_size=None,
+             logits_soft_cap=None, q_segment_ids=None, kv_segment_ids=None,
+             query_seq_lengths=None, key_value_seq_lengths=None, sinks=None) -> Call:
     """Check every argument of `attention`; return the checked `Call`."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         _require_array(name, x)
@@ -196,11 +291,19 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, d
     scale_value = _check_scale(scale, d)
     rate = _check_dropout(dropout_rate, dropout_rng)
     autotune_mode = check_autotune(autotune)
+    window = _check_window(local_window_size)
+    cap = _check_soft_cap(logits_soft_cap)
+    _check_features(batched=batched, b=b, t=t, s=s, hq=hq, q_segment_ids=q_segment_ids,
+                    kv_segment_ids=kv_segment_ids, query_seq_lengths=query_seq_lengths,
+                    key_value_seq_lengths=key_value_seq_lengths, sinks=sinks)
 
     shape4 = lambda x: None if x is None else (1,) * (4 - x.ndim) + tuple(x.shape)
     problem = Problem(batch=b, seq_q=t, seq_k=s, heads_q=hq, heads_kv=hkv, head_dim=d,
                       head_dim_v=dv, dtype=dtype, scale=scale_value, causal=bool(is_causal),
-                      dropout_rate=rate, bias_shape=shape4(bias), mask_shape=shape4(mask))
+                      dropout_rate=rate, bias_shape=shape4(bias), mask_shape=shape4(mask),
+                      window=window, softcap=cap, segment_ids=q_segment_ids is not None,
+                      q_lengths=query_seq_lengths is not None,
+                      kv_lengths=key_value_seq_lengths is not None, sinks=sinks is not None)
     return Call(problem=problem, batched=batched, autotune=autotune_mode)
 
 
@@ -211,3 +314,20 @@ def as_4d(x, batched: bool):
     rank = 4 if batched else 3
     x = jnp.reshape(x, (1,) * (rank - x.ndim) + tuple(x.shape))
     return x if batched else x[None]
+
+
+def feature_arrays(batched: bool, *, q_segment_ids=None, kv_segment_ids=None,
+                   query_seq_lengths=None, key_value_seq_lengths=None,
+                   sinks=None) -> FeatureArrays:
+    """The checked feature arrays, batched, ids and lengths as int32 and sinks as float32
+    (sinks' gradient is returned in the caller's dtype by the cast's own transpose)."""
+    def ids(x, rank):
+        if x is None:
+            return None
+        x = jnp.asarray(x).astype(jnp.int32)
+        return x if batched else x.reshape((1,) * (rank - x.ndim) + x.shape)
+    return FeatureArrays(q_segment_ids=ids(q_segment_ids, 2),
+                         kv_segment_ids=ids(kv_segment_ids, 2),
+                         q_lengths=ids(query_seq_lengths, 1),
+                         kv_lengths=ids(key_value_seq_lengths, 1),
+                         sinks=None if sinks is None else jnp.asarray(sinks).astype(jnp.float32))

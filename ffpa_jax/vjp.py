@@ -1,10 +1,12 @@
 """The differentiable call: a plan's forward and backward (pallas_kernels.tiers) tied by a
 `custom_vjp`, each run shard-locally under sharded `jit` (ffpa_jax.partitioning).
 
-The forward saves only q, k, v, the bias and mask as given, the output in float32 and lse
-(and, in float32, lse's low word: O(B·Hq·T) beyond what the caller already holds); the
-backward recomputes the probabilities block by block. No [T, S] matrix is kept from one
-direction to the other.
+The forward saves only q, k, v, the bias and mask as given, the feature arrays, the output
+in float32 and lse (and, in float32, lse's low word: O(B·Hq·T) beyond what the caller
+already holds); the backward recomputes the probabilities block by block. No [T, S] matrix
+is kept from one direction to the other. lse counts the sinks, so the backward's
+probabilities exp(logits - lse) need no sink; the sinks' own gradient is closed-form
+(`sinks_grad`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from ffpa_jax import partitioning
 from pallas_kernels import tiers
+from pallas_kernels.problem import FeatureArrays
 from pallas_kernels.tiers import Plan
 
 
@@ -36,8 +39,9 @@ _backward = partitioning.ShardLocal(tiers.backward, "backward", shift_seed=_shif
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(plan: Plan, q, k, v, bias, mask, seed):
-    out, lse, *_ = _forward(plan, q, k, v, bias, mask, seed)  # a pair's lo is the vjp's
+def _attention(plan: Plan, q, k, v, bias, mask, seed, features):
+    # a pair's lo is the vjp's
+    out, lse, *_ = _forward(plan, q, k, v, bias, mask, seed, features=features)
     return out, lse
 
 
@@ -57,29 +61,50 @@ def _cotangent(x) -> tuple[jax.Array, bool]:
     return x, False
 
 
-def _attention_fwd(plan: Plan, q, k, v, bias, mask, seed):
-    q, k, v, bias, mask, seed = jax.tree.map(
-        _primal_value, (q, k, v, bias, mask, seed),
+def _attention_fwd(plan: Plan, q, k, v, bias, mask, seed, features):
+    q, k, v, bias, mask, seed, features = jax.tree.map(
+        _primal_value, (q, k, v, bias, mask, seed, features),
         is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
     plan = _vjp_plan(plan)
-    out32, *rows = _forward(plan, q, k, v, bias, mask, seed)
+    out32, *rows = _forward(plan, q, k, v, bias, mask, seed, features=features)
     # Rounding the float32 result here equals the kernel's own rounding on store, so the
     # primal (out, lse) is bit-identical to the undifferentiated call's.
-    return (out32.astype(q.dtype), rows[0]), (q, k, v, bias, mask, seed, out32, *rows)
+    return (out32.astype(q.dtype), rows[0]), (q, k, v, bias, mask, seed, features, out32,
+                                              *rows)
+
+
+def sinks_grad(sinks, out, lse, d_out, d_lse):
+    """d sinks [Hq] in float32, in closed form: the sink's probability in row (b, h, i) is
+    p = exp(sink[h] - lse), and the sink has no value, so d out/d sink = -p·out and
+    d lse/d sink = p; summed over the rows, d sinks = Σ p·(d_lse - rowsum(dO·O)).
+    O(B·Hq·T·Dv), never a [T, S] matrix; XLA partitions it like any jnp code."""
+    p = jnp.exp(sinks[None, :, None] - lse)  # lse >= sink > -inf on every row
+    rowsum = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out,
+                        precision=jax.lax.Precision.HIGHEST)
+    return jnp.sum(p * (d_lse.astype(jnp.float32) - rowsum), axis=(0, 2))
 
 
 def _attention_bwd(plan: Plan, residuals, cotangents):
-    q, k, v, bias, mask, seed, out, *rows = residuals
+    q, k, v, bias, mask, seed, features, out, *rows = residuals
     (d_out, _), (d_lse, lse_unused) = map(_cotangent, cotangents)
     plan = dataclasses.replace(_vjp_plan(plan), lse_cotangent=not lse_unused)
-    dq, dk, dv, dbias = _backward(plan, q, k, v, bias, mask, seed, out, *rows, d_out, d_lse)
-    return dq, dk, dv, dbias, None, None  # the mask and the seed get no gradient
+    dq, dk, dv, dbias = _backward(plan, q, k, v, bias, mask, seed, out, *rows, d_out, d_lse,
+                                  features=features)
+    d_features = features._replace(q_segment_ids=None, kv_segment_ids=None, q_lengths=None,
+                                   kv_lengths=None)  # ids and lengths get no gradient
+    if features.sinks is not None:
+        d_features = d_features._replace(
+            sinks=sinks_grad(features.sinks, out, rows[0], d_out, d_lse))
+    return dq, dk, dv, dbias, None, None, d_features  # the mask and the seed get none
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
-def attention(q, k, v, bias4, mask4, plan: Plan, seed: jax.Array | None = None):
-    """(out, lse) through the kernels of `plan`, differentiable with respect to q, k, v and
-    bias; q/k/v batched, bias4/mask4 4-D or None; seed uint32[2] when dropping."""
-    return _attention(plan, q, k, v, bias4, mask4, seed)
+def attention(q, k, v, bias4, mask4, plan: Plan, seed: jax.Array | None = None,
+              features: FeatureArrays | None = None):
+    """(out, lse) through the kernels of `plan`, differentiable with respect to q, k, v,
+    bias and the sinks; q/k/v batched, bias4/mask4 4-D or None; seed uint32[2] when
+    dropping; `features` the batched feature arrays (segment ids, lengths, sinks)."""
+    return _attention(plan, q, k, v, bias4, mask4, seed,
+                      FeatureArrays() if features is None else features)

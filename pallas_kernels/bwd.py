@@ -117,20 +117,24 @@ def _lse_lo_inputs(lse, lse_lo, q_dtype) -> list:
 
 def _prepare(q, k, v, do, lse, delta, bias, mask, seed, *, config: BwdConfig, scale: float,
              causal: bool, over_kv: bool, dropout_rate: float, interpret: bool,
-             lse_lo, split_ds: bool = False, own_delta: bool = False):
+             lse_lo, split_ds: bool = False, own_delta: bool = False, window=None,
+             softcap=None, features=None):
     """(kernel inputs, KernelStatic) for dq (over_kv) or dkdv: the config fitted to the
-    problem; inputs are the tensors, bias, mask block lists and seed."""
+    problem; inputs are the tensors, bias, mask block lists, seed and feature arrays."""
     cfg = _fit_shared_memory(_fitted(config, q, k, v), q, bias, mask, dropout_rate)
     mask_args, list_outer = common.mask_inputs(
         mask, block_m=cfg.block_m, block_n=cfg.block_n, seq_q=q.shape[1], seq_k=k.shape[1],
         causal=causal, over_kv=over_kv)
     inputs = ([q, k, v, do, lse] + _lse_lo_inputs(lse, lse_lo, q.dtype) + [delta]
               + ([bias] if bias is not None else []) + mask_args
-              + common.seed_inputs(dropout_rate, seed))
+              + common.seed_inputs(dropout_rate, seed)
+              + common.feature_inputs(features, block_m=cfg.block_m, block_n=cfg.block_n,
+                                      over_kv=over_kv))
     st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
                               list_outer=list_outer, dropout_rate=dropout_rate,
                               interpret=interpret, lse_pair=lse_lo is not None,
-                              split_ds=split_ds, own_delta=own_delta)
+                              split_ds=split_ds, own_delta=own_delta, window=window,
+                              softcap=softcap, features=features)
     return inputs, st
 
 
@@ -177,12 +181,23 @@ class _Tile:
             do_chunk = self.resident(do_chunk, _n_chunks(st, st.head_dim_v))
         return q_chunk, do_chunk
 
-    def probs_and_dp(self, h, q_start, kv_start, row_lse, *, q_chunk, k_chunk, do_chunk,
-                     v_chunk, causal_mask: bool, with_mask: bool, need_dp: bool = True):
+    def features(self, q_start):
+        """The window, segments and lengths of the query block at `q_start` (None without)."""
+        if not self.st.ranged:
+            return None
+        return common.TileFeatures(self.st, self.refs, self.b, q_start, self.cfg.block_m)
+
+    def probs_and_dp(self, h, q_start, kv_start, row_lse, **tile_args):
         """(P, dropped P, dP) of the [bm, bn] tile, float32: P = e^(S - lse); the dropped
         P (the forward's mask regenerated, kept values rescaled) is what dV sees; dP is
         dropped the same way, as dP reaches dS only through kept elements (None when
         not needed)."""
+        return self._probs(h, q_start, kv_start, row_lse, **tile_args)[:3]
+
+    def _probs(self, h, q_start, kv_start, row_lse, *, q_chunk, k_chunk, do_chunk,
+               v_chunk, causal_mask: bool, with_mask: bool, need_dp: bool = True,
+               features=None):
+        """`probs_and_dp`'s three, and the soft cap's derivative (None without a cap)."""
         st, cfg = self.st, self.cfg
         bm, bn = cfg.block_m, cfg.block_n
         rows = q_start + iota(bm)
@@ -195,9 +210,10 @@ class _Tile:
                                    dynamic=cfg.dynamic, shape=(bm, bn),
                                    scale=None if fold else qk_scale,
                                    round_per_chunk=per_chunk, compensated=st.natural)
-        s = common.bias_and_masks(s, st, self.refs.get("bias"), self.refs.get("mask"), self.b, h,
-                                  q_start, kv_start, rows, cols, causal_mask=causal_mask,
-                                  with_mask=with_mask, mask_rows=True)
+        s, cap_grad = common.bias_and_masks(
+            s, st, self.refs.get("bias"), self.refs.get("mask"), self.b, h, q_start, kv_start,
+            rows, cols, causal_mask=causal_mask, with_mask=with_mask, mask_rows=True,
+            features=features, with_cap_grad=True)
         hi, lo = row_lse
         if fold:
             p = st.exp2(common.fma(s, qk_scale, -hi[:, None]))
@@ -210,6 +226,9 @@ class _Tile:
             # The tile holds the whole row: normalise P by its own sum, as XLA's softmax
             # does (a row's single key gets P = 1 exactly; no keys: P = 0, no 0/0).
             total = jnp.sum(p, axis=1)
+            sink = common.sink_share(st, self.refs, h, hi, lo)
+            if sink is not None:  # the sink's share of the denominator, which has no key
+                total = total + sink
             p = p / jnp.where(total > 0.0, total, 1.0)[:, None]
         keep = None
         if st.dropout_rate > 0:
@@ -217,12 +236,12 @@ class _Tile:
             inv_keep = 1.0 / (1.0 - st.dropout_rate)
         p_out = p if keep is None else jnp.where(keep, p * inv_keep, 0.0)
         if not need_dp:
-            return p, p_out, None
+            return p, p_out, None, cap_grad
         dp = common.contract_chunks(do_chunk, v_chunk, _n_chunks(st, st.head_dim_v),
                                     dynamic=cfg.dynamic, shape=(bm, bn), compensated=st.natural)
         if keep is not None:
             dp = jnp.where(keep, dp * inv_keep, 0.0)
-        return p, p_out, dp
+        return p, p_out, dp, cap_grad
 
     def probs_and_ds(self, h, q_start, kv_start, row_lse, delta, *, need_ds: bool = True,
                      **tile_args):
@@ -231,13 +250,15 @@ class _Tile:
         XLA's softmax gradient, which for a row of one key gives dS = dlse exactly (from
         rowsum(dO ∘ O), summed in another order than the tensor cores' dP, it was ~1e-7
         off, and dQ of such rows ~1e-6 instead of 0)."""
-        p, p_out, dp = self.probs_and_dp(h, q_start, kv_start, row_lse, need_dp=need_ds,
-                                         **tile_args)
+        p, p_out, dp, cap_grad = self._probs(h, q_start, kv_start, row_lse, need_dp=need_ds,
+                                             **tile_args)
         if dp is None:
             return p_out, None
         if self.st.own_delta:
             delta = jnp.sum(p * dp, axis=1) - delta
-        return p_out, p * (dp - delta[:, None])
+        ds = p * (dp - delta[:, None])
+        # Through the soft cap: dS of the uncapped logits (0 where P is, hidden keys too).
+        return p_out, ds if cap_grad is None else ds * cap_grad
 
     def row_stats(self, h, q_start):
         """((lse, lo), δ) for the tile's rows: lse in score units, and lo (None unless the
@@ -277,7 +298,7 @@ def _input_names(st: common.KernelStatic, *, with_lists: bool) -> list[str]:
             names += ["counts", "indices"]
     if st.dropout_rate > 0:
         names.append("seed")
-    return names
+    return names + common.feature_names(st)
 
 
 # ----------------------------------------------------------------------------- preproc
@@ -314,11 +335,18 @@ def bwd_preproc(o, do, dlse, *, config: BwdConfig, interpret: bool = False) -> j
 
 # ----------------------------------------------------------------------------- KV walk
 def _walk_kv_blocks(st: common.KernelStatic, r: dict, b, h, q_block, q_start, visit,
-                    carry):
+                    carry, features=None):
     """`carry` folded through `visit(kv_block, carry, causal_mask=, with_mask=)` over the
     KV blocks that query block `q_block` of head h sees, the forward's walk: the mask's
-    block list, or the causal limits (unmasked blocks first), or every block."""
+    block list, or the blocks the window, segments and lengths leave (`features`), or the
+    causal limits (unmasked blocks first), or every block."""
     bm, bn = st.cfg.block_m, st.cfg.block_n
+    if st.mask_shape is None and st.ranged:
+        hi = (common.causal_block_limits(q_start, bm, bn, st.seq_q, st.seq_k)[1] if st.causal
+              else cdiv(st.seq_k, bn))
+        lo, hi = features.kv_block_range(q_block, q_start, bm, bn, hi)
+        return jax.lax.fori_loop(lo, hi, functools.partial(visit, causal_mask=st.causal,
+                                                           with_mask=False), carry)
     if st.mask_shape is not None:
         lb = i32(common.broadcast_index(b, r["counts"].shape[0]))
         lh = i32(common.broadcast_index(h, r["counts"].shape[1]))
@@ -351,6 +379,7 @@ def _exact_rows_kernel(*refs, st: common.KernelStatic):
     tile = _Tile(st, r, b, h // st.group)
     row_lse, dlse = tile.row_stats(h, q_start)
     q_chunk, do_chunk = tile.query_operands(h, q_start)
+    features = tile.features(q_start)
 
     def visit(kv_block, sums, *, causal_mask, with_mask):
         p_dp_sum, p_sum = sums
@@ -358,11 +387,16 @@ def _exact_rows_kernel(*refs, st: common.KernelStatic):
         p, _, dp = tile.probs_and_dp(h, q_start, kv_start, row_lse, q_chunk=q_chunk,
                                      k_chunk=tile.kv_chunks("k", kv_start), do_chunk=do_chunk,
                                      v_chunk=tile.kv_chunks("v", kv_start),
-                                     causal_mask=causal_mask, with_mask=with_mask)
+                                     causal_mask=causal_mask, with_mask=with_mask,
+                                     features=features)
         return p_dp_sum + jnp.sum(p * dp, axis=1), p_sum + jnp.sum(p, axis=1)
 
     zero = jnp.zeros((bm,), jnp.float32)
-    p_dp_sum, p_sum = _walk_kv_blocks(st, r, b, h, q_block, q_start, visit, (zero, zero))
+    p_dp_sum, p_sum = _walk_kv_blocks(st, r, b, h, q_block, q_start, visit, (zero, zero),
+                                      features)
+    sink = common.sink_share(st, r, h, *row_lse)
+    if sink is not None:  # the sink's share completes the row's sum to 1
+        p_sum = p_sum + sink
     p_sum = jnp.where(p_sum > 0.0, p_sum, 1.0)  # a row without keys: P = 0 anyway
     lo = row_lse[1] if row_lse[1] is not None else zero
     rows_ok = (q_start + iota(bm)) < st.seq_q
@@ -375,7 +409,8 @@ def _exact_rows_kernel(*refs, st: common.KernelStatic):
 def bwd_exact_rows(q, k, v, do, lse, dlse, bias=None, mask=None, *, scale: float,
                    causal: bool, config: BwdConfig, interpret: bool = False,
                    dropout_rate: float = 0.0, seed: jax.Array | None = None,
-                   lse_lo: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                   lse_lo: jax.Array | None = None, window=None, softcap=None,
+                   features=None) -> tuple[jax.Array, jax.Array]:
     """(δ, lse_lo), float32 [B, Hq, T] each, from the backward's own P and dP (float32).
 
     The returned lse_lo (the given one, or 0, plus a correction) makes the backward's
@@ -394,7 +429,8 @@ def bwd_exact_rows(q, k, v, do, lse, dlse, bias=None, mask=None, *, scale: float
         raise ValueError(f"bwd_exact_rows is for float32 inputs; got {q.dtype}")
     inputs, st = _prepare(q, k, v, do, lse, dlse, bias, mask, seed, config=config,
                           scale=scale, causal=causal, over_kv=True, dropout_rate=dropout_rate,
-                          interpret=interpret, lse_lo=lse_lo)
+                          interpret=interpret, lse_lo=lse_lo, window=window, softcap=softcap,
+                          features=features)
     rows = compat.output_struct((st.batch, st.heads_q, st.seq_q), jnp.float32, q)
     compat.silence_triton_deprecation()
     return pl.pallas_call(
@@ -420,19 +456,21 @@ def _dq_kernel(*refs, st: common.KernelStatic):
     tile = _Tile(st, r, b, hk)
     row_lse, delta = tile.row_stats(h, q_start)
     q_chunk, do_chunk = tile.query_operands(h, q_start)
+    features = tile.features(q_start)
 
     def visit(kv_block, acc, *, causal_mask, with_mask):
         kv_start = kv_block * bn
         _, ds = tile.probs_and_ds(h, q_start, kv_start, row_lse, delta, q_chunk=q_chunk,
                                   k_chunk=tile.kv_chunks("k", kv_start), do_chunk=do_chunk,
                                   v_chunk=tile.kv_chunks("v", kv_start),
-                                  causal_mask=causal_mask, with_mask=with_mask)
+                                  causal_mask=causal_mask, with_mask=with_mask,
+                                  features=features)
         k_slice = common.load_tile(r["k"], b, kv_start, bn, hk, sl * width, width,
                                    n_rows=st.seq_k, n_cols=st.head_dim)
         return common.accumulate_ds(acc, ds, k_slice, split=st.split_ds)
 
     acc = _walk_kv_blocks(st, r, b, h, q_block, q_start, visit,
-                          jnp.zeros((bm, width), jnp.float32))
+                          jnp.zeros((bm, width), jnp.float32), features)
     common.store_tile(dq_ref, acc * st.scale, b, q_start, bm, h, sl * width, width,
                       n_rows=st.seq_q, n_cols=st.head_dim)
 
@@ -440,14 +478,17 @@ def _dq_kernel(*refs, st: common.KernelStatic):
 def bwd_generic_dq(q, k, v, do, lse, delta, bias=None, mask=None, *, scale: float, causal: bool,
                    config: BwdConfig, interpret: bool = False, dropout_rate: float = 0.0,
                    seed: jax.Array | None = None, lse_lo: jax.Array | None = None,
-                   split_ds: bool = False, own_delta: bool = False) -> jax.Array:
+                   split_ds: bool = False, own_delta: bool = False, window=None,
+                   softcap=None, features=None) -> jax.Array:
     """dQ [B, T, Hq, D] in q's dtype. `split_ds`: dS in two 16-bit words
     (`common.accumulate_ds`), for a delta that carries an lse cotangent. `own_delta`: `delta`
-    is dlse, and δ comes from each tile (see `rows_in_one_tile`)."""
+    is dlse, and δ comes from each tile (see `rows_in_one_tile`). `window`, `softcap` and
+    `features` (segment ids, lengths, sinks) as in `fwd_generic`."""
     inputs, st = _prepare(q, k, v, do, lse, delta, bias, mask, seed, config=config, scale=scale,
                           causal=causal, over_kv=True, dropout_rate=dropout_rate,
                           interpret=interpret, lse_lo=lse_lo, split_ds=split_ds,
-                          own_delta=own_delta)
+                          own_delta=own_delta, window=window, softcap=softcap,
+                          features=features)
     cfg = st.cfg
     compat.silence_triton_deprecation()
     grid = (cdiv(st.seq_q, cfg.block_m) * _n_slices(st, st.head_dim), st.batch * st.heads_q)
@@ -500,7 +541,8 @@ def _dkdv_program(st, r, dk_ref, dv_ref, b, hk, kv_block, kv_start, *, with_dk, 
         p, ds = tile.probs_and_ds(h, q_start, kv_start, row_lse, delta,
                                   q_chunk=tile.q_chunks("q", q_start, h), k_chunk=k_chunk,
                                   do_chunk=tile.q_chunks("do", q_start, h), v_chunk=v_chunk,
-                                  causal_mask=causal_mask, with_mask=with_mask, need_ds=with_dk)
+                                  causal_mask=causal_mask, with_mask=with_mask, need_ds=with_dk,
+                                  features=tile.features(q_start))
         if with_dv:
             do_slice = common.load_tile(r["do"], b, q_start, bm, h, sl * width, width,
                                         n_rows=st.seq_q, n_cols=st.head_dim_v)
@@ -522,6 +564,14 @@ def _dkdv_program(st, r, dk_ref, dv_ref, b, hk, kv_block, kv_start, *, with_dk, 
                                         causal_mask=st.causal, with_mask=True)
             return jax.lax.fori_loop(i32(0), r["counts"][lb, lh, lk], listed, accs)
         n_q = i32(cdiv(st.seq_q, bm))
+        if st.ranged:
+            # The query blocks the window, segments and lengths let see this key block;
+            # every visit takes their element masks (and causality's).
+            first = (common.causal_q_block_limits(kv_start, bm, bn, st.seq_q, st.seq_k)[0]
+                     if st.causal else i32(0))
+            lo, hi = common.q_block_range(st, r, b, kv_block, kv_start, bm, bn, first, n_q)
+            return jax.lax.fori_loop(lo, hi, partial(causal_mask=st.causal, with_mask=False),
+                                     accs)
         if st.causal:
             first, first_unmasked = common.causal_q_block_limits(kv_start, bm, bn, st.seq_q,
                                                                  st.seq_k)
@@ -561,13 +611,14 @@ def bwd_generic_dkdv(q, k, v, do, lse, delta, bias=None, mask=None, *, scale: fl
                      causal: bool, config: BwdConfig, interpret: bool = False,
                      dropout_rate: float = 0.0, seed: jax.Array | None = None,
                      lse_lo: jax.Array | None = None, split_ds: bool = False,
-                     own_delta: bool = False):
-    """(dK [B, S, Hkv, D], dV [B, S, Hkv, Dv]) in k's / v's dtype. `split_ds` and
-    `own_delta` as in `bwd_generic_dq`."""
+                     own_delta: bool = False, window=None, softcap=None, features=None):
+    """(dK [B, S, Hkv, D], dV [B, S, Hkv, Dv]) in k's / v's dtype. `split_ds`,
+    `own_delta`, `window`, `softcap` and `features` as in `bwd_generic_dq`."""
     inputs, st = _prepare(q, k, v, do, lse, delta, bias, mask, seed, config=config, scale=scale,
                           causal=causal, over_kv=False, dropout_rate=dropout_rate,
                           interpret=interpret, lse_lo=lse_lo, split_ds=split_ds,
-                          own_delta=own_delta)
+                          own_delta=own_delta, window=window, softcap=softcap,
+                          features=features)
     cfg = st.cfg
     tasks = dkdv_tasks(st.head_dim, st.head_dim_v, cfg.block_slice, cfg.split_dkdv)
     compat.silence_triton_deprecation()
@@ -617,7 +668,8 @@ def _dbias_kernel(*refs, st: common.KernelStatic):
                                   k_chunk=tile.kv_chunks("k", kv_start),
                                   do_chunk=tile.q_chunks("do", q_start, h),
                                   v_chunk=tile.kv_chunks("v", kv_start),
-                                  causal_mask=st.causal, with_mask=st.mask_shape is not None)
+                                  causal_mask=st.causal, with_mask=st.mask_shape is not None,
+                                  features=tile.features(q_start))
         if bt == 1:
             ds = jnp.sum(ds, axis=0, keepdims=True)
         if bs == 1:
@@ -641,16 +693,20 @@ def _dbias_kernel(*refs, st: common.KernelStatic):
 def bwd_dbias(q, k, v, do, lse, delta, bias, mask=None, *, scale: float, causal: bool,
               config: BwdConfig, interpret: bool = False, dropout_rate: float = 0.0,
               seed: jax.Array | None = None, lse_lo: jax.Array | None = None,
-              own_delta: bool = False) -> jax.Array:
-    """dbias with bias's own 4-D shape (each dim 1 or full), float32. `own_delta` as in
-    `bwd_generic_dq`."""
+              own_delta: bool = False, window=None, softcap=None,
+              features=None) -> jax.Array:
+    """dbias with bias's own 4-D shape (each dim 1 or full), float32. `own_delta`,
+    `window`, `softcap` and `features` as in `bwd_generic_dq` (every tile is visited; the
+    features mask within it)."""
     cfg = dataclasses.replace(_fitted(config, q, k, v), split_dkdv=False)
     st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
                               dropout_rate=dropout_rate, interpret=interpret,
-                              lse_pair=lse_lo is not None, own_delta=own_delta)
+                              lse_pair=lse_lo is not None, own_delta=own_delta,
+                              window=window, softcap=softcap, features=features)
     inputs = ([q, k, v, do, lse] + _lse_lo_inputs(lse, lse_lo, q.dtype) + [delta, bias]
               + ([mask] if mask is not None else [])
-              + common.seed_inputs(dropout_rate, seed))
+              + common.seed_inputs(dropout_rate, seed)
+              + common.feature_inputs(features, block_m=cfg.block_m, block_n=cfg.block_n))
     bb, bh, bt, bs = bias.shape
     n_tq = cdiv(st.seq_q, cfg.block_m) if bt != 1 else 1
     n_tk = cdiv(st.seq_k, cfg.block_n) if bs != 1 else 1

@@ -5,12 +5,17 @@ Each block of queries (rows [r0, r1)) against a range of keys (columns [c0, c1))
 steps that XLA compiles to library GEMMs and fusions:
   1. logits = q·kᵀ for all heads of the block at once, in float32 (one batched GEMM; GQA by
      reshaping the query heads of a group into the rows, never by repeating K/V);
-  2. one elementwise/row step: scale, bias, mask, causality, softmax, lse, dropout (the same
-     Philox keep decisions as the kernels: `pallas_kernels.dropout.keep_mask_reference`);
+  2. one elementwise/row step: scale, bias, the soft cap, mask, causality, window, segment
+     ids and lengths (each from the block's own rows and keys: O(block), never [T, S]),
+     softmax, lse, dropout (the same Philox keep decisions as the kernels:
+     `pallas_kernels.dropout.keep_mask_reference`);
   3. P·V by GEMM, accumulated in float32.
-Key blocks of one query block merge by their lse. Blocks that causality hides entirely are
-never built. The backward recomputes each block from the saved lse (no row max or sum):
-dV += Pᵀ·dO, dP = dO·Vᵀ, dS = P·(dP − δ), dQ = dS·K, dK += dSᵀ·Q.
+Key blocks of one query block merge by their lse; the sinks join last, as one more "block"
+with lse = the sink and no value. Blocks that causality or the window hide entirely are
+never built: with a window, each query block reads only the band of keys its rows can see.
+The backward recomputes each block from the saved lse (no row max or sum):
+dV += Pᵀ·dO, dP = dO·Vᵀ, dS = P·(dP − δ)·cap', dQ = dS·K, dK += dSᵀ·Q, with cap' the soft
+cap's derivative 1 − tanh²(logits / c).
 
 The workspace of one block is O(B·Hq·rows·keys); `block_sizes` picks the blocks so that it
 stays under a byte budget, never O(T·S) unless the problem itself is that small.
@@ -28,8 +33,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.blocked import MAX_ROW_KEYS, softmax_grad, softmax_rows
 from pallas_kernels.dropout import keep_mask_reference
-from pallas_kernels.problem import Problem
-from pallas_kernels.reference import causal_keep, softmax
+from pallas_kernels.problem import FeatureArrays, Problem
+from pallas_kernels.reference import causal_keep, feature_keep, soft_cap, softmax
 
 # Peak bytes of one block's temporaries (logits, P, dP, dS): 4 GiB unless the environment
 # variable says otherwise (`budget_from_env`).
@@ -55,6 +60,8 @@ class ChunkPlan:
     # forward's.
     bwd_block_q: int = 0
     bwd_block_k: int = 0
+    window: tuple[int, int] | None = None  # (left, right), bottom-right aligned
+    softcap: float | None = None
 
     def for_backward(self) -> "ChunkPlan":
         return dataclasses.replace(self, block_q=self.bwd_block_q or self.block_q,
@@ -131,14 +138,17 @@ def block_sizes(problem: Problem, direction: str, budget_bytes: int = DEFAULT_BU
 
 @dataclasses.dataclass(frozen=True)
 class _Group:
-    """`count` query blocks of `rows` rows, the first at row `first`, each seeing keys
-    [0, keys). One `lax.scan` runs them: XLA then runs the blocks one after another, which
-    is what bounds the workspace (unrolled, XLA hoists every block's logits GEMM)."""
+    """`count` query blocks of `rows` rows, the first at row `first`, each seeing `keys`
+    keys: [0, keys), or with `band` the `keys` keys from `_key_start` of the block's first
+    row (a window's band). One `lax.scan` runs them: XLA then runs the blocks one after
+    another, which is what bounds the workspace (unrolled, XLA hoists every block's logits
+    GEMM)."""
 
     first: int
     rows: int
     count: int
     keys: int
+    band: bool = False
 
     @property
     def starts(self) -> list[int]:
@@ -150,11 +160,50 @@ class _Group:
 MAX_CAUSAL_GROUPS = 8
 
 
+def _right_reach(plan: ChunkPlan) -> int | None:
+    """How far right of its diagonal (i + S - T) a row sees: 0 under causality, the window's
+    right size, the smaller of both, or None (no limit)."""
+    reach = 0 if plan.causal else None
+    if plan.window is not None:
+        reach = plan.window[1] if reach is None else min(reach, plan.window[1])
+    return reach
+
+
 def _key_limit(plan: ChunkPlan, r1: int, seq_q: int, seq_k: int) -> int:
-    """Keys [0, limit) that rows [., r1) can see: causality hides the rest."""
-    if not plan.causal:
+    """Keys [0, limit) that rows [., r1) can see: causality and the window's right side hide
+    the rest."""
+    reach = _right_reach(plan)
+    if reach is None:
         return seq_k
-    return max(0, min(seq_k, r1 + seq_k - seq_q))
+    return max(0, min(seq_k, r1 + seq_k - seq_q + reach))
+
+
+def _band_keys(plan: ChunkPlan, rows: int, seq_k: int) -> int:
+    """How many keys a block of `rows` rows sees under the window: its band's width (all
+    of S when the band is that wide)."""
+    if plan.window is None:
+        return seq_k
+    return min(seq_k, rows + plan.window[0] + _right_reach(plan))
+
+
+def _key_start(plan: ChunkPlan, group: _Group, r0, seq_q: int, seq_k: int):
+    """The first key of the block at row `r0` (int or traced): 0, or with a band the left
+    end of the window of its first row, moved left where the band would pass S (so that
+    the block's `group.keys` keys stay in range and still hold every key it sees)."""
+    if not group.band:
+        return 0
+    start = r0 + (seq_k - seq_q) - plan.window[0]
+    if isinstance(start, int):
+        return max(0, min(start, seq_k - group.keys))
+    return jnp.clip(start, 0, seq_k - group.keys)
+
+
+def _sees_a_key(plan: ChunkPlan, r0: int, rows: int, seq_q: int, seq_k: int) -> bool:
+    """Whether any of rows [r0, r0 + rows) sees a key by causality and the window."""
+    limit = _key_limit(plan, r0 + rows, seq_q, seq_k)
+    if plan.window is not None:  # the first key of the block's last row's window
+        return limit > 0 and r0 + rows - 1 + seq_k - seq_q - plan.window[0] < seq_k
+    return limit > 0
 
 
 def _groups(plan: ChunkPlan, seq_q: int, seq_k: int) -> list[_Group]:
@@ -162,9 +211,16 @@ def _groups(plan: ChunkPlan, seq_q: int, seq_k: int) -> list[_Group]:
     size = plan.block_q
     full, tail = divmod(seq_q, size)
     blocks = [(i * size, size) for i in range(full)] + ([(full * size, tail)] if tail else [])
-    blocks = [(r0, n, _key_limit(plan, r0 + n, seq_q, seq_k)) for r0, n in blocks]
-    blocks = [b for b in blocks if b[2] > 0]
-    if not plan.causal:
+    blocks = [(r0, n, _key_limit(plan, r0 + n, seq_q, seq_k)) for r0, n in blocks
+              if _sees_a_key(plan, r0, n, seq_q, seq_k)]
+    if any(_band_keys(plan, n, seq_k) < seq_k for _, n, _ in blocks):
+        # A window narrower than S: each block reads its own band of keys (equal widths for
+        # equal rows), wherever its rows' windows put it.
+        runs = [[b for b in blocks if b[1] == size], [b for b in blocks if b[1] != size]]
+        return [_Group(first=run[0][0], rows=run[0][1], count=len(run),
+                       keys=_band_keys(plan, run[0][1], seq_k), band=True)
+                for run in runs if run]
+    if _right_reach(plan) is None:
         runs = [[b for b in blocks if b[1] == size], [b for b in blocks if b[1] != size]]
     else:
         per = max(1, math.ceil(len(blocks) / MAX_CAUSAL_GROUPS))
@@ -250,24 +306,34 @@ def _low_precision(dtype) -> bool:
     return jnp.dtype(dtype).itemsize < 4
 
 
-def _visible(plan: ChunkPlan, mask, blk: _Block, *, seq_q: int, seq_k: int):
-    """bool, broadcastable to [B, Hq, rows, keys], or None when every key is visible."""
+def _visible(plan: ChunkPlan, mask, blk: _Block, *, seq_q: int, seq_k: int,
+             features: FeatureArrays | None = None):
+    """bool, broadcastable to [B, Hq, rows, keys], or None when every key is visible. The
+    segment ids are sliced to the block's rows and keys: O(block), never [T, S]."""
     visible = None if mask is None else _rows_of(_rows_of(mask, 2, blk.r0, blk.rows), 3,
                                                  blk.c0, blk.keys)
+    rows = blk.r0 + jnp.arange(blk.rows, dtype=jnp.int32)
+    cols = blk.c0 + jnp.arange(blk.keys, dtype=jnp.int32)
     if plan.causal:
-        keep = causal_keep(seq_q, seq_k, blk.r0 + jnp.arange(blk.rows, dtype=jnp.int32),
-                           blk.c0 + jnp.arange(blk.keys, dtype=jnp.int32))
+        keep = causal_keep(seq_q, seq_k, rows, cols)
+        visible = keep if visible is None else visible & keep
+    f = FeatureArrays() if features is None else features
+    if plan.window is not None or any(x is not None for x in f[:4]):
+        keep = feature_keep(seq_q, seq_k, rows, cols, window=plan.window,
+                            q_segment_ids=_rows_of(f.q_segment_ids, 1, blk.r0, blk.rows),
+                            kv_segment_ids=_rows_of(f.kv_segment_ids, 1, blk.c0, blk.keys),
+                            q_lengths=f.q_lengths, kv_lengths=f.kv_lengths)
         visible = keep if visible is None else visible & keep
     return visible
 
 
 def _scores_xla(plan: ChunkPlan, logits, bias, blk: _Block):
-    """scale·logits + bias, float32 [B, Hq, rows, keys] (natural-log units)."""
+    """scale·logits + bias, soft-capped, float32 [B, Hq, rows, keys] (natural-log units)."""
     s = logits * jnp.asarray(plan.scale, jnp.float32)
     if bias is not None:
         s = s + _rows_of(_rows_of(bias, 2, blk.r0, blk.rows), 3, blk.c0, blk.keys).astype(
             jnp.float32)
-    return s
+    return soft_cap(s, plan.softcap)
 
 
 def _keep(plan: ChunkPlan, seed, blk: _Block, *, batch: int, heads_q: int):
@@ -279,18 +345,20 @@ def _keep(plan: ChunkPlan, seed, blk: _Block, *, batch: int, heads_q: int):
 
 
 def _softmax_xla(plan: ChunkPlan, logits, bias, mask, seed, blk: _Block, *, seq_q: int,
-                 seq_k: int, p_dtype):
+                 seq_k: int, p_dtype, features: FeatureArrays | None = None):
     """`softmax_rows` as XLA ops: (P [B, Hq, rows, keys] in `p_dtype`, lse [B, Hq, rows])."""
     b, hq = logits.shape[:2]
     s = _scores_xla(plan, logits, bias, blk)
-    probs, lse = softmax(s, _visible(plan, mask, blk, seq_q=seq_q, seq_k=seq_k))
+    probs, lse = softmax(s, _visible(plan, mask, blk, seq_q=seq_q, seq_k=seq_k,
+                                     features=features))
     if plan.dropout_rate > 0.0:
         keep = _keep(plan, seed, blk, batch=b, heads_q=hq)
         probs = jnp.where(keep, probs / (1.0 - plan.dropout_rate), jnp.zeros_like(probs))
     return probs.astype(p_dtype), lse
 
 
-def _forward_block(plan: ChunkPlan, qg, kk, vv, bias, mask, seed, blk: _Block, *, seq_q: int):
+def _forward_block(plan: ChunkPlan, qg, kk, vv, bias, mask, seed, features, blk: _Block, *,
+                   seq_q: int):
     """(out [B, Hkv, G, rows, Dv] float32, lse [B, Hq, rows]) of one block, each normalised
     over the block's own keys (lse -inf and out 0 where a row sees none of them)."""
     b, hkv, g, _, _ = qg.shape
@@ -305,10 +373,10 @@ def _forward_block(plan: ChunkPlan, qg, kk, vv, bias, mask, seed, blk: _Block, *
         probs, lse = softmax_rows(logits, blk.offsets(), bias, mask, seed, seq_q=seq_q,
                                   seq_k=seq_k, scale=plan.scale, causal=plan.causal,
                                   dropout_rate=plan.dropout_rate, out_dtype=p_dtype,
-                                  interpret=plan.interpret)
+                                  interpret=plan.interpret, **_step_features(plan, features))
     else:
         probs, lse = _softmax_xla(plan, logits, bias, mask, seed, blk, seq_q=seq_q,
-                                  seq_k=seq_k, p_dtype=p_dtype)
+                                  seq_k=seq_k, p_dtype=p_dtype, features=features)
     out = _mm("bkms,bksd->bkmd", probs.reshape(b, hkv, g * blk.rows, blk.keys), v_blk,
               jnp.float32)
     return out.reshape(b, hkv, g, blk.rows, -1), lse
@@ -326,21 +394,47 @@ def _merge(acc, part):
     return o1 * as_rows(w1) + o2 * as_rows(w2), lse
 
 
-def _forward_rows(plan: ChunkPlan, qg, kk, vv, bias, mask, seed, r0, rows: int, limit: int, *,
-                  seq_q: int):
-    """(out, lse) of rows [r0, r0 + rows) over keys [0, limit), key blocks merged by lse."""
+def _forward_rows(plan: ChunkPlan, qg, kk, vv, bias, mask, seed, features, r0, rows: int,
+                  start, limit: int, *, seq_q: int):
+    """(out, lse) of rows [r0, r0 + rows) over keys [start, start + limit), key blocks
+    merged by lse."""
     segments = _segments(limit, plan.block_k)
-    run = functools.partial(_forward_block, plan, qg, kk, vv, bias, mask, seed, seq_q=seq_q)
+    run = functools.partial(_forward_block, plan, qg, kk, vv, bias, mask, seed, features,
+                            seq_q=seq_q)
     if len(segments) == 1 and len(segments[0][1]) == 1:
-        return run(_Block(r0, rows, 0, limit))
+        return run(_Block(r0, rows, start, limit))
     b, hkv, g, _, _ = qg.shape
     acc = (jnp.zeros((b, hkv, g, rows, vv.shape[3]), jnp.float32),
            jnp.full((b, hkv * g, rows), -jnp.inf, jnp.float32))
     for keys, starts in segments:
         def body(acc, c0, keys=keys):
-            return _merge(acc, run(_Block(r0, rows, c0, keys))), None
+            return _merge(acc, run(_Block(r0, rows, start + c0, keys))), None
         acc, _ = _over(starts, body, acc)
     return acc
+
+
+def _step_features(plan: ChunkPlan, features) -> dict:
+    """The Pallas steps' feature arguments (none when the call uses no feature, so that
+    their kernels stay what they were)."""
+    kw = {}
+    if plan.window is not None:
+        kw["window"] = plan.window
+    if plan.softcap is not None:
+        kw["softcap"] = plan.softcap
+    if features is not None and any(x is not None for x in features[:4]):
+        kw["features"] = features.without_sinks()
+    return kw
+
+
+def with_sinks(out, lse, sinks):
+    """(out, lse) of rows [B, T, Hq, Dv] / [B, Hq, T] with each head's sink joined to the
+    row's denominator: the sink is one more block of keys with lse = sink and no value."""
+    if sinks is None:
+        return out, lse
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], lse.shape)
+    total = jnp.logaddexp(lse, sink)
+    weight = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(lse - total))  # the keys' share
+    return out * jnp.swapaxes(weight, 1, 2)[..., None], total
 
 
 def _stacked_rows(x, axis: int):
@@ -371,40 +465,44 @@ def _in_row_order(pieces, groups, *, seq_q: int, axis: int, fill):
     return jnp.concatenate(out, axis=axis)
 
 
-def forward(plan: ChunkPlan, q, k, v, bias, mask, seed):
-    """(out [B, T, Hq, Dv] float32, lse [B, Hq, T] float32)."""
+def forward(plan: ChunkPlan, q, k, v, bias, mask, seed, features: FeatureArrays | None = None):
+    """(out [B, T, Hq, Dv] float32, lse [B, Hq, T] float32); `features` the feature arrays
+    (segment ids, lengths, sinks) or None."""
     b, t, hq, _ = q.shape
-    hkv = k.shape[2]
+    hkv, s = k.shape[2], k.shape[1]
+    sinks = None if features is None else features.sinks
     qg, kk, vv = _grouped(q, hkv), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    groups = _groups(plan, t, k.shape[1])
+    groups = _groups(plan, t, s)
     if not groups:  # no row sees a key
-        return (jnp.zeros((b, t, hq, v.shape[3]), jnp.float32),
-                jnp.full((b, hq, t), -jnp.inf, jnp.float32))
+        return with_sinks(jnp.zeros((b, t, hq, v.shape[3]), jnp.float32),
+                          jnp.full((b, hq, t), -jnp.inf, jnp.float32), sinks)
     outs, lses = [], []
     for g in groups:
         def body(carry, r0, g=g):
-            return carry, _forward_rows(plan, qg, kk, vv, bias, mask, seed, r0, g.rows, g.keys,
+            return carry, _forward_rows(plan, qg, kk, vv, bias, mask, seed, features, r0,
+                                        g.rows, _key_start(plan, g, r0, t, s), g.keys,
                                         seq_q=t)
         _, (out, lse) = _over(g.starts, body, None)
         outs.append(out)
         lses.append(lse)
     out = _in_row_order(outs, groups, seq_q=t, axis=3, fill=0.0)
     lse = _in_row_order(lses, groups, seq_q=t, axis=2, fill=-jnp.inf)
-    return _ungrouped(out), lse
+    return with_sinks(_ungrouped(out), lse, sinks)
 
 
 # ---------------------------------------------------------------- backward
 
 
 def _softmax_grad_xla(plan: ChunkPlan, logits, dp, lse, delta, bias, mask, seed, blk: _Block, *,
-                      seq_q: int, seq_k: int, out_dtype, split: bool, own_delta: bool):
+                      seq_q: int, seq_k: int, out_dtype, split: bool, own_delta: bool,
+                      features: FeatureArrays | None = None):
     """`softmax_grad` as XLA ops: (dropped P, (dS[, dS's low word]), dS float32), each
-    [B, Hq, rows, keys]."""
+    [B, Hq, rows, keys]; dS is the gradient of the logits before the soft cap."""
     b, hq = logits.shape[:2]
     lse, delta = lse[..., None], delta[..., None]
     s = _scores_xla(plan, logits, bias, blk)
     ok = jnp.isfinite(lse)
-    visible = _visible(plan, mask, blk, seq_q=seq_q, seq_k=seq_k)
+    visible = _visible(plan, mask, blk, seq_q=seq_q, seq_k=seq_k, features=features)
     if visible is not None:
         ok = ok & visible
     probs = jnp.where(ok, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)), 0.0)
@@ -418,12 +516,15 @@ def _softmax_grad_xla(plan: ChunkPlan, logits, dp, lse, delta, bias, mask, seed,
     if own_delta:
         delta = jnp.sum(probs * dp, axis=-1, keepdims=True) + delta
     ds = probs * (dp - delta)
+    if plan.softcap is not None:  # through c·tanh(x / c): times 1 - tanh²
+        t = s / jnp.asarray(plan.softcap, jnp.float32)
+        ds = ds * (1.0 - t * t)
     hi = ds.astype(out_dtype)
     parts = (hi, (ds - hi.astype(jnp.float32)).astype(out_dtype)) if split else (hi,)
     return dropped.astype(out_dtype), parts, ds
 
 
-def _backward_block(plan: ChunkPlan, qg, kk, vv, dog, lse, deltas, bias, mask, seed,
+def _backward_block(plan: ChunkPlan, qg, kk, vv, dog, lse, deltas, bias, mask, seed, features,
                     blk: _Block, *, seq_q: int, want_ds: bool):
     """(dq [B, Hkv, G, rows, D], dk [B, Hkv, keys, D], dv [B, Hkv, keys, Dv], ds) of one
     block, float32; ds [B, Hq, rows, keys] float32 only when `want_ds` (a bias's gradient).
@@ -452,13 +553,14 @@ def _backward_block(plan: ChunkPlan, qg, kk, vv, dog, lse, deltas, bias, mask, s
         outs = softmax_grad(logits, dp, lse_blk, delta_blk, blk.offsets(), bias, mask, seed,
                             seq_q=seq_q, seq_k=seq_k, scale=plan.scale, causal=plan.causal,
                             dropout_rate=plan.dropout_rate, out_dtype=in_dtype, split=split,
-                            with_ds32=want_ds, own_delta=own_delta, interpret=plan.interpret)
+                            with_ds32=want_ds, own_delta=own_delta, interpret=plan.interpret,
+                            **_step_features(plan, features))
         dropped, parts, ds32 = outs[0], outs[1:2 + split], outs[-1] if want_ds else None
     else:
         dropped, parts, ds32 = _softmax_grad_xla(plan, logits, dp, lse_blk, delta_blk, bias,
                                                  mask, seed, blk, seq_q=seq_q, seq_k=seq_k,
                                                  out_dtype=in_dtype, split=split,
-                                                 own_delta=own_delta)
+                                                 own_delta=own_delta, features=features)
     as3 = lambda x: x.reshape(b, hkv, g * rows, keys)
     scale = jnp.asarray(plan.scale, jnp.float32)
     dv = _mm("bkms,bkmd->bksd", as3(dropped), do_blk, jnp.float32)
@@ -481,8 +583,11 @@ def _add_at(acc, part, starts):
     return jax.lax.dynamic_update_slice(acc, current + part, starts)
 
 
-def backward(plan: ChunkPlan, q, k, v, bias, mask, seed, out, lse, d_out, d_lse):
-    """(dq, dk, dv, dbias) in the inputs' dtypes (dbias in the bias's, None without one)."""
+def backward(plan: ChunkPlan, q, k, v, bias, mask, seed, out, lse, d_out, d_lse,
+             features: FeatureArrays | None = None):
+    """(dq, dk, dv, dbias) in the inputs' dtypes (dbias in the bias's, None without one).
+    `features`: the feature arrays or None (lse counts the sinks already: they only decide
+    how a bias constant over the keys gets its gradient)."""
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     # A row without keys has lse = -inf and no gradient path; drop its lse cotangent.
@@ -491,19 +596,27 @@ def backward(plan: ChunkPlan, q, k, v, bias, mask, seed, out, lse, d_out, d_lse)
                          precision=jax.lax.Precision.HIGHEST) - d_lse, -d_lse)
     qg, dog = _grouped(q, hkv), _grouped(d_out, hkv)
     kk, vv = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    full_bias = bias is not None and bias.shape[-1] != 1
+    has_sinks = features is not None and features.sinks is not None
+    # A bias constant over the keys has a closed-form gradient (`row_constant_dbias`) unless
+    # the soft cap bends the logits or a sink does not move with them: then it takes dS's
+    # sum over the keys like any other bias.
+    full_bias = bias is not None and (bias.shape[-1] != 1 or plan.softcap is not None
+                                      or has_sinks)
     carry = (jnp.zeros(kk.shape, jnp.float32), jnp.zeros(vv.shape, jnp.float32),
              jnp.zeros(bias.shape, jnp.float32) if full_bias else None)
     groups = _groups(plan, t, k.shape[1])
+    features = None if features is None else features.without_sinks()
     run = functools.partial(_backward_block, plan, qg, kk, vv, dog, lse, deltas, bias, mask,
-                            seed, seq_q=t, want_ds=full_bias)
+                            seed, features, seq_q=t, want_ds=full_bias)
     dqs = []
     for grp in groups:
         def rows_body(carry, r0, grp=grp):
             dk, dv, dbias = carry
             dq = jnp.zeros((b, hkv, hq // hkv, grp.rows, d), jnp.float32)
+            first = _key_start(plan, grp, r0, t, k.shape[1])
             for keys, starts in _segments(grp.keys, plan.block_k):
                 def keys_body(inner, c0, keys=keys):
+                    c0 = first + c0
                     dq, dk, dv, dbias = inner
                     dq_b, dk_b, dv_b, ds = run(_Block(r0, grp.rows, c0, keys))
                     dk = _add_at(dk, dk_b, (0, 0, c0, 0))
@@ -568,7 +681,8 @@ def make_plan(problem: Problem, *, step: str, interpret: bool = False,
                                   for direction in ("forward", "backward"))
     if max_keys is not None and fwd_blocks[1] > max_keys:  # softmax_rows holds whole rows
         fwd_blocks = (fwd_blocks[0], max_keys)
-    return ChunkPlan(scale=problem.scale, causal=problem.causal,
+    return ChunkPlan(scale=problem.scale, causal=problem.causal, window=problem.window,
+                     softcap=problem.softcap,
                      dropout_rate=problem.dropout_rate, block_q=max(1, fwd_blocks[0]),
                      block_k=max(1, fwd_blocks[1]), bwd_block_q=max(1, bwd_blocks[0]),
                      bwd_block_k=max(1, bwd_blocks[1]), step=step, interpret=interpret)

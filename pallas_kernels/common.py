@@ -57,6 +57,22 @@ class KernelStatic:
     # backward: every row's keys fit in one tile; the "delta" input holds dlse, and δ comes
     # from the tile's own normalised P and dP (see pallas_kernels.bwd.rows_in_one_tile)
     own_delta: bool = False
+    # The language-model features (`Features`): the window (left, right) and the soft cap
+    # are static; which runtime arrays are inputs (segment ids with their per-query-block
+    # key-block ranges, q lengths, kv lengths, sinks) follow the seed, in that order.
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+    segment_ids: bool = False
+    q_lengths: bool = False
+    kv_lengths: bool = False
+    sinks: bool = False
+
+    @property
+    def ranged(self) -> bool:
+        """Whether the key blocks a query block visits are bounded by the window, the
+        segments or the lengths (`feature_block_range`), with their element masks."""
+        return (self.window is not None or self.segment_ids or self.q_lengths
+                or self.kv_lengths)
 
     @property
     def group(self) -> int:
@@ -110,7 +126,9 @@ def natural_units(dtype) -> bool:
 def kernel_static(q, k, v, bias, mask, *, scale: float, causal: bool, cfg,
                   list_outer: int = 1, dropout_rate: float = 0.0,
                   interpret: bool = False, lse_pair: bool = False,
-                  split_ds: bool = False, own_delta: bool = False) -> KernelStatic:
+                  split_ds: bool = False, own_delta: bool = False,
+                  window: tuple[int, int] | None = None, softcap: float | None = None,
+                  features=None) -> KernelStatic:
     batch, seq_q, heads_q, head_dim = q.shape
     if own_delta and cfg.block_n < k.shape[1]:
         raise ValueError(f"own_delta needs every row's {k.shape[1]} keys in one tile; the "
@@ -122,7 +140,13 @@ def kernel_static(q, k, v, bias, mask, *, scale: float, causal: bool, cfg,
                         mask_shape=None if mask is None else tuple(mask.shape),
                         list_outer=list_outer, cfg=cfg, dropout_rate=float(dropout_rate),
                         interpret=interpret, natural=natural_units(q.dtype),
-                        lse_pair=lse_pair, split_ds=split_ds, own_delta=own_delta)
+                        lse_pair=lse_pair, split_ds=split_ds, own_delta=own_delta,
+                        window=None if window is None else tuple(window),
+                        softcap=None if softcap is None else float(softcap),
+                        segment_ids=features is not None and features.q_segment_ids is not None,
+                        q_lengths=features is not None and features.q_lengths is not None,
+                        kv_lengths=features is not None and features.kv_lengths is not None,
+                        sinks=features is not None and features.sinks is not None)
 
 
 # The most dynamic shared memory one program may use on the H100 and H200 (227 KiB).
@@ -405,20 +429,29 @@ def load_broadcast_tile(ref, b, h, rows_start, rows, cols_start, cols, *, n_rows
 
 
 def bias_and_masks(s, st: KernelStatic, bias_ref, mask_ref, b, h, q_start, kv_start, rows,
-                   cols, *, causal_mask: bool, with_mask: bool, mask_rows: bool = False):
-    """Scores [bm, bn] (in `st.score_unit`s) + bias, then mask, causal and bounds as -inf.
+                   cols, *, causal_mask: bool, with_mask: bool, mask_rows: bool = False,
+                   features: "TileFeatures | None" = None, with_cap_grad: bool = False):
+    """Scores [bm, bn] (in `st.score_unit`s) + bias, soft-capped, then mask, causal, the
+    window, segments and lengths (`features`), and bounds as -inf.
 
-    The order is the semantics' own (bias, then mask, then causal); forward and
+    The order is the semantics' own (bias, then the cap, then the masks); forward and
     backward both call this, so they can never disagree on which scores exist.
     `rows`/`cols` are the tile's query/key indices; `mask_rows` also hides rows
-    past T, for kernels that sum over query rows.
+    past T, for kernels that sum over query rows. `with_cap_grad` returns (scores, the
+    soft cap's derivative at every element, finite even where a key is hidden; None
+    without a cap).
     """
+    cap_grad = None
     bm, bn = s.shape
     if st.bias_shape is not None:
         bias = load_broadcast_tile(
             bias_ref, broadcast_index(b, st.bias_shape[0]), broadcast_index(h, st.bias_shape[1]),
             q_start, bm, kv_start, bn, n_rows=st.seq_q, n_cols=st.seq_k, other=0)
         s = add_bias(s, bias, st)
+    if st.softcap is not None:
+        s = soft_cap(s, st)
+        if with_cap_grad:
+            cap_grad = soft_cap_grad(s, st)
     if with_mask:
         keep = load_broadcast_tile(
             mask_ref, broadcast_index(b, st.mask_shape[0]), broadcast_index(h, st.mask_shape[1]),
@@ -426,11 +459,201 @@ def bias_and_masks(s, st: KernelStatic, bias_ref, mask_ref, b, h, q_start, kv_st
         s = jnp.where(keep, s, -jnp.inf)
     if causal_mask:
         s = jnp.where(cols[None, :] <= rows[:, None] + (st.seq_k - st.seq_q), s, -jnp.inf)
+    if features is not None:
+        keep = features.keep(kv_start, rows, cols)
+        if keep is not None:
+            s = jnp.where(keep, s, -jnp.inf)
     if st.seq_k % bn != 0:
         s = jnp.where((cols < st.seq_k)[None, :], s, -jnp.inf)
     if mask_rows and st.seq_q % bm != 0:
         s = jnp.where((rows < st.seq_q)[:, None], s, -jnp.inf)
-    return s
+    return (s, cap_grad) if with_cap_grad else s
+
+
+def soft_cap(s, st: KernelStatic):
+    """c·tanh(x / c) of scores `s` in `st.score_unit`s (x = s / unit): the cap scaled to
+    the scores' units, so that no extra multiply reaches the natural-log logits."""
+    cap = st.softcap * st.score_unit
+    return cap * jnp.tanh(s * (1.0 / cap))
+
+
+def soft_cap_grad(s_capped, st: KernelStatic):
+    """d capped / d x at the capped scores: 1 - tanh², tanh = capped / (c·unit); finite
+    wherever the capped score is (callers zero the hidden keys' dS by P = 0 first)."""
+    t = s_capped * (1.0 / (st.softcap * st.score_unit))
+    return 1.0 - t * t
+
+
+class TileFeatures:
+    """The window, segment ids and lengths of one program's query rows (its loaded ids and
+    lengths), for `bias_and_masks` and the block ranges of the kernels' walks."""
+
+    def __init__(self, st: KernelStatic, refs: dict, b, q_start, bm: int):
+        self.st = st
+        self.refs = refs
+        self.b = b
+        self.q_ids = None
+        if st.segment_ids:
+            rows = q_start + iota(bm)
+            self.q_ids = plgpu.load(refs["q_ids"].at[i32(b), ds(q_start, bm)],
+                                    mask=rows < st.seq_q, other=0)
+        self.q_len = refs["q_len"][i32(b)] if st.q_lengths else None
+        self.kv_len = refs["kv_len"][i32(b)] if st.kv_lengths else None
+
+    def keep(self, kv_start, rows, cols):
+        """bool [bm, bn] (or None): the window, segments and lengths at rows × cols."""
+        st, keep = self.st, None
+
+        def both(a, x):
+            return x if a is None else a & x
+        if st.window is not None:
+            shifted = rows[:, None] + (st.seq_k - st.seq_q)
+            keep = ((cols[None, :] >= shifted - st.window[0])
+                    & (cols[None, :] <= shifted + st.window[1]))
+        if self.q_ids is not None:
+            kv_ids = plgpu.load(self.refs["kv_ids"].at[i32(self.b), ds(kv_start, cols.shape[0])],
+                                mask=cols < st.seq_k, other=0)
+            keep = both(keep, self.q_ids[:, None] == kv_ids[None, :])
+        if self.q_len is not None:
+            keep = both(keep, (rows < self.q_len)[:, None])
+        if self.kv_len is not None:
+            keep = both(keep, (cols < self.kv_len)[None, :])
+        return keep
+
+    def kv_block_range(self, q_block, q_start, bm: int, bn: int, hi):
+        """[lo, hi) of the key blocks rows [q_start, q_start + bm) can see, within the
+        caller's `hi` (its causal limit, or all key blocks): the window's band, the
+        segments' ranges (`segment_block_ranges`) and the lengths bound it."""
+        st = self.st
+        lo = i32(0)
+        hi = i32(hi)
+        shift = st.seq_k - st.seq_q
+        if st.window is not None:
+            left, right = st.window
+            lo = jnp.maximum(q_start + shift - left, 0) // bn
+            last = jnp.minimum(q_start + bm - 1, st.seq_q - 1)
+            hi = jnp.minimum(hi, (jnp.maximum(last + shift + right + 1, 0) + bn - 1) // bn)
+        if self.kv_len is not None:
+            hi = jnp.minimum(hi, (jnp.maximum(self.kv_len, 0) + bn - 1) // bn)
+        if self.q_len is not None:
+            hi = jnp.where(q_start < self.q_len, hi, lo)
+        if st.segment_ids:
+            ranges = self.refs["seg_ranges"]
+            lo = jnp.maximum(lo, ranges[i32(self.b), i32(q_block), 0])
+            hi = jnp.minimum(hi, ranges[i32(self.b), i32(q_block), 1])
+        return lo, jnp.maximum(hi, lo)
+
+
+def q_block_range(st: KernelStatic, refs: dict, b, kv_block, kv_start, bm: int, bn: int,
+                  lo, hi):
+    """[lo, hi) of the query blocks that see any of the keys [kv_start, kv_start + bn),
+    within the caller's [lo, hi) (causality's, or all query blocks): the transpose of
+    `TileFeatures.kv_block_range`, for the kernels that walk query blocks (dK, dV); the
+    segment ranges here are per key block (`feature_inputs(over_kv=False)`)."""
+    lo, hi = i32(lo), i32(hi)
+    shift = st.seq_k - st.seq_q
+    if st.window is not None:
+        left, right = st.window
+        # Row i sees key j iff j - shift - right <= i <= j - shift + left.
+        lo = jnp.maximum(lo, jnp.maximum(kv_start - shift - right, 0) // bm)
+        last_key = jnp.minimum(kv_start + bn - 1, st.seq_k - 1)
+        hi = jnp.minimum(hi, (jnp.maximum(last_key - shift + left + 1, 0) + bm - 1) // bm)
+    if st.q_lengths:
+        hi = jnp.minimum(hi, (jnp.maximum(refs["q_len"][i32(b)], 0) + bm - 1) // bm)
+    if st.kv_lengths:
+        hi = jnp.where(kv_start < refs["kv_len"][i32(b)], hi, lo)
+    if st.segment_ids:
+        ranges = refs["seg_ranges"]
+        lo = jnp.maximum(lo, ranges[i32(b), i32(kv_block), 0])
+        hi = jnp.minimum(hi, ranges[i32(b), i32(kv_block), 1])
+    return lo, jnp.maximum(hi, lo)
+
+
+def sink_share(st: KernelStatic, refs: dict, h, lse_hi, lse_lo=None):
+    """The sink's probability e^(sink - lse) of each row ([bm], 0 without sinks), from the
+    rows' lse in score units (and its low word): what the keys' P lack from 1."""
+    if not st.sinks:
+        return None
+    diff = refs["sinks"][i32(h)] * st.score_unit - lse_hi
+    if lse_lo is not None:
+        diff = diff - lse_lo
+    return st.exp2(st.exp2_arg(diff))
+
+
+def segment_block_ranges(q_ids, kv_ids, *, block_m: int, block_n: int) -> jax.Array:
+    """int32 [B, nq, 2]: for each query block of `block_m` rows, the key blocks
+    [first, last + 1) of `block_n` keys whose id ranges (min to max) meet the block's
+    ([0, 0) where none does). A cheap XLA pass over the ids ([B, nq, nk] booleans, never
+    [T, S]); exact for contiguous (sorted) segments, a superset for others: the element
+    masks decide, the range only skips blocks."""
+    def block_min_max(ids, block):
+        b, n = ids.shape
+        blocks = cdiv(n, block)
+        padded = jnp.pad(ids, ((0, 0), (0, blocks * block - n)), mode="edge")
+        padded = padded.reshape(b, blocks, block)
+        return padded.min(axis=-1), padded.max(axis=-1)
+    q_min, q_max = block_min_max(q_ids, block_m)
+    k_min, k_max = block_min_max(kv_ids, block_n)
+    meet = (k_min[:, None, :] <= q_max[:, :, None]) & (k_max[:, None, :] >= q_min[:, :, None])
+    n_k = meet.shape[-1]
+    any_meet = meet.any(axis=-1)
+    first = jnp.argmax(meet, axis=-1)
+    last = n_k - 1 - jnp.argmax(meet[..., ::-1], axis=-1)
+    lo = jnp.where(any_meet, first, 0)
+    hi = jnp.where(any_meet, last + 1, 0)
+    return jnp.stack([lo, hi], axis=-1).astype(jnp.int32)
+
+
+def feature_inputs(features, *, block_m: int, block_n: int, over_kv: bool = True) -> list:
+    """The kernel inputs the feature arrays bring, in `KernelStatic`'s order: q ids, kv ids
+    and their block ranges (per query block: the key blocks, `over_kv`; else per key block:
+    the query blocks), q lengths, kv lengths, sinks (float32)."""
+    if features is None:
+        return []
+    out = []
+    if features.q_segment_ids is not None:
+        q_ids, kv_ids = features.q_segment_ids, features.kv_segment_ids
+        ranges = (segment_block_ranges(q_ids, kv_ids, block_m=block_m, block_n=block_n)
+                  if over_kv else
+                  segment_block_ranges(kv_ids, q_ids, block_m=block_n, block_n=block_m))
+        out += [q_ids, kv_ids, ranges]
+    if features.q_lengths is not None:
+        out.append(features.q_lengths)
+    if features.kv_lengths is not None:
+        out.append(features.kv_lengths)
+    if features.sinks is not None:
+        out.append(features.sinks.astype(jnp.float32))
+    return out
+
+
+def feature_names(st: KernelStatic) -> list[str]:
+    """The names of the feature inputs' refs, in `feature_inputs`' order."""
+    return (["q_ids", "kv_ids", "seg_ranges"] * st.segment_ids + ["q_len"] * st.q_lengths
+            + ["kv_len"] * st.kv_lengths + ["sinks"] * st.sinks)
+
+
+def pop_feature_refs(st: KernelStatic, refs: list) -> dict:
+    """The feature inputs' refs by name, popped from the front of `refs`."""
+    out = {}
+    if st.segment_ids:
+        out["q_ids"], out["kv_ids"], out["seg_ranges"] = refs.pop(0), refs.pop(0), refs.pop(0)
+    if st.q_lengths:
+        out["q_len"] = refs.pop(0)
+    if st.kv_lengths:
+        out["kv_len"] = refs.pop(0)
+    if st.sinks:
+        out["sinks"] = refs.pop(0)
+    return out
+
+
+def join_sink(m_i, l_i, acc, sink, st: KernelStatic):
+    """The running (max, sum, accumulator) of rows with the head's sink logit `sink`
+    (natural-log units, a scalar) joined to the denominator: one more key, no value."""
+    sink_u = sink * st.score_unit
+    m_new = jnp.maximum(m_i, sink_u)
+    alpha = st.exp2(st.exp2_arg(m_i - m_new))  # m_i = -inf (no key yet): 0
+    l_new = l_i * alpha + st.exp2(st.exp2_arg(sink_u - m_new))
+    return m_new, l_new, acc * alpha[:, None]
 
 
 def add_bias(s, bias, st: KernelStatic):
@@ -467,8 +690,10 @@ def folds_scale(st: KernelStatic, *, per_chunk: bool) -> bool:
     `st.fast_softmax`, without a bias (a bias is added in score units), without
     per-chunk rounding (which scales each chunk's product), and with a positive scale
     (only then is max(s)·scale the max of the scaled scores; a zero scale would also
-    turn masked -inf scores into NaN)."""
-    return st.fast_softmax and not per_chunk and st.bias_shape is None and st.scale > 0
+    turn masked -inf scores into NaN), and without a soft cap (it bends the scaled
+    scores)."""
+    return (st.fast_softmax and not per_chunk and st.bias_shape is None and st.scale > 0
+            and st.softcap is None)
 
 
 def fma(a: jax.Array, b: float, c: jax.Array) -> jax.Array:

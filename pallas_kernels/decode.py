@@ -13,7 +13,10 @@ tiny, so the work is split along the keys instead:
 
 Semantics are the forward's: bias/mask broadcast with stride 0 (gathered per
 packed row), bottom-right causal, fully masked rows give 0 and lse -inf,
-dropout with the same keep-mask as every other kernel.
+dropout with the same keep-mask as every other kernel. The language-model features too:
+the soft cap after the bias; the window, segment ids (gathered per packed row) and lengths
+mask each tile and bound the key blocks a split walks; the sinks join in stage 2, as one
+more partial with lse = the sink and no value.
 """
 
 from __future__ import annotations
@@ -114,6 +117,7 @@ def _stage1_kernel(*refs, lay: _Layout, per_chunk: bool):
     bias_ref = rest.pop(0) if st.bias_shape is not None else None
     mask_ref = rest.pop(0) if st.mask_shape is not None else None
     seed_ref = rest.pop(0) if st.dropout_rate > 0 else None
+    feature_refs = common.pop_feature_refs(st, rest)
     o_ref, lse_ref = rest
 
     pid, bhk = pl.program_id(0), pl.program_id(1)
@@ -129,6 +133,33 @@ def _stage1_kernel(*refs, lay: _Layout, per_chunk: bool):
     r_safe = jnp.where(rows_ok, r, 0)
     t_rows = r_safe % st.seq_q
     h_rows = hk * st.group + r_safe // st.seq_q
+    q_ids = q_len = kv_len = None
+    if st.segment_ids:
+        q_ids = plgpu.load(feature_refs["q_ids"].at[i32(b), t_rows], mask=rows_ok, other=0)
+    if st.q_lengths:
+        q_len = feature_refs["q_len"][i32(b)]
+    if st.kv_lengths:
+        kv_len = feature_refs["kv_len"][i32(b)]
+
+    def feature_keep(kv_start, cols):
+        """The window, segments and lengths at the packed rows × `cols` (None without)."""
+        keep = None
+
+        def both(a, x):
+            return x if a is None else a & x
+        if st.window is not None:
+            shifted = t_rows[:, None] + (st.seq_k - st.seq_q)
+            keep = ((cols[None, :] >= shifted - st.window[0])
+                    & (cols[None, :] <= shifted + st.window[1]))
+        if q_ids is not None:
+            kv_ids = plgpu.load(feature_refs["kv_ids"].at[i32(b), common.ds(kv_start, bn)],
+                                mask=cols < st.seq_k, other=0)
+            keep = both(keep, q_ids[:, None] == kv_ids[None, :])
+        if q_len is not None:
+            keep = both(keep, (t_rows < q_len)[:, None])
+        if kv_len is not None:
+            keep = both(keep, (cols < kv_len)[None, :])
+        return keep
 
     def q_chunk_at(c):
         cols = common.chunk_start(c, bd) + iota(bd)
@@ -158,12 +189,18 @@ def _stage1_kernel(*refs, lay: _Layout, per_chunk: bool):
             bias = _gather_tile(bias_ref, b, h_rows, t_rows, cols, rows_ok=rows_ok,
                                 seq_k=st.seq_k, other=0)
             s = common.add_bias(s, bias, st)
+        if st.softcap is not None:
+            s = common.soft_cap(s, st)
         if mask_ref is not None:
             keep = _gather_tile(mask_ref, b, h_rows, t_rows, cols, rows_ok=rows_ok,
                                 seq_k=st.seq_k, other=False)
             s = jnp.where(keep, s, -jnp.inf)
         if st.causal:
             s = jnp.where(cols[None, :] <= t_rows[:, None] + (st.seq_k - st.seq_q), s, -jnp.inf)
+        if st.ranged:
+            keep = feature_keep(kv_start, cols)
+            if keep is not None:
+                s = jnp.where(keep, s, -jnp.inf)
         if st.seq_k % bn != 0:
             s = jnp.where((cols < st.seq_k)[None, :], s, -jnp.inf)
 
@@ -179,6 +216,9 @@ def _stage1_kernel(*refs, lay: _Layout, per_chunk: bool):
 
     first = split * lay.blocks_per_split
     last = jnp.minimum(first + lay.blocks_per_split, cdiv(st.seq_k, bn))
+    if st.ranged:
+        first, last = _feature_block_range(st, feature_refs, b, first, last, q_len=q_len,
+                                           kv_len=kv_len)
     carry = (jnp.full((bm,), -jnp.inf, jnp.float32), jnp.zeros((bm,), jnp.float32),
              jnp.zeros((bm, bdv), jnp.float32))
     m_i, l_i, acc = jax.lax.fori_loop(i32(first), i32(last), visit, carry)
@@ -196,6 +236,27 @@ def _stage1_kernel(*refs, lay: _Layout, per_chunk: bool):
                 mask=rows_ok & (v_slice == 0))
 
 
+def _feature_block_range(st, refs, b, first, last, *, q_len, kv_len):
+    """The split's key blocks [first, last) cut to those any query row can see by the
+    window (its rows are all T queries), the lengths and the segments (the range of the
+    queries' ids: `common.segment_block_ranges` with one block of T rows)."""
+    bn = st.cfg.block_n
+    first, last = i32(first), i32(last)
+    shift = st.seq_k - st.seq_q
+    if st.window is not None:
+        left, right = st.window
+        first = jnp.maximum(first, max(0, shift - left) // bn)
+        last = jnp.minimum(last, cdiv(max(0, st.seq_q - 1 + shift + right + 1), bn))
+    if kv_len is not None:
+        last = jnp.minimum(last, (jnp.maximum(kv_len, 0) + bn - 1) // bn)
+    if q_len is not None:
+        last = jnp.where(q_len > 0, last, first)
+    if st.segment_ids:
+        first = jnp.maximum(first, refs["seg_ranges"][i32(b), i32(0), 0])
+        last = jnp.minimum(last, refs["seg_ranges"][i32(b), i32(0), 1])
+    return first, jnp.maximum(last, first)
+
+
 def decode_num_splits(*, batch: int, heads_kv: int, packed_rows: int, seq_k: int,
                       head_dim_v: int, config: DecodeConfig, multiprocessors: int) -> int:
     """The split count when the config leaves it open: enough programs for about four
@@ -210,9 +271,13 @@ def decode_num_splits(*, batch: int, heads_kv: int, packed_rows: int, seq_k: int
 def decode_fwd_stage1(q, k, v, bias=None, mask=None, *, scale: float, causal: bool,
                       config: DecodeConfig, num_splits: int, interpret: bool = False,
                       dropout_rate: float = 0.0, seed: jax.Array | None = None,
-                      precise_lse: bool = False):
+                      precise_lse: bool = False, window=None, softcap=None, features=None):
     """Partial outputs float32 [B, splits, Hq·T, Dv] (row h·T + t) and partial lse
-    float32 [B, splits, Hq·T], one per key chunk. `precise_lse` as in `fwd_generic`."""
+    float32 [B, splits, Hq·T], one per key chunk. `precise_lse` as in `fwd_generic`;
+    `window`, `softcap` and `features` (its ids and lengths: the sinks are stage 2's) as
+    in `fwd_generic`."""
+    if features is not None:
+        features = features.without_sinks()
     batch, seq_q, heads_q, head_dim = q.shape
     _, seq_k, heads_kv, _ = k.shape
     head_dim_v = v.shape[3]
@@ -223,10 +288,13 @@ def decode_fwd_stage1(q, k, v, bias=None, mask=None, *, scale: float, causal: bo
     blocks_per_split = cdiv(n_blocks, max(1, num_splits))
     n_splits = cdiv(n_blocks, blocks_per_split)  # no empty split
     st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
-                              dropout_rate=dropout_rate, interpret=interpret)
+                              dropout_rate=dropout_rate, interpret=interpret, window=window,
+                              softcap=softcap, features=features)
     lay = _Layout(st=st, n_splits=n_splits, blocks_per_split=blocks_per_split)
     inputs = ([q, k, v] + [x for x in (bias, mask) if x is not None]
-              + common.seed_inputs(dropout_rate, seed))
+              + common.seed_inputs(dropout_rate, seed)
+              # the queries' ids as one block of T rows: the key blocks any of them meets
+              + common.feature_inputs(features, block_m=seq_q, block_n=cfg.block_n))
     compat.silence_triton_deprecation()
     rows = heads_q * seq_q
     return pl.pallas_call(
@@ -238,8 +306,10 @@ def decode_fwd_stage1(q, k, v, bias=None, mask=None, *, scale: float, causal: bo
         interpret=interpret, name="decode_fwd_stage1")(*inputs)
 
 
-def _stage2_kernel(o_part_ref, lse_part_ref, o_ref, lse_ref, *, n_splits: int, seq_q: int,
-                   heads_q: int, head_dim_v: int, bs: int, bdv: int):
+def _stage2_kernel(o_part_ref, lse_part_ref, *refs, n_splits: int, seq_q: int,
+                   heads_q: int, head_dim_v: int, bs: int, bdv: int, sinks: bool = False):
+    sinks_ref = refs[0] if sinks else None
+    o_ref, lse_ref = refs[-2:]
     row, b = pl.program_id(0), pl.program_id(1)  # row = h·T + t
     v_slice = pl.program_id(2)
     splits = iota(bs)
@@ -247,9 +317,15 @@ def _stage2_kernel(o_part_ref, lse_part_ref, o_ref, lse_ref, *, n_splits: int, s
     lse_s = plgpu.load(lse_part_ref.at[i32(b), splits, i32(row)], mask=split_ok,
                        other=-jnp.inf)
     m = jnp.max(lse_s)
+    sink = None
+    if sinks_ref is not None:  # one more partial: lse = the head's sink, no value
+        sink = sinks_ref[i32(row // seq_q)]
+        m = jnp.maximum(m, sink)
     m_use = jnp.where(m == -jnp.inf, 0.0, m)
     w = jnp.exp(lse_s - m_use)  # 0 for empty splits and padding
     total = jnp.sum(w)
+    if sink is not None:
+        total = total + jnp.exp(sink - m_use)
     has_keys = total > 0.0
     w = w / jnp.where(has_keys, total, 1.0)
     cols = v_slice * bdv + iota(bdv)
@@ -267,13 +343,15 @@ def _stage2_kernel(o_part_ref, lse_part_ref, o_ref, lse_ref, *, n_splits: int, s
 
 
 def decode_fwd_stage2(o_part, lse_part, *, seq_q: int, heads_q: int, dtype,
-                      config: DecodeConfig, interpret: bool = False):
-    """Merge the partials: (out [B, T, Hq, Dv] in `dtype`, lse [B, Hq, T] float32)."""
+                      config: DecodeConfig, interpret: bool = False, sinks=None):
+    """Merge the partials: (out [B, T, Hq, Dv] in `dtype`, lse [B, Hq, T] float32), with
+    each head's sink (`sinks` [Hq], or None) in the denominator."""
     batch, n_splits, rows, head_dim_v = o_part.shape
     bdv = fit_block(config.stage2_block_dv, head_dim_v)
     bs = max(2, common.next_pow2(n_splits))
     kernel = functools.partial(_stage2_kernel, n_splits=n_splits, seq_q=seq_q, heads_q=heads_q,
-                               head_dim_v=head_dim_v, bs=bs, bdv=bdv)
+                               head_dim_v=head_dim_v, bs=bs, bdv=bdv, sinks=sinks is not None)
+    inputs = (o_part, lse_part) + (() if sinks is None else (sinks.astype(jnp.float32),))
     compat.silence_triton_deprecation()
     out, lse = pl.pallas_call(
         kernel,
@@ -281,22 +359,24 @@ def decode_fwd_stage2(o_part, lse_part, *, seq_q: int, heads_q: int, dtype,
                    compat.output_struct((batch, rows), jnp.float32, o_part)),
         grid=(rows, batch, cdiv(head_dim_v, bdv)),
         compiler_params=compat.compiler_params(config.stage2_num_warps, 1),
-        interpret=interpret, name="decode_fwd_stage2")(o_part, lse_part)
+        interpret=interpret, name="decode_fwd_stage2")(*inputs)
     return out, lse.reshape(batch, heads_q, seq_q)
 
 
 def decode_attention(q, k, v, bias=None, mask=None, *, scale: float, causal: bool,
                      config: DecodeConfig, num_splits: int, interpret: bool = False,
                      dropout_rate: float = 0.0, seed: jax.Array | None = None, out_dtype=None,
-                     precise_lse: bool = False):
+                     precise_lse: bool = False, window=None, softcap=None, features=None):
     """Both stages: (out [B, T, Hq, Dv] in `out_dtype` (default q's dtype), lse [B, Hq, T]
-    float32). `precise_lse` as in `fwd_generic`."""
+    float32). `precise_lse`, `window`, `softcap` and `features` as in `fwd_generic`."""
     o_part, lse_part = decode_fwd_stage1(q, k, v, bias, mask, scale=scale, causal=causal,
                                          config=config, num_splits=num_splits,
                                          interpret=interpret, dropout_rate=dropout_rate,
-                                         seed=seed, precise_lse=precise_lse)
+                                         seed=seed, precise_lse=precise_lse, window=window,
+                                         softcap=softcap, features=features)
     return decode_fwd_stage2(o_part, lse_part, seq_q=q.shape[1], heads_q=q.shape[2],
-                             dtype=out_dtype or q.dtype, config=config, interpret=interpret)
+                             dtype=out_dtype or q.dtype, config=config, interpret=interpret,
+                             sinks=None if features is None else features.sinks)
 
 
 # ------------------------------------------------------------------ descriptors

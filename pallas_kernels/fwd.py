@@ -87,6 +87,7 @@ def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool):
         mask_ref, count_ref, index_ref = rest[:3]
         rest = rest[3:]
     seed_ref = rest.pop(0) if st.dropout_rate > 0 else None
+    feature_refs = common.pop_feature_refs(st, rest)
     o_ref, lse_ref, *lo_ref = rest
 
     pid = pl.program_id(0)
@@ -101,6 +102,7 @@ def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool):
     q_start = q_block * bm
     v_start = v_slice * bdv
     rows = q_start + iota(bm)
+    features = common.TileFeatures(st, feature_refs, b, q_start, bm) if st.ranged else None
     qk_scale = st.scale * st.score_unit
     raw_scale = qk_scale if common.folds_scale(st, per_chunk=per_chunk) else None
 
@@ -141,7 +143,7 @@ def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool):
         v_tile = v_tile_load() if cfg.prefetch_v else None
         s = common.bias_and_masks(scores(kv_start), st, bias_ref, mask_ref, b, h, q_start,
                                   kv_start, rows, cols, causal_mask=causal_mask,
-                                  with_mask=with_mask)
+                                  with_mask=with_mask, features=features)
 
         m_new, p, alpha, l_i = common.online_softmax_step(s, m_i, l_i, st, raw_scale=raw_scale)
         if seed_ref is not None:
@@ -166,6 +168,14 @@ def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool):
         def listed(i, c):
             return visit(index_ref[lb, lh, lq, i], c, causal_mask=st.causal, with_mask=True)
         carry = jax.lax.fori_loop(i32(0), n_visit, listed, carry)
+    elif st.ranged:
+        # The window, the segments and the lengths bound the key blocks; every visited
+        # block takes their element masks (and causality's).
+        hi = (common.causal_block_limits(q_start, bm, bn, st.seq_q, st.seq_k)[1] if st.causal
+              else cdiv(st.seq_k, bn))
+        lo, hi = features.kv_block_range(q_block, q_start, bm, bn, hi)
+        carry = jax.lax.fori_loop(
+            lo, hi, functools.partial(visit, causal_mask=st.causal, with_mask=False), carry)
     elif st.causal:
         n_unmasked, n_total = common.causal_block_limits(q_start, bm, bn, st.seq_q, st.seq_k)
         carry = jax.lax.fori_loop(
@@ -180,6 +190,8 @@ def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool):
             carry)
 
     m_i, l_i, acc = carry
+    if st.sinks:
+        m_i, l_i, acc = common.join_sink(m_i, l_i, acc, feature_refs["sinks"][i32(h)], st)
     has_keys = l_i > 0.0
     l_safe = jnp.where(has_keys, l_i, 1.0)
     # Kept values are scaled by 1/(1-rate); lse below stays the undropped normaliser.
@@ -196,7 +208,7 @@ def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool):
 
 
 def _fit_shared_memory(cfg: FwdConfig, q_dtype, v_dtype, bias, mask, dropout_rate: float,
-                       head_dim: int) -> FwdConfig:
+                       head_dim: int, features=None) -> FwdConfig:
     """`cfg` with fewer pipeline stages where bias/mask/dropout tiles would overflow
     shared memory (`common.fit_stages`): Q's chunks stay resident (or are reloaded per
     step), each KV step buffers K's chunks, the V slice and the extra tiles. The dynamic
@@ -214,6 +226,8 @@ def _fit_shared_memory(cfg: FwdConfig, q_dtype, v_dtype, bias, mask, dropout_rat
                                     None if bias is None else bias.dtype,
                                     block_m=cfg.block_m, block_n=cfg.block_n,
                                     dropout=dropout_rate > 0)
+    if features is not None and features.q_segment_ids is not None:
+        extra += cfg.block_n * 4  # each KV step's int32 segment ids
     stages = common.fit_stages(cfg.num_stages, resident=resident, per_stage=per_stage,
                                extra=extra)
     return cfg if stages == cfg.num_stages else dataclasses.replace(cfg, num_stages=stages)
@@ -223,7 +237,9 @@ def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None
                 mask: jax.Array | None = None, *, scale: float, causal: bool, config: FwdConfig,
                 interpret: bool = False, dropout_rate: float = 0.0,
                 seed: jax.Array | None = None, out_dtype=None,
-                precise_lse: bool = False, lse_pair: bool = False) -> tuple[jax.Array, ...]:
+                precise_lse: bool = False, lse_pair: bool = False,
+                window: tuple[int, int] | None = None, softcap: float | None = None,
+                features=None) -> tuple[jax.Array, ...]:
     """Attention forward on Pallas/Triton. Returns (o [B,T,Hq,Dv] in `out_dtype` (default
     q's dtype), lse [B,Hq,T] f32).
 
@@ -235,6 +251,8 @@ def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None
     returns (o, hi, lo) instead: hi is lse, the float32 sum m + fl(log l), and lo its
     rounding error (hi + lo = m + fl(log l) exactly), the form the backward kernels
     take (their `lse_lo`).
+    `window` (left, right), `softcap` and `features` (a `problem.FeatureArrays`: segment
+    ids, lengths, sinks) as in `ffpa_jax.attention`; lse then counts the sinks.
     """
     batch, seq_q, heads_q, head_dim = q.shape
     _, seq_k, heads_kv, _ = k.shape
@@ -245,16 +263,19 @@ def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None
         raise ValueError(f"q_mode must be one of {Q_MODES}; got {config.q_mode!r}")
     cfg = config.fitted(seq_q, seq_k, head_dim, head_dim_v)
     cfg, per_chunk = common.capped_for_rounding(cfg, q.dtype, precise_lse)
-    cfg = _fit_shared_memory(cfg, q.dtype, v.dtype, bias, mask, dropout_rate, head_dim)
+    cfg = _fit_shared_memory(cfg, q.dtype, v.dtype, bias, mask, dropout_rate, head_dim,
+                             features)
     compat.silence_triton_deprecation()
     mask_args, list_outer = common.mask_inputs(
         mask, block_m=cfg.block_m, block_n=cfg.block_n, seq_q=seq_q, seq_k=seq_k, causal=causal,
         over_kv=True)
     inputs = ([q, k, v] + ([bias] if bias is not None else []) + mask_args
-              + common.seed_inputs(dropout_rate, seed))
+              + common.seed_inputs(dropout_rate, seed)
+              + common.feature_inputs(features, block_m=cfg.block_m, block_n=cfg.block_n))
     st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
                               list_outer=list_outer, dropout_rate=dropout_rate,
-                              interpret=interpret)
+                              interpret=interpret, window=window, softcap=softcap,
+                              features=features)
     grid = (cdiv(seq_q, cfg.block_m) * _n_vslices(st), batch * heads_q)
     rows_out = compat.output_struct((batch, heads_q, seq_q), jnp.float32, q)
     out_shape = (compat.output_struct((batch, seq_q, heads_q, head_dim_v),

@@ -1,7 +1,9 @@
 """The plain-JAX attention reference: the semantics of docs/design.md in `jax.numpy` only.
 
-logits = scale · q·kᵀ + bias, then the mask, then causality (bottom-right aligned), softmax
-over keys, dropout on the probabilities, then · v. One implementation, several uses:
+logits = scale · q·kᵀ + bias, then the logit soft cap c·tanh(logits / c), then the mask,
+causality (bottom-right aligned), the sliding window (bottom-right aligned), the packed
+segments and the padding lengths, softmax over keys (with the head's sink logit in the
+denominator), dropout on the probabilities, then · v. One implementation, several uses:
 - `mha_reference`, dense: the `"xla"` implementation (`ffpa_jax.attention`), and the
   tests' reference (in float64: any float dtype works here).
 - `rows_reference`: the same at some query rows of one head, with the visibility written
@@ -42,6 +44,46 @@ def causal_keep(t: int, s: int, rows=None, cols=None) -> jax.Array:
     return cols[None, :] <= rows[:, None] + (s - t)
 
 
+def window_keep(t: int, s: int, window: tuple[int, int], rows=None, cols=None) -> jax.Array:
+    """bool [T, S] (or [R, C] at `rows`, `cols`): query i sees key j iff
+    i' - left <= j <= i' + right, i' = i + (S - T) (bottom-right aligned, as causality; the
+    same as jax.nn's window when T == S)."""
+    left, right = window
+    rows = jnp.arange(t) if rows is None else jnp.asarray(rows)
+    cols = jnp.arange(s) if cols is None else jnp.asarray(cols)
+    shifted = rows[:, None] + (s - t)
+    return (cols[None, :] >= shifted - left) & (cols[None, :] <= shifted + right)
+
+
+def feature_keep(t: int, s: int, rows, cols, *, window=None, q_segment_ids=None,
+                 kv_segment_ids=None, q_lengths=None, kv_lengths=None):
+    """bool, broadcastable to [B, Hq, R, C], or None: which of the query rows `rows` (global
+    positions, [R]) see which keys `cols` ([C]) by the window, the segments and the padding
+    lengths. The ids are the rows' and columns' own ([B, R] and [B, C]: a block's slice,
+    never [T, S]); lengths [B]."""
+    keep = None
+
+    def both(a, b):
+        return b if a is None else a & b
+    if window is not None:
+        keep = window_keep(t, s, window, rows, cols)[None, None]
+    if q_segment_ids is not None:
+        keep = both(keep, (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None])
+    if q_lengths is not None:
+        keep = both(keep, (jnp.asarray(rows)[None, :] < q_lengths[:, None])[:, None, :, None])
+    if kv_lengths is not None:
+        keep = both(keep, (jnp.asarray(cols)[None, :] < kv_lengths[:, None])[:, None, None, :])
+    return keep
+
+
+def soft_cap(logits, cap: float | None):
+    """c·tanh(logits / c): the logit soft cap (identity without a cap)."""
+    if cap is None:
+        return logits
+    c = jnp.asarray(cap, logits.dtype)
+    return c * jnp.tanh(logits / c)
+
+
 def attention_logits(q, k, bias, *, scale: float) -> jax.Array:
     """scale·q·kᵀ + bias as [B, Hq, T, S] in the accumulation dtype; GQA by reshape, no repeat."""
     b, t, hq, d = q.shape
@@ -56,11 +98,13 @@ def attention_logits(q, k, bias, *, scale: float) -> jax.Array:
     return logits
 
 
-def softmax(scores, visible=None) -> tuple[jax.Array, jax.Array]:
+def softmax(scores, visible=None, sink=None) -> tuple[jax.Array, jax.Array]:
     """(P, lse) of float `scores` over the last axis, counting only the keys where `visible`
     (bool, broadcastable; None: all) is True. A row with no visible key (or only -inf
     scores) gets P = 0 and lse = -inf, never NaN; lse has the scores' shape without the
-    last axis.
+    last axis. `sink` (broadcastable to that shape) is one more logit in each row's
+    denominator, with no probability returned for it: then lse counts it, and a row
+    without visible keys has P = 0 and lse = sink.
 
     Hidden keys are filled with the dtype's lowest finite value, not -inf: exp() takes them
     to exactly 0 all the same, and no infinity exists unless a row has no visible key."""
@@ -70,9 +114,14 @@ def softmax(scores, visible=None) -> tuple[jax.Array, jax.Array]:
     # The max only stabilises exp(); it cancels in the result, so no gradient flows through
     # it. A row without a visible finite score (max <= lowest) uses 0.
     row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    if sink is not None:
+        sink = jnp.broadcast_to(jnp.asarray(sink, scores.dtype), scores.shape[:-1])[..., None]
+        row_max = jnp.maximum(row_max, jax.lax.stop_gradient(sink))
     row_max = jnp.where(row_max <= lowest, jnp.zeros_like(row_max), row_max)
     unnorm = jnp.exp(scores - row_max)
     denom = jnp.sum(unnorm, axis=-1, keepdims=True)
+    if sink is not None:
+        denom = denom + jnp.exp(sink - row_max)
     has_keys = denom > 0
     probs = unnorm / jnp.where(has_keys, denom, jnp.ones_like(denom))
     # log(0) = -inf exactly for the rows without keys (or with a NaN: the reference's lse
@@ -83,21 +132,32 @@ def softmax(scores, visible=None) -> tuple[jax.Array, jax.Array]:
 
 
 def mha_reference(q, k, v, bias=None, mask=None, *, scale: float, is_causal: bool = False,
-                  keep_mask=None, dropout_rate: float = 0.0):
+                  keep_mask=None, dropout_rate: float = 0.0, window=None, softcap=None,
+                  q_segment_ids=None, kv_segment_ids=None, q_lengths=None, kv_lengths=None,
+                  sinks=None):
     """Attention output [B, T, Hq, Dv] (dtype of q) and lse [B, Hq, T] (accumulation dtype).
 
     `keep_mask` (bool, broadcastable to [B, Hq, T, S]) applies dropout with rate
     `dropout_rate` to the normalised probabilities; lse stays undropped.
-    Rows with no key left give output 0 and lse -inf.
+    `window` (left, right), `softcap` c, `q_segment_ids` [B, T] with `kv_segment_ids`
+    [B, S], `q_lengths` / `kv_lengths` [B] and `sinks` [Hq]: the features of
+    `ffpa_jax.attention` (docs/design.md); lse counts the sink.
+    Rows with no key left give output 0 and lse -inf (lse = the sink with sinks).
     """
     b, t, hq, _ = q.shape
     s, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     acc = accumulation_dtype(q.dtype)
-    logits = attention_logits(q, k, bias, scale=scale)
+    logits = soft_cap(attention_logits(q, k, bias, scale=scale), softcap)
     visible = mask
     if is_causal:
         visible = causal_keep(t, s) if visible is None else visible & causal_keep(t, s)
-    probs, lse = softmax(logits, visible)
+    keep = feature_keep(t, s, jnp.arange(t), jnp.arange(s), window=window,
+                        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                        q_lengths=q_lengths, kv_lengths=kv_lengths)
+    if keep is not None:
+        visible = keep if visible is None else visible & keep
+    sink = None if sinks is None else jnp.asarray(sinks).astype(acc)[None, :, None]
+    probs, lse = softmax(logits, visible, sink)
 
     if keep_mask is not None and dropout_rate > 0.0:
         probs = jnp.where(keep_mask, probs / (1.0 - dropout_rate), jnp.zeros_like(probs))
@@ -115,16 +175,19 @@ def mha_reference(q, k, v, bias=None, mask=None, *, scale: float, is_causal: boo
 
 
 def rows_reference(q, k, v, bias=None, visible=None, keep=None, *, scale: float,
-                   dropout_rate: float = 0.0) -> tuple[jax.Array, jax.Array]:
+                   dropout_rate: float = 0.0, softcap: float | None = None,
+                   sink=None) -> tuple[jax.Array, jax.Array]:
     """(out [R, Dv], lse [R]) of one head at R of its query rows: `mha_reference` of those rows.
 
-    q [R, D] (the rows), k [S, D], v [S, Dv]; bias, visible (the mask and the causality of
-    those rows, written out) and keep (the dropout keep-mask) [R, S] or None."""
+    q [R, D] (the rows), k [S, D], v [S, Dv]; bias, visible (the mask, causality, window,
+    segments and lengths of those rows, written out) and keep (the dropout keep-mask)
+    [R, S] or None; `softcap` and the head's `sink` (a scalar) as in `mha_reference`."""
     def as4(x):
         return None if x is None else x[None, None]
     out, lse = mha_reference(q[None, :, None], k[None, :, None], v[None, :, None], as4(bias),
                              as4(visible), scale=scale, keep_mask=as4(keep),
-                             dropout_rate=dropout_rate)
+                             dropout_rate=dropout_rate, softcap=softcap,
+                             sinks=None if sink is None else jnp.reshape(sink, (1,)))
     return out[0, :, 0], lse[0, 0]
 
 

@@ -18,8 +18,19 @@ from pallas_kernels.bwd import (BwdConfig, bwd_dbias, bwd_exact_rows, bwd_generi
 from pallas_kernels.chunked import ChunkPlan
 from pallas_kernels.decode import DecodeConfig, decode_attention
 from pallas_kernels.fwd import FwdConfig, fwd_generic
+from pallas_kernels.problem import FeatureArrays, Problem
 
 TIERS = ("pallas", "chunked")
+
+
+def fused_unsupported(problem: Problem, direction: str | None = None) -> tuple[str, ...]:
+    """The features `problem` uses that the fused kernels of `direction` ("forward",
+    "backward"; None: either) do not implement, by their argument names: that direction
+    runs on the chunked tier (the plan's rule, `tuning.plan.explain_tiers`), and an explicit
+    implementation="pallas" is refused. Every fused kernel (fwd_generic, decode, backward)
+    takes every feature today: nothing is routed."""
+    del problem, direction
+    return ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,17 +75,22 @@ class Plan:
     forward_tier: str = "pallas"
     backward_tier: str = "pallas"
     chunk: ChunkPlan | None = None
+    # The static LLM features (their runtime arrays come as `FeatureArrays`): the sliding
+    # window (left, right) and the logit soft cap.
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
 
 
-def forward(plan: Plan, q, k, v, bias, mask, seed):
+def forward(plan: Plan, q, k, v, bias, mask, seed, features: FeatureArrays | None = None):
     """(out, lse) from the forward kernel, or (out, hi, lo) with hi = lse and lo its low
-    word when `plan.lse_pair` (see Plan). `seed` is the dropout seed (uint32[2]) or None.
+    word when `plan.lse_pair` (see Plan). `seed` is the dropout seed (uint32[2]) or None;
+    `features` the feature arrays (segment ids, lengths, sinks) or None.
 
     Every argument array has batch as dim 0 and heads as dim 2 (q/k/v) or dim 1
     (bias/mask), so this function is what a sharding wrapper partitions."""
     out_dtype = jnp.float32 if plan.float32_out else None
     if plan.forward_tier == "chunked":
-        out, lse = chunked.forward(plan.chunk, q, k, v, bias, mask, seed)
+        out, lse = chunked.forward(plan.chunk, q, k, v, bias, mask, seed, features)
         out = out if plan.float32_out else out.astype(q.dtype)
         return (out, lse, jnp.zeros_like(lse)) if plan.lse_pair else (out, lse)
     if plan.decode is not None:
@@ -82,7 +98,8 @@ def forward(plan: Plan, q, k, v, bias, mask, seed):
                                     config=plan.decode, num_splits=plan.decode_splits,
                                     interpret=plan.interpret, dropout_rate=plan.dropout_rate,
                                     seed=seed, out_dtype=out_dtype,
-                                    precise_lse=plan.precise_lse)
+                                    precise_lse=plan.precise_lse, window=plan.window,
+                                    softcap=plan.softcap, features=_given(features))
         if not plan.lse_pair:
             return out, lse
         # The decode kernels merge their splits' lse: no exact pair here.
@@ -90,20 +107,33 @@ def forward(plan: Plan, q, k, v, bias, mask, seed):
     return fwd_generic(q, k, v, bias, mask, scale=plan.scale, causal=plan.causal,
                        config=plan.fwd, interpret=plan.interpret,
                        dropout_rate=plan.dropout_rate, seed=seed, out_dtype=out_dtype,
-                       precise_lse=plan.precise_lse, lse_pair=plan.lse_pair)
+                       precise_lse=plan.precise_lse, lse_pair=plan.lse_pair,
+                       window=plan.window, softcap=plan.softcap,
+                       features=_given(features))
 
 
-def backward(plan: Plan, q, k, v, bias, mask, seed, out, *rows_and_cotangents):
+def _given(features):
+    """`features` when it holds an array, else None (the kernels' inputs stay as before)."""
+    return features if features is not None and any(x is not None for x in features) else None
+
+
+def backward(plan: Plan, q, k, v, bias, mask, seed, out, *rows_and_cotangents,
+             features: FeatureArrays | None = None):
     """(dq, dk, dv, dbias) from the backward kernels (dbias None without a bias).
     `rows_and_cotangents`: the forward's row statistics (lse, or hi and lo with
-    `plan.lse_pair`), then d_out and d_lse."""
+    `plan.lse_pair`), then d_out and d_lse; `features` the feature arrays or None. The
+    probabilities need no sink (lse counts them); their own gradient is the caller's
+    (closed form: ffpa_jax.vjp.sinks_grad)."""
     if plan.lse_pair:
         lse, lse_lo, d_out, d_lse = rows_and_cotangents
     else:
         (lse, d_out, d_lse), lse_lo = rows_and_cotangents, None
     if plan.backward_tier == "chunked":
         chunk = dataclasses.replace(plan.chunk.for_backward(), lse_cotangent=plan.lse_cotangent)
-        return chunked.backward(chunk, q, k, v, bias, mask, seed, out, lse, d_out, d_lse)
+        return chunked.backward(chunk, q, k, v, bias, mask, seed, out, lse, d_out, d_lse,
+                                features)
+    features = _given(features)
+    feature_kw = dict(window=plan.window, softcap=plan.softcap, features=features)
     # A row without keys has lse = -inf and no gradient path; drop its lse cotangent.
     d_lse = jnp.where(lse == -jnp.inf, 0.0, d_lse.astype(jnp.float32))
     own_delta = False
@@ -111,21 +141,25 @@ def backward(plan: Plan, q, k, v, bias, mask, seed, out, *rows_and_cotangents):
         delta, lse_lo = bwd_exact_rows(q, k, v, d_out, lse, d_lse, bias, mask, config=plan.dq,
                                        scale=plan.scale, causal=plan.causal,
                                        interpret=plan.interpret, dropout_rate=plan.dropout_rate,
-                                       seed=seed, lse_lo=lse_lo)
+                                       seed=seed, lse_lo=lse_lo, **feature_kw)
     elif rows_in_one_tile(k.shape[1], plan.dq, plan.dkdv, plan.dbias):
         # Each kernel sees a row's keys in one tile and forms δ from its own P and dP.
         delta, own_delta = d_lse, True
     else:
         delta = bwd_preproc(out, d_out, d_lse, config=plan.preproc, interpret=plan.interpret)
     common = dict(scale=plan.scale, causal=plan.causal, interpret=plan.interpret,
-                  dropout_rate=plan.dropout_rate, seed=seed, lse_lo=lse_lo, own_delta=own_delta)
+                  dropout_rate=plan.dropout_rate, seed=seed, lse_lo=lse_lo, own_delta=own_delta,
+                  **feature_kw)
     split = dict(split_ds=plan.lse_cotangent)
     dq = bwd_generic_dq(q, k, v, d_out, lse, delta, bias, mask, config=plan.dq, **common,
                         **split)
     dk, dv = bwd_generic_dkdv(q, k, v, d_out, lse, delta, bias, mask, config=plan.dkdv,
                               **common, **split)
     dbias = None
-    if bias is not None and bias.shape[-1] == 1:
+    # A bias constant over the keys only shifts lse, unless the soft cap bends it or a
+    # sink (which it does not shift) shares the denominator: then the kernel's dS sum.
+    if (bias is not None and bias.shape[-1] == 1 and plan.softcap is None
+            and (features is None or features.sinks is None)):
         dbias = chunked.row_constant_dbias(d_lse, bias)
     elif bias is not None:
         dbias = bwd_dbias(q, k, v, d_out, lse, delta, bias, mask, config=plan.dbias,

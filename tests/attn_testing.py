@@ -39,6 +39,15 @@ class Case:
     dtype: str = "bfloat16"
     mask_density: float = 0.6
     scale: float | None = None
+    # The LLM features (issue 24). Out of repr: the inputs of a case without them (drawn
+    # from the seed of its repr) stay what they were; `make_features` seeds from them.
+    window: tuple[int, int] | None = dataclasses.field(default=None, repr=False)
+    softcap: float | None = dataclasses.field(default=None, repr=False)
+    segments: int = dataclasses.field(default=0, repr=False)  # packed sequences per row
+    q_lengths: tuple[int, ...] | None = dataclasses.field(default=None, repr=False)
+    kv_lengths: tuple[int, ...] | None = dataclasses.field(default=None, repr=False)
+    sinks: bool = dataclasses.field(default=False, repr=False)
+    sorted_ids: bool = dataclasses.field(default=True, repr=False)  # contiguous segments
 
     @property
     def head_dim_v(self) -> int:
@@ -66,25 +75,74 @@ def make_inputs(case: Case, seed: int | None = None):
     return q, k, v, bias, mask
 
 
+def feature_seed(case: Case) -> int:
+    extra = (case.window, case.softcap, case.segments, case.q_lengths, case.kv_lengths,
+             case.sinks, case.sorted_ids)
+    return zlib.crc32(repr((case, extra)).encode())
+
+
+def make_features(case: Case) -> dict:
+    """`attention`'s feature arguments for `case` (an empty dict without features): random
+    segment ids (contiguous runs when `sorted_ids`; the queries' ids take one value more than
+    the keys', so some rows meet no key of their segment), lengths, sinks ~ N(0, 1)."""
+    kw: dict = {}
+    ks = jax.random.split(jax.random.key(feature_seed(case)), 3)
+    if case.segments:
+        q_ids = jax.random.randint(ks[0], (case.b, case.t), 0, case.segments + 1)
+        kv_ids = jax.random.randint(ks[1], (case.b, case.s), 0, case.segments)
+        if case.sorted_ids:
+            q_ids, kv_ids = jnp.sort(q_ids, axis=1), jnp.sort(kv_ids, axis=1)
+        kw["q_segment_ids"] = q_ids.astype(jnp.int32)
+        kw["kv_segment_ids"] = kv_ids.astype(jnp.int32)
+    if case.q_lengths is not None:
+        kw["query_seq_lengths"] = jnp.asarray(case.q_lengths, jnp.int32)
+    if case.kv_lengths is not None:
+        kw["key_value_seq_lengths"] = jnp.asarray(case.kv_lengths, jnp.int32)
+    if case.sinks:
+        kw["sinks"] = jax.random.normal(ks[2], (case.hq,), jnp.float32)
+    if case.window is not None:
+        kw["local_window_size"] = case.window
+    if case.softcap is not None:
+        kw["logits_soft_cap"] = case.softcap
+    return kw
+
+
+def reference_features(features: dict | None, float64: bool = False) -> dict:
+    """`mha_reference`'s keyword arguments for `attention`'s feature arguments."""
+    f = features or {}
+    sinks = f.get("sinks")
+    if sinks is not None and float64:
+        sinks = jnp.asarray(np.asarray(sinks, np.float64))
+    return dict(window=f.get("local_window_size"), softcap=f.get("logits_soft_cap"),
+                q_segment_ids=f.get("q_segment_ids"), kv_segment_ids=f.get("kv_segment_ids"),
+                q_lengths=f.get("query_seq_lengths"), kv_lengths=f.get("key_value_seq_lengths"),
+                sinks=sinks)
+
+
 def scale_of(case: Case) -> float:
     return case.scale if case.scale is not None else 1.0 / np.sqrt(case.d)
 
 
-def reference64(case: Case, q, k, v, bias, mask, *, keep=None, rate: float = 0.0):
+def reference64(case: Case, q, k, v, bias, mask, *, keep=None, rate: float = 0.0,
+                features: dict | None = None):
     """(out, lse) of the float64 reference on exactly the inputs given (already rounded);
-    `keep`/`rate`: a dropout keep-mask [B, Hq, T, S] and its rate."""
+    `keep`/`rate`: a dropout keep-mask [B, Hq, T, S] and its rate; `features`: attention's
+    feature arguments (`make_features`)."""
     with jax.enable_x64(True):
         to64 = lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64))
         out, lse = mha_reference(to64(q), to64(k), to64(v), to64(as_4d(bias, True)),
                                  as_4d(mask, True), scale=scale_of(case), is_causal=case.causal,
-                                 keep_mask=keep, dropout_rate=rate)
+                                 keep_mask=keep, dropout_rate=rate,
+                                 **reference_features(features, float64=True))
         return np.asarray(out), np.asarray(lse)
 
 
-def xla_same_precision(case: Case, q, k, v, bias, mask, *, keep=None, rate: float = 0.0):
+def xla_same_precision(case: Case, q, k, v, bias, mask, *, keep=None, rate: float = 0.0,
+                       features: dict | None = None):
     """(out, lse) of the XLA path at the inputs' own precision."""
     out, lse = mha_reference(q, k, v, as_4d(bias, True), as_4d(mask, True), scale=scale_of(case),
-                             is_causal=case.causal, keep_mask=keep, dropout_rate=rate)
+                             is_causal=case.causal, keep_mask=keep, dropout_rate=rate,
+                             **reference_features(features))
     return np.asarray(out.astype(jnp.float32)), np.asarray(lse)
 
 

@@ -107,7 +107,28 @@ def tier(request, monkeypatch) -> str:
 def call_kwargs(tier: str, mode: str) -> dict:
     """`attention`'s implementation/interpret arguments for a tier in a kernel mode. The
     chunked tier on a CPU runs its plain-XLA step (what it runs there for users too); its
-    Pallas step runs in interpret mode in test_chunked.py and for real on a GPU."""
+    Pallas step runs in interpret mode in test_chunked.py ("chunked-step" here) and for real
+    on a GPU."""
     if tier == "chunked":
         return dict(implementation="chunked", interpret=False)
+    if tier == "chunked-step":
+        return dict(implementation="chunked", interpret=mode == "interpret")
+    if tier == "xla":
+        return dict(implementation="xla")
     return dict(implementation=tier, interpret=mode == "interpret")
+
+
+# The tiers of the LLM features' matrix (test_features.py): the XLA path, the chunked
+# tier, on a CPU the chunked tier's Pallas steps in Pallas' interpreter ("chunked-step": on
+# a GPU, "chunked" runs those steps for real), and the fused kernels.
+FEATURE_TIERS = ("xla", "chunked", "chunked-step", "pallas")
+
+
+@pytest.fixture(params=FEATURE_TIERS)
+def feature_tier(request, monkeypatch) -> str:
+    """Which tier a features matrix test runs (see `call_kwargs`)."""
+    if request.param == "chunked-step" and HAS_GPU:
+        pytest.skip("the chunked tier runs its Pallas steps on a GPU already")
+    if request.param == "chunked" and HAS_GPU:
+        monkeypatch.setenv("FFPA_CHUNKED_BUDGET_MIB", SMALL_CHUNK_BUDGET_MIB)
+    return request.param

@@ -511,3 +511,43 @@ def test_bench_help_fits_100_columns(monkeypatch):
     monkeypatch.setenv("COLUMNS", "100")  # argparse wraps what it may; the rest is ours
     text = cli.build_parser().format_help()
     assert "--case" in text and max(map(len, text.splitlines())) <= 100
+
+
+# ---------------------------------------------------------------- language-model features
+def test_feature_kinds_count_their_visible_pairs():
+    packed = make_case("packed", d=128, n=4096, b=4, h=32)
+    assert packed.causal and packed.segments == cases.PACKED_SEGMENTS
+    seg = 4096 // cases.PACKED_SEGMENTS
+    assert packed.visible_pairs() == cases.PACKED_SEGMENTS * seg * (seg + 1) // 2
+    window = make_case("window", d=128, n=4096, b=4, h=32)
+    assert window.causal and window.window == cases.MAX_WINDOW
+    w = cases.MAX_WINDOW
+    assert window.visible_pairs() == sum(min(i, w) + 1 for i in range(4096))
+    assert window.flops() == 2.0 * 4 * 32 * window.visible_pairs() * 256
+    soft = make_case("softcap", d=128, n=4096, b=4, h=32)
+    assert soft.softcap == cases.SOFT_CAP and soft.flops() == 4 * 4 * 32 * 4096 * 4096 * 128
+    assert "packed4" in packed.label and "window1024" in window.label
+    assert "softcap50" in soft.label
+
+
+@pytest.mark.parametrize("kind", ["packed", "window", "softcap"])
+def test_feature_kinds_measure_against_float64(kind):
+    """ffpa (the fused kernels, interpreted) and the XLA peer (jax.nn with a dense mask or
+    its window; ffpa's XLA path for the cap) meet the float64 rows check."""
+    case = dataclasses.replace(make_case(kind, d=32, n=64, b=2, h=2), mode="fwdbwd")
+    for impl in (peers.FFPA, peers.PEERS["xla"]):
+        r = _measure(case, impl)
+        assert r["status"] == "ok" and not r["suspect"], r
+        assert r["error"] < 1e-2 and r["error_dq"] < 1e-2, r
+    assert _measure(case, peers.FFPA)["tier"] == "pallas/pallas"
+
+
+@pytest.mark.parametrize("peer,kind,why", [
+    ("cudnn", "packed", "segment ids"), ("cudnn", "softcap", "soft cap"),
+    ("pallas-mha", "window", "window"), ("pallas-mgpu", "packed", "segment ids"),
+    ("naive-chunked", "softcap", "soft cap"),
+])
+def test_peers_decline_the_features_they_lack(peer, kind, why):
+    case = make_case(kind, d=64, n=128, b=1, h=4)
+    with pytest.raises(peers.Unsupported, match=why):
+        peers.PEERS[peer].make(case, False)

@@ -5,6 +5,7 @@ test_dropout, test_fuzz: the `tier` fixture)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -168,6 +169,74 @@ def test_softmax_grad_matches_its_xla_twin(case, own_delta, split):
     for g, w in zip(got, want):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         # float32 results agree to rounding; 16-bit ones may differ in their last bit.
+        tol = 1e-5 if w.dtype == np.float32 and g.dtype == np.float32 else 1e-2
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol * (1 + np.abs(w).max()))
+
+
+# (step case, window, soft cap, segment ids, q lengths, kv lengths): the LLM features of
+# issue 24 in the steps, at the block's global offsets (seq_q 90, seq_k 200).
+FEATURE_STEP_CASES = [
+    (STEP_CASES[0], (30, 5), 1.5, True, True, True),
+    (STEP_CASES[1], None, 0.8, False, False, True),
+    (STEP_CASES[2], (3, 40), None, True, False, False),
+    ((1, 2, 16, 128, (5, 64), False, (1, 1, 90, 1), None, 0.5), (0, 0), 2.0, True, True,
+     False),
+]
+
+
+def _feature_step_inputs(fcase, seed=0):
+    from pallas_kernels.problem import FeatureArrays
+    case, window, cap, ids, q_len, kv_len = fcase
+    logits, bias, mask, seed_words, plan, blk, kd, kx = _step_inputs(case, seed)
+    b = logits.shape[0]
+    ka, kb = jax.random.split(jax.random.key(seed + 1))
+    features = FeatureArrays(
+        q_segment_ids=jax.random.randint(ka, (b, 90), 0, 3) if ids else None,
+        kv_segment_ids=jax.random.randint(kb, (b, 200), 0, 3) if ids else None,
+        q_lengths=jnp.asarray([60, 90][:b], jnp.int32) if q_len else None,
+        kv_lengths=jnp.asarray([150, 77][:b], jnp.int32) if kv_len else None)
+    plan = dataclasses.replace(plan, window=window, softcap=cap)
+    kw = dict(features=features)
+    if window is not None:
+        kw["window"] = window
+    if cap is not None:
+        kw["softcap"] = cap
+    return logits, bias, mask, seed_words, plan, blk, kd, kx, features, kw
+
+
+@pytest.mark.parametrize("fcase", FEATURE_STEP_CASES, ids=str)
+def test_softmax_rows_with_features_matches_its_xla_twin(fcase):
+    logits, bias, mask, seed, plan, blk, _, _, features, kw = _feature_step_inputs(fcase)
+    probs, lse = blocked.softmax_rows(
+        logits, blk.offsets(), bias, mask, seed, seq_q=90, seq_k=200, scale=plan.scale,
+        causal=plan.causal, dropout_rate=plan.dropout_rate, out_dtype=jnp.float32,
+        interpret=True, **kw)
+    ref_p, ref_lse = chunked_tier._softmax_xla(plan, logits, bias, mask, seed, blk, seq_q=90,
+                                               seq_k=200, p_dtype=jnp.float32,
+                                               features=features)
+    np.testing.assert_allclose(np.asarray(probs), np.asarray(ref_p), rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6, atol=1e-6)
+    assert (np.asarray(lse) == -np.inf).sum() == (np.asarray(ref_lse) == -np.inf).sum()
+
+
+@pytest.mark.parametrize("fcase", FEATURE_STEP_CASES, ids=str)
+@pytest.mark.parametrize("own_delta", [False, True])
+def test_softmax_grad_with_features_matches_its_xla_twin(fcase, own_delta):
+    logits, bias, mask, seed, plan, blk, kd, kx, features, kw = _feature_step_inputs(fcase)
+    _, lse = chunked_tier._softmax_xla(plan, logits, bias, mask, seed, blk, seq_q=90,
+                                       seq_k=200, p_dtype=jnp.float32, features=features)
+    dp = jax.random.normal(kd, logits.shape, jnp.float32).astype(jnp.bfloat16)
+    delta = jax.random.normal(kx, lse.shape, jnp.float32)
+    got = blocked.softmax_grad(
+        logits, dp, lse, delta, blk.offsets(), bias, mask, seed, seq_q=90, seq_k=200,
+        scale=plan.scale, causal=plan.causal, dropout_rate=plan.dropout_rate,
+        out_dtype=jnp.bfloat16, split=True, with_ds32=True, own_delta=own_delta,
+        interpret=True, **kw)
+    dropped, parts, ds32 = chunked_tier._softmax_grad_xla(
+        plan, logits, dp, lse, delta, bias, mask, seed, blk, seq_q=90, seq_k=200,
+        out_dtype=jnp.bfloat16, split=True, own_delta=own_delta, features=features)
+    for g, w in zip(got, (dropped, *parts, ds32), strict=True):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         tol = 1e-5 if w.dtype == np.float32 and g.dtype == np.float32 else 1e-2
         np.testing.assert_allclose(g, w, rtol=tol, atol=tol * (1 + np.abs(w).max()))
 
@@ -383,3 +452,31 @@ def test_step_kernels_lower_for_cuda(keys, extras):
 
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 3
+
+
+@pytest.mark.parametrize("features", [("window",), ("softcap",), ("ids", "lengths"),
+                                      ("window", "softcap", "ids", "lengths")], ids=str)
+def test_step_kernels_with_features_lower_for_cuda(features):
+    from pallas_kernels.problem import FeatureArrays
+    args = [sd((2, 4, 96, 1000), jnp.float32), sd((2,), jnp.int32)]
+    if "ids" in features:
+        args += [sd((2, 500), jnp.int32), sd((2, 20000), jnp.int32)]
+    if "lengths" in features:
+        args += [sd((2,), jnp.int32), sd((2,), jnp.int32)]
+
+    def f(logits, offsets, *rest):
+        rest = list(rest)
+        ids = (rest.pop(0), rest.pop(0)) if "ids" in features else (None, None)
+        lens = (rest.pop(0), rest.pop(0)) if "lengths" in features else (None, None)
+        kw = dict(seq_q=500, seq_k=20000, scale=0.1, causal=True,
+                  features=FeatureArrays(*ids, *lens))
+        if "window" in features:
+            kw["window"] = (128, 16)
+        if "softcap" in features:
+            kw["softcap"] = 30.0
+        probs, lse = blocked.softmax_rows(logits, offsets, out_dtype=jnp.bfloat16, **kw)
+        return probs, lse, blocked.softmax_grad(logits, probs, lse, lse, offsets,
+                                                out_dtype=jnp.bfloat16, own_delta=True, **kw)
+
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2

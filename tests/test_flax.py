@@ -299,3 +299,40 @@ def test_importing_ffpa_jax_does_not_import_flax():
     root = pathlib.Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=root, env=env)
+
+
+# ------------------------------------------------------------ LLM features (issue 24)
+def test_features_pass_through_with_two_batch_dims_and_sown_weights():
+    """The window, soft cap, sinks, segment ids and lengths ride along (functools.partial
+    for the static ones): two batch dims are flattened with the ids and lengths, and the
+    result is ffpa_jax.attention's on the flattened call; linen sows weights that include
+    them (their rows sum to 1 minus the sink's share)."""
+    ks = jax.random.split(jax.random.key(8), 6)
+    q = jax.random.normal(ks[0], (2, 3, 11, 2, 16))
+    k = jax.random.normal(ks[1], (2, 3, 17, 2, 16))
+    v = jax.random.normal(ks[2], (2, 3, 17, 2, 8))
+    q_ids = jnp.sort(jax.random.randint(ks[3], (2, 3, 11), 0, 2), axis=-1)
+    kv_ids = jnp.sort(jax.random.randint(ks[4], (2, 3, 17), 0, 2), axis=-1)
+    kv_len = jnp.asarray([[17, 12, 9], [5, 17, 17]], jnp.int32)
+    sinks = jax.random.normal(ks[5], (2,))
+    static = dict(local_window_size=(6, 2), logits_soft_cap=2.0, implementation="xla")
+    fn = functools.partial(flax_attention_fn, sinks=sinks, **static)
+    got = fn(q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids, key_value_seq_lengths=kv_len)
+    flat = lambda x: x.reshape((6,) + x.shape[2:])
+    want = ffpa_jax.attention(flat(q), flat(k), flat(v), q_segment_ids=flat(q_ids),
+                              kv_segment_ids=flat(kv_ids), key_value_seq_lengths=flat(kv_len),
+                              sinks=sinks, **static)
+    np.testing.assert_allclose(np.asarray(got).reshape(want.shape), np.asarray(want),
+                               rtol=1e-6, atol=1e-6)
+
+    x = jax.random.normal(ks[0], (2, 10, 16))
+    ids = jnp.asarray([[0] * 4 + [1] * 6, [0] * 10], jnp.int32)
+    module_fn = functools.partial(flax_attention_fn, q_segment_ids=ids, kv_segment_ids=ids,
+                                  sinks=sinks, **static)
+    mod = nn.MultiHeadDotProductAttention(num_heads=2, attention_fn=module_fn)
+    params = mod.init(jax.random.key(0), x)
+    out, state = mod.apply(params, x, sow_weights=True, mutable=["intermediates"])
+    weights = state["intermediates"]["attention_weights"][0]
+    assert weights.shape == (2, 2, 10, 10)
+    assert float(weights[0, :, :4, 4:].max()) == 0.0  # segment 0 does not see segment 1
+    assert np.all(np.asarray(weights.sum(-1)) < 1.0)  # the sink takes a share

@@ -18,20 +18,40 @@ sd = jax.ShapeDtypeStruct
 
 
 def lower_fwd(*, d, dv, causal=False, bias=False, mask=False, hq=4, hkv=2, t=300, s=257,
-              dtype=jnp.bfloat16, config=FwdConfig(), dropout=0.0, seed_words=2, scale=0.125):
+              dtype=jnp.bfloat16, config=FwdConfig(), dropout=0.0, seed_words=2, scale=0.125,
+              window=None, softcap=None, features=()):
+    """`features`: the names of the runtime feature arrays to pass ("ids", "q_len",
+    "kv_len", "sinks"), with the static `window` and `softcap`."""
+    from pallas_kernels.problem import FeatureArrays
     args = [sd((2, t, hq, d), dtype), sd((2, s, hkv, d), dtype), sd((2, s, hkv, dv), dtype),
             sd((seed_words,), jnp.uint32)]
     if bias:
         args.append(sd((1, hq, t, s), jnp.float32))
     if mask:
         args.append(sd((2, 1, t, s), jnp.bool_))
+    feature_args = {"ids": [sd((2, t), jnp.int32), sd((2, s), jnp.int32)],
+                    "q_len": [sd((2,), jnp.int32)], "kv_len": [sd((2,), jnp.int32)],
+                    "sinks": [sd((hq,), jnp.float32)]}
+    n_extra = (bias + mask)
+    for name in features:
+        args += feature_args[name]
 
     def f(q, k, v, seed, *rest):
         b = rest[0] if bias else None
-        m = rest[-1] if mask else None
+        m = rest[n_extra - 1] if mask else None
+        arrays = list(rest[n_extra:])
+        given = {}
+        for name in features:
+            given[name] = [arrays.pop(0) for _ in feature_args[name]]
+        feats = None
+        if features:
+            feats = FeatureArrays(*(given.get("ids") or (None, None)),
+                                  *given.get("q_len", [None]), *given.get("kv_len", [None]),
+                                  *given.get("sinks", [None]))
         # float32 as the API runs it: with lse's low word.
         return fwd_generic(q, k, v, b, m, scale=scale, causal=causal, config=config,
-                           dropout_rate=dropout, seed=seed, lse_pair=dtype == jnp.float32)
+                           dropout_rate=dropout, seed=seed, lse_pair=dtype == jnp.float32,
+                           window=window, softcap=softcap, features=feats)
 
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     # The kernel must be a Triton custom call (not something XLA expanded on its own).
@@ -90,6 +110,33 @@ def test_fwd_variants(variant):
     lower_fwd(**kwargs)
 
 
+# The language-model features (issue 24) in the forward kernel: each alone, then together
+# with causality, bias, mask, dropout, GQA, float32 and the dynamic chunk loop.
+FEATURE_VARIANTS = [
+    dict(window=(64, 0)), dict(softcap=30.0), dict(features=("ids",)),
+    dict(features=("q_len", "kv_len")), dict(features=("sinks",)),
+    dict(window=(32, 8), softcap=20.0, features=("ids", "q_len", "kv_len", "sinks"),
+         causal=True),
+    dict(window=(16, 16), features=("ids", "sinks"), bias=True, mask=True, dropout=0.1),
+    dict(softcap=50.0, features=("ids", "kv_len", "sinks"), hq=8, hkv=1, dtype=jnp.float32),
+    dict(window=(100, 0), features=("ids",), causal=True, d=512, dv=512,
+         config=FwdConfig(block_m=64, block_n=64, block_d=64, block_dv=256,
+                          q_mode="dynamic")),
+    dict(features=("ids", "sinks"), t=1, s=3000),
+]
+
+
+@pytest.mark.parametrize("variant", FEATURE_VARIANTS,
+                         ids=lambda v: "-".join(f"{k}={getattr(x, '__name__', x)}"
+                                                for k, x in v.items() if k != "config"))
+def test_fwd_feature_variants(variant):
+    kwargs = dict(d=111, dv=111)
+    kwargs.update(variant)
+    text = lower_fwd(**kwargs)
+    if kwargs.get("softcap") is not None:
+        assert "fma.rn.f32" not in text  # the cap bends the scaled scores: no folded scale
+
+
 def test_fwd_default_configs_lower_for_every_head_dim():
     """The configs the public API would pick (tuning defaults) lower at each size class."""
     from tuning.plan import fwd_config
@@ -105,11 +152,13 @@ def test_fwd_default_configs_lower_for_every_head_dim():
 
 def lower_bwd(*, d, dv, causal=False, bias_shape=None, mask=False, hq=4, hkv=2, t=300, s=257,
               dtype=jnp.bfloat16, config=BwdConfig(), dropout=0.0, seed_words=2,
-              split_ds=False, own_delta=False):
+              split_ds=False, own_delta=False, window=None, softcap=None, features=()):
     """Lower all four backward kernels in one jitted function (float32: with bwd_exact_rows
     in place of bwd_preproc, and its lse correction passed on, as the vjp does).
     `split_ds`: dq and dkdv as the vjp runs them under an lse cotangent; `own_delta`: as
-    it runs them when every row fits one tile (no preproc; s <= the config's block_n)."""
+    it runs them when every row fits one tile (no preproc; s <= the config's block_n).
+    `window`, `softcap`, `features` as in `lower_fwd`."""
+    from pallas_kernels.problem import FeatureArrays
     args = [sd((2, t, hq, d), dtype), sd((2, s, hkv, d), dtype), sd((2, s, hkv, dv), dtype),
             sd((2, t, hq, dv), dtype), sd((2, t, hq, dv), dtype), sd((2, hq, t), jnp.float32),
             sd((seed_words,), jnp.uint32)]
@@ -117,11 +166,23 @@ def lower_bwd(*, d, dv, causal=False, bias_shape=None, mask=False, hq=4, hkv=2, 
         args.append(sd(bias_shape, jnp.float32))
     if mask:
         args.append(sd((2, 1, t, s), jnp.bool_))
+    feature_args = {"ids": [sd((2, t), jnp.int32), sd((2, s), jnp.int32)],
+                    "q_len": [sd((2,), jnp.int32)], "kv_len": [sd((2,), jnp.int32)],
+                    "sinks": [sd((hq,), jnp.float32)]}
+    n_extra = bool(bias_shape) + mask
+    for name in features:
+        args += feature_args[name]
 
     def f(q, k, v, o, do, lse, seed, *rest):
         b = rest[0] if bias_shape else None
-        m = rest[-1] if mask else None
+        m = rest[n_extra - 1] if mask else None
+        arrays = list(rest[n_extra:])
+        given = {name: [arrays.pop(0) for _ in feature_args[name]] for name in features}
         kw = dict(scale=0.1, causal=causal, config=config, dropout_rate=dropout, seed=seed)
+        if features or window is not None or softcap is not None:
+            kw.update(window=window, softcap=softcap, features=FeatureArrays(
+                *(given.get("ids") or (None, None)), *given.get("q_len", [None]),
+                *given.get("kv_len", [None]), *given.get("sinks", [None])))
         if dtype == jnp.float32:
             delta, lse_lo = bwd_exact_rows(q, k, v, do, lse, lse, b, m, **kw)
             kw["lse_lo"] = lse_lo
@@ -161,6 +222,26 @@ def test_bwd_head_dims(d, dynamic, split):
     dict(own_delta=True, s=1, split_ds=True),
 ], ids=lambda v: "-".join(f"{k}={getattr(x, '__name__', x)}" for k, x in v.items()))
 def test_bwd_variants(variant):
+    kwargs = dict(d=111, dv=111)
+    kwargs.update(variant)
+    lower_bwd(**kwargs)
+
+
+@pytest.mark.parametrize("variant", [
+    dict(window=(64, 0)), dict(softcap=30.0, bias_shape=(1, 4, 300, 257)),
+    dict(features=("ids",)), dict(features=("q_len", "kv_len")),
+    dict(window=(32, 8), softcap=20.0, features=("ids", "q_len", "kv_len", "sinks"),
+         causal=True, bias_shape=(2, 1, 300, 1)),
+    dict(window=(16, 16), features=("ids",), mask=True, dropout=0.1, split_ds=True),
+    dict(softcap=50.0, features=("ids", "sinks"), hq=8, hkv=1, dtype=jnp.float32),
+    dict(own_delta=True, s=57, features=("ids", "sinks"), softcap=10.0),
+    dict(window=(100, 0), features=("ids", "kv_len"), causal=True, d=512, dv=512,
+         config=BwdConfig(block_m=64, block_n=64, block_d=64, block_slice=256, dynamic=True,
+                          split_dkdv=True)),
+], ids=lambda v: "-".join(f"{k}={getattr(x, '__name__', x)}" for k, x in v.items()
+                          if k != "config"))
+def test_bwd_feature_variants(variant):
+    """The language-model features (issue 24) in every backward kernel."""
     kwargs = dict(d=111, dv=111)
     kwargs.update(variant)
     lower_bwd(**kwargs)
@@ -266,3 +347,34 @@ def test_returned_lse_lowers_the_precise_kernel(t, d, monkeypatch):
     precise, plain = kernels(True), kernels(False)
     assert len(precise) == len(plain) >= 1
     assert precise[0] != plain[0]  # the forward (or decode stage 1) kernel
+
+
+@pytest.mark.parametrize("variant", [
+    dict(window=(256, 0)), dict(softcap=30.0), dict(ids=True), dict(lengths=True),
+    dict(sinks=True), dict(window=(64, 8), softcap=20.0, ids=True, lengths=True, sinks=True,
+                           causal=True, dtype=jnp.float32),
+], ids=lambda v: "-".join(f"{k}={getattr(x, '__name__', x)}" for k, x in v.items()))
+def test_decode_feature_variants(variant):
+    """The language-model features (issue 24) in both decode stages (GQA 8/2, T = 4)."""
+    from pallas_kernels import DecodeConfig, decode_attention
+    from pallas_kernels.problem import FeatureArrays
+    kw = dict(variant)
+    dtype = kw.pop("dtype", jnp.bfloat16)
+    ids, lengths, sinks = kw.pop("ids", False), kw.pop("lengths", False), kw.pop("sinks", False)
+    causal = kw.pop("causal", False)
+    args = [sd((2, 4, 8, 111), dtype), sd((2, 3000, 2, 111), dtype),
+            sd((2, 3000, 2, 111), dtype)]
+    extra = ([sd((2, 4), jnp.int32), sd((2, 3000), jnp.int32)] if ids else []) + (
+        [sd((2,), jnp.int32)] * 2 if lengths else []) + ([sd((8,), jnp.float32)] if sinks
+                                                         else [])
+
+    def f(q, k, v, *rest):
+        rest = list(rest)
+        q_ids, kv_ids = (rest.pop(0), rest.pop(0)) if ids else (None, None)
+        q_len, kv_len = (rest.pop(0), rest.pop(0)) if lengths else (None, None)
+        feats = FeatureArrays(q_ids, kv_ids, q_len, kv_len, rest.pop(0) if sinks else None)
+        return decode_attention(q, k, v, scale=0.1, causal=causal, config=DecodeConfig(),
+                                num_splits=4, features=feats, **kw)
+
+    text = jax.jit(f).trace(*args, *extra).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2

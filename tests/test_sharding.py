@@ -125,6 +125,29 @@ def run_checks(interpret: bool) -> dict:
                 rel_diff=_rel_diff(got, reference),
                 out_spec=_spec_str(out.sharding.spec), in_spec=_spec_str(spec))
 
+    # The LLM features (issue 24) on the chunked tier: the segment ids and lengths split with
+    # the batch, the sinks with the heads; dsinks' sum over batch shards is an all-reduce.
+    q_ids = jnp.sort(jax.random.randint(ks[5], (b, t), 0, 3), axis=1)
+    kv_ids = jnp.sort(jax.random.randint(ks[4], (b, s), 0, 3), axis=1)
+    kv_len = jnp.asarray([16, 9, 12, 16], jnp.int32)[:b]
+    sinks = jax.random.normal(ks[3], (hq,))
+
+    def features_loss(q, k, v, sinks):
+        out, lse = ffpa_jax.attention(
+            q, k, v, is_causal=True, return_lse=True, implementation="chunked",
+            q_segment_ids=q_ids, kv_segment_ids=kv_ids, key_value_seq_lengths=kv_len,
+            sinks=sinks, local_window_size=(5, 0), logits_soft_cap=3.0)
+        return jnp.sum(out * jnp.cos(out)) + jnp.sum(lse), out
+    fn = jax.value_and_grad(features_loss, argnums=(0, 1, 2, 3), has_aux=True)
+    reference = jax.jit(fn)(q, k, v, sinks)
+    for name, (mesh, spec) in {**cases, **explicit_cases}.items():
+        compiled, got = sharded_run(fn, mesh, spec, q, k, v, sinks)
+        (_, out), _ = got
+        report[f"features/{name}"] = dict(
+            collectives=_collectives(compiled), gathers=_gather_lines(compiled),
+            rel_diff=_rel_diff(got, reference), out_spec=_spec_str(out.sharding.spec),
+            in_spec=_spec_str(spec))
+
     # Control: the bare kernels, not wrapped, gather under the same batch sharding.
     problem = validation.validate(q, k, v, bias, mask, scale=None, is_causal=True,
                                   dropout_rate=0.0, dropout_rng=None, return_lse=False,
@@ -200,6 +223,14 @@ def test_pallas_sharded_call_runs_shard_local(cpu_report, case):
 
 @pytest.mark.parametrize("case", ["batch", "heads", "batch_and_heads", "explicit_batch",
                                   "explicit_heads"])
+def test_features_sharded_call_runs_shard_local(cpu_report, case):
+    """Segment ids, lengths, sinks, window and soft cap on the chunked tier: the ids and
+    lengths are split with the batch and the sinks with the heads, nothing is gathered."""
+    _check_shard_local(cpu_report[f"features/{case}"], case)
+
+
+@pytest.mark.parametrize("case", ["batch", "heads", "batch_and_heads", "explicit_batch",
+                                  "explicit_heads"])
 def test_dropout_sharded_call_runs_shard_local(cpu_report, case):
     """Each shard draws its slice of the unsharded keep-mask from its global (batch, head)
     offsets, so dropout needs no gather either."""
@@ -246,6 +277,8 @@ def test_gpu_sharded_calls():
     for case in ("batch", "heads", "batch_and_heads", "explicit_batch", "explicit_heads"):
         if f"pallas/{case}" in report:
             _check_shard_local(report[f"pallas/{case}"], case)
+        if f"features/{case}" in report:
+            _check_shard_local(report[f"features/{case}"], case)
     assert "all-gather" in report["control/bare_kernels"]["collectives"]
     for case in ("fallback/sequence", "fallback/mqa_heads", "shard_map", "dropout/batch"):
         entry = report[case]

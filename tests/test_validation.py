@@ -206,6 +206,49 @@ BAD_CALLS = [
     ("autotune-wrong-case", dict(autotune="FAST"), ValueError, ["autotune", "'FAST'", "'fast'"]),
     ("autotune-not-str", dict(autotune=1), TypeError, ["autotune", "1", "int", "'fast'"]),
     ("autotune-bool", dict(autotune=True), TypeError, ["autotune", "True", "'max'"]),
+    # -- the LLM features (issue 24)
+    ("segment-ids-alone", dict(q_segment_ids=arr((B, T), jnp.int32)), ValueError,
+     ["q_segment_ids", "without kv_segment_ids", "both"]),
+    ("kv-segment-ids-alone", dict(kv_segment_ids=arr((B, S), jnp.int32)), ValueError,
+     ["kv_segment_ids", "without q_segment_ids"]),
+    ("segment-ids-shape", dict(q_segment_ids=arr((B, S), jnp.int32),
+                               kv_segment_ids=arr((B, S), jnp.int32)), ValueError,
+     ["q_segment_ids", "[B, T] = (2, 5)", "(2, 7)"]),
+    ("kv-segment-ids-shape", dict(q_segment_ids=arr((B, T), jnp.int32),
+                                  kv_segment_ids=arr((1, S), jnp.int32)), ValueError,
+     ["kv_segment_ids", "[B, S] = (2, 7)", "(1, 7)"]),
+    ("segment-ids-float", dict(q_segment_ids=arr((B, T), jnp.float32),
+                               kv_segment_ids=arr((B, S), jnp.int32)), TypeError,
+     ["q_segment_ids", "int32", "float32"]),
+    ("segment-ids-int64", dict(q_segment_ids=np.zeros((B, T), np.int64),
+                               kv_segment_ids=np.zeros((B, S), np.int64)), TypeError,
+     ["q_segment_ids", "int32", "int64", "astype"]),
+    ("segment-ids-list", dict(q_segment_ids=[[0] * T] * B, kv_segment_ids=arr((B, S), jnp.int32)),
+     TypeError, ["q_segment_ids", "list", "array"]),
+    ("query-lengths-shape", dict(query_seq_lengths=arr((B, 1), jnp.int32)), ValueError,
+     ["query_seq_lengths", "[B] = (2,)", "(2, 1)"]),
+    ("kv-lengths-dtype", dict(key_value_seq_lengths=arr((B,), jnp.float32)), TypeError,
+     ["key_value_seq_lengths", "int32", "float32"]),
+    ("kv-lengths-bool", dict(key_value_seq_lengths=arr((B,), jnp.bool_)), TypeError,
+     ["key_value_seq_lengths", "int32", "bool"]),
+    ("window-negative", dict(local_window_size=-1), ValueError,
+     ["local_window_size", ">= 0", "-1"]),
+    ("window-negative-right", dict(local_window_size=(4, -2)), ValueError,
+     ["local_window_size", "(4, -2)", "right", "-2"]),
+    ("window-three", dict(local_window_size=(1, 2, 3)), ValueError,
+     ["local_window_size", "(1, 2, 3)", "pair"]),
+    ("window-float", dict(local_window_size=2.5), TypeError,
+     ["local_window_size", "2.5", "float", "int"]),
+    ("window-bool", dict(local_window_size=True), TypeError, ["local_window_size", "True"]),
+    ("cap-zero", dict(logits_soft_cap=0.0), ValueError, ["logits_soft_cap", "> 0", "0.0"]),
+    ("cap-negative", dict(logits_soft_cap=-5), ValueError, ["logits_soft_cap", "> 0", "-5"]),
+    ("cap-inf", dict(logits_soft_cap=float("inf")), ValueError,
+     ["logits_soft_cap", "finite", "inf"]),
+    ("cap-string", dict(logits_soft_cap="50"), TypeError, ["logits_soft_cap", "'50'", "str"]),
+    ("sinks-shape", dict(sinks=arr((HKV,), jnp.float32)), ValueError,
+     ["sinks", "[Hq] = (4,)", "(2,)"]),
+    ("sinks-2d", dict(sinks=arr((1, HQ), jnp.float32)), ValueError, ["sinks", "(1, 4)"]),
+    ("sinks-int", dict(sinks=arr((HQ,), jnp.int32)), TypeError, ["sinks", "float", "int32"]),
 ]
 
 
@@ -290,6 +333,32 @@ def test_traced_dropout_rate_is_rejected():
     with pytest.raises(TypeError, match="dropout_rate must be a static Python float"):
         jax.jit(lambda r: ffpa_jax.attention(q, q, q, dropout_rate=r, dropout_rng=jax.random.key(0),
                                              implementation="xla"))(0.5)
+
+
+def test_valid_feature_calls_pass_validation(no_kernels):
+    """The features' carriers are valid when nothing is wrong (implementation=None: the
+    fused kernels do not take them, and the call stops at the first kernel)."""
+    z = lambda shape, dtype: jnp.zeros(shape, dtype)  # keyword arguments are not traced
+    with pytest.raises(AssertionError, match="kernel or the reference was reached"):
+        call(q_segment_ids=z((B, T), jnp.int32), kv_segment_ids=z((B, S), jnp.int16),
+             query_seq_lengths=z((B,), jnp.int32), key_value_seq_lengths=z((B,), jnp.uint8),
+             local_window_size=(3, 0), logits_soft_cap=np.float32(30.0),
+             sinks=z((HQ,), jnp.bfloat16), implementation=None)
+    with pytest.raises(AssertionError, match="kernel or the reference was reached"):
+        call(q=arr((T, HQ, D)), k=arr((S, HKV, D)), v=arr((S, HKV, 3)),
+             q_segment_ids=z((T,), jnp.int32), kv_segment_ids=z((S,), jnp.int32),
+             query_seq_lengths=z((), jnp.int32), key_value_seq_lengths=z((1,), jnp.int32),
+             local_window_size=4, implementation="chunked")
+
+
+def test_traced_window_and_cap_are_rejected():
+    q = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
+    with pytest.raises(TypeError, match="logits_soft_cap must be a static Python float"):
+        jax.jit(lambda c: ffpa_jax.attention(q, q, q, logits_soft_cap=c,
+                                             implementation="xla"))(30.0)
+    with pytest.raises(TypeError, match="local_window_size must be a static Python int"):
+        jax.jit(lambda w: ffpa_jax.attention(q, q, q, local_window_size=(w, 0),
+                                             implementation="xla"))(3)
 
 
 def test_validation_runs_before_any_kernel_on_real_arrays(no_kernels):

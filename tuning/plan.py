@@ -8,7 +8,7 @@ from typing import Callable
 
 from pallas_kernels import BwdConfig, DecodeConfig, FwdConfig, chunked, decode_num_splits
 from pallas_kernels.problem import Problem
-from pallas_kernels.tiers import TIERS, Plan
+from pallas_kernels.tiers import TIERS, Plan, fused_unsupported
 from tuning.device import multiprocessor_count
 from tuning.select import config_for, explain_tier
 
@@ -67,25 +67,39 @@ def explain_tiers(problem: Problem, implementation: str, *, device_name: str | N
                   ) -> tuple[tuple[str, str], tuple[str, str]]:
     """((forward tier, why), (backward tier, why)) of `tiers`, for the device JAX runs on or
     the one named."""
+    def routed(direction):
+        missing = fused_unsupported(problem, direction)
+        if not missing:
+            return None
+        return ("chunked", f"{', '.join(missing)}: not in the fused {direction} kernels yet, "
+                           "the chunked tier runs it")
     if implementation in TIERS:
         chosen = (implementation, f"implementation={implementation!r}")
-        return chosen, chosen
+        if implementation != "pallas":
+            return chosen, chosen
+        return routed("forward") or chosen, routed("backward") or chosen
     if implementation != "auto":
         raise ValueError(f"implementation must be 'auto' or one of {TIERS}; "
                          f"got {implementation!r}")
     device = dict(device_name=device_name, compute_capability=compute_capability)
+    backward = routed("backward") or explain_tier("backward", problem, **device)
+    forward = routed("forward")
+    if forward is not None:
+        return forward, backward
     if uses_decode(problem):
         forward = ("pallas", f"decode shape (T <= {DECODE_MAX_QUERIES} queries against "
                              f">= {DECODE_MIN_KEYS} keys): the decode kernels")
     else:
         forward = explain_tier("forward", problem, **device)
-    return forward, explain_tier("backward", problem, **device)
+    return forward, backward
 
 
 def tiers(problem: Problem, implementation: str) -> tuple[str, str]:
     """(forward tier, backward tier) of a call: `implementation` is a tier name, or "auto"
     (each direction on the tier the tuned data, then the built-in rule, picks). The decode
-    shapes' forward always runs the Pallas decode kernels."""
+    shapes' forward always runs the Pallas decode kernels; a direction with a feature its
+    fused kernels do not implement (`fused_unsupported`) runs on the chunked tier, under
+    "auto" and "pallas" alike (the API refuses an explicit "pallas" before)."""
     (forward, _), (backward, _) = explain_tiers(problem, implementation)
     return forward, backward
 
@@ -101,7 +115,8 @@ def make_plan(problem: Problem, *, interpret: bool = False, precise_lse: bool = 
              if "chunked" in tiers else None)
     return Plan(decode=decode, decode_splits=splits, scale=problem.scale,
                 forward_tier=tiers[0], backward_tier=tiers[1], chunk=chunk,
-                causal=problem.causal, interpret=interpret,
+                causal=problem.causal, interpret=interpret, window=problem.window,
+                softcap=problem.softcap,
                 dropout_rate=problem.dropout_rate, precise_lse=precise_lse,
                 lse_pair=problem.dtype_name == "fp32",
                 fwd=fwd_config(problem, override),

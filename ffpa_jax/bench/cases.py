@@ -12,10 +12,13 @@ import dataclasses
 import numpy as np
 
 KINDS = ("self", "cross", "decode", "gqa", "mqa", "causal", "attn-mask", "bias-grad", "dropout",
-         "non-aligned")
+         "non-aligned", "packed", "window", "softcap")
 MODES = ("fwd", "fwdbwd")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 DEFAULT_DROPOUT = 0.1
+PACKED_SEGMENTS = 4  # "packed": causal LM training on this many equal documents per row
+MAX_WINDOW = 1024  # "window": a causal sliding window of min(this, N / 4) keys to the left
+SOFT_CAP = 50.0  # "softcap": Gemma 2's attention logit cap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +39,9 @@ class BenchCase:
     kind: str = "self"
     bias: str | None = None  # None | "heads": a float bias [1, Hq, T, S], differentiated
     dropout: float = 0.0  # dropout rate on the probabilities
+    segments: int = 0  # packed sequences: this many equal segments per row (segment ids)
+    window: int = 0  # a left window of this many keys (local_window_size=(window, 0))
+    softcap: float = 0.0  # logits_soft_cap (0: none)
 
     @property
     def label(self) -> str:
@@ -46,6 +52,9 @@ class BenchCase:
         extra = (" causal" if self.causal else "") + (f" {self.mask}" if self.mask else "")
         extra += (" bias[1,H,T,S]" if self.bias == "heads" else "")
         extra += (f" dropout{self.dropout:g}" if self.dropout else "")
+        extra += (f" packed{self.segments}" if self.segments else "")
+        extra += (f" window{self.window}" if self.window else "")
+        extra += (f" softcap{self.softcap:g}" if self.softcap else "")
         seq = f"{self.t}" if self.t == self.s else f"{self.t}x{self.s}"
         return f"D={dims} B={self.b} H={heads} N={seq} {self.dtype}{extra} {self.mode}"
 
@@ -54,10 +63,28 @@ class BenchCase:
         return self.hq // self.hkv
 
     def flops(self) -> float:
-        """4·B·Hq·T·S·D (D the mean of D and Dv), halved when causal, x3.5 for fwd+bwd."""
-        work = 2.0 * self.b * self.hq * self.t * self.s * (self.d + self.dv)
-        work = work / 2 if self.causal else work
+        """4·B·Hq·T·S·D (D the mean of D and Dv), halved when causal, x3.5 for fwd+bwd; with
+        segments or a window, 4·B·Hq·D per (query, key) pair they leave visible."""
+        if self.segments or self.window:
+            work = 2.0 * self.b * self.hq * self.visible_pairs() * (self.d + self.dv)
+        else:
+            work = 2.0 * self.b * self.hq * self.t * self.s * (self.d + self.dv)
+            work = work / 2 if self.causal else work
         return work * 3.5 if self.mode == "fwdbwd" else work
+
+    def visible_pairs(self) -> int:
+        """How many (query, key) pairs of one (batch, head) the causality, window and
+        segments leave visible (counted per row, never as a [T, S] matrix)."""
+        i = np.arange(self.t)
+        shift = self.s - self.t
+        hi = np.minimum(self.s - 1, i + shift) if self.causal else np.full(self.t, self.s - 1)
+        lo = np.maximum(0, i + shift - self.window) if self.window else np.zeros(self.t, int)
+        if self.segments:
+            q_ids, kv_ids = segment_ids(self)
+            starts = np.searchsorted(kv_ids, q_ids, side="left")
+            ends = np.searchsorted(kv_ids, q_ids, side="right") - 1
+            lo, hi = np.maximum(lo, starts), np.minimum(hi, ends)
+        return int(np.sum(np.maximum(0, hi - lo + 1)))
 
     def min_bytes(self) -> float | None:
         """Fewest bytes a forward must move: q, k, v (and bias, mask) read once, out written
@@ -69,7 +96,31 @@ class BenchCase:
                  + self.b * self.s * self.hkv * (self.d + self.dv))  # k and v
         extra = self.hq * self.t * self.s * item if self.bias == "heads" else 0
         extra += self.t * self.s if self.mask else 0  # bool, one byte each
+        extra += 4 * self.b * (self.t + self.s) if self.segments else 0  # int32 ids
         return float(elems * item + extra)
+
+
+def segment_ids(case: BenchCase) -> tuple[np.ndarray, np.ndarray]:
+    """int32 ids [T] and [S] of `case.segments` equal segments (the same in every row of the
+    batch): query i and key j share a document iff they sit in the same fraction of T and S."""
+    n = max(1, case.segments)
+    return ((np.arange(case.t) * n // case.t).astype(np.int32),
+            (np.arange(case.s) * n // case.s).astype(np.int32))
+
+
+def feature_kwargs(case: BenchCase) -> dict:
+    """`ffpa_jax.attention`'s feature arguments for `case` (empty for the other kinds)."""
+    import jax.numpy as jnp
+    kw: dict = {}
+    if case.segments:
+        q_ids, kv_ids = segment_ids(case)
+        kw["q_segment_ids"] = jnp.broadcast_to(jnp.asarray(q_ids), (case.b, case.t))
+        kw["kv_segment_ids"] = jnp.broadcast_to(jnp.asarray(kv_ids), (case.b, case.s))
+    if case.window:
+        kw["local_window_size"] = (case.window, 0)
+    if case.softcap:
+        kw["logits_soft_cap"] = case.softcap
+    return kw
 
 
 def sparse_block_mask(t: int, s: int, rng: np.random.Generator) -> np.ndarray:
@@ -90,7 +141,9 @@ def make_case(kind: str, *, d: int, n: int, b: int, h: int, kv_heads: int = 0,
     decode: T = 1, S = n, Hkv = kv_heads or H/4 (forward only); gqa: Hkv = kv_heads or H/4;
     mqa: Hkv = 1; causal: bottom-right causal; attn-mask: a 90%-sparse block mask;
     bias-grad: a [1, Hq, T, S] bias, differentiated in forward+backward; dropout: rate
-    `dropout` on the probabilities; non-aligned: T = S = n - 1 for even n (8191 from 8192).
+    `dropout` on the probabilities; non-aligned: T = S = n - 1 for even n (8191 from 8192);
+    packed: causal, `PACKED_SEGMENTS` equal documents per row (segment ids); window: causal,
+    a left window of min(MAX_WINDOW, n / 4) keys; softcap: logits capped at SOFT_CAP.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown case kind {kind!r}; known: {', '.join(KINDS)}")
@@ -117,6 +170,14 @@ def make_case(kind: str, *, d: int, n: int, b: int, h: int, kv_heads: int = 0,
         fields["dropout"] = dropout
     elif kind == "non-aligned":
         t = s = n - 1 if n % 2 == 0 else n
+    elif kind == "packed":
+        causal = True
+        fields["segments"] = PACKED_SEGMENTS
+    elif kind == "window":
+        causal = True
+        fields["window"] = max(1, min(MAX_WINDOW, n // 4))
+    elif kind == "softcap":
+        fields["softcap"] = SOFT_CAP
     if h % hkv:
         raise ValueError(f"{kind}: heads {h} is not a multiple of kv heads {hkv}")
     return BenchCase(b=b, t=t, s=s, hq=h, hkv=hkv, d=d, dv=d, causal=causal, dtype=dtype,
@@ -152,6 +213,8 @@ def gpu_preset() -> list[BenchCase]:
     cases += [_base("cross", 128, 4096, 4)]
     cases += [_base("attn-mask", 128, 4096, 1), _base("bias-grad", 128, 4096, 1)]
     cases += [_base("non-aligned", 128, 8192, 1)]
+    cases += [_base(kind, 128, n, 4) for kind in ("packed", "window") for n in (4096, 16384)]
+    cases += [_base("softcap", 128, 4096, 4), _base("softcap", 256, 4096, 1)]
     out: list[BenchCase] = []
     for c in cases:
         if c not in out:
@@ -179,7 +242,10 @@ def cpu_preset() -> list[BenchCase]:
              make_case("attn-mask", d=64, n=256, b=1, **small),
              make_case("bias-grad", d=64, n=128, b=1, **small),
              make_case("dropout", d=64, n=128, b=1, **small),
-             make_case("non-aligned", d=40, n=128, b=1, **small)]
+             make_case("non-aligned", d=40, n=128, b=1, **small),
+             make_case("packed", d=64, n=128, b=2, **small),
+             make_case("window", d=64, n=128, b=1, **small),
+             make_case("softcap", d=64, n=128, b=1, **small)]
     return cases
 
 

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import ffpa_jax
-from ffpa_jax.bench.cases import BenchCase, sparse_block_mask
+from ffpa_jax.bench.cases import BenchCase, segment_ids, sparse_block_mask
 from ffpa_jax.bench.peers import Impl, Unsupported
-from pallas_kernels.reference import causal_keep, rows_reference
+from pallas_kernels.reference import causal_keep, rows_reference, window_keep
 from tuning.timing import time_samples
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
@@ -110,9 +110,9 @@ def _dropout_keep(case: BenchCase, rng, bs, hs, step: int) -> np.ndarray:
     return np.asarray(jax.device_get(rows), bool)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "rate", "with_dbias"))
+@functools.partial(jax.jit, static_argnames=("scale", "rate", "with_dbias", "softcap"))
 def _reference64(q, k, v, bias, visible, keep, do, *, scale: float, rate: float,
-                 with_dbias: bool = False):
+                 with_dbias: bool = False, softcap: float | None = None):
     """float64 out [P, R, Dv], dq [P, R, D] (None without `do`) and, `with_dbias`, the
     bias rows' gradient [P, R, S] of each sampled pair (`rows_reference`, and its vjp):
     q [P, R, D], k [P, S, D], v [P, S, Dv], bias/visible/keep [P, R, S] or None."""
@@ -120,7 +120,7 @@ def _reference64(q, k, v, bias, visible, keep, do, *, scale: float, rate: float,
 
         def ref(q_rows, bias_rows):
             return rows_reference(q_rows, k, v, bias_rows, visible, keep, scale=scale,
-                                  dropout_rate=rate)[0]
+                                  dropout_rate=rate, softcap=softcap)[0]
         if do is None:
             return ref(q, bias), None, None
         if with_dbias:
@@ -162,13 +162,20 @@ def reference_rows(case: BenchCase, inputs: dict, seed: int):
         visible &= np.asarray(jax.device_get(inputs["mask"][::step]), bool)[None]
     if case.causal:  # at the kept rows only
         visible &= np.asarray(causal_keep(case.t, case.s, rows=t_rows))[None]
+    if case.window:
+        visible &= np.asarray(window_keep(case.t, case.s, (case.window, case.s),
+                                          rows=t_rows))[None]
+    if case.segments:
+        q_ids, kv_ids = segment_ids(case)
+        visible &= (q_ids[t_rows][:, None] == kv_ids[None, :])[None]
     bias = None if inputs["bias"] is None else _host(_bias_rows(inputs["bias"], hs, step=step))
     keep = None if not case.dropout else _dropout_keep(case, inputs["rng"], bs, hs, step)
     do = None if inputs["do"] is None else _host(_rows(inputs["do"], bs, hs, step=step))
     with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
         out, dq, dbias = _reference64(q, k, v, bias, visible, keep, do,
                                       scale=1.0 / math.sqrt(case.d), rate=float(case.dropout),
-                                      with_dbias=samples_dbias(case, inputs))
+                                      with_dbias=samples_dbias(case, inputs),
+                                      softcap=case.softcap or None)
         result = tuple(None if x is None else np.asarray(x) for x in (out, dq, dbias))
     _REFERENCE_CACHE.clear()
     _REFERENCE_CACHE[key] = result

@@ -15,7 +15,7 @@ from typing import Callable
 import jax
 
 import ffpa_jax
-from ffpa_jax.bench.cases import BenchCase
+from ffpa_jax.bench.cases import BenchCase, feature_kwargs, segment_ids
 
 
 class Unsupported(Exception):
@@ -50,8 +50,16 @@ def _ffpa_run(case: BenchCase, implementation: str | None, interpret: bool):
         return ffpa_jax.attention(q, k, v, bias=bias, mask=mask, is_causal=case.causal,
                                   dropout_rate=case.dropout,
                                   dropout_rng=rng if case.dropout else None,
-                                  implementation=implementation, interpret=interpret)
+                                  implementation=implementation, interpret=interpret,
+                                  **feature_kwargs(case))
     return run
+
+
+def _features_of(case: BenchCase) -> list[str]:
+    """The case's language-model features, by the names the peers decline them with."""
+    return [name for name, used in (("segment ids", case.segments),
+                                    ("a sliding window", case.window),
+                                    ("a logit soft cap", case.softcap)) if used]
 
 
 def _ffpa(case: BenchCase, interpret: bool):
@@ -65,15 +73,17 @@ def _tiers_of(implementation: str | None):
         import tuning
         from ffpa_jax import api
         from pallas_kernels.problem import DTYPES, Problem
-        impl = api.resolve_implementation(implementation, interpret)
-        if impl == "xla":
-            return "xla"
         problem = Problem(batch=case.b, seq_q=case.t, seq_k=case.s, heads_q=case.hq,
                           heads_kv=case.hkv, head_dim=case.d, head_dim_v=case.dv,
                           dtype=DTYPES[case.dtype], scale=_scale(case), causal=case.causal,
                           dropout_rate=case.dropout,
                           bias_shape=(1, case.hq, case.t, case.s) if case.bias else None,
-                          mask_shape=(1, 1, case.t, case.s) if case.mask else None)
+                          mask_shape=(1, 1, case.t, case.s) if case.mask else None,
+                          window=(case.window, 0) if case.window else None,
+                          softcap=case.softcap or None, segment_ids=bool(case.segments))
+        impl = api.resolve_implementation(implementation, interpret, problem)
+        if impl == "xla":
+            return "xla"
         forward, backward = tuning.tiers(problem, impl)
         return forward if case.mode == "fwd" else f"{forward}/{backward}"
     return tiers
@@ -90,10 +100,21 @@ def _ffpa_tier(implementation: str):
 
 # ---------------------------------------------------------------- jax.nn: cuDNN and XLA
 def _jax_nn_run(case: BenchCase, implementation: str):
+    """jax.nn.dot_product_attention; a window as its local_window_size (T == S: the same
+    alignment), segment ids as the dense [T, S] mask a jax.nn user would build."""
+    window = (case.window, 0) if case.window else None
+    dense = None
+    if case.segments:
+        q_ids, kv_ids = segment_ids(case)
+        dense = q_ids[:, None] == kv_ids[None, :]
+
     def run(q, k, v, bias, mask, rng):
         del rng
         m = None if mask is None else mask[None, None]
+        if dense is not None:
+            m = dense[None, None] if m is None else m & dense[None, None]
         return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=m, is_causal=case.causal,
+                                            local_window_size=window,
                                             implementation=implementation)
     return run
 
@@ -106,6 +127,8 @@ def _cudnn(case: BenchCase, interpret: bool):
     if case.causal and case.t != case.s:
         raise Unsupported("jax.nn's causal mask is top-left aligned; ours (bottom-right) "
                           "differs when T != S")
+    if case.segments or case.softcap:
+        raise Unsupported("jax.nn.dot_product_attention has no segment ids or soft cap")
     return _jax_nn_run(case, "cudnn")
 
 
@@ -114,15 +137,15 @@ def _ffpa_xla_run(case: BenchCase):
         return ffpa_jax.attention(q, k, v, bias=bias, mask=mask, is_causal=case.causal,
                                   dropout_rate=case.dropout,
                                   dropout_rng=rng if case.dropout else None,
-                                  implementation="xla")
+                                  implementation="xla", **feature_kwargs(case))
     return run
 
 
 def _xla(case: BenchCase, interpret: bool):
     """XLA's dense path: jax.nn's, or ffpa_jax's own XLA path where jax.nn has no equivalent
-    (dropout; causal with T != S)."""
+    (dropout; causal with T != S; the soft cap)."""
     del interpret
-    if case.dropout or (case.causal and case.t != case.s):
+    if case.dropout or (case.causal and case.t != case.s) or case.softcap:
         return _ffpa_xla_run(case)
     return _jax_nn_run(case, "xla")
 
@@ -142,6 +165,8 @@ def _pallas_mha(case: BenchCase, interpret: bool):
         raise Unsupported("has no dropout")
     if case.causal and case.t != case.s:
         raise Unsupported("causal with T != S is top-left aligned there")
+    if case.window or case.softcap:
+        raise Unsupported("has no sliding window or soft cap")
     if case.mode == "fwdbwd" and case.t != case.s:
         raise Unsupported("its fused backward needs T and S split into the same number of "
                           "blocks (T == S)")
@@ -151,11 +176,14 @@ def _pallas_mha(case: BenchCase, interpret: bool):
         if case.mode == "fwdbwd" and n % 32:
             raise Unsupported(f"its backward's 32-wide blocks need {name}={n} to be a multiple "
                               "of 32 (NaN gradients otherwise)")
+    if case.segments and case.t != case.s:
+        raise Unsupported("one segment-ids array for queries and keys (T == S)")
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+    ids = feature_kwargs(case).get("q_segment_ids")
 
     def run(q, k, v, bias, mask, rng):
         del bias, mask, rng
-        return pallas_attention.mha(q, k, v, segment_ids=None, sm_scale=_scale(case),
+        return pallas_attention.mha(q, k, v, segment_ids=ids, sm_scale=_scale(case),
                                     causal=case.causal, interpret=interpret)
     return run
 
@@ -164,6 +192,8 @@ def _pallas_mgpu(case: BenchCase, interpret: bool):
     """jax.experimental.pallas.ops.gpu.attention_mgpu.attention (Mosaic GPU, Hopper)."""
     if interpret:
         raise Unsupported("a Mosaic GPU kernel: needs a Hopper GPU, no interpreter")
+    if _features_of(case):
+        raise Unsupported(f"has no {', '.join(_features_of(case))}")
     if case.d != case.dv or case.d % 64:
         raise Unsupported("needs D == Dv and D a multiple of 64")
     if case.mask is not None or case.bias is not None or case.dropout:
@@ -196,6 +226,8 @@ def _pallas_decode(case: BenchCase, interpret: bool):
     """jax.experimental.pallas.ops.gpu.decode_attention.gqa: one query token, split keys."""
     if case.t != 1:
         raise Unsupported("a decode kernel: T must be 1")
+    if _features_of(case):
+        raise Unsupported(f"has no {', '.join(_features_of(case))}")
     if case.mask is not None or case.bias is not None or case.dropout:
         raise Unsupported("no mask, bias or dropout arguments")
     if case.d != case.dv:
@@ -246,6 +278,8 @@ def _naive_chunked(case: BenchCase, interpret: bool):
     del interpret
     if case.mask is not None or case.bias is not None or case.dropout:
         raise Unsupported("no mask, bias or dropout (the plain composition)")
+    if _features_of(case):
+        raise Unsupported(f"no {', '.join(_features_of(case))} (the plain composition)")
     scale = _scale(case)
 
     def run(q, k, v, bias, mask, rng):
