@@ -526,7 +526,7 @@ def test_feature_kinds_count_their_visible_pairs():
     assert window.flops() == 2.0 * 4 * 32 * window.visible_pairs() * 256
     soft = make_case("softcap", d=128, n=4096, b=4, h=32)
     assert soft.softcap == cases.SOFT_CAP and soft.flops() == 4 * 4 * 32 * 4096 * 4096 * 128
-    assert "packed4" in packed.label and "window1024" in window.label
+    assert f"packed{cases.PACKED_SEGMENTS}" in packed.label and "window1024" in window.label
     assert "softcap50" in soft.label
 
 

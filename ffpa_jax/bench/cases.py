@@ -16,7 +16,7 @@ KINDS = ("self", "cross", "decode", "gqa", "mqa", "causal", "attn-mask", "bias-g
 MODES = ("fwd", "fwdbwd")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 DEFAULT_DROPOUT = 0.1
-PACKED_SEGMENTS = 4  # "packed": causal LM training on this many equal documents per row
+PACKED_SEGMENTS = 8  # "packed": causal LM training on this many equal documents per row
 MAX_WINDOW = 1024  # "window": a causal sliding window of min(this, N / 4) keys to the left
 SOFT_CAP = 50.0  # "softcap": Gemma 2's attention logit cap
 
