@@ -331,3 +331,150 @@ def feature_arrays(batched: bool, *, q_segment_ids=None, kv_segment_ids=None,
                          q_lengths=ids(query_seq_lengths, 1),
                          kv_lengths=ids(key_value_seq_lengths, 1),
                          sinks=None if sinks is None else jnp.asarray(sinks).astype(jnp.float32))
+
+
+def _check_page_pool(name: str, pages: Any, last: str) -> None:
+    _require_array(name, pages)
+    if pages.ndim != 4:
+        raise ValueError(f"{name} must be [Hkv, P, page, {last}] (a pool of P pages of page "
+                         f"keys per KV head); got {_shape_str(pages)}.")
+    if min(pages.shape) < 1:
+        raise ValueError(f"{name} must have every dim >= 1; got {_shape_str(pages)}.")
+
+
+def _concrete(x) -> np.ndarray | None:
+    """x's values when known at trace time (not a tracer), else None."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    try:
+        return np.asarray(x)
+    except Exception:  # noqa: BLE001  (anything not convertible is simply not checked)
+        return None
+
+
+def _check_tables(block_tables, lengths, *, n_pages: int, page: int) -> None:
+    """Block-table entries in the pool and lengths within the table, where the values are
+    known at trace time (the entries a sequence reads: those below its length)."""
+    tables, lens = _concrete(block_tables), _concrete(lengths)
+    per_seq = block_tables.shape[1]
+    if lens is not None and lens.size and (lens.min() < 0 or lens.max() > per_seq * page):
+        b = int(np.argmax((lens < 0) | (lens > per_seq * page)))
+        raise ValueError(f"lengths[{b}] = {int(lens[b])} is outside [0, {per_seq * page}] "
+                         f"(block_tables has {per_seq} pages of {page} keys per sequence).")
+    if tables is None:
+        return
+    used = np.ones(tables.shape, bool)
+    if lens is not None:
+        used = np.arange(per_seq)[None, :] < -(-lens[:, None] // page)
+    bad = used & ((tables < 0) | (tables >= n_pages))
+    if bad.any():
+        b, j = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"block_tables[{b}, {j}] = {int(tables[b, j])} is not a page of the "
+                         f"pool: expected 0 <= entry < P = {n_pages}.")
+
+
+def validate_paged(query, k_pages, v_pages, block_tables, lengths, *, scale,
+                   local_window_size, logits_soft_cap, sinks, return_lse, implementation,
+                   interpret) -> Call:
+    """Check every argument of `paged_attention`; the problem is one query per sequence
+    against S = pages_per_seq · page keys, with the lengths as key_value_seq_lengths."""
+    _require_array("query", query)
+    if query.ndim != 3:
+        raise ValueError(f"query must be [B, Hq, D] (one token per sequence); got "
+                         f"{_shape_str(query)}.")
+    _check_page_pool("k_pages", k_pages, "D")
+    _check_page_pool("v_pages", v_pages, "Dv")
+    b, hq, d = query.shape
+    hkv, n_pages, page, dk = k_pages.shape
+    pools = f"(k_pages {tuple(k_pages.shape)}, v_pages {tuple(v_pages.shape)})"
+    if tuple(v_pages.shape[:3]) != (hkv, n_pages, page):
+        raise ValueError(f"k_pages and v_pages must agree on [Hkv, P, page] {pools}.")
+    dtypes = {jnp.dtype(x.dtype) for x in (query, k_pages, v_pages)}
+    if len(dtypes) != 1:
+        raise TypeError("query, k_pages and v_pages must have the same dtype; got "
+                        f"{jnp.dtype(query.dtype).name}, {jnp.dtype(k_pages.dtype).name}, "
+                        f"{jnp.dtype(v_pages.dtype).name}.")
+    dtype = dtypes.pop()
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"query/k_pages/v_pages dtype must be one of float16, bfloat16, "
+                        f"float32; got {dtype.name}.")
+    if dk != d:
+        raise ValueError(f"k_pages head dim {dk} does not match query head dim {d} "
+                         f"(query {tuple(query.shape)}, {pools[1:-1]}).")
+    if b < 1 or hq < 1:
+        raise ValueError(f"query must have B >= 1 and Hq >= 1; got {_shape_str(query)}.")
+    if hq % hkv != 0:
+        raise ValueError(f"query heads Hq={hq} must be a multiple of the pools' KV heads "
+                         f"Hkv={hkv} (GQA/MQA) (query {tuple(query.shape)}, {pools[1:-1]}).")
+    for name, size in (("head dim D", d), ("head dim Dv (v_pages' last dim)", v_pages.shape[3])):
+        if not 1 <= size <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} must be in 1..{MAX_HEAD_DIM}; got {size}.")
+    _require_array("block_tables", block_tables)
+    if block_tables.ndim != 2 or block_tables.shape[0] != b or block_tables.shape[1] < 1:
+        raise ValueError(f"block_tables must be [B, pages_per_seq] with B = {b}; got "
+                         f"{_shape_str(block_tables)}.")
+    if jnp.dtype(block_tables.dtype) not in _ID_DTYPES:
+        raise TypeError(f"block_tables must be int32; got {_shape_str(block_tables)}.")
+    _check_ids("lengths", lengths, (b,), "[B]")
+    _check_tables(block_tables, lengths, n_pages=n_pages, page=page)
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be a bool; got {return_lse!r}.")
+    if not isinstance(interpret, (bool, np.bool_)):
+        raise TypeError(f"interpret must be a bool; got {interpret!r}.")
+    if implementation not in (None, "pallas", "xla"):
+        raise ValueError("implementation must be None, 'pallas' or 'xla' for "
+                         f"paged_attention; got {implementation!r}.")
+    window = _check_window(local_window_size)
+    if sinks is not None:
+        _check_features(batched=True, b=b, t=1, s=1, hq=hq, q_segment_ids=None,
+                        kv_segment_ids=None, query_seq_lengths=None,
+                        key_value_seq_lengths=None, sinks=sinks)
+    problem = Problem(batch=b, seq_q=1, seq_k=block_tables.shape[1] * page, heads_q=hq,
+                      heads_kv=hkv, head_dim=d, head_dim_v=v_pages.shape[3], dtype=dtype,
+                      scale=_check_scale(scale, d), window=window,
+                      softcap=_check_soft_cap(logits_soft_cap), kv_lengths=True,
+                      sinks=sinks is not None)
+    return Call(problem=problem, batched=True, autotune=None)
+
+
+def validate_kv_update(k_pages, v_pages, key, value, block_tables, positions):
+    """Check `update_kv_pages`' arguments; returns key and value as [B, T, Hkv, D|Dv]."""
+    _check_page_pool("k_pages", k_pages, "D")
+    _check_page_pool("v_pages", v_pages, "Dv")
+    hkv, n_pages, page, d = k_pages.shape
+    if tuple(v_pages.shape[:3]) != (hkv, n_pages, page):
+        raise ValueError("k_pages and v_pages must agree on [Hkv, P, page]; got k_pages "
+                         f"{tuple(k_pages.shape)} and v_pages {tuple(v_pages.shape)}.")
+    out = []
+    for name, x, last in (("key", key, d), ("value", value, v_pages.shape[3])):
+        _require_array(name, x)
+        if x.ndim == 3:
+            x = x[:, None]
+        if x.ndim != 4 or tuple(x.shape[2:]) != (hkv, last):
+            raise ValueError(f"{name} must be [B, T, Hkv, {'D' if name == 'key' else 'Dv'}] "
+                             f"or [B, Hkv, ...] with Hkv = {hkv} and last dim {last} (the "
+                             f"pools'); got {_shape_str(x)}.")
+        out.append(x)
+    key, value = out
+    b = key.shape[0]
+    if tuple(value.shape[:2]) != tuple(key.shape[:2]):
+        raise ValueError(f"key and value must agree on [B, T]; got key {tuple(key.shape)} and "
+                         f"value {tuple(value.shape)}.")
+    _require_array("block_tables", block_tables)
+    if block_tables.ndim != 2 or block_tables.shape[0] != b:
+        raise ValueError(f"block_tables must be [B, pages_per_seq] with B = {b}; got "
+                         f"{_shape_str(block_tables)}.")
+    if jnp.dtype(block_tables.dtype) not in _ID_DTYPES:
+        raise TypeError(f"block_tables must be int32; got {_shape_str(block_tables)}.")
+    _check_ids("positions", positions, (b,), "[B]")
+    pos = _concrete(positions)
+    if pos is not None and pos.size:
+        capacity = block_tables.shape[1] * page
+        ends = pos + key.shape[1]
+        if pos.min() < 0 or ends.max() > capacity:
+            i = int(np.argmax((pos < 0) | (ends > capacity)))
+            raise ValueError(f"positions[{i}] = {int(pos[i])} with T = {key.shape[1]} new "
+                             f"tokens does not fit the table: expected 0 <= positions and "
+                             f"positions + T <= pages_per_seq * page = {capacity}.")
+        _check_tables(block_tables, ends, n_pages=n_pages, page=page)
+    return key, value

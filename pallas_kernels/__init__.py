@@ -9,7 +9,7 @@ from pallas_kernels.bwd import (BWD_DBIAS, BWD_GENERIC_DKDV, BWD_GENERIC_DQ, BWD
                                 bwd_generic_dq, bwd_preproc, rows_in_one_tile)
 from pallas_kernels.decode import (DECODE_FWD_STAGE1, DECODE_FWD_STAGE2, DecodeConfig,
                                    decode_attention, decode_fwd_stage1, decode_fwd_stage2,
-                                   decode_num_splits)
+                                   decode_num_splits, paged_decode_attention)
 from pallas_kernels.descriptor import KernelDescriptor
 from pallas_kernels.fwd import FWD_GENERIC, FwdConfig, fwd_generic
 
@@ -22,5 +22,6 @@ KERNEL_DESCRIPTORS: tuple[KernelDescriptor, ...] = (
 
 __all__ = ["BwdConfig", "DecodeConfig", "FwdConfig", "KERNEL_DESCRIPTORS", "KernelDescriptor",
            "decode_attention", "decode_fwd_stage1", "decode_fwd_stage2", "decode_num_splits",
+           "paged_decode_attention",
            "bwd_dbias", "bwd_exact_rows", "bwd_generic_dkdv", "bwd_generic_dq",
            "bwd_preproc", "fwd_generic", "rows_in_one_tile"]

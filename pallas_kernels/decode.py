@@ -17,6 +17,12 @@ dropout with the same keep-mask as every other kernel. The language-model featur
 the soft cap after the bias; the window, segment ids (gathered per packed row) and lengths
 mask each tile and bound the key blocks a split walks; the sinks join in stage 2, as one
 more partial with lse = the sink and no value.
+
+Paged KV (`paged_decode_attention`): K and V live in pages [Hkv, P, page, D] and a block
+table [B, pages_per_seq] names each sequence's pages in order. Stage 1 is the same
+program: it gathers each key tile's rows through the table (key j of sequence b is row
+j % page of page table[b, j // page]), reads no page past the sequence's length, and
+aligns the window to that length (the query is the sequence's last token).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common, compat
 from pallas_kernels.common import cdiv, dot, fit_block, i32, iota
+from pallas_kernels.problem import FeatureArrays
 from pallas_kernels.descriptor import (KernelDescriptor, Move, Table, add_stages, scaled, set_to,
                                        tile_width, toggle_warps)
 
@@ -79,6 +86,8 @@ class _Layout:
     st: common.KernelStatic
     n_splits: int
     blocks_per_split: int
+    page_size: int = 0  # paged K/V: keys per page (0: contiguous [B, S, Hkv, D])
+    n_pages: int = 0  # paged K/V: pages in the pool
 
     @property
     def packed(self) -> int:  # rows per KV head: G · T
@@ -109,11 +118,33 @@ def _gather_tile(ref, b, h_rows, t_rows, cols, *, rows_ok, seq_k: int, other):
     return plgpu.load(ref.at[b_idx, h_idx, t_idx, c_idx], mask=mask, other=other)
 
 
+def _paged_rows(table_ref, b, cols, kv_len, lay: _Layout):
+    """Where the keys `cols` of sequence b live in the page pool: (page ids [BN], rows in
+    the page [BN], valid [BN]). Keys at or past the sequence's length are not valid: their
+    table entries are not read and their rows are never loaded. A page id outside the pool
+    is clamped into it (memory safety; the API checks the table where it can)."""
+    valid = cols < kv_len
+    pages = plgpu.load(table_ref.at[i32(b), cols // lay.page_size], mask=valid, other=0)
+    pages = jnp.clip(pages, 0, lay.n_pages - 1)
+    return pages, cols % lay.page_size, valid
+
+
+def _load_paged(pages_ref, hk, rows, cols_start, cols: int, *, n_cols: int):
+    """A [BN, cols] tile of a page pool [Hkv, P, page, D] at the key rows `rows`
+    (`_paged_rows`) and head-dim columns cols_start:, 0 where not valid."""
+    pages, slots, valid = rows
+    col_ids = cols_start + iota(cols)
+    mask = valid[:, None] & (col_ids < n_cols)[None, :]
+    return plgpu.load(pages_ref.at[i32(hk), pages[:, None], slots[:, None], col_ids[None, :]],
+                      mask=mask, other=0)
+
+
 def _stage1_kernel(*refs, lay: _Layout, per_chunk: bool):
     st = lay.st
     cfg = st.cfg
     bm, bn, bd, bdv = cfg.block_m, cfg.block_n, cfg.block_d, cfg.block_dv
     q_ref, k_ref, v_ref, *rest = refs
+    table_ref = rest.pop(0) if lay.page_size else None
     bias_ref = rest.pop(0) if st.bias_shape is not None else None
     mask_ref = rest.pop(0) if st.mask_shape is not None else None
     seed_ref = rest.pop(0) if st.dropout_rate > 0 else None
@@ -140,6 +171,9 @@ def _stage1_kernel(*refs, lay: _Layout, per_chunk: bool):
         q_len = feature_refs["q_len"][i32(b)]
     if st.kv_lengths:
         kv_len = feature_refs["kv_len"][i32(b)]
+    # Where the query rows end among the keys: bottom-right at S, or (paged) at the
+    # sequence's own length.
+    shift = kv_len - st.seq_q if lay.page_size else st.seq_k - st.seq_q
 
     def feature_keep(kv_start, cols):
         """The window, segments and lengths at the packed rows × `cols` (None without)."""
@@ -148,7 +182,7 @@ def _stage1_kernel(*refs, lay: _Layout, per_chunk: bool):
         def both(a, x):
             return x if a is None else a & x
         if st.window is not None:
-            shifted = t_rows[:, None] + (st.seq_k - st.seq_q)
+            shifted = t_rows[:, None] + shift
             keep = ((cols[None, :] >= shifted - st.window[0])
                     & (cols[None, :] <= shifted + st.window[1]))
         if q_ids is not None:
@@ -179,9 +213,14 @@ def _stage1_kernel(*refs, lay: _Layout, per_chunk: bool):
         m_i, l_i, acc = carry
         kv_start = kv_block * bn
         cols = kv_start + iota(bn)
-        k_chunk = lambda c: common.load_tile(k_ref, b, kv_start, bn, hk,
-                                             common.chunk_start(c, bd), bd, n_rows=st.seq_k,
-                                             n_cols=st.head_dim)
+        if lay.page_size:
+            rows = _paged_rows(table_ref, b, cols, kv_len, lay)
+            k_chunk = lambda c: _load_paged(k_ref, hk, rows, common.chunk_start(c, bd), bd,
+                                            n_cols=st.head_dim)
+        else:
+            k_chunk = lambda c: common.load_tile(k_ref, b, kv_start, bn, hk,
+                                                 common.chunk_start(c, bd), bd,
+                                                 n_rows=st.seq_k, n_cols=st.head_dim)
         s = common.contract_chunks(q_chunk, k_chunk, n_dchunks, dynamic=cfg.dynamic,
                                    shape=(bm, bn), scale=qk_scale, round_per_chunk=per_chunk,
                                    compensated=st.natural)
@@ -208,8 +247,11 @@ def _stage1_kernel(*refs, lay: _Layout, per_chunk: bool):
         if seed_ref is not None:
             keep = common.dropout_keep(st, seed_ref, b, h_rows, t_rows, kv_start, bn)
             p = jnp.where(keep, p, 0.0)
-        v_tile = common.load_tile(v_ref, b, kv_start, bn, hk, v_start, bdv, n_rows=st.seq_k,
-                                  n_cols=st.head_dim_v)
+        if lay.page_size:
+            v_tile = _load_paged(v_ref, hk, rows, v_start, bdv, n_cols=st.head_dim_v)
+        else:
+            v_tile = common.load_tile(v_ref, b, kv_start, bn, hk, v_start, bdv,
+                                      n_rows=st.seq_k, n_cols=st.head_dim_v)
         p = p if v_tile.dtype == jnp.float32 else p.astype(v_tile.dtype)
         acc = acc * alpha[:, None] + dot(p, v_tile)
         return m_new, l_i, acc
@@ -218,7 +260,7 @@ def _stage1_kernel(*refs, lay: _Layout, per_chunk: bool):
     last = jnp.minimum(first + lay.blocks_per_split, cdiv(st.seq_k, bn))
     if st.ranged:
         first, last = _feature_block_range(st, feature_refs, b, first, last, q_len=q_len,
-                                           kv_len=kv_len)
+                                           kv_len=kv_len, shift=shift)
     carry = (jnp.full((bm,), -jnp.inf, jnp.float32), jnp.zeros((bm,), jnp.float32),
              jnp.zeros((bm, bdv), jnp.float32))
     m_i, l_i, acc = jax.lax.fori_loop(i32(first), i32(last), visit, carry)
@@ -236,17 +278,21 @@ def _stage1_kernel(*refs, lay: _Layout, per_chunk: bool):
                 mask=rows_ok & (v_slice == 0))
 
 
-def _feature_block_range(st, refs, b, first, last, *, q_len, kv_len):
+def _feature_block_range(st, refs, b, first, last, *, q_len, kv_len, shift):
     """The split's key blocks [first, last) cut to those any query row can see by the
-    window (its rows are all T queries), the lengths and the segments (the range of the
-    queries' ids: `common.segment_block_ranges` with one block of T rows)."""
+    window (its rows are all T queries, the last at key `shift` + T - 1: a Python int, or
+    traced for paged K/V), the lengths and the segments (the range of the queries' ids:
+    `common.segment_block_ranges` with one block of T rows)."""
     bn = st.cfg.block_n
     first, last = i32(first), i32(last)
-    shift = st.seq_k - st.seq_q
     if st.window is not None:
         left, right = st.window
-        first = jnp.maximum(first, max(0, shift - left) // bn)
-        last = jnp.minimum(last, cdiv(max(0, st.seq_q - 1 + shift + right + 1), bn))
+        if isinstance(shift, int):
+            first = jnp.maximum(first, max(0, shift - left) // bn)
+            last = jnp.minimum(last, cdiv(max(0, st.seq_q - 1 + shift + right + 1), bn))
+        else:
+            first = jnp.maximum(first, jnp.maximum(shift - left, 0) // bn)
+            last = jnp.minimum(last, (jnp.maximum(st.seq_q + shift + right, 0) + bn - 1) // bn)
     if kv_len is not None:
         last = jnp.minimum(last, (jnp.maximum(kv_len, 0) + bn - 1) // bn)
     if q_len is not None:
@@ -276,6 +322,41 @@ def decode_fwd_stage1(q, k, v, bias=None, mask=None, *, scale: float, causal: bo
     float32 [B, splits, Hq·T], one per key chunk. `precise_lse` as in `fwd_generic`;
     `window`, `softcap` and `features` (its ids and lengths: the sinks are stage 2's) as
     in `fwd_generic`."""
+    return _launch_stage1(q, k, v, bias, mask, scale=scale, causal=causal, config=config,
+                          num_splits=num_splits, interpret=interpret,
+                          dropout_rate=dropout_rate, seed=seed, precise_lse=precise_lse,
+                          window=window, softcap=softcap, features=features)
+
+
+def paged_decode_stage1(q, k_pages, v_pages, block_tables, lengths, *, scale: float,
+                        config: DecodeConfig, num_splits: int, interpret: bool = False,
+                        window=None, softcap=None):
+    """Stage 1 over paged K/V: q [B, T, Hq, D], k_pages [Hkv, P, page, D], v_pages
+    [Hkv, P, page, Dv], block_tables int32 [B, pages_per_seq], lengths int32 [B] (keys
+    j < lengths[b] are seen; the window ends at each sequence's length). The partials of
+    `decode_fwd_stage1` over S = pages_per_seq · page keys."""
+    heads_kv, n_pages, page_size, head_dim = k_pages.shape
+    batch = q.shape[0]
+    seq_k = block_tables.shape[1] * page_size
+    # kernel_static and the layout read K's and V's shapes as [B, S, Hkv, D].
+    k_like = jax.ShapeDtypeStruct((batch, seq_k, heads_kv, head_dim), k_pages.dtype)
+    v_like = jax.ShapeDtypeStruct((batch, seq_k, heads_kv, v_pages.shape[3]), v_pages.dtype)
+    features = FeatureArrays(kv_lengths=lengths.astype(jnp.int32))
+    return _launch_stage1(q, k_like, v_like, scale=scale, causal=False, config=config,
+                          num_splits=num_splits, interpret=interpret, window=window,
+                          softcap=softcap, features=features,
+                          paged=(k_pages, v_pages, block_tables.astype(jnp.int32), n_pages,
+                                 page_size))
+
+
+def _launch_stage1(q, k, v, bias=None, mask=None, *, scale: float, causal: bool,
+                   config: DecodeConfig, num_splits: int, interpret: bool = False,
+                   dropout_rate: float = 0.0, seed: jax.Array | None = None,
+                   precise_lse: bool = False, window=None, softcap=None, features=None,
+                   paged=None):
+    """The stage-1 pallas_call. `paged` = (k_pages, v_pages, block_tables, pages in the
+    pool, page size) replaces K and V (then `k` and `v` only give the [B, S, Hkv, D]
+    shapes)."""
     if features is not None:
         features = features.without_sinks()
     batch, seq_q, heads_q, head_dim = q.shape
@@ -290,8 +371,13 @@ def decode_fwd_stage1(q, k, v, bias=None, mask=None, *, scale: float, causal: bo
     st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
                               dropout_rate=dropout_rate, interpret=interpret, window=window,
                               softcap=softcap, features=features)
+    kv_inputs = [k, v]
     lay = _Layout(st=st, n_splits=n_splits, blocks_per_split=blocks_per_split)
-    inputs = ([q, k, v] + [x for x in (bias, mask) if x is not None]
+    if paged is not None:
+        k_pages, v_pages, tables, n_pages, page_size = paged
+        kv_inputs = [k_pages, v_pages, tables]
+        lay = dataclasses.replace(lay, page_size=page_size, n_pages=n_pages)
+    inputs = ([q] + kv_inputs + [x for x in (bias, mask) if x is not None]
               + common.seed_inputs(dropout_rate, seed)
               # the queries' ids as one block of T rows: the key blocks any of them meets
               + common.feature_inputs(features, block_m=seq_q, block_n=cfg.block_n))
@@ -377,6 +463,20 @@ def decode_attention(q, k, v, bias=None, mask=None, *, scale: float, causal: boo
     return decode_fwd_stage2(o_part, lse_part, seq_q=q.shape[1], heads_q=q.shape[2],
                              dtype=out_dtype or q.dtype, config=config, interpret=interpret,
                              sinks=None if features is None else features.sinks)
+
+
+def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale: float,
+                           config: DecodeConfig, num_splits: int, interpret: bool = False,
+                           out_dtype=None, window=None, softcap=None, sinks=None):
+    """Both stages over paged K/V (`paged_decode_stage1`): (out [B, T, Hq, Dv] in
+    `out_dtype` (default q's dtype), lse [B, Hq, T] float32), with each head's sink
+    (`sinks` [Hq] or None) in the denominator."""
+    o_part, lse_part = paged_decode_stage1(q, k_pages, v_pages, block_tables, lengths,
+                                           scale=scale, config=config, num_splits=num_splits,
+                                           interpret=interpret, window=window, softcap=softcap)
+    return decode_fwd_stage2(o_part, lse_part, seq_q=q.shape[1], heads_q=q.shape[2],
+                             dtype=out_dtype or q.dtype, config=config, interpret=interpret,
+                             sinks=sinks)
 
 
 # ------------------------------------------------------------------ descriptors

@@ -69,7 +69,12 @@ def test_gpu_preset_covers_the_target_shapes():
     assert ("decode", 512, 8, 32, 8, 1, 131072, False, 0.0, "fwd") in planned
     assert not any(k[0] == "decode" and k[-1] == "fwdbwd" for k in planned)
     assert {k[0] for k in planned} == set(cases.KINDS)
-    assert len(planned) == len(_plan("--preset", "gpu"))  # no duplicates
+    # issue 24's paged decode: page sizes 16 and 64 at S=8192, GQA 32/8, D=128, B=8
+    pages = {c.page for c in _plan("--preset", "gpu") if c.kind == "paged-decode"
+             and _key(c) == ("paged-decode", 128, 8, 32, 8, 1, 8192, False, 0.0, "fwd")}
+    assert pages == {16, 64}
+    assert len({(*_key(c), c.page) for c in _plan("--preset", "gpu")}) == len(
+        _plan("--preset", "gpu"))  # no duplicates
 
 
 def test_case_filter_quick_and_the_first_cli_flags():
@@ -551,3 +556,27 @@ def test_peers_decline_the_features_they_lack(peer, kind, why):
     case = make_case(kind, d=64, n=128, b=1, h=4)
     with pytest.raises(peers.Unsupported, match=why):
         peers.PEERS[peer].make(case, False)
+
+
+def test_paged_decode_rows_run_on_the_same_values_as_the_contiguous_cache():
+    """The paged case's pages hold exactly k and v's values under the shuffled table; ffpa
+    (paged), ffpa-contiguous and JAX's paged attention run it (interpreted here) and match
+    the float64 reference; peers that read no page table have no row."""
+    case = make_case("paged-decode", d=64, n=256, b=2, h=4, kv_heads=2, page=16)
+    inputs = M.make_inputs(case)
+    k_pages, v_pages, table, lengths = inputs["pages"]
+    assert k_pages.shape == (2, 2 * 256 // 16, 16, 64)
+    assert np.array_equal(np.sort(np.asarray(table).ravel()), np.arange(32))
+    assert not np.array_equal(np.asarray(table).ravel(), np.arange(32))  # really shuffled
+    k, t = np.asarray(inputs["k"], np.float32), np.asarray(table)
+    for b, j in ((0, 0), (1, 37), (1, 255)):
+        np.testing.assert_array_equal(np.asarray(k_pages, np.float32)[:, t[b, j // 16], j % 16],
+                                      k[b, j])
+    np.testing.assert_array_equal(np.asarray(lengths), [256, 256])
+    for impl in (peers.FFPA, peers.PEERS["ffpa-contiguous"], peers.PEERS["pallas-paged"]):
+        record = _measure(case, impl)
+        assert record["status"] == "ok", (impl.name, record["status"])
+        assert record["error"] < 1e-2, (impl.name, record["error"])
+    assert not any(p.runs_kind("paged-decode") for name, p in peers.PEERS.items()
+                   if name not in ("ffpa-contiguous", "pallas-paged"))
+    assert not peers.PEERS["ffpa-contiguous"].runs_kind("decode")

@@ -9,12 +9,13 @@ from tuning.device import current_device, multiprocessor_count, sanitize_device_
 from tuning.lookup import dtype_name, lookup_config
 from tuning.registry import KERNELS, config_problem
 from tuning.schema import load_config_file, write_config_file
-from tuning.plan import explain_tiers, make_plan, tiers, uses_decode
+from tuning.plan import decode_config, explain_tiers, make_plan, tiers, uses_decode
 from tuning.select import config_for, explain_config, launch_config, tier
 
 __all__ = [
     "KERNELS",
     "config_for",
+    "decode_config",
     "explain_config",
     "explain_tiers",
     "make_plan",

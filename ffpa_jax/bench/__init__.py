@@ -2,13 +2,19 @@
 
 Case kinds (--case): self, cross (T != S), decode (T = 1), gqa, mqa, causal, attn-mask
 (90%-sparse block mask), bias-grad (a [1, H, T, S] bias, differentiated), dropout (p=0.1),
-non-aligned (N = 8191). With no shape option a GPU runs the issue's target shapes (see
-`cases.gpu_preset`, or `--list`); any shape option runs a grid instead.
+non-aligned (N = 8191), packed (causal, 8 documents per row as segment ids), window
+(causal, a left window of min(1024, N/4)), softcap (cap 50), paged-decode (decode over a
+KV cache in shuffled pages of --page-size keys, forward only). With no shape option a GPU
+runs the issue's target shapes (see `cases.gpu_preset`, or `--list`); any shape option
+runs a grid instead.
 
 Peers: cudnn (jax.nn.dot_product_attention(implementation="cudnn")), xla (jax.nn's XLA
 path, or ffpa_jax's own where jax.nn has no equivalent: dropout, causal with T != S),
 pallas-mha (JAX's Pallas attention, Triton), pallas-mgpu (JAX's Mosaic GPU attention,
-Hopper), pallas-decode (JAX's Pallas decode kernel; decode rows only). A peer that cannot
+Hopper), pallas-decode (JAX's Pallas decode kernel; decode rows only), naive-chunked (queries
+in chunks of 2048, einsums), ffpa-pallas / ffpa-chunked (one tier forced), and in the
+paged-decode rows only ffpa-contiguous (ffpa_jax on the same cache, contiguous) and
+pallas-paged (JAX's Pallas paged attention). A peer that cannot
 run a case is named under it, with the reason in a note; one that runs no case at all
 (a GPU-only peer on a CPU) is listed once.
 

@@ -12,13 +12,15 @@ import dataclasses
 import numpy as np
 
 KINDS = ("self", "cross", "decode", "gqa", "mqa", "causal", "attn-mask", "bias-grad", "dropout",
-         "non-aligned", "packed", "window", "softcap")
+         "non-aligned", "packed", "window", "softcap", "paged-decode")
+FORWARD_ONLY = ("decode", "paged-decode")
 MODES = ("fwd", "fwdbwd")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 DEFAULT_DROPOUT = 0.1
 PACKED_SEGMENTS = 8  # "packed": causal LM training on this many equal documents per row
 MAX_WINDOW = 1024  # "window": a causal sliding window of min(this, N / 4) keys to the left
 SOFT_CAP = 50.0  # "softcap": Gemma 2's attention logit cap
+PAGE_SIZE = 16  # "paged-decode": keys per page of the KV cache (the CLI's --page-size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +44,7 @@ class BenchCase:
     segments: int = 0  # packed sequences: this many equal segments per row (segment ids)
     window: int = 0  # a left window of this many keys (local_window_size=(window, 0))
     softcap: float = 0.0  # logits_soft_cap (0: none)
+    page: int = 0  # paged KV cache: keys per page (0: contiguous K/V)
 
     @property
     def label(self) -> str:
@@ -55,6 +58,7 @@ class BenchCase:
         extra += (f" packed{self.segments}" if self.segments else "")
         extra += (f" window{self.window}" if self.window else "")
         extra += (f" softcap{self.softcap:g}" if self.softcap else "")
+        extra += (f" page{self.page}" if self.page else "")
         seq = f"{self.t}" if self.t == self.s else f"{self.t}x{self.s}"
         return f"D={dims} B={self.b} H={heads} N={seq} {self.dtype}{extra} {self.mode}"
 
@@ -108,6 +112,14 @@ def segment_ids(case: BenchCase) -> tuple[np.ndarray, np.ndarray]:
             (np.arange(case.s) * n // case.s).astype(np.int32))
 
 
+def page_table(case: BenchCase) -> np.ndarray:
+    """int32 [B, S / page]: each sequence's pages, spread over the pool in a fixed shuffled
+    order (as a serving pool's pages end up), the same in every run."""
+    per_seq = case.s // case.page
+    order = np.random.default_rng(0).permutation(case.b * per_seq)
+    return order.reshape(case.b, per_seq).astype(np.int32)
+
+
 def feature_kwargs(case: BenchCase) -> dict:
     """`ffpa_jax.attention`'s feature arguments for `case` (empty for the other kinds)."""
     import jax.numpy as jnp
@@ -134,7 +146,7 @@ def sparse_block_mask(t: int, s: int, rng: np.random.Generator) -> np.ndarray:
 # ---------------------------------------------------------------- kinds
 def make_case(kind: str, *, d: int, n: int, b: int, h: int, kv_heads: int = 0,
               kv_seqlen: int = 0, causal: bool = False, dtype: str = "bf16", mode: str = "fwd",
-              dropout: float = DEFAULT_DROPOUT) -> BenchCase:
+              dropout: float = DEFAULT_DROPOUT, page: int = PAGE_SIZE) -> BenchCase:
     """The problem of `kind` built on a base shape: head dim d, seqlen n, batch b, heads h.
 
     self: T = S = n (kv_heads honoured, as the first CLI did); cross: S = kv_seqlen or n/2;
@@ -143,7 +155,9 @@ def make_case(kind: str, *, d: int, n: int, b: int, h: int, kv_heads: int = 0,
     bias-grad: a [1, Hq, T, S] bias, differentiated in forward+backward; dropout: rate
     `dropout` on the probabilities; non-aligned: T = S = n - 1 for even n (8191 from 8192);
     packed: causal, `PACKED_SEGMENTS` equal documents per row (segment ids); window: causal,
-    a left window of min(MAX_WINDOW, n / 4) keys; softcap: logits capped at SOFT_CAP.
+    a left window of min(MAX_WINDOW, n / 4) keys; softcap: logits capped at SOFT_CAP;
+    paged-decode: decode over a paged KV cache of `page` keys per page, each sequence's pages
+    shuffled through the pool (forward only).
     """
     if kind not in KINDS:
         raise ValueError(f"unknown case kind {kind!r}; known: {', '.join(KINDS)}")
@@ -152,10 +166,15 @@ def make_case(kind: str, *, d: int, n: int, b: int, h: int, kv_heads: int = 0,
     fields: dict = {}
     if kind == "cross":
         s = kv_seqlen or max(1, n // 2)
-    elif kind == "decode":
+    elif kind in FORWARD_ONLY:
         t, s = 1, n
         hkv = kv_heads or max(1, h // 4)
         mode = "fwd"
+        if kind == "paged-decode":
+            if page < 1 or n % page:
+                raise ValueError(f"paged-decode: seqlen {n} must be a multiple of the page "
+                                 f"size {page}")
+            fields["page"] = page
     elif kind == "gqa":
         hkv = kv_heads or max(1, h // 4)
     elif kind == "mqa":
@@ -185,10 +204,11 @@ def make_case(kind: str, *, d: int, n: int, b: int, h: int, kv_heads: int = 0,
 
 
 def with_modes(cases: list[BenchCase], modes: list[str]) -> list[BenchCase]:
-    """Each case in each mode (decode stays forward only); duplicates dropped, order kept."""
+    """Each case in each mode (the decode kinds stay forward only); duplicates dropped, order
+    kept."""
     out: list[BenchCase] = []
     for case in cases:
-        for mode in (["fwd"] if case.kind == "decode" else modes):
+        for mode in (["fwd"] if case.kind in FORWARD_ONLY else modes):
             c = dataclasses.replace(case, mode=mode)
             if c not in out:
                 out.append(c)
@@ -215,6 +235,7 @@ def gpu_preset() -> list[BenchCase]:
     cases += [_base("non-aligned", 128, 8192, 1)]
     cases += [_base(kind, 128, n, 4) for kind in ("packed", "window") for n in (4096, 16384)]
     cases += [_base("softcap", 128, 4096, 4), _base("softcap", 256, 4096, 1)]
+    cases += [_base("paged-decode", 128, 8192, 8, kv_heads=8, page=p) for p in (16, 64)]
     out: list[BenchCase] = []
     for c in cases:
         if c not in out:
@@ -224,7 +245,7 @@ def gpu_preset() -> list[BenchCase]:
 
 def gpu_quick_preset() -> list[BenchCase]:
     """One shape per kind (D=128 at B=4 / B=8 decode, plus D=512 self), for a quick look."""
-    cases = [_base(kind, 128, 4096, 4 if kind not in ("decode",) else 8) for kind in KINDS]
+    cases = [_base(kind, 128, 4096, 4 if kind not in FORWARD_ONLY else 8) for kind in KINDS]
     cases.append(_base("self", 512, 4096, 1))
     return cases
 
@@ -245,7 +266,8 @@ def cpu_preset() -> list[BenchCase]:
              make_case("non-aligned", d=40, n=128, b=1, **small),
              make_case("packed", d=64, n=128, b=2, **small),
              make_case("window", d=64, n=128, b=1, **small),
-             make_case("softcap", d=64, n=128, b=1, **small)]
+             make_case("softcap", d=64, n=128, b=1, **small),
+             make_case("paged-decode", d=64, n=256, b=2, h=4, kv_heads=2)]
     return cases
 
 
@@ -262,15 +284,15 @@ def cpu_quick_preset() -> list[BenchCase]:
 
 def grid(kinds: list[str], *, headdims: list[int], seqlens: list[int], batch: int, heads: int,
          kv_heads: int, kv_seqlen: int, causal: bool, dtype: str,
-         dropout: float) -> list[BenchCase]:
+         dropout: float, page: int = PAGE_SIZE) -> list[BenchCase]:
     """Every kind on every (head dim, seqlen): the first CLI's grid, generalised. Batch
-    defaults to 4 for D <= 128, else 1 (decode: 8)."""
+    defaults to 4 for D <= 128, else 1 (the decode kinds: 8)."""
     cases = []
     for kind in kinds:
         for d in headdims:
             for n in seqlens:
-                b = batch or (8 if kind == "decode" else 4 if d <= 128 else 1)
+                b = batch or (8 if kind in FORWARD_ONLY else 4 if d <= 128 else 1)
                 cases.append(make_case(kind, d=d, n=n, b=b, h=heads, kv_heads=kv_heads,
                                        kv_seqlen=kv_seqlen, causal=causal, dtype=dtype,
-                                       dropout=dropout))
+                                       dropout=dropout, page=page))
     return cases

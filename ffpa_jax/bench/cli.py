@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "(auto: gpu if a GPU is found)")
     pick.add_argument("--mode", choices=["fwd", "fwdbwd", "both"], default="both",
                       help="forward only, forward+backward, or both (default); "
-                           "decode is forward only")
+                           "decode and paged-decode are forward only")
     pick.add_argument("--peers", default=",".join(PEERS),
                       help=f"comma list from {', '.join(PEERS)}, or 'none' (default: all)")
     pick.add_argument("--list", action="store_true", help="print the cases and exit")
@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads; "
                        "gqa and decode: heads/4; mqa: 1)")
     shape.add_argument("--kv-seqlen", type=int, help="S of the cross case (default: seqlen/2)")
+    shape.add_argument("--page-size", type=int, help="keys per page of the paged-decode case "
+                       f"(default {cases_mod.PAGE_SIZE})")
     opts = parser.add_argument_group("options for every case")
     opts.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     opts.add_argument("--causal", action="store_true", help="make every case causal")
@@ -83,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _grid_mode(args) -> bool:
     return any(getattr(args, name) is not None for name in
-               ("headdims", "seqlens", "batch", "heads", "kv_heads", "kv_seqlen"))
+               ("headdims", "seqlens", "batch", "heads", "kv_heads", "kv_seqlen", "page_size"))
 
 
 def select_cases(args, on_gpu: bool) -> list[BenchCase]:
@@ -94,7 +96,7 @@ def select_cases(args, on_gpu: bool) -> list[BenchCase]:
             args.case or ["self"], headdims=args.headdims or [128], seqlens=args.seqlens or [4096],
             batch=args.batch or 0, heads=args.heads or 32, kv_heads=args.kv_heads or 0,
             kv_seqlen=args.kv_seqlen or 0, causal=args.causal, dtype=args.dtype,
-            dropout=args.dropout)
+            dropout=args.dropout, page=args.page_size or cases_mod.PAGE_SIZE)
     else:
         gpu = args.preset == "gpu" or (args.preset == "auto" and on_gpu)
         if gpu:
@@ -182,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict] = []
     for i, case in enumerate(cases):
         for impl in [FFPA, *peers]:
-            if impl.kinds is not None and case.kind not in impl.kinds:
+            if not impl.runs_kind(case.kind):
                 continue
             record = measure(case, impl, interpret=not on_gpu, min_rep_s=min_rep_s,
                              reps=reps, seed=args.seed)

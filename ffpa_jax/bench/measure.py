@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ffpa_jax
-from ffpa_jax.bench.cases import BenchCase, segment_ids, sparse_block_mask
+from ffpa_jax.bench.cases import BenchCase, page_table, segment_ids, sparse_block_mask
 from ffpa_jax.bench.peers import Impl, Unsupported
 from pallas_kernels.reference import causal_keep, rows_reference, window_keep
 from tuning.timing import time_samples
@@ -33,15 +33,16 @@ class NoReference(Exception):
 
 # ---------------------------------------------------------------- inputs
 def make_inputs(case: BenchCase, seed: int = 0) -> dict:
-    """Fresh random normal q, k, v (never zeros); the case's mask, bias, dropout key and,
-    for forward+backward, a random output cotangent `do`."""
+    """Fresh random normal q, k, v (never zeros); the case's mask, bias, dropout key, for
+    forward+backward a random output cotangent `do`, and for a paged case k and v's values
+    as pages (`paged_inputs`)."""
     kq, kk, kv, kb, kd, kr = jax.random.split(jax.random.key(seed), 6)
     dtype = DTYPES[case.dtype]
     inputs = {
         "q": jax.random.normal(kq, (case.b, case.t, case.hq, case.d), dtype),
         "k": jax.random.normal(kk, (case.b, case.s, case.hkv, case.d), dtype),
         "v": jax.random.normal(kv, (case.b, case.s, case.hkv, case.dv), dtype),
-        "bias": None, "mask": None, "rng": None, "do": None,
+        "bias": None, "mask": None, "rng": None, "do": None, "pages": None,
     }
     if case.bias == "heads":
         inputs["bias"] = jax.random.normal(kb, (1, case.hq, case.t, case.s), dtype)
@@ -52,22 +53,43 @@ def make_inputs(case: BenchCase, seed: int = 0) -> dict:
         inputs["rng"] = kr
     if case.mode == "fwdbwd":
         inputs["do"] = jax.random.normal(kd, (case.b, case.t, case.hq, case.dv), dtype)
+    if case.page:
+        inputs["pages"] = paged_inputs(case, inputs["k"], inputs["v"])
     return inputs
 
 
-ARG_ORDER = ("q", "k", "v", "bias", "mask", "rng", "do")
+def paged_inputs(case: BenchCase, k, v):
+    """(k_pages [Hkv, P, page, D], v_pages, block_tables [B, S / page], lengths [B] = S):
+    the contiguous caches' values in pages placed by `page_table` (built once, untimed)."""
+    table = page_table(case)
+    per_seq = table.shape[1]
+    where = np.empty(table.size, np.int64)
+    where[table.reshape(-1)] = np.arange(table.size)  # pool page -> (sequence, page) index
+
+    def pool(x):
+        blocks = x.reshape(case.b * per_seq, case.page, case.hkv, x.shape[-1])
+        return jnp.transpose(blocks, (2, 0, 1, 3))[:, where]
+    return (pool(k), pool(v), jnp.asarray(table),
+            jnp.full((case.b,), case.s, jnp.int32))
+
+
+ARG_ORDER = ("q", "k", "v", "bias", "mask", "rng", "do", "pages")
 
 
 def with_mode(case: BenchCase, forward):
-    """fn(q, k, v, bias, mask, rng, do): the forward's output, or for forward+backward
-    (out, dq, dk, dv[, dbias]) with `do` as the output cotangent (dbias for bias-grad)."""
+    """fn(q, k, v, bias, mask, rng, do, pages): the forward's output, or for forward+backward
+    (out, dq, dk, dv[, dbias]) with `do` as the output cotangent (dbias for bias-grad). The
+    pages reach the forward only in the paged rows (forward only)."""
     if case.mode == "fwd":
-        def fwd(q, k, v, bias, mask, rng, do):
+        def fwd(q, k, v, bias, mask, rng, do, pages):
             del do
+            if pages is not None:
+                return forward(q, k, v, bias, mask, rng, pages)
             return forward(q, k, v, bias, mask, rng)
         return fwd
 
-    def fwd_bwd(q, k, v, bias, mask, rng, do):
+    def fwd_bwd(q, k, v, bias, mask, rng, do, pages):
+        del pages
         if bias is not None:
             out, vjp = jax.vjp(lambda q, k, v, b: forward(q, k, v, b, mask, rng), q, k, v, bias)
         else:
@@ -230,6 +252,9 @@ def measure(case: BenchCase, impl: Impl, *, interpret: bool, min_rep_s: float, r
     """A record for (case, impl); its status is "ok", "unsupported: why" or "error: ..."."""
     record = {"case": case.label, **dataclasses.asdict(case), "impl": impl.name}
     try:
+        if case.page and not impl.paged:
+            raise Unsupported("reads no page table (the paged rows compare ffpa_jax's paged "
+                              "and contiguous decode and JAX's paged attention)")
         if impl.tiers is not None:
             record["tier"] = impl.tiers(case, interpret)
         forward = impl.make(case, interpret)

@@ -1,7 +1,10 @@
 """The implementations the benchmark runs: ffpa_jax itself and its peers.
 
 Each maker takes (case, interpret) and returns `run(q, k, v, bias, mask, rng) -> out`
-([B, T, Hq, Dv]), or raises `Unsupported` saying why the peer cannot run the case.
+([B, T, Hq, Dv]), or raises `Unsupported` saying why the peer cannot run the case. In the
+paged-decode rows a run also gets the cache as pages, `run(q, k, v, bias, mask, rng,
+pages)` with pages = (k_pages, v_pages, block_tables, lengths) holding k and v's values;
+only implementations marked `paged` take part there.
 `interpret` is True on a machine without a GPU: Pallas kernels then run in Pallas'
 interpreter, and GPU-only peers decline.
 """
@@ -33,6 +36,15 @@ class Impl:
     # Runs Pallas kernels, so without a GPU they run in Pallas' interpreter: its times
     # there say that the code runs, not how fast it is (the CLI marks such rows).
     pallas: bool = False
+    # Takes part in the paged-decode rows (its run takes the pages as a 7th argument).
+    paged: bool = False
+
+    def runs_kind(self, kind: str) -> bool:
+        """Whether this implementation has a row in cases of `kind` (the paged rows hold
+        only the implementations that take pages)."""
+        if kind == "paged-decode":
+            return self.paged
+        return self.kinds is None or kind in self.kinds
 
     def interpreted(self, interpret: bool, tier: str | None = None) -> bool:
         """Whether a run with `interpret` (no GPU) went through Pallas' interpreter; `tier`:
@@ -63,8 +75,44 @@ def _features_of(case: BenchCase) -> list[str]:
 
 
 def _ffpa(case: BenchCase, interpret: bool):
-    """The tuned dispatch (implementation=None): each direction on its measured tier."""
+    """The tuned dispatch (implementation=None): each direction on its measured tier; in the
+    paged-decode rows, `ffpa_jax.paged_attention` over the pages."""
+    if case.page:
+        def paged(q, k, v, bias, mask, rng, pages):
+            del k, v, bias, mask, rng
+            out = ffpa_jax.paged_attention(q[:, 0], *pages, interpret=interpret)
+            return out[:, None]
+        return paged
     return _ffpa_run(case, None, interpret)
+
+
+def _ffpa_contiguous(case: BenchCase, interpret: bool):
+    """ffpa_jax.attention on the same cache kept contiguous: the decode kernels without
+    pages (the paged rows' yardstick)."""
+    run = _ffpa_run(case, None, interpret)
+
+    def contiguous(q, k, v, bias, mask, rng, pages):
+        del pages
+        return run(q, k, v, bias, mask, rng)
+    return contiguous
+
+
+def _pallas_paged(case: BenchCase, interpret: bool):
+    """jax.experimental.pallas.ops.gpu.paged_attention (Triton), the same pages."""
+    if case.d != case.dv:
+        raise Unsupported("needs D == Dv")
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+    def run(q, k, v, bias, mask, rng, pages):
+        del k, v, bias, mask, rng
+        k_pages, v_pages, tables, lengths = pages
+        per_block = max(1, min(8, tables.shape[1]))
+        out = jax_paged.paged_attention(q[:, 0] * _scale(case), k_pages, v_pages, tables,
+                                        lengths, pages_per_compute_block=per_block,
+                                        k_splits=max(1, min(16, tables.shape[1] // per_block)),
+                                        interpret=interpret)
+        return out.astype(q.dtype)[:, None]
+    return run
 
 
 def _tiers_of(implementation: str | None):
@@ -288,8 +336,9 @@ def _naive_chunked(case: BenchCase, interpret: bool):
     return run
 
 
-FFPA = Impl("ffpa", _ffpa, doc="ffpa_jax.attention(): each direction on its tuned tier",
-            tiers=_tiers_of(None), pallas=True)
+FFPA = Impl("ffpa", _ffpa, doc="ffpa_jax.attention(): each direction on its tuned tier "
+            "(paged-decode: ffpa_jax.paged_attention)", tiers=_tiers_of(None), pallas=True,
+            paged=True)
 PEERS: dict[str, Impl] = {
     "ffpa-pallas": Impl("ffpa-pallas", _ffpa_tier("pallas"), tiers=_tiers_of("pallas"),
                         pallas=True,
@@ -309,4 +358,10 @@ PEERS: dict[str, Impl] = {
                           "einsum per chunk, jax.checkpoint (the chunked tier's floor)"),
     "pallas-decode": Impl("pallas-decode", _pallas_decode, kinds=("decode",), pallas=True,
                           doc="jax.experimental.pallas.ops.gpu.decode_attention.gqa"),
+    "ffpa-contiguous": Impl("ffpa-contiguous", _ffpa_contiguous, kinds=("paged-decode",),
+                            tiers=_tiers_of(None), pallas=True, paged=True,
+                            doc="ffpa_jax.attention on the same cache, contiguous"),
+    "pallas-paged": Impl("pallas-paged", _pallas_paged, kinds=("paged-decode",), pallas=True,
+                         paged=True,
+                         doc="jax.experimental.pallas.ops.gpu.paged_attention (Triton)"),
 }

@@ -158,7 +158,7 @@ def never_ran(records: list[dict]) -> dict[str, str]:
 
 
 def _columns(gpu: bool, marker: bool) -> list[tuple[str, int]]:
-    cols = [("impl", -13), ("ms", 8)]
+    cols = [("impl", -15), ("ms", 8)]
     if marker:
         cols.append(("", 1))
     if gpu:
