@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything we run on the lent GPU, in one call: environment, GPU tests, benchmark.
 # Results land in $OUT (or ./gpu_out). Stages are chosen by arguments: env multigpu
-# tests fuzz autotune ab resources lsecost bench (default: env tests bench). On a
+# tests fuzz autotune ab resources lsecost bench features largehd (default: env tests
+# bench). On a
 # machine of several GPUs, run two lists side by side with CUDA_VISIBLE_DEVICES set
 # per list (each stage sees its GPUs).
 # TEST_PATHS narrows the tests stage (default: tests/; TEST_TAG names its log). Example,
@@ -52,6 +53,22 @@ for stage in $stages; do
       ;;
     bench)
       python3 -m ffpa_jax.bench --json "$OUT/bench.json" --plot "$OUT/bench.png" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -80
+      ;;
+    features)
+      # The language-model features against their targets (docs/benchmarks.md): packed
+      # documents, the sliding window against full causal, soft cap and sinks against
+      # neither, paged decode against contiguous decode (pages of 16 and 64 keys).
+      b="python3 -m ffpa_jax.bench --reps 5"
+      { $b --case packed --headdims 128 --seqlens 8192 --batch 4 --peers pallas-mha,ffpa-dense-mask --json "$OUT/packed.json"
+        $b --case window,causal --headdims 256 --seqlens 16384 --batch 1 --peers none --json "$OUT/window.json"
+        $b --case self,softcap,sinks --headdims 128 --seqlens 4096 --batch 4 --peers none --json "$OUT/softcap_sinks.json"
+        $b --case paged-decode,decode --headdims 128 --seqlens 8192 --batch 8 --kv-heads 8 --page-size 16 --peers ffpa-contiguous,pallas-paged,pallas-decode --json "$OUT/paged16.json"
+        $b --case paged-decode --headdims 128 --seqlens 8192 --batch 8 --kv-heads 8 --page-size 64 --peers ffpa-contiguous,pallas-paged --json "$OUT/paged64.json"
+      } 2>&1 | tee "$OUT/features.log" | grep -v "^  \[" | tail -60
+      ;;
+    largehd)
+      # Issue 26's N=4096 table: the tiers at D=512/1024 against XLA and the naive composition.
+      python3 -m ffpa_jax.bench --reps 5 --batch 1 --case self,causal --headdims 512,1024 --seqlens 4096 --peers xla,naive-chunked --json "$OUT/large_d.json" 2>&1 | tee "$OUT/large_d.log" | grep -v "^  \[" | tail -40
       ;;
     *) echo "unknown stage $stage" ;;
   esac

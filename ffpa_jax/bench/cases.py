@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 
 KINDS = ("self", "cross", "decode", "gqa", "mqa", "causal", "attn-mask", "bias-grad", "dropout",
-         "non-aligned", "packed", "window", "softcap", "paged-decode")
+         "non-aligned", "packed", "window", "softcap", "sinks", "paged-decode")
 FORWARD_ONLY = ("decode", "paged-decode")
 MODES = ("fwd", "fwdbwd")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -45,6 +45,7 @@ class BenchCase:
     window: int = 0  # a left window of this many keys (local_window_size=(window, 0))
     softcap: float = 0.0  # logits_soft_cap (0: none)
     page: int = 0  # paged KV cache: keys per page (0: contiguous K/V)
+    sinks: bool = False  # attention sinks: one logit per query head (`sink_logits`)
 
     @property
     def label(self) -> str:
@@ -59,6 +60,7 @@ class BenchCase:
         extra += (f" window{self.window}" if self.window else "")
         extra += (f" softcap{self.softcap:g}" if self.softcap else "")
         extra += (f" page{self.page}" if self.page else "")
+        extra += (" sinks" if self.sinks else "")
         seq = f"{self.t}" if self.t == self.s else f"{self.t}x{self.s}"
         return f"D={dims} B={self.b} H={heads} N={seq} {self.dtype}{extra} {self.mode}"
 
@@ -120,6 +122,11 @@ def page_table(case: BenchCase) -> np.ndarray:
     return order.reshape(case.b, per_seq).astype(np.int32)
 
 
+def sink_logits(case: BenchCase) -> np.ndarray:
+    """float32 [Hq]: the sinks case's per-head sink logits, the same in every run."""
+    return np.random.default_rng(1).standard_normal(case.hq).astype(np.float32)
+
+
 def feature_kwargs(case: BenchCase) -> dict:
     """`ffpa_jax.attention`'s feature arguments for `case` (empty for the other kinds)."""
     import jax.numpy as jnp
@@ -132,6 +139,8 @@ def feature_kwargs(case: BenchCase) -> dict:
         kw["local_window_size"] = (case.window, 0)
     if case.softcap:
         kw["logits_soft_cap"] = case.softcap
+    if case.sinks:
+        kw["sinks"] = jnp.asarray(sink_logits(case))
     return kw
 
 
@@ -155,7 +164,8 @@ def make_case(kind: str, *, d: int, n: int, b: int, h: int, kv_heads: int = 0,
     bias-grad: a [1, Hq, T, S] bias, differentiated in forward+backward; dropout: rate
     `dropout` on the probabilities; non-aligned: T = S = n - 1 for even n (8191 from 8192);
     packed: causal, `PACKED_SEGMENTS` equal documents per row (segment ids); window: causal,
-    a left window of min(MAX_WINDOW, n / 4) keys; softcap: logits capped at SOFT_CAP;
+    a left window of min(MAX_WINDOW, n / 4) keys; softcap: logits capped at SOFT_CAP; sinks:
+    attention sinks (`sink_logits`);
     paged-decode: decode over a paged KV cache of `page` keys per page, each sequence's pages
     shuffled through the pool (forward only).
     """
@@ -197,6 +207,8 @@ def make_case(kind: str, *, d: int, n: int, b: int, h: int, kv_heads: int = 0,
         fields["window"] = max(1, min(MAX_WINDOW, n // 4))
     elif kind == "softcap":
         fields["softcap"] = SOFT_CAP
+    elif kind == "sinks":
+        fields["sinks"] = True
     if h % hkv:
         raise ValueError(f"{kind}: heads {h} is not a multiple of kv heads {hkv}")
     return BenchCase(b=b, t=t, s=s, hq=h, hkv=hkv, d=d, dv=d, causal=causal, dtype=dtype,
@@ -235,6 +247,7 @@ def gpu_preset() -> list[BenchCase]:
     cases += [_base("non-aligned", 128, 8192, 1)]
     cases += [_base(kind, 128, n, 4) for kind in ("packed", "window") for n in (4096, 16384)]
     cases += [_base("softcap", 128, 4096, 4), _base("softcap", 256, 4096, 1)]
+    cases += [_base("sinks", 128, 4096, 4)]
     cases += [_base("paged-decode", 128, 8192, 8, kv_heads=8, page=p) for p in (16, 64)]
     out: list[BenchCase] = []
     for c in cases:
@@ -267,6 +280,7 @@ def cpu_preset() -> list[BenchCase]:
              make_case("packed", d=64, n=128, b=2, **small),
              make_case("window", d=64, n=128, b=1, **small),
              make_case("softcap", d=64, n=128, b=1, **small),
+             make_case("sinks", d=64, n=128, b=1, **small),
              make_case("paged-decode", d=64, n=256, b=2, h=4, kv_heads=2)]
     return cases
 

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import ffpa_jax
-from ffpa_jax.bench.cases import BenchCase, page_table, segment_ids, sparse_block_mask
+from ffpa_jax.bench.cases import (BenchCase, page_table, segment_ids, sink_logits,
+                                  sparse_block_mask)
 from ffpa_jax.bench.peers import Impl, Unsupported
 from pallas_kernels.reference import causal_keep, rows_reference, window_keep
 from tuning.timing import time_samples
@@ -133,16 +134,17 @@ def _dropout_keep(case: BenchCase, rng, bs, hs, step: int) -> np.ndarray:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "rate", "with_dbias", "softcap"))
-def _reference64(q, k, v, bias, visible, keep, do, *, scale: float, rate: float,
+def _reference64(q, k, v, bias, visible, keep, do, sink, *, scale: float, rate: float,
                  with_dbias: bool = False, softcap: float | None = None):
     """float64 out [P, R, Dv], dq [P, R, D] (None without `do`) and, `with_dbias`, the
     bias rows' gradient [P, R, S] of each sampled pair (`rows_reference`, and its vjp):
-    q [P, R, D], k [P, S, D], v [P, S, Dv], bias/visible/keep [P, R, S] or None."""
-    def one(q, k, v, bias, visible, keep, do):
+    q [P, R, D], k [P, S, D], v [P, S, Dv], bias/visible/keep [P, R, S] or None, sink [P]
+    (each pair's head's sink logit) or None."""
+    def one(q, k, v, bias, visible, keep, do, sink):
 
         def ref(q_rows, bias_rows):
             return rows_reference(q_rows, k, v, bias_rows, visible, keep, scale=scale,
-                                  dropout_rate=rate, softcap=softcap)[0]
+                                  dropout_rate=rate, softcap=softcap, sink=sink)[0]
         if do is None:
             return ref(q, bias), None, None
         if with_dbias:
@@ -151,7 +153,7 @@ def _reference64(q, k, v, bias, visible, keep, do, *, scale: float, rate: float,
             return out, dq, dbias
         out, vjp = jax.vjp(lambda q_rows: ref(q_rows, bias), q)
         return out, vjp(do)[0], None
-    return jax.vmap(one)(q, k, v, bias, visible, keep, do)
+    return jax.vmap(one)(q, k, v, bias, visible, keep, do, sink)
 
 
 def samples_dbias(case: BenchCase, inputs: dict) -> bool:
@@ -194,7 +196,8 @@ def reference_rows(case: BenchCase, inputs: dict, seed: int):
     keep = None if not case.dropout else _dropout_keep(case, inputs["rng"], bs, hs, step)
     do = None if inputs["do"] is None else _host(_rows(inputs["do"], bs, hs, step=step))
     with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
-        out, dq, dbias = _reference64(q, k, v, bias, visible, keep, do,
+        sink = np.asarray(sink_logits(case), np.float64)[hs] if case.sinks else None
+        out, dq, dbias = _reference64(q, k, v, bias, visible, keep, do, sink,
                                       scale=1.0 / math.sqrt(case.d), rate=float(case.dropout),
                                       with_dbias=samples_dbias(case, inputs),
                                       softcap=case.softcap or None)

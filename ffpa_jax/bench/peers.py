@@ -71,7 +71,8 @@ def _features_of(case: BenchCase) -> list[str]:
     """The case's language-model features, by the names the peers decline them with."""
     return [name for name, used in (("segment ids", case.segments),
                                     ("a sliding window", case.window),
-                                    ("a logit soft cap", case.softcap)) if used]
+                                    ("a logit soft cap", case.softcap),
+                                    ("attention sinks", case.sinks)) if used]
 
 
 def _ffpa(case: BenchCase, interpret: bool):
@@ -84,6 +85,21 @@ def _ffpa(case: BenchCase, interpret: bool):
             return out[:, None]
         return paged
     return _ffpa_run(case, None, interpret)
+
+
+def _ffpa_dense_mask(case: BenchCase, interpret: bool):
+    """ffpa_jax.attention with the packed documents as the dense [T, S] bool mask a user
+    would build from the ids (what the segment ids save)."""
+    import jax.numpy as jnp
+    q_ids, kv_ids = (jnp.asarray(x) for x in segment_ids(case))
+    kwargs = {k: x for k, x in feature_kwargs(case).items() if "segment" not in k}
+
+    def run(q, k, v, bias, mask, rng):
+        del mask, rng
+        dense = q_ids[:, None] == kv_ids[None, :]
+        return ffpa_jax.attention(q, k, v, bias=bias, mask=dense, is_causal=case.causal,
+                                  interpret=interpret, **kwargs)
+    return run
 
 
 def _ffpa_contiguous(case: BenchCase, interpret: bool):
@@ -128,7 +144,8 @@ def _tiers_of(implementation: str | None):
                           bias_shape=(1, case.hq, case.t, case.s) if case.bias else None,
                           mask_shape=(1, 1, case.t, case.s) if case.mask else None,
                           window=(case.window, 0) if case.window else None,
-                          softcap=case.softcap or None, segment_ids=bool(case.segments))
+                          softcap=case.softcap or None, segment_ids=bool(case.segments),
+                          sinks=case.sinks)
         impl = api.resolve_implementation(implementation, interpret, problem)
         if impl == "xla":
             return "xla"
@@ -175,8 +192,8 @@ def _cudnn(case: BenchCase, interpret: bool):
     if case.causal and case.t != case.s:
         raise Unsupported("jax.nn's causal mask is top-left aligned; ours (bottom-right) "
                           "differs when T != S")
-    if case.segments or case.softcap:
-        raise Unsupported("jax.nn.dot_product_attention has no segment ids or soft cap")
+    if case.segments or case.softcap or case.sinks:
+        raise Unsupported("jax.nn.dot_product_attention has no segment ids, soft cap or sinks")
     return _jax_nn_run(case, "cudnn")
 
 
@@ -191,9 +208,9 @@ def _ffpa_xla_run(case: BenchCase):
 
 def _xla(case: BenchCase, interpret: bool):
     """XLA's dense path: jax.nn's, or ffpa_jax's own XLA path where jax.nn has no equivalent
-    (dropout; causal with T != S; the soft cap)."""
+    (dropout; causal with T != S; the soft cap; sinks)."""
     del interpret
-    if case.dropout or (case.causal and case.t != case.s) or case.softcap:
+    if case.dropout or (case.causal and case.t != case.s) or case.softcap or case.sinks:
         return _ffpa_xla_run(case)
     return _jax_nn_run(case, "xla")
 
@@ -213,8 +230,8 @@ def _pallas_mha(case: BenchCase, interpret: bool):
         raise Unsupported("has no dropout")
     if case.causal and case.t != case.s:
         raise Unsupported("causal with T != S is top-left aligned there")
-    if case.window or case.softcap:
-        raise Unsupported("has no sliding window or soft cap")
+    if case.window or case.softcap or case.sinks:
+        raise Unsupported("has no sliding window, soft cap or sinks")
     if case.mode == "fwdbwd" and case.t != case.s:
         raise Unsupported("its fused backward needs T and S split into the same number of "
                           "blocks (T == S)")
@@ -358,6 +375,9 @@ PEERS: dict[str, Impl] = {
                           "einsum per chunk, jax.checkpoint (the chunked tier's floor)"),
     "pallas-decode": Impl("pallas-decode", _pallas_decode, kinds=("decode",), pallas=True,
                           doc="jax.experimental.pallas.ops.gpu.decode_attention.gqa"),
+    "ffpa-dense-mask": Impl("ffpa-dense-mask", _ffpa_dense_mask, kinds=("packed",),
+                            tiers=_tiers_of(None), pallas=True,
+                            doc="ffpa_jax.attention with the documents as a dense [T, S] mask"),
     "ffpa-contiguous": Impl("ffpa-contiguous", _ffpa_contiguous, kinds=("paged-decode",),
                             tiers=_tiers_of(None), pallas=True, paged=True,
                             doc="ffpa_jax.attention on the same cache, contiguous"),
