@@ -155,21 +155,14 @@ def run(setup: DecodeSetup, *, steps: int, prompt_lengths: list[int], seed: int 
     return worst
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python examples/paged_decode.py",
         description="A decode loop over a paged KV cache (ffpa_jax.update_kv_pages and "
                     "ffpa_jax.paged_attention), checked against contiguous attention.")
-    parser.add_argument("--steps", type=_positive, default=24, help="tokens to decode")
-    parser.add_argument("--batch", type=_positive, default=4, help="sequences")
-    parser.add_argument("--page-size", type=_positive, default=16, help="keys per page")
+    parser.add_argument("--steps", type=int, default=24, help="tokens to decode")
+    parser.add_argument("--batch", type=int, default=4, help="sequences")
+    parser.add_argument("--page-size", type=int, default=16, help="keys per page")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                         default="float32")
     parser.add_argument("--implementation", choices=["pallas", "xla"], default=None,
@@ -180,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the comparison with contiguous attention")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    for name in ("steps", "batch", "page_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     prompt_lengths = [5 + 11 * b for b in range(args.batch)]
     longest = max(prompt_lengths) + args.steps
     per_seq = -(-longest // args.page_size)

@@ -64,6 +64,19 @@ def _check_broadcastable(name: str, shape: tuple[int, ...], target: tuple[int, .
                 f"expected 1 or {full}.")
 
 
+def _shared_dtype(**arrays) -> jnp.dtype:
+    """The one dtype the named arrays share, which must be float16, bfloat16 or float32."""
+    names = list(arrays)
+    dtypes = [jnp.dtype(x.dtype) for x in arrays.values()]
+    if len(set(dtypes)) != 1:
+        raise TypeError(f"{', '.join(names[:-1])} and {names[-1]} must have the same dtype; "
+                        f"got {', '.join(d.name for d in dtypes)}.")
+    if dtypes[0] not in SUPPORTED_DTYPES:
+        raise TypeError(f"{'/'.join(names)} dtype must be one of float16, bfloat16, float32; "
+                        f"got {dtypes[0].name}.")
+    return dtypes[0]
+
+
 def _check_scale(scale: Any, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
@@ -232,15 +245,7 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, d
     _, s, hkv, dk = k_shape
     dv = v_shape[3]
 
-    dtypes = {jnp.dtype(x.dtype) for x in (query, key, value)}
-    if len(dtypes) != 1:
-        raise TypeError("query, key and value must have the same dtype; got "
-                        f"{jnp.dtype(query.dtype).name}, {jnp.dtype(key.dtype).name}, "
-                        f"{jnp.dtype(value.dtype).name}.")
-    dtype = dtypes.pop()
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"query/key/value dtype must be one of float16, bfloat16, float32; "
-                        f"got {dtype.name}.")
+    dtype = _shared_dtype(query=query, key=key, value=value)
 
     if key.shape[:-1] != value.shape[:-1]:
         raise ValueError("key and value must agree on batch, sequence and heads; got key "
@@ -389,15 +394,7 @@ def validate_paged(query, k_pages, v_pages, block_tables, lengths, *, scale,
     pools = f"(k_pages {tuple(k_pages.shape)}, v_pages {tuple(v_pages.shape)})"
     if tuple(v_pages.shape[:3]) != (hkv, n_pages, page):
         raise ValueError(f"k_pages and v_pages must agree on [Hkv, P, page] {pools}.")
-    dtypes = {jnp.dtype(x.dtype) for x in (query, k_pages, v_pages)}
-    if len(dtypes) != 1:
-        raise TypeError("query, k_pages and v_pages must have the same dtype; got "
-                        f"{jnp.dtype(query.dtype).name}, {jnp.dtype(k_pages.dtype).name}, "
-                        f"{jnp.dtype(v_pages.dtype).name}.")
-    dtype = dtypes.pop()
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"query/k_pages/v_pages dtype must be one of float16, bfloat16, "
-                        f"float32; got {dtype.name}.")
+    dtype = _shared_dtype(query=query, k_pages=k_pages, v_pages=v_pages)
     if dk != d:
         raise ValueError(f"k_pages head dim {dk} does not match query head dim {d} "
                          f"(query {tuple(query.shape)}, {pools[1:-1]}).")

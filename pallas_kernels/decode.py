@@ -39,9 +39,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common, compat
 from pallas_kernels.common import cdiv, dot, fit_block, i32, iota
-from pallas_kernels.problem import FeatureArrays
 from pallas_kernels.descriptor import (KernelDescriptor, Move, Table, add_stages, scaled, set_to,
                                        tile_width, toggle_warps)
+from pallas_kernels.problem import FeatureArrays
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,27 +3,17 @@ train (a short run here) without any set-up beyond the flax extra."""
 
 from __future__ import annotations
 
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 
 pytest.importorskip("flax")
 pytest.importorskip("optax")
 
+from example_runner import run_example
 from examples import tiny_lm
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "examples" / "tiny_lm.py"
 
-
-def _run(*args: str) -> subprocess.CompletedProcess:
-    # No PYTHONPATH: the script finds its checkout's ffpa_jax by itself.
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True,
-                          text=True, cwd=ROOT, env=env, timeout=300)
+def _run(*args: str):
+    return run_example("tiny_lm.py", *args)
 
 
 def test_help_prints_usage_and_exits_0():

@@ -4,20 +4,11 @@ and exits 1 otherwise)."""
 
 from __future__ import annotations
 
-import os
-import pathlib
-import subprocess
-import sys
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "examples" / "paged_decode.py"
+from example_runner import run_example
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    # No PYTHONPATH: the script finds its checkout's ffpa_jax by itself.
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True,
-                          text=True, cwd=ROOT, env=env, timeout=300)
+def _run(*args: str):
+    return run_example("paged_decode.py", *args)
 
 
 def test_help_lists_the_options():
@@ -39,4 +30,4 @@ def test_a_short_loop_matches_contiguous_attention():
 
 def test_bad_option_is_refused():
     run = _run("--steps", "0")
-    assert run.returncode == 2 and "--steps: must be >= 1; got 0" in run.stderr
+    assert run.returncode == 2 and "--steps must be >= 1; got 0" in run.stderr
