@@ -255,14 +255,20 @@ def call_lines(problem: Problem, implementation: str | None, device_name: str | 
 
 
 def _wrap(line: str) -> list[str]:
-    """`line` folded at WIDTH columns, continuation lines indented under its first word."""
+    """`line` folded at WIDTH columns, continuation lines indented under its first word; a
+    word longer than that (a deep folder path) is folded after one of its slashes."""
     indent = " " * (len(line) - len(line.lstrip()) + 4)
     out, rest = [], line
     while len(rest) > WIDTH:
         cut = rest.rfind(" ", len(indent) + 1, WIDTH)
+        if cut > len(indent):
+            out.append(rest[:cut])
+            rest = indent + rest[cut + 1:]
+            continue
+        cut = rest.rfind("/", len(indent) + 1, WIDTH)
         if cut <= len(indent):
             break
-        out.append(rest[:cut])
+        out.append(rest[:cut + 1])
         rest = indent + rest[cut + 1:]
     return out + [rest]
 

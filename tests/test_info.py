@@ -28,6 +28,11 @@ def info(*args: str, env: dict) -> subprocess.CompletedProcess:
                           text=True, cwd=REPO, timeout=300, env=env)
 
 
+def unfolded(text: str) -> str:
+    """The output as one line: folds undone (a path folded after a slash joins up again)."""
+    return " ".join(text.split()).replace("/ ", "/")
+
+
 @pytest.fixture
 def env(tmp_path) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), XDG_CACHE_HOME=str(tmp_path / "cache"),
@@ -60,22 +65,22 @@ def test_machine_part_on_a_cpu(env, tmp_path):
     # The lookup's folders, in order: the env's, the user's (under XDG_CACHE_HOME), packaged.
     order = [str(tmp_path / "tuned"), str(tmp_path / "cache" / "ffpa_jax" / "tuned_configs"),
              str(REPO / "tuning" / "configs")]
-    flat = " ".join(out.split())
+    flat = unfolded(out)
     positions = [flat.index(folder) for folder in order]
     assert positions == sorted(positions)
     assert "for this device: none (no GPU" in out
-    assert all(len(line) <= 100 for line in out.splitlines())
+    assert all(len(line) <= 100 for line in out.splitlines()), out
 
 
 def test_a_call_on_this_cpu_runs_xla_unless_told_otherwise(env):
     run = info("--shape", "2,300,8,96", "--kv-heads", "2", "--causal", env=env)
     assert run.returncode == 0, run.stderr
-    flat = " ".join(run.stdout.split())
+    flat = unfolded(run.stdout)
     assert "problem: B=2 T=300 S=300 Hq=8 Hkv=2 D=96 Dv=96 bf16, causal" in flat
     assert "implementation: xla <- implementation=None without an NVIDIA GPU" in flat
     chunked = info("--shape", "2,300,8,96", "--implementation", "chunked", env=env)
     assert chunked.returncode == 0, chunked.stderr
-    flat = " ".join(chunked.stdout.split())
+    flat = unfolded(chunked.stdout)
     assert "forward: chunked <- implementation='chunked'" in flat
     assert "backward: chunked <- implementation='chunked'" in flat
     assert "the step between the GEMMs: xla" in flat
@@ -87,7 +92,7 @@ def test_a_call_on_a_named_gpu_says_which_config_and_why(env, tmp_path):
     assert run.returncode == 0, run.stderr
     out = run.stdout
     assert all(len(line) <= 100 for line in out.splitlines())
-    flat = " ".join(out.split())
+    flat = unfolded(out)
     assert f"for {DEVICE}: {path} (1 entries, autotune mode fast)" in flat
     assert f"implementation: auto <- implementation=None on an NVIDIA GPU ({DEVICE})" in flat
     # The forward: the tier and the launch config of the tuned entry (T=1000 -> 1024 stored).
@@ -109,3 +114,11 @@ def test_bad_arguments_are_refused(env):
     assert bad.returncode == 2
     assert "must be a multiple of key/value heads Hkv=4" in bad.stderr
     assert info("--kv-heads", "4", env=env).returncode == 2  # a call needs its --shape
+
+
+def test_a_path_longer_than_a_line_folds_after_a_slash():
+    from ffpa_jax import info as info_module
+    path = "/tmp/" + "/".join(f"folder{i:02d}" for i in range(14))
+    lines = info_module._wrap(f"  lookup order: {path}, /repo/tuning/configs")
+    assert len(lines) > 1 and all(len(line) <= 100 for line in lines), lines
+    assert unfolded("\n".join(lines)) == f"lookup order: {path}, /repo/tuning/configs"
