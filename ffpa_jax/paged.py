@@ -15,11 +15,9 @@ import jax.numpy as jnp
 
 import tuning
 from ffpa_jax import validation
-from ffpa_jax.backend import default_backend_is_nvidia_gpu
+from ffpa_jax.api import resolve_implementation
 from ffpa_jax.reference import mha_reference
 from pallas_kernels import paged_decode_attention
-
-IMPLEMENTATIONS = (None, "pallas", "xla")
 
 
 def paged_attention(query: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -62,7 +60,9 @@ def paged_attention(query: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     tables = jnp.asarray(block_tables).astype(jnp.int32)
     lens = jnp.asarray(lengths).astype(jnp.int32)
     sink_logits = None if sinks is None else jnp.asarray(sinks).astype(jnp.float32)
-    if _resolve(implementation, interpret) == "xla":
+    # "pallas" on an NVIDIA GPU or when interpreting (an explicit one elsewhere is refused
+    # there), "xla" otherwise: the decode kernels are the only Pallas path.
+    if resolve_implementation(implementation, interpret) == "xla":
         out, lse = _paged_reference(q, k_pages, v_pages, tables, lens, problem, sink_logits)
     else:
         config, splits = tuning.decode_config(problem)
@@ -72,19 +72,6 @@ def paged_attention(query: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
             softcap=problem.softcap, sinks=sink_logits)
     out, lse = out[:, 0], lse[:, :, 0]
     return (out, lse) if return_lse else out
-
-
-def _resolve(implementation: str | None, interpret: bool) -> str:
-    if implementation == "xla":
-        return "xla"
-    if implementation == "pallas" or interpret:
-        if not interpret and not default_backend_is_nvidia_gpu():
-            raise ValueError(
-                "implementation='pallas' needs an NVIDIA GPU, and the default JAX backend is "
-                f"{jax.default_backend()!r}. Pass interpret=True to run the Pallas kernels in "
-                "Pallas' interpreter (slow; for tests), or implementation='xla' (or None).")
-        return "pallas"
-    return "pallas" if default_backend_is_nvidia_gpu() else "xla"
 
 
 def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:

@@ -20,6 +20,7 @@ from pallas_kernels.problem import FeatureArrays, Problem
 MAX_HEAD_DIM = 1024
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 IMPLEMENTATIONS = (None, "pallas", "chunked", "xla")
+PAGED_IMPLEMENTATIONS = (None, "pallas", "xla")  # paged_attention: the decode kernels or XLA
 AUTOTUNE_MODES = (None, "fast", "max")
 
 
@@ -338,13 +339,29 @@ def feature_arrays(batched: bool, *, q_segment_ids=None, kv_segment_ids=None,
                          sinks=None if sinks is None else jnp.asarray(sinks).astype(jnp.float32))
 
 
-def _check_page_pool(name: str, pages: Any, last: str) -> None:
-    _require_array(name, pages)
-    if pages.ndim != 4:
-        raise ValueError(f"{name} must be [Hkv, P, page, {last}] (a pool of P pages of page "
-                         f"keys per KV head); got {_shape_str(pages)}.")
-    if min(pages.shape) < 1:
-        raise ValueError(f"{name} must have every dim >= 1; got {_shape_str(pages)}.")
+def _check_page_pools(k_pages: Any, v_pages: Any) -> tuple[int, int, int, int, int]:
+    """k_pages [Hkv, P, page, D] and v_pages [Hkv, P, page, Dv] agreeing on [Hkv, P, page];
+    returns (Hkv, P, page, D, Dv)."""
+    for name, pages, last in (("k_pages", k_pages, "D"), ("v_pages", v_pages, "Dv")):
+        _require_array(name, pages)
+        if pages.ndim != 4:
+            raise ValueError(f"{name} must be [Hkv, P, page, {last}] (a pool of P pages of "
+                             f"page keys per KV head); got {_shape_str(pages)}.")
+        if min(pages.shape) < 1:
+            raise ValueError(f"{name} must have every dim >= 1; got {_shape_str(pages)}.")
+    if tuple(v_pages.shape[:3]) != tuple(k_pages.shape[:3]):
+        raise ValueError("k_pages and v_pages must agree on [Hkv, P, page]; got k_pages "
+                         f"{tuple(k_pages.shape)} and v_pages {tuple(v_pages.shape)}.")
+    return (*k_pages.shape, v_pages.shape[3])
+
+
+def _check_block_tables(block_tables: Any, batch: int) -> None:
+    _require_array("block_tables", block_tables)
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch or block_tables.shape[1] < 1:
+        raise ValueError(f"block_tables must be [B, pages_per_seq] with B = {batch}; got "
+                         f"{_shape_str(block_tables)}.")
+    if jnp.dtype(block_tables.dtype) not in _ID_DTYPES:
+        raise TypeError(f"block_tables must be int32; got {_shape_str(block_tables)}.")
 
 
 def _concrete(x) -> np.ndarray | None:
@@ -387,13 +404,9 @@ def validate_paged(query, k_pages, v_pages, block_tables, lengths, *, scale,
     if query.ndim != 3:
         raise ValueError(f"query must be [B, Hq, D] (one token per sequence); got "
                          f"{_shape_str(query)}.")
-    _check_page_pool("k_pages", k_pages, "D")
-    _check_page_pool("v_pages", v_pages, "Dv")
+    hkv, n_pages, page, dk, dv = _check_page_pools(k_pages, v_pages)
     b, hq, d = query.shape
-    hkv, n_pages, page, dk = k_pages.shape
     pools = f"(k_pages {tuple(k_pages.shape)}, v_pages {tuple(v_pages.shape)})"
-    if tuple(v_pages.shape[:3]) != (hkv, n_pages, page):
-        raise ValueError(f"k_pages and v_pages must agree on [Hkv, P, page] {pools}.")
     dtype = _shared_dtype(query=query, k_pages=k_pages, v_pages=v_pages)
     if dk != d:
         raise ValueError(f"k_pages head dim {dk} does not match query head dim {d} "
@@ -403,22 +416,17 @@ def validate_paged(query, k_pages, v_pages, block_tables, lengths, *, scale,
     if hq % hkv != 0:
         raise ValueError(f"query heads Hq={hq} must be a multiple of the pools' KV heads "
                          f"Hkv={hkv} (GQA/MQA) (query {tuple(query.shape)}, {pools[1:-1]}).")
-    for name, size in (("head dim D", d), ("head dim Dv (v_pages' last dim)", v_pages.shape[3])):
+    for name, size in (("head dim D", d), ("head dim Dv (v_pages' last dim)", dv)):
         if not 1 <= size <= MAX_HEAD_DIM:
             raise ValueError(f"{name} must be in 1..{MAX_HEAD_DIM}; got {size}.")
-    _require_array("block_tables", block_tables)
-    if block_tables.ndim != 2 or block_tables.shape[0] != b or block_tables.shape[1] < 1:
-        raise ValueError(f"block_tables must be [B, pages_per_seq] with B = {b}; got "
-                         f"{_shape_str(block_tables)}.")
-    if jnp.dtype(block_tables.dtype) not in _ID_DTYPES:
-        raise TypeError(f"block_tables must be int32; got {_shape_str(block_tables)}.")
+    _check_block_tables(block_tables, b)
     _check_ids("lengths", lengths, (b,), "[B]")
     _check_tables(block_tables, lengths, n_pages=n_pages, page=page)
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool; got {return_lse!r}.")
     if not isinstance(interpret, (bool, np.bool_)):
         raise TypeError(f"interpret must be a bool; got {interpret!r}.")
-    if implementation not in (None, "pallas", "xla"):
+    if implementation not in PAGED_IMPLEMENTATIONS:
         raise ValueError("implementation must be None, 'pallas' or 'xla' for "
                          f"paged_attention; got {implementation!r}.")
     window = _check_window(local_window_size)
@@ -427,7 +435,7 @@ def validate_paged(query, k_pages, v_pages, block_tables, lengths, *, scale,
                         kv_segment_ids=None, query_seq_lengths=None,
                         key_value_seq_lengths=None, sinks=sinks)
     problem = Problem(batch=b, seq_q=1, seq_k=block_tables.shape[1] * page, heads_q=hq,
-                      heads_kv=hkv, head_dim=d, head_dim_v=v_pages.shape[3], dtype=dtype,
+                      heads_kv=hkv, head_dim=d, head_dim_v=dv, dtype=dtype,
                       scale=_check_scale(scale, d), window=window,
                       softcap=_check_soft_cap(logits_soft_cap), kv_lengths=True,
                       sinks=sinks is not None)
@@ -436,14 +444,9 @@ def validate_paged(query, k_pages, v_pages, block_tables, lengths, *, scale,
 
 def validate_kv_update(k_pages, v_pages, key, value, block_tables, positions):
     """Check `update_kv_pages`' arguments; returns key and value as [B, T, Hkv, D|Dv]."""
-    _check_page_pool("k_pages", k_pages, "D")
-    _check_page_pool("v_pages", v_pages, "Dv")
-    hkv, n_pages, page, d = k_pages.shape
-    if tuple(v_pages.shape[:3]) != (hkv, n_pages, page):
-        raise ValueError("k_pages and v_pages must agree on [Hkv, P, page]; got k_pages "
-                         f"{tuple(k_pages.shape)} and v_pages {tuple(v_pages.shape)}.")
+    hkv, n_pages, page, d, dv = _check_page_pools(k_pages, v_pages)
     out = []
-    for name, x, last in (("key", key, d), ("value", value, v_pages.shape[3])):
+    for name, x, last in (("key", key, d), ("value", value, dv)):
         _require_array(name, x)
         if x.ndim == 3:
             x = x[:, None]
@@ -457,12 +460,7 @@ def validate_kv_update(k_pages, v_pages, key, value, block_tables, positions):
     if tuple(value.shape[:2]) != tuple(key.shape[:2]):
         raise ValueError(f"key and value must agree on [B, T]; got key {tuple(key.shape)} and "
                          f"value {tuple(value.shape)}.")
-    _require_array("block_tables", block_tables)
-    if block_tables.ndim != 2 or block_tables.shape[0] != b:
-        raise ValueError(f"block_tables must be [B, pages_per_seq] with B = {b}; got "
-                         f"{_shape_str(block_tables)}.")
-    if jnp.dtype(block_tables.dtype) not in _ID_DTYPES:
-        raise TypeError(f"block_tables must be int32; got {_shape_str(block_tables)}.")
+    _check_block_tables(block_tables, b)
     _check_ids("positions", positions, (b,), "[B]")
     pos = _concrete(positions)
     if pos is not None and pos.size:
