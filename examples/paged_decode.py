@@ -55,7 +55,11 @@ class DecodeSetup:
 
 
 class PageAllocator:
-    """Host-side bookkeeping: a free list of pool pages and each sequence's table row."""
+    """Host-side bookkeeping: a free list of pool pages and each sequence's table row.
+
+    `snapshot` hands the device copies: JAX may read a NumPy array without copying it, after
+    the call has returned (dispatch is asynchronous), so arrays that this object changes in
+    place must never be passed to JAX directly."""
 
     def __init__(self, setup: DecodeSetup):
         self.setup = setup
@@ -76,6 +80,10 @@ class PageAllocator:
             if not self.free:
                 raise RuntimeError("the page pool is exhausted")
             self.table[b, j] = self.free.pop()
+
+    def snapshot(self, rows: slice = slice(None)) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of (table rows, lengths) that nothing changes later."""
+        return self.table[rows].copy(), self.lengths[rows].copy()
 
 
 def init_weights(setup: DecodeSetup, key) -> dict:
@@ -128,7 +136,8 @@ def run(setup: DecodeSetup, *, steps: int, prompt_lengths: list[int], seed: int 
         alloc.reserve(b, n)
         _, k, v = project(setup, weights, prompts[b:b + 1, :n])
         k_pages, v_pages = ffpa_jax.update_kv_pages(k_pages, v_pages, k, v,
-                                                    alloc.table[b:b + 1], np.zeros(1, np.int32))
+                                                    alloc.snapshot(slice(b, b + 1))[0],
+                                                    np.zeros(1, np.int32))
         alloc.lengths[b] = n
         cache_k[b], cache_v[b] = np.asarray(k[0], np.float32), np.asarray(v[0], np.float32)
 
@@ -139,7 +148,7 @@ def run(setup: DecodeSetup, *, steps: int, prompt_lengths: list[int], seed: int 
             alloc.reserve(b, 1)
         q, k, v = project(setup, weights, x[:, None])  # for the check only
         out, x, k_pages, v_pages = decode_step(
-            weights, x, k_pages, v_pages, jnp.asarray(alloc.table), jnp.asarray(alloc.lengths),
+            weights, x, k_pages, v_pages, *alloc.snapshot(),
             setup=setup, implementation=implementation, interpret=interpret)
         alloc.lengths += 1
         if check:
