@@ -10,6 +10,7 @@ own float32 result misses that, within the same factor of its error).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 
 import jax
@@ -57,22 +58,34 @@ class Case:
         return zlib.crc32(repr(self).encode())
 
 
+def normal(rng: np.random.Generator, shape, dtype=jnp.float32) -> jax.Array:
+    """Standard normal draws (float32, then rounded to `dtype`) as a jax array. NumPy draws
+    them: jax.random compiles a program for every new shape, a cost paid many times over in a
+    suite of odd shapes."""
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(jnp.dtype(dtype)))
+
+
 def make_inputs(case: Case, seed: int | None = None):
     """Fresh random normal q, k, v (never zeros), bias and mask for `case`, in case.dtype.
 
     bias is float32 (any float dtype is allowed); mask draws True with `mask_density`.
     """
-    key = jax.random.key(case.seed() if seed is None else seed)
-    kq, kk, kv, kb, km = jax.random.split(key, 5)
-    dtype = jnp.dtype(case.dtype)
-    q = jax.random.normal(kq, (case.b, case.t, case.hq, case.d), jnp.float32).astype(dtype)
-    k = jax.random.normal(kk, (case.b, case.s, case.hkv, case.d), jnp.float32).astype(dtype)
-    v = jax.random.normal(kv, (case.b, case.s, case.hkv, case.head_dim_v), jnp.float32).astype(dtype)
-    bias = None if case.bias_shape is None else jax.random.normal(kb, case.bias_shape, jnp.float32)
+    rng = np.random.default_rng(case.seed() if seed is None else seed)
+    q = normal(rng, (case.b, case.t, case.hq, case.d), case.dtype)
+    k = normal(rng, (case.b, case.s, case.hkv, case.d), case.dtype)
+    v = normal(rng, (case.b, case.s, case.hkv, case.head_dim_v), case.dtype)
+    bias = None if case.bias_shape is None else normal(rng, case.bias_shape)
     mask = None
     if case.mask_shape is not None:
-        mask = jax.random.bernoulli(km, case.mask_density, case.mask_shape)
+        mask = jnp.asarray(rng.random(case.mask_shape) < case.mask_density)
     return q, k, v, bias, mask
+
+
+def cotangents(case: Case, seed: int = 99):
+    """Random float32 cotangents (never zeros) for out [B, T, Hq, Dv] and lse [B, Hq, T]."""
+    rng = np.random.default_rng(case.seed() + seed)
+    return (normal(rng, (case.b, case.t, case.hq, case.head_dim_v)),
+            normal(rng, (case.b, case.hq, case.t)))
 
 
 def feature_seed(case: Case) -> int:
@@ -86,20 +99,20 @@ def make_features(case: Case) -> dict:
     segment ids (contiguous runs when `sorted_ids`; the queries' ids take one value more than
     the keys', so some rows meet no key of their segment), lengths, sinks ~ N(0, 1)."""
     kw: dict = {}
-    ks = jax.random.split(jax.random.key(feature_seed(case)), 3)
+    rng = np.random.default_rng(feature_seed(case))
     if case.segments:
-        q_ids = jax.random.randint(ks[0], (case.b, case.t), 0, case.segments + 1)
-        kv_ids = jax.random.randint(ks[1], (case.b, case.s), 0, case.segments)
+        q_ids = rng.integers(0, case.segments + 1, (case.b, case.t), dtype=np.int32)
+        kv_ids = rng.integers(0, case.segments, (case.b, case.s), dtype=np.int32)
         if case.sorted_ids:
-            q_ids, kv_ids = jnp.sort(q_ids, axis=1), jnp.sort(kv_ids, axis=1)
-        kw["q_segment_ids"] = q_ids.astype(jnp.int32)
-        kw["kv_segment_ids"] = kv_ids.astype(jnp.int32)
+            q_ids, kv_ids = np.sort(q_ids, axis=1), np.sort(kv_ids, axis=1)
+        kw["q_segment_ids"] = jnp.asarray(q_ids)
+        kw["kv_segment_ids"] = jnp.asarray(kv_ids)
     if case.q_lengths is not None:
         kw["query_seq_lengths"] = jnp.asarray(case.q_lengths, jnp.int32)
     if case.kv_lengths is not None:
         kw["key_value_seq_lengths"] = jnp.asarray(case.kv_lengths, jnp.int32)
     if case.sinks:
-        kw["sinks"] = jax.random.normal(ks[2], (case.hq,), jnp.float32)
+        kw["sinks"] = normal(rng, (case.hq,))
     if case.window is not None:
         kw["local_window_size"] = case.window
     if case.softcap is not None:
@@ -123,27 +136,82 @@ def scale_of(case: Case) -> float:
     return case.scale if case.scale is not None else 1.0 / np.sqrt(case.d)
 
 
+_STATIC = ("scale", "is_causal", "rate", "window", "softcap")
+
+
+def _reference_kwargs(mask, keep, features: dict):
+    """`mha_reference`'s arguments other than the differentiated operands and the statics;
+    `features`: segment ids and lengths (`reference_features`)."""
+    return dict(mask=as_4d(mask, True), keep_mask=keep, **features)
+
+
+# The reference runs jitted: eagerly, each of its few dozen operations compiles on its own at
+# every new shape, which cost the suite more than the kernels under test.
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _reference_forward(q, k, v, bias, sinks, mask, keep, features, *, scale, is_causal, rate,
+                       window, softcap):
+    return mha_reference(q, k, v, as_4d(bias, True), scale=scale, is_causal=is_causal,
+                         dropout_rate=rate, window=window, softcap=softcap, sinks=sinks,
+                         **_reference_kwargs(mask, keep, features))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _reference_vjp(q, k, v, bias, sinks, mask, keep, features, d_out, d_lse, *, scale,
+                   is_causal, rate, window, softcap):
+    def f(q, k, v, bias, sinks):
+        return mha_reference(q, k, v, as_4d(bias, True), scale=scale, is_causal=is_causal,
+                             dropout_rate=rate, window=window, softcap=softcap, sinks=sinks,
+                             **_reference_kwargs(mask, keep, features))
+    (out, lse), vjp = jax.vjp(f, q, k, v, bias, sinks)
+    # Rows with lse = -inf get no lse cotangent (as in attention's vjp).
+    d_lse = jnp.where(jnp.isfinite(lse), d_lse.astype(lse.dtype), 0)
+    return vjp((d_out.astype(out.dtype), d_lse))
+
+
+def _run_reference(fn, case: Case, q, k, v, bias, mask, *, keep, rate, features, float64,
+                   cotangents=()):
+    """`fn` on the inputs, converted to float64 (exactly: they are already rounded) when
+    `float64`; statics from `case` and `features`."""
+    def run(conv):
+        ref = reference_features(features, float64=float64)
+        statics = dict(scale=scale_of(case), is_causal=case.causal, rate=float(rate),
+                       window=ref.pop("window"), softcap=ref.pop("softcap"))
+        sinks = ref.pop("sinks")
+        return fn(conv(q), conv(k), conv(v), conv(bias), sinks, mask,
+                  keep if rate > 0.0 else None, ref, *map(conv, cotangents), **statics)
+    if not float64:
+        return run(lambda x: x)
+    with jax.enable_x64(True):
+        return run(lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64)))
+
+
 def reference64(case: Case, q, k, v, bias, mask, *, keep=None, rate: float = 0.0,
                 features: dict | None = None):
     """(out, lse) of the float64 reference on exactly the inputs given (already rounded);
     `keep`/`rate`: a dropout keep-mask [B, Hq, T, S] and its rate; `features`: attention's
     feature arguments (`make_features`)."""
-    with jax.enable_x64(True):
-        to64 = lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64))
-        out, lse = mha_reference(to64(q), to64(k), to64(v), to64(as_4d(bias, True)),
-                                 as_4d(mask, True), scale=scale_of(case), is_causal=case.causal,
-                                 keep_mask=keep, dropout_rate=rate,
-                                 **reference_features(features, float64=True))
-        return np.asarray(out), np.asarray(lse)
+    out, lse = _run_reference(_reference_forward, case, q, k, v, bias, mask, keep=keep,
+                              rate=rate, features=features, float64=True)
+    return np.asarray(out), np.asarray(lse)
 
 
 def xla_same_precision(case: Case, q, k, v, bias, mask, *, keep=None, rate: float = 0.0,
                        features: dict | None = None):
     """(out, lse) of the XLA path at the inputs' own precision."""
-    out, lse = mha_reference(q, k, v, as_4d(bias, True), as_4d(mask, True), scale=scale_of(case),
-                             is_causal=case.causal, keep_mask=keep, dropout_rate=rate,
-                             **reference_features(features))
+    out, lse = _run_reference(_reference_forward, case, q, k, v, bias, mask, keep=keep,
+                              rate=rate, features=features, float64=False)
     return np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+
+
+def reference_grads(case: Case, q, k, v, bias, mask, d_out, d_lse, *, float64: bool,
+                    keep=None, rate: float = 0.0, features: dict | None = None):
+    """[dq, dk, dv, dbias, dsinks] (numpy; None where the operand is None) of
+    <out, d_out> + <lse, d_lse> through the reference, in float64 or at the inputs' own
+    precision (then as float32)."""
+    grads = _run_reference(_reference_vjp, case, q, k, v, bias, mask, keep=keep, rate=rate,
+                           features=features, float64=float64, cotangents=(d_out, d_lse))
+    return [None if g is None else np.asarray(g if float64 else g.astype(jnp.float32))
+            for g in grads]
 
 
 def _max_err(x, ref) -> float:

@@ -12,70 +12,42 @@ import numpy as np
 import pytest
 
 import ffpa_jax
-from attn_testing import Case, assert_matches_reference, make_inputs, scale_of
+from attn_testing import Case, assert_matches_reference, cotangents, make_inputs, reference_grads
 from conftest import call_kwargs, interpret_flag
-from pallas_kernels.reference import mha_reference
-from ffpa_jax.validation import as_4d
-
-
-def _cotangents(case: Case, seed: int = 99):
-    """Random cotangents for out and lse (never zeros)."""
-    kd, kl = jax.random.split(jax.random.key(case.seed() + seed))
-    d_out = jax.random.normal(kd, (case.b, case.t, case.hq, case.head_dim_v), jnp.float32)
-    d_lse = jax.random.normal(kl, (case.b, case.hq, case.t), jnp.float32)
-    return d_out, d_lse
-
-
-def _reference_grads(case: Case, q, k, v, bias, mask, d_out, d_lse, *, float64: bool):
-    """Gradients of <out, d_out> + <lse, d_lse> for the XLA reference, in float64 or at the
-    inputs' own precision. Rows with lse = -inf get no lse cotangent (as in our vjp)."""
-    def run():
-        conv = (lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64))) \
-            if float64 else (lambda x: x)
-        args = [conv(q), conv(k), conv(v), conv(bias)]
-
-        def f(q, k, v, bias):
-            return mha_reference(q, k, v, as_4d(bias, True), as_4d(mask, True),
-                                 scale=scale_of(case), is_causal=case.causal)
-        (out, lse), vjp = jax.vjp(f, *args)
-        dl = jnp.where(jnp.isfinite(lse), conv(d_lse).astype(lse.dtype), 0)
-        grads = vjp((conv(d_out).astype(out.dtype), dl))
-        return [None if g is None else np.asarray(g.astype(jnp.float32) if not float64 else g)
-                for g in grads]
-    if float64:
-        with jax.enable_x64(True):
-            return run()
-    return run()
 
 
 def _pallas_grads(case: Case, mode: str, q, k, v, bias, mask, d_out, d_lse, *,
-                  outputs: str = "both", tier: str = "pallas"):
-    """Gradients of <out, d_out> + <lse, d_lse>. With outputs="out" ("lse") the function
-    differentiated returns out (lse) alone, so the other output's cotangent reaches the
-    custom_vjp as a symbolic zero, as in a loss of that output only."""
+                  outputs: str = "both", tier: str = "pallas", eager: bool = False):
+    """Gradients of <out, d_out> + <lse, d_lse>, under jax.jit (as a training step takes
+    them) or, with `eager`, eagerly. With outputs="out" ("lse") the function differentiated
+    returns out (lse) alone, so the other output's cotangent reaches the custom_vjp as a
+    symbolic zero, as in a loss of that output only."""
     def f(q, k, v, bias):
         out, lse = ffpa_jax.attention(q, k, v, bias, mask, scale=case.scale,
                                       is_causal=case.causal, return_lse=True,
                                       **call_kwargs(tier, mode))
         return {"both": (out, lse), "out": out, "lse": lse}[outputs]
-    result, vjp = jax.vjp(f, q, k, v, bias)
-    d_out = d_out.astype(q.dtype)
-    return vjp({"both": (d_out, d_lse), "out": d_out, "lse": d_lse}[outputs])
+
+    def grads(q, k, v, bias, d_out, d_lse):
+        _, vjp = jax.vjp(f, q, k, v, bias)
+        d_out = d_out.astype(q.dtype)
+        return vjp({"both": (d_out, d_lse), "out": d_out, "lse": d_lse}[outputs])
+    return (grads if eager else jax.jit(grads))(q, k, v, bias, d_out, d_lse)
 
 
 def check_grads(case: Case, mode: str, tier: str = "pallas", *, inputs=None,
-                outputs: str = "both"):
+                outputs: str = "both", eager: bool = False):
     q, k, v, bias, mask = make_inputs(case) if inputs is None else inputs
-    d_out, d_lse = _cotangents(case)
+    d_out, d_lse = cotangents(case)
     d_out = d_out.astype(q.dtype).astype(jnp.float32)  # the cotangent as the kernel sees it
     if outputs == "out":
         d_lse = jnp.zeros_like(d_lse)
     elif outputs == "lse":
         d_out = jnp.zeros_like(d_out)
     got = _pallas_grads(case, mode, q, k, v, bias, mask, d_out, d_lse, outputs=outputs,
-                        tier=tier)
-    ref = _reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=True)
-    xla = _reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=False)
+                        tier=tier, eager=eager)
+    ref = reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=True)
+    xla = reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=False)
     names = ["dq", "dk", "dv", "dbias"]
     for name, g, r, x, primal in zip(names, got, ref, xla, (q, k, v, bias)):
         if primal is None:
@@ -102,6 +74,13 @@ SHAPES = [
 @pytest.mark.parametrize("case", SHAPES, ids=lambda c: f"T{c.t}-S{c.s}-H{c.hq}.{c.hkv}-D{c.d}.{c.head_dim_v}")
 def test_grad_shapes_bf16(case, kernel_mode, tier):
     check_grads(case, kernel_mode, tier)
+
+
+def test_eager_gradients(kernel_mode, tier):
+    """The matrix differentiates under jax.jit; eagerly, the custom_vjp's forward and
+    backward run one operation at a time."""
+    check_grads(Case(b=2, t=37, s=70, hq=4, hkv=2, d=48, bias_shape=(4, 1, 70),
+                     mask_shape=(2, 1, 37, 70), causal=True), kernel_mode, tier, eager=True)
 
 
 @pytest.mark.parametrize("case,outputs", [
@@ -199,7 +178,7 @@ def test_backward_is_deterministic(kernel_mode):
     """Same inputs, same gradients, bit for bit (no atomics anywhere)."""
     case = Case(b=2, t=70, s=90, hq=6, hkv=2, d=64, bias_shape=(1, 6, 1, 90), causal=True)
     q, k, v, bias, mask = make_inputs(case)
-    d_out, d_lse = _cotangents(case)
+    d_out, d_lse = cotangents(case)
     runs = 10 if kernel_mode == "gpu" else 2
     first = _pallas_grads(case, kernel_mode, q, k, v, bias, mask, d_out, d_lse)
     for _ in range(runs - 1):

@@ -12,12 +12,10 @@ import numpy as np
 import pytest
 
 import ffpa_jax
-from attn_testing import (Case, assert_lse_matches, assert_matches_reference, make_inputs,
-                          reference64, scale_of, xla_same_precision)
+from attn_testing import (Case, assert_lse_matches, assert_matches_reference, cotangents,
+                          make_inputs, reference64, reference_grads, xla_same_precision)
 from conftest import call_kwargs, interpret_flag
 from ffpa_jax.dropout import seed_from_key
-from pallas_kernels.reference import mha_reference
-from ffpa_jax.validation import as_4d
 from pallas_kernels import (BwdConfig, FwdConfig, bwd_generic_dkdv, bwd_preproc, fwd_generic)
 from pallas_kernels.dropout import keep_threshold, philox4x32
 
@@ -145,33 +143,16 @@ def _grads(case: Case, mode: str, key, *, float64: bool | None, tier: str = "pal
     """Gradients of <out, d_out> + <lse, d_lse>: the tier's (float64=None) or the
     reference's."""
     q, k, v, bias, mask = make_inputs(case)
-    kd, kl = jax.random.split(jax.random.key(case.seed() + 99))
-    d_out = jax.random.normal(kd, (case.b, case.t, case.hq, case.head_dim_v), jnp.float32)
+    d_out, d_lse = cotangents(case)
     d_out = d_out.astype(q.dtype).astype(jnp.float32)
-    d_lse = jax.random.normal(kl, (case.b, case.hq, case.t), jnp.float32)
     if float64 is None:
         f = lambda q, k, v, bias: ffpa_jax.attention(
             q, k, v, bias, mask, scale=case.scale, is_causal=case.causal, return_lse=True,
             dropout_rate=RATE, dropout_rng=key, **call_kwargs(tier, mode))
         (out, lse), vjp = jax.vjp(f, q, k, v, bias)
         return vjp((d_out.astype(out.dtype), d_lse))
-    keep = _keep(case, key)
-
-    def run():
-        conv = (lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64))) \
-            if float64 else (lambda x: x)
-        f = lambda q, k, v, bias: mha_reference(
-            q, k, v, as_4d(bias, True), as_4d(mask, True), scale=scale_of(case),
-            is_causal=case.causal, keep_mask=keep, dropout_rate=RATE)
-        (out, lse), vjp = jax.vjp(f, conv(q), conv(k), conv(v), conv(bias))
-        dl = jnp.where(jnp.isfinite(lse), conv(d_lse).astype(lse.dtype), 0)
-        grads = vjp((conv(d_out).astype(out.dtype), dl))
-        return [None if g is None else np.asarray(g if float64 else g.astype(jnp.float32))
-                for g in grads]
-    if float64:
-        with jax.enable_x64(True):
-            return run()
-    return run()
+    return reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=float64,
+                           keep=_keep(case, key), rate=RATE)
 
 
 # Interpret mode runs every program of the four backward kernels: shapes stay small.

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 
 import ffpa_jax
-from attn_testing import (Case, assert_lse_matches, assert_matches_reference, make_features,
-                          make_inputs, reference64, reference_features, scale_of,
+from attn_testing import (Case, assert_lse_matches, assert_matches_reference, cotangents,
+                          make_features, make_inputs, reference64, reference_grads, scale_of,
                           xla_same_precision)
 from conftest import call_kwargs
 from ffpa_jax.validation import as_4d
-from pallas_kernels.reference import mha_reference, window_keep
+from pallas_kernels.reference import window_keep
 
 
 def _ids(c: Case) -> str:
@@ -51,72 +51,69 @@ def _ids(c: Case) -> str:
     return "-".join(parts)
 
 
-def run_case(case: Case, tier: str, mode: str = "interpret"):
-    """Forward (out and lse) of `case` on `tier` against float64; returns (out, lse)."""
-    q, k, v, bias, mask = make_inputs(case)
-    features = make_features(case)
-    out, lse = ffpa_jax.attention(q, k, v, bias, mask, scale=case.scale, is_causal=case.causal,
-                                  return_lse=True, **features, **call_kwargs(tier, mode))
+# Feature arguments that are Python values (static: they change the code), not arrays.
+STATIC_FEATURES = ("local_window_size", "logits_soft_cap")
+
+
+def _attention(case: Case, tier: str, mode: str, features: dict):
+    """`attention` of `case` on `tier` as f(q, k, v, bias, mask, arrays) -> (out, lse), the
+    feature arrays (ids, lengths, sinks) a dict argument and the static features bound.
+    The matrix calls it under jax.jit, as a training step does (eagerly, the XLA path and
+    the chunked tier's XLA steps compile each operation apart: `test_eager_call` once)."""
+    statics = {k: v for k, v in features.items() if k in STATIC_FEATURES}
+
+    def f(q, k, v, bias, mask, arrays):
+        return ffpa_jax.attention(q, k, v, bias, mask, scale=case.scale, is_causal=case.causal,
+                                  return_lse=True, **statics, **arrays,
+                                  **call_kwargs(tier, mode))
+    return f, {k: v for k, v in features.items() if k not in STATIC_FEATURES}
+
+
+def _check_forward(case: Case, inputs, features: dict, out, lse):
+    q, k, v, bias, mask = inputs
     ref_out, ref_lse = reference64(case, q, k, v, bias, mask, features=features)
     xla_out, xla_lse = xla_same_precision(case, q, k, v, bias, mask, features=features)
     assert out.dtype == q.dtype and out.shape == ref_out.shape
     assert lse.dtype == jnp.float32 and lse.shape == ref_lse.shape
     assert_matches_reference("out", out, ref_out, xla_out, q.dtype)
     assert_lse_matches(lse, ref_lse, xla_lse)
+
+
+def run_case(case: Case, tier: str, mode: str = "interpret", *, eager: bool = False):
+    """Forward (out and lse) of `case` on `tier` against float64, under jax.jit or, with
+    `eager`, eagerly; returns (out, lse)."""
+    inputs = make_inputs(case)
+    features = make_features(case)
+    f, arrays = _attention(case, tier, mode, features)
+    out, lse = (f if eager else jax.jit(f))(*inputs, arrays)
+    _check_forward(case, inputs, features, out, lse)
     return out, lse
 
 
-def _cotangents(case: Case):
-    kd, kl = jax.random.split(jax.random.key(case.seed() + 99))
-    d_out = jax.random.normal(kd, (case.b, case.t, case.hq, case.head_dim_v), jnp.float32)
-    d_lse = jax.random.normal(kl, (case.b, case.hq, case.t), jnp.float32)
-    return d_out.astype(jnp.dtype(case.dtype)), d_lse
-
-
-def _reference_grads(case: Case, q, k, v, bias, mask, features, d_out, d_lse, *,
-                     float64: bool):
-    """[dq, dk, dv, dbias, dsinks] of <out, d_out> + <lse, d_lse> through the reference, in
-    float64 or at the inputs' precision (rows with lse = -inf get no lse cotangent)."""
-    def run():
-        conv = ((lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64)))
-                if float64 else (lambda x: x))
-        rest = reference_features(features, float64=float64)
-        sinks = rest.pop("sinks")
-
-        def f(q, k, v, bias, sinks):
-            return mha_reference(q, k, v, as_4d(bias, True), as_4d(mask, True),
-                                 scale=scale_of(case), is_causal=case.causal, sinks=sinks,
-                                 **rest)
-        (out, lse), vjp = jax.vjp(f, conv(q), conv(k), conv(v), conv(bias), sinks)
-        dl = jnp.where(jnp.isfinite(lse), conv(d_lse).astype(lse.dtype), 0)
-        grads = vjp((conv(d_out).astype(out.dtype), dl))
-        return [None if g is None else np.asarray(g if float64 else g.astype(jnp.float32))
-                for g in grads]
-    if float64:
-        with jax.enable_x64(True):
-            return run()
-    return run()
-
-
 def check_grads(case: Case, tier: str, mode: str = "interpret"):
-    """dq, dk, dv, dbias and dsinks of `case` on `tier` against float64 (factor 3)."""
-    q, k, v, bias, mask = make_inputs(case)
+    """out and lse, then dq, dk, dv, dbias and dsinks (factor 3) of `case` on `tier`, one
+    jitted forward and backward, against float64; returns (out, lse, gradients)."""
+    inputs = make_inputs(case)
+    q, k, v, bias, mask = inputs
     features = make_features(case)
-    sinks = features.pop("sinks", None)
-    d_out, d_lse = _cotangents(case)
+    f, arrays = _attention(case, tier, mode, features)
+    sinks = arrays.pop("sinks", None)
+    d_out, d_lse = cotangents(case)
+    d_out = d_out.astype(q.dtype)
 
-    def f(q, k, v, bias, sinks):
-        return ffpa_jax.attention(q, k, v, bias, mask, scale=case.scale, is_causal=case.causal,
-                                  return_lse=True, sinks=sinks, **features,
-                                  **call_kwargs(tier, mode))
-    _, vjp = jax.vjp(f, q, k, v, bias, sinks)
-    got = vjp((d_out, d_lse))
-    all_features = dict(features, sinks=sinks) if sinks is not None else features
+    @jax.jit
+    def forward_and_vjp(q, k, v, bias, sinks, d_out, d_lse):
+        (out, lse), vjp = jax.vjp(
+            lambda q, k, v, bias, sinks: f(q, k, v, bias, mask, dict(arrays, sinks=sinks)),
+            q, k, v, bias, sinks)
+        return out, lse, vjp((d_out, d_lse))
+    out, lse, got = forward_and_vjp(q, k, v, bias, sinks, d_out, d_lse)
+    _check_forward(case, inputs, features, out, lse)
     d_out32 = d_out.astype(jnp.float32)
-    ref = _reference_grads(case, q, k, v, bias, mask, all_features, d_out32, d_lse,
-                           float64=True)
-    xla = _reference_grads(case, q, k, v, bias, mask, all_features, d_out32, d_lse,
-                           float64=False)
+    ref = reference_grads(case, q, k, v, bias, mask, d_out32, d_lse, float64=True,
+                          features=features)
+    xla = reference_grads(case, q, k, v, bias, mask, d_out32, d_lse, float64=False,
+                          features=features)
     for name, g, r, x, primal in zip(["dq", "dk", "dv", "dbias", "dsinks"], got, ref, xla,
                                      (q, k, v, bias, sinks)):
         if primal is None:
@@ -124,7 +121,7 @@ def check_grads(case: Case, tier: str, mode: str = "interpret"):
             continue
         assert g.shape == primal.shape and g.dtype == primal.dtype, (name, g.shape, g.dtype)
         assert_matches_reference(name, g, r, x, q.dtype, factor=3.0)
-    return got
+    return out, lse, got
 
 
 # ---------------------------------------------------------------- the matrix
@@ -146,13 +143,12 @@ OTHER_DTYPES = [dataclasses.replace(CASES[6], dtype="float16"),
 
 
 @pytest.mark.parametrize("case", CASES + OTHER_DTYPES, ids=_ids)
-def test_forward(case, feature_tier, kernel_mode):
-    run_case(case, feature_tier, kernel_mode)
-
-
-@pytest.mark.parametrize("case", CASES + OTHER_DTYPES, ids=_ids)
-def test_gradients(case, feature_tier, kernel_mode):
+def test_forward_and_gradients(case, feature_tier, kernel_mode):
     check_grads(case, feature_tier, kernel_mode)
+
+
+def test_eager_call(feature_tier, kernel_mode):
+    run_case(CASES[6], feature_tier, kernel_mode, eager=True)
 
 
 # Every broadcast shape of a bias and of a mask, for B=2, Hq=4, T=37, S=70, under the soft
@@ -164,7 +160,6 @@ BROADCASTS = [(70,), (37, 1), (4, 1, 70), (1, 1, 1, 1), (2, 1, 37, 70), (2, 4, 3
 def test_bias_broadcast_under_the_soft_cap(shape, feature_tier, kernel_mode):
     case = Case(b=2, t=37, s=70, hq=4, hkv=2, d=40, bias_shape=shape, softcap=1.2,
                 segments=2, sinks=len(shape) == 4)
-    run_case(case, feature_tier, kernel_mode)
     check_grads(case, feature_tier, kernel_mode)
 
 
@@ -172,7 +167,6 @@ def test_bias_broadcast_under_the_soft_cap(shape, feature_tier, kernel_mode):
 def test_mask_broadcast_with_window_and_lengths(shape, feature_tier, kernel_mode):
     case = Case(b=2, t=37, s=70, hq=4, hkv=1, d=59, mask_shape=shape, window=(20, 4),
                 q_lengths=(37, 30), kv_lengths=(60, 70), causal=True)
-    run_case(case, feature_tier, kernel_mode)
     check_grads(case, feature_tier, kernel_mode)
 
 
@@ -205,17 +199,9 @@ def test_rows_that_see_no_key(with_sinks, feature_tier, kernel_mode):
     case = Case(b=2, t=120, s=50, hq=4, hkv=2, d=40, causal=True, window=(5, 0),
                 segments=2, kv_lengths=(50, 0), q_lengths=(110, 120), sinks=with_sinks,
                 dtype="float32")
-    q, k, v, bias, mask = make_inputs(case)
+    out, lse, grads = check_grads(case, feature_tier, kernel_mode)
     features = make_features(case)
-    sinks = features.pop("sinks", None)
-
-    def f(q, k, v, sinks):
-        out, lse = ffpa_jax.attention(q, k, v, is_causal=True, return_lse=True, sinks=sinks,
-                                      **features, **call_kwargs(feature_tier, kernel_mode))
-        return jnp.sum(out * jnp.cos(out)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0)), (
-            out, lse)
-    (_, (out, lse)), grads = jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)(
-        q, k, v, sinks)
+    sinks = features.get("sinks")
     ids_q = np.asarray(features["q_segment_ids"])
     ids_k = np.asarray(features["kv_segment_ids"])
     i = np.arange(case.t)[:, None]
@@ -228,7 +214,6 @@ def test_rows_that_see_no_key(with_sinks, feature_tier, kernel_mode):
         sees[b] = vis.any(axis=1)
     _assert_empty_rows(out, lse, grads, ~sees,
                        None if sinks is None else np.asarray(sinks)[None, :])
-    run_case(case, feature_tier, kernel_mode)
 
 
 # ---------------------------------------------------------------- equivalences
@@ -580,7 +565,6 @@ SMALL_BUDGET_MIB = "0.0625"
 def test_chunked_tier_in_many_blocks(case, monkeypatch):
     from pallas_kernels import chunked
     monkeypatch.setenv(chunked.BUDGET_ENV, SMALL_BUDGET_MIB)
-    run_case(case, "chunked")
     check_grads(case, "chunked")
 
 
@@ -588,7 +572,6 @@ def test_chunked_pallas_steps_in_many_blocks(monkeypatch):
     from pallas_kernels import chunked
     monkeypatch.setenv(chunked.BUDGET_ENV, SMALL_BUDGET_MIB)
     case = dataclasses.replace(BLOCKED_CASES[0], t=90, s=57, bias_shape=(1, 6, 90, 57))
-    run_case(case, "chunked-step")
     check_grads(case, "chunked-step")
 
 
@@ -684,7 +667,6 @@ def test_fused_kernels_in_small_tiles(case, monkeypatch):
     """The fused forward and backward (dq, dkdv, dbias; float32: exact rows) with the
     features' block ranges over many blocks, against float64."""
     _small_tiles(monkeypatch)
-    run_case(case, "pallas")
     check_grads(case, "pallas")
 
 

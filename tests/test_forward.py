@@ -23,11 +23,16 @@ from pallas_kernels.common import mask_block_lists
 
 
 def run_case(case: Case, mode: str, tier: str = "pallas", *, q=None, k=None, v=None,
-             bias=None, mask=None):
+             bias=None, mask=None, eager: bool = False):
+    """out and lse of `case` on `tier` against float64, called under jax.jit (as a training
+    step calls it) or, with `eager`, eagerly; returns (out, lse)."""
     if q is None:
         q, k, v, bias, mask = make_inputs(case)
-    out, lse = ffpa_jax.attention(q, k, v, bias, mask, scale=case.scale, is_causal=case.causal,
+
+    def f(q, k, v, bias, mask):
+        return ffpa_jax.attention(q, k, v, bias, mask, scale=case.scale, is_causal=case.causal,
                                   return_lse=True, **call_kwargs(tier, mode))
+    out, lse = (f if eager else jax.jit(f))(q, k, v, bias, mask)
     ref_out, ref_lse = reference64(case, q, k, v, bias, mask)
     xla_out, xla_lse = xla_same_precision(case, q, k, v, bias, mask)
     assert out.dtype == q.dtype and out.shape == ref_out.shape
@@ -54,6 +59,13 @@ SHAPES = [
 @pytest.mark.parametrize("case", SHAPES, ids=lambda c: f"T{c.t}-S{c.s}-H{c.hq}.{c.hkv}-D{c.d}.{c.head_dim_v}")
 def test_shapes_bf16(case, kernel_mode, tier):
     run_case(case, kernel_mode, tier)
+
+
+def test_eager_calls(kernel_mode, tier):
+    """The matrix calls attention under jax.jit; eagerly (a notebook's call) it runs the
+    same code one operation at a time."""
+    run_case(Case(b=2, t=37, s=70, hq=4, hkv=2, d=48, bias_shape=(4, 1, 70),
+                  mask_shape=(2, 1, 37, 70), causal=True), kernel_mode, tier, eager=True)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
