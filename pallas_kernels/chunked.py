@@ -101,6 +101,14 @@ def causal_rows_cap(seq_q: int) -> int:
     return max(256, -(-seq_q // 4 // 128) * 128)
 
 
+def window_rows_cap(band: int) -> int:
+    """The most rows of a block under a sliding window whose rows each see `band` keys at
+    most: about the band (at least 256), so that the keys a block reads (its rows plus the
+    band) stay near twice those its rows see; blocks of a quarter of T read up to five times
+    as many at a window of T/16 (docs/history.md)."""
+    return max(256, -(-band // 128) * 128)
+
+
 def block_sizes(problem: Problem, direction: str, budget_bytes: int = DEFAULT_BUDGET_BYTES,
                 max_keys: int | None = None) -> tuple[int, int]:
     """(query rows, keys) per block of `direction` ("forward" or "backward") whose
@@ -111,11 +119,13 @@ def block_sizes(problem: Problem, direction: str, budget_bytes: int = DEFAULT_BU
     accumulators and each key block's dQ into the rows': the traffic of that grows as
     Hkv/rows + Hq/keys, so its blocks are about sqrt(area·Hkv/Hq) rows by
     sqrt(area·Hq/Hkv) keys (keys a power of two, or all of S). Causal blocks take at most
-    `causal_rows_cap` rows."""
+    `causal_rows_cap` rows, windowed ones at most `window_rows_cap`."""
     per_element = problem.batch * problem.heads_q * bytes_per_element(problem.dtype, direction)
     t, s = problem.seq_q, problem.seq_k
     area = max(1, budget_bytes // per_element)  # (query, key) elements per block and head
     cap = causal_rows_cap(t) if problem.causal else t
+    if problem.window is not None:
+        cap = min(cap, window_rows_cap(problem.window_band))
     if direction == "forward":
         keys = s if max_keys is None or s <= max_keys else max_keys
         while area // keys < min(t, 16) and keys > 128:

@@ -92,6 +92,15 @@ class Problem:
         return self.dropout_rate > 0.0
 
     @property
+    def window_band(self) -> int | None:
+        """The most keys one query row sees under the window (left + 1 + right, right 0
+        under causality); None without a window."""
+        if self.window is None:
+            return None
+        left, right = self.window
+        return left + 1 + (min(right, 0) if self.causal else right)
+
+    @property
     def features(self) -> tuple[str, ...]:
         """The LLM features this problem uses, by their argument names."""
         names = (("local_window_size", self.window is not None),

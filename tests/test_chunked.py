@@ -15,8 +15,8 @@ import pytest
 
 import ffpa_jax
 import tuning
-from attn_testing import Case, assert_lse_matches, assert_matches_reference, make_inputs
-from attn_testing import reference64, xla_same_precision
+from attn_testing import (Case, assert_lse_matches, assert_matches_reference, cotangents,
+                          make_inputs, reference64, reference_grads, xla_same_precision)
 from pallas_kernels import blocked
 from pallas_kernels import chunked as chunked_tier
 from pallas_kernels.chunked import _Block, _groups, block_sizes, bytes_per_element
@@ -278,7 +278,6 @@ SMALL_BUDGET_MIB = "0.25"
 def _end_to_end(case: Case, *, interpret: bool, rate: float = 0.0):
     """out, lse and every gradient (a cotangent on both outputs) of the chunked tier against
     float64, with `rate` dropout."""
-    from test_backward import _cotangents
     from test_dropout import _keep
     q, k, v, bias, mask = make_inputs(case)
     key = jax.random.key(case.seed() + 3)
@@ -293,35 +292,14 @@ def _end_to_end(case: Case, *, interpret: bool, rate: float = 0.0):
     xla_out, xla_lse = xla_same_precision(case, q, k, v, bias, mask, keep=keep, rate=rate)
     assert_matches_reference("out", out, ref_out, xla_out, q.dtype)
     assert_lse_matches(lse, ref_lse, xla_lse)
-    d_out, d_lse = _cotangents(case)
+    d_out, d_lse = cotangents(case)
     d_out = d_out.astype(q.dtype).astype(jnp.float32)
     got = vjp((d_out.astype(q.dtype), d_lse))
-    for name, g, r, x in zip(["dq", "dk", "dv", "dbias"], got,
-                             *_reference_vjps(case, q, k, v, bias, mask, d_out, d_lse, keep,
-                                              rate)):
+    ref, xla = (reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=float64,
+                                keep=keep, rate=rate) for float64 in (True, False))
+    for name, g, r, x in zip(["dq", "dk", "dv", "dbias"], got, ref, xla):
         if r is not None:
             assert_matches_reference(name, g, r, x, q.dtype, factor=3.0)
-
-
-def _reference_vjps(case, q, k, v, bias, mask, d_out, d_lse, keep, rate):
-    """(float64 gradients, same-precision XLA gradients) of <out, d_out> + <lse, d_lse>."""
-    from ffpa_jax.reference import mha_reference
-    from ffpa_jax.validation import as_4d
-
-    def grads(float64: bool):
-        conv = (lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64))) \
-            if float64 else (lambda x: x)
-        f = lambda q, k, v, b: mha_reference(q, k, v, as_4d(b, True), as_4d(mask, True),
-                                             scale=case.d ** -0.5 if case.scale is None
-                                             else case.scale, is_causal=case.causal,
-                                             keep_mask=keep, dropout_rate=rate)
-        (out, lse), vjp = jax.vjp(f, conv(q), conv(k), conv(v), conv(bias))
-        dl = jnp.where(jnp.isfinite(lse), conv(d_lse).astype(lse.dtype), 0)
-        return [None if g is None else np.asarray(g if float64 else g.astype(jnp.float32))
-                for g in vjp((conv(d_out).astype(out.dtype), dl))]
-    with jax.enable_x64(True):
-        ref = grads(True)
-    return ref, grads(False)
 
 
 @pytest.mark.parametrize("case,rate", zip(BLOCKED_CASES, (0.0, 0.3, 0.3, 0.0)),
@@ -366,6 +344,33 @@ def test_built_in_rule_picks_a_tier_per_direction(d, expected, monkeypatch):
     plan = _plan_of(monkeypatch, (1, 512, 4, d), (1, 512, 4, d))
     assert (plan.forward_tier, plan.backward_tier) == expected
     assert (plan.chunk is not None) == ("chunked" in expected)
+
+
+@pytest.mark.parametrize("d,window,expected", [
+    (256, (256, 0), ("pallas", "pallas")),     # band 257 <= S/8: the fused kernels
+    (512, (200, 50), ("pallas", "pallas")),    # causal: the band is 201 (right side hidden)
+    (256, (1024, 0), ("pallas", "chunked")),   # band 1025 > S/8: the usual rule
+    (1024, (256, 0), ("chunked", "chunked")),  # above the measured head dims
+])
+def test_narrow_windows_run_on_the_fused_kernels(d, window, expected, monkeypatch):
+    monkeypatch.setenv("FFPA_SKIP_PERSIST_TUNED_CONFIG", "1")
+    plan = _plan_of(monkeypatch, (1, 4096, 4, d), (1, 4096, 4, d), is_causal=True,
+                    local_window_size=window)
+    assert (plan.forward_tier, plan.backward_tier) == expected
+
+
+def test_windowed_blocks_take_about_the_band_in_rows():
+    """The chunked tier's blocks under a window: about the band's width in rows (at least
+    256), in both directions; without a window, causal blocks keep a quarter of T."""
+    from pallas_kernels.chunked import window_rows_cap
+    base = dict(batch=1, seq_q=16384, seq_k=16384, heads_q=4, heads_kv=4, head_dim=256,
+                head_dim_v=256, dtype=jnp.bfloat16, scale=0.1, causal=True)
+    for direction in ("forward", "backward"):
+        assert block_sizes(Problem(**base), direction)[0] == 4096
+        for window, rows in (((1024, 0), 1152), ((1000, 20), 1024), ((10, 10), 256)):
+            assert window_rows_cap(Problem(**base, window=window).window_band) == rows
+            got, _ = block_sizes(Problem(**base, window=window), direction)
+            assert got <= rows, (direction, window, got)
 
 
 def test_decode_shapes_keep_the_decode_kernels(monkeypatch):

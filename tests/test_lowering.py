@@ -135,6 +135,10 @@ def test_fwd_feature_variants(variant):
     text = lower_fwd(**kwargs)
     if kwargs.get("softcap") is not None:
         assert "fma.rn.f32" not in text  # the cap bends the scaled scores: no folded scale
+        # The cap's tanh: the two-instruction form where the softmax is fast (16-bit,
+        # D <= 256), libdevice's tanhf elsewhere.
+        fast = kwargs.get("dtype", jnp.bfloat16) != jnp.float32 and kwargs["d"] <= 256
+        assert ("rcp.approx.ftz.f32" in text) == fast
 
 
 def test_fwd_default_configs_lower_for_every_head_dim():

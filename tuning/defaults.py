@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pallas_kernels import KERNEL_DESCRIPTORS
 from pallas_kernels.descriptor import Table
+from pallas_kernels.problem import Problem
 
 _DESCRIPTORS = {d.name: d for d in KERNEL_DESCRIPTORS}
 
@@ -54,3 +55,20 @@ def default_tier(direction: str, *, headdim: int, dtype: str = "bf16") -> str:
     if direction == "forward":
         return "chunked" if headdim > 256 else "pallas"
     return "chunked" if headdim >= 256 else "pallas"
+
+
+# A sliding window whose band is at most 1/NARROW_WINDOW_RATIO of the keys runs both
+# directions on the fused kernels, up to NARROW_WINDOW_MAX_HEADDIM: they skip hidden tiles at
+# their own tile width, where the chunked tier's query blocks read their rows' whole band
+# (the tuned tiers were measured without windows; docs/benchmarks.md has the A/B).
+NARROW_WINDOW_RATIO = 8
+NARROW_WINDOW_MAX_HEADDIM = 512
+
+
+def narrow_window_tier(problem: Problem) -> str | None:
+    """"pallas" for a window narrow enough for the fused kernels' tile skipping to win (see
+    NARROW_WINDOW_RATIO), else None (the usual rules decide)."""
+    band = problem.window_band
+    if band is None or problem.headdim > NARROW_WINDOW_MAX_HEADDIM:
+        return None
+    return "pallas" if band * NARROW_WINDOW_RATIO <= problem.seq_k else None

@@ -9,6 +9,7 @@ from typing import Callable
 from pallas_kernels import BwdConfig, DecodeConfig, FwdConfig, chunked, decode_num_splits
 from pallas_kernels.problem import Problem
 from pallas_kernels.tiers import TIERS, Plan, fused_unsupported
+from tuning.defaults import NARROW_WINDOW_RATIO, narrow_window_tier
 from tuning.device import multiprocessor_count
 from tuning.select import config_for, explain_tier
 
@@ -82,16 +83,17 @@ def explain_tiers(problem: Problem, implementation: str, *, device_name: str | N
         raise ValueError(f"implementation must be 'auto' or one of {TIERS}; "
                          f"got {implementation!r}")
     device = dict(device_name=device_name, compute_capability=compute_capability)
-    backward = routed("backward") or explain_tier("backward", problem, **device)
-    forward = routed("forward")
-    if forward is not None:
-        return forward, backward
-    if uses_decode(problem):
-        forward = ("pallas", f"decode shape (T <= {DECODE_MAX_QUERIES} queries against "
-                             f">= {DECODE_MIN_KEYS} keys): the decode kernels")
-    else:
-        forward = explain_tier("forward", problem, **device)
-    return forward, backward
+    narrow = narrow_window_tier(problem)
+    window = (narrow, f"a window of at most 1/{NARROW_WINDOW_RATIO} of the keys: the fused "
+                      "kernels skip the hidden tiles") if narrow else None
+
+    def chosen(direction):
+        return routed(direction) or window or explain_tier(direction, problem, **device)
+    backward = chosen("backward")
+    if uses_decode(problem) and not routed("forward"):
+        return ("pallas", f"decode shape (T <= {DECODE_MAX_QUERIES} queries against "
+                          f">= {DECODE_MIN_KEYS} keys): the decode kernels"), backward
+    return chosen("forward"), backward
 
 
 def tiers(problem: Problem, implementation: str) -> tuple[str, str]:
