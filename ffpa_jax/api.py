@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
 import tuning
@@ -142,24 +144,34 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
     seed = seed_from_key(dropout_rng) if problem.dropout_rate > 0.0 else None
     if impl == "xla":
         runtime_autotune.warn_ignored_on_xla(call.autotune, implementation)
-        keep = None
-        if seed is not None:
-            shape = (q.shape[0], problem.heads_q, problem.seq_q, problem.seq_k)
-            keep = keep_mask_reference(seed, shape, problem.dropout_rate)
-        out, lse = mha_reference(q, k, v, bias4, mask4, scale=problem.scale,
-                                 is_causal=problem.causal, keep_mask=keep,
-                                 dropout_rate=problem.dropout_rate, window=problem.window,
-                                 softcap=problem.softcap,
-                                 q_segment_ids=features.q_segment_ids,
-                                 kv_segment_ids=features.kv_segment_ids,
-                                 q_lengths=features.q_lengths, kv_lengths=features.kv_lengths,
-                                 sinks=features.sinks)
+        plan = None
     else:
         # lse is computed either way (the backward needs it); its precise, slower
         # form only when the caller sees it.
         plan = plan_for(problem, impl, interpret=interpret, precise_lse=return_lse,
                         autotune=call.autotune)
-        out, lse = vjp.attention(q, k, v, bias4, mask4, plan, seed, features)
+    out, lse = _compute(q, k, v, bias4, mask4, seed, features, problem=problem, plan=plan)
     if not batched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out
+
+
+# One jitted program per call signature: an eager call (a notebook's) compiles the whole
+# attention once and reuses it at the same shapes, rather than compiling each XLA operation,
+# and each Pallas kernel at every call, apart. Inside a caller's trace it is inlined, so a
+# jitted step is traced exactly as without it.
+@functools.partial(jax.jit, static_argnames=("problem", "plan"), inline=True)
+def _compute(q, k, v, bias4, mask4, seed, features, *, problem, plan):
+    """(out, lse) of batched inputs: the XLA path (`plan` None) or the plan's tiers."""
+    if plan is not None:
+        return vjp.attention(q, k, v, bias4, mask4, plan, seed, features)
+    keep = None
+    if seed is not None:
+        shape = (q.shape[0], problem.heads_q, problem.seq_q, problem.seq_k)
+        keep = keep_mask_reference(seed, shape, problem.dropout_rate)
+    return mha_reference(q, k, v, bias4, mask4, scale=problem.scale, is_causal=problem.causal,
+                         keep_mask=keep, dropout_rate=problem.dropout_rate,
+                         window=problem.window, softcap=problem.softcap,
+                         q_segment_ids=features.q_segment_ids,
+                         kv_segment_ids=features.kv_segment_ids, q_lengths=features.q_lengths,
+                         kv_lengths=features.kv_lengths, sinks=features.sinks)

@@ -8,6 +8,8 @@ Pallas path, the XLA path and `dropout_mask` agree bit for bit for the same key.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -30,4 +32,11 @@ def dropout_mask(rng: jax.Array, shape: tuple[int, int, int, int], rate: float) 
         raise ValueError(f"shape must be (B, Hq, T, S); got {tuple(shape)!r}.")
     if not 0.0 < float(rate) < 1.0:
         raise ValueError(f"rate must be in (0, 1); got {rate!r}.")
-    return keep_mask_reference(seed_from_key(rng), tuple(int(d) for d in shape), float(rate))
+    return _keep_mask(rng, tuple(int(d) for d in shape), float(rate))
+
+
+# Jitted so that an eager call compiles one program per shape and rate, not each of Philox's
+# few hundred integer operations apart (inside a caller's jit it is inlined).
+@functools.partial(jax.jit, static_argnames=("shape", "rate"))
+def _keep_mask(rng, shape, rate):
+    return keep_mask_reference(seed_from_key(rng), shape, rate)

@@ -120,6 +120,14 @@ def make_features(case: Case) -> dict:
     return kw
 
 
+def feature_arrays(features: dict):
+    """The kernels' `FeatureArrays` of `make_features`' arguments."""
+    from pallas_kernels.problem import FeatureArrays
+    return FeatureArrays(features.get("q_segment_ids"), features.get("kv_segment_ids"),
+                         features.get("query_seq_lengths"),
+                         features.get("key_value_seq_lengths"), features.get("sinks"))
+
+
 def reference_features(features: dict | None, float64: bool = False) -> dict:
     """`mha_reference`'s keyword arguments for `attention`'s feature arguments."""
     f = features or {}

@@ -287,14 +287,18 @@ def _end_to_end(case: Case, *, interpret: bool, rate: float = 0.0):
         return ffpa_jax.attention(q, k, v, bias, mask, is_causal=case.causal, return_lse=True,
                                   dropout_rate=rate, dropout_rng=key if rate else None,
                                   implementation="chunked", interpret=interpret)
-    (out, lse), vjp = jax.vjp(f, q, k, v, bias)
+    d_out, d_lse = cotangents(case)
+    d_out = d_out.astype(q.dtype).astype(jnp.float32)
+
+    @jax.jit
+    def forward_and_vjp(q, k, v, bias, d_out, d_lse):
+        (out, lse), vjp = jax.vjp(f, q, k, v, bias)
+        return out, lse, vjp((d_out.astype(q.dtype), d_lse))
+    out, lse, got = forward_and_vjp(q, k, v, bias, d_out, d_lse)
     ref_out, ref_lse = reference64(case, q, k, v, bias, mask, keep=keep, rate=rate)
     xla_out, xla_lse = xla_same_precision(case, q, k, v, bias, mask, keep=keep, rate=rate)
     assert_matches_reference("out", out, ref_out, xla_out, q.dtype)
     assert_lse_matches(lse, ref_lse, xla_lse)
-    d_out, d_lse = cotangents(case)
-    d_out = d_out.astype(q.dtype).astype(jnp.float32)
-    got = vjp((d_out.astype(q.dtype), d_lse))
     ref, xla = (reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=float64,
                                 keep=keep, rate=rate) for float64 in (True, False))
     for name, g, r, x in zip(["dq", "dk", "dv", "dbias"], got, ref, xla):

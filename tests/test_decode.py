@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 import ffpa_jax
-from attn_testing import (Case, assert_lse_matches, assert_matches_reference, make_inputs,
-                          reference64, scale_of, xla_same_precision)
+from attn_testing import (Case, assert_lse_matches, assert_matches_reference, cotangents,
+                          make_inputs, reference64, reference_grads, scale_of,
+                          xla_same_precision)
 from conftest import interpret_flag
 from tuning import uses_decode
-from pallas_kernels.reference import mha_reference
 from ffpa_jax.validation import as_4d
 from pallas_kernels import (DecodeConfig, FwdConfig, decode_attention, decode_num_splits,
                             fwd_generic)
@@ -164,21 +164,17 @@ def test_api_decode_with_lse_and_gradients(kernel_mode):
     assert_matches_reference("out", out, ref_out, xla_out, case.dtype)
     assert_lse_matches(lse, ref_lse, xla_lse)
 
-    d_out = jax.random.normal(jax.random.key(1), out.shape).astype(out.dtype)
+    d_out, _ = cotangents(case)
+    d_out = d_out.astype(q.dtype).astype(jnp.float32)  # the cotangent as the kernel sees it
+    d_lse = jnp.full(lse.shape, 0.1, jnp.float32)
 
-    def grads_of(attn, args):
-        def loss(q, k, v, bias):
-            o, l = attn(q, k, v, bias)
-            return jnp.sum(o * d_out.astype(o.dtype)) + 0.1 * jnp.sum(l)
-        return [np.asarray(g) for g in jax.grad(loss, argnums=(0, 1, 2, 3))(*args)]
-
-    reference = lambda q, k, v, bias: mha_reference(q, k, v, as_4d(bias, True), None,
-                                                    scale=scale_of(case), is_causal=True)
-    got = grads_of(lambda *a: f(*a, "pallas"), (q, k, v, bias))
-    xla = grads_of(reference, (q, k, v, bias))
-    with jax.enable_x64(True):
-        ref = grads_of(reference, [jnp.asarray(np.asarray(x, np.float64))
-                                   for x in (q, k, v, bias)])
+    @jax.jit
+    def grads(q, k, v, bias):
+        _, vjp = jax.vjp(lambda *a: f(*a, "pallas"), q, k, v, bias)
+        return vjp((d_out.astype(q.dtype), d_lse))
+    got = grads(q, k, v, bias)
+    ref, xla = (reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=float64)
+                for float64 in (True, False))
     for name, g, r, x in zip(["dq", "dk", "dv", "dbias"], got, ref, xla):
         assert_matches_reference(name, g, r, x, q.dtype, factor=3.0)
 

@@ -21,8 +21,8 @@ import pytest
 
 import ffpa_jax
 from attn_testing import (Case, assert_lse_matches, assert_matches_reference, cotangents,
-                          make_features, make_inputs, reference64, reference_grads, scale_of,
-                          xla_same_precision)
+                          feature_arrays, make_features, make_inputs, normal, reference64,
+                          reference_grads, scale_of, xla_same_precision)
 from conftest import call_kwargs
 from ffpa_jax.validation import as_4d
 from pallas_kernels.reference import window_keep
@@ -220,11 +220,9 @@ def test_rows_that_see_no_key(with_sinks, feature_tier, kernel_mode):
 
 
 def _f32_inputs(b=2, t=45, s=45, hq=4, hkv=2, d=24, seed=3):
-    ks = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(ks[0], (b, t, hq, d), jnp.float32)
-    k = jax.random.normal(ks[1], (b, s, hkv, d), jnp.float32)
-    v = jax.random.normal(ks[2], (b, s, hkv, d), jnp.float32)
-    return q, k, v
+    rng = np.random.default_rng(seed)
+    return (normal(rng, (b, t, hq, d)), normal(rng, (b, s, hkv, d)),
+            normal(rng, (b, s, hkv, d)))
 
 
 def _assert_close(got, want, atol=2e-6):
@@ -240,7 +238,8 @@ def _value_and_grads(fn, q, k, v):
         out, lse = fn(q, k, v)
         return jnp.sum(out * jnp.sin(out)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0)), (
             out, lse)
-    (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    (_, aux), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+        q, k, v)
     return aux, grads
 
 
@@ -278,8 +277,9 @@ def test_window_is_jax_nn_window_when_t_equals_s(window, causal, feature_tier, k
     q, k, v = _f32_inputs(b=1, t=40, s=40, hq=4, hkv=4)
     got = ffpa_jax.attention(q, k, v, local_window_size=window, is_causal=causal,
                              **call_kwargs(feature_tier, kernel_mode))
-    want = jax.nn.dot_product_attention(q, k, v, local_window_size=window, is_causal=causal,
-                                        implementation="xla")
+    with jax.default_matmul_precision("highest"):  # float32 products, not TF32, on a GPU
+        want = jax.nn.dot_product_attention(q, k, v, local_window_size=window,
+                                            is_causal=causal, implementation="xla")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
 
 
@@ -293,7 +293,8 @@ def test_seq_lengths_match_jax_nn(t, s, causal, feature_tier, kernel_mode):
     kv_len = jnp.asarray([s - 3, 11, 0], jnp.int32)
     kw = dict(query_seq_lengths=q_len, key_value_seq_lengths=kv_len, is_causal=causal)
     got = ffpa_jax.attention(q, k, v, **kw, **call_kwargs(feature_tier, kernel_mode))
-    want = jax.nn.dot_product_attention(q, k, v, **kw, implementation="xla")
+    with jax.default_matmul_precision("highest"):  # float32 products, not TF32, on a GPU
+        want = jax.nn.dot_product_attention(q, k, v, **kw, implementation="xla")
     got, want = np.asarray(got), np.asarray(want)
     np.testing.assert_allclose(got[:2], want[:2], rtol=1e-5, atol=2e-6)
     assert np.all(got[2] == 0.0)
@@ -302,8 +303,9 @@ def test_seq_lengths_match_jax_nn(t, s, causal, feature_tier, kernel_mode):
     weights = weights.at[2].set(0.0)
     ours = jax.grad(lambda q, k, v: jnp.sum(weights * ffpa_jax.attention(
         q, k, v, **kw, **call_kwargs(feature_tier, kernel_mode))), argnums=(0, 1, 2))(q, k, v)
-    theirs = jax.grad(lambda q, k, v: jnp.sum(weights * jax.nn.dot_product_attention(
-        q, k, v, **kw, implementation="xla")), argnums=(0, 1, 2))(q, k, v)
+    with jax.default_matmul_precision("highest"):
+        theirs = jax.grad(lambda q, k, v: jnp.sum(weights * jax.nn.dot_product_attention(
+            q, k, v, **kw, implementation="xla")), argnums=(0, 1, 2))(q, k, v)
     for a, b in zip(ours, theirs):
         np.testing.assert_allclose(np.asarray(a)[:2], np.asarray(b)[:2], rtol=1e-5, atol=2e-6)
 
@@ -446,16 +448,13 @@ def test_decode_shapes(case, kernel_mode):
     """Through the public API (the decode kernels for the forward, the fused backward) and
     through decode_attention in many splits of 16 keys, against float64."""
     from pallas_kernels import DecodeConfig, decode_attention
-    from pallas_kernels.problem import FeatureArrays
     run_case(case, "pallas", kernel_mode)
     if kernel_mode != "interpret":
         return
     check_grads(case, "pallas", kernel_mode)
     q, k, v, bias, mask = make_inputs(case)
     features = make_features(case)
-    arrays = FeatureArrays(features.get("q_segment_ids"), features.get("kv_segment_ids"),
-                           features.get("query_seq_lengths"),
-                           features.get("key_value_seq_lengths"), features.get("sinks"))
+    arrays = feature_arrays(features)
     out, lse = decode_attention(q, k, v, as_4d(bias, True), as_4d(mask, True),
                                 scale=scale_of(case), causal=case.causal,
                                 config=DecodeConfig(block_m=16, block_n=16, block_d=32,
@@ -501,12 +500,9 @@ KERNEL_CASES = [
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=_ids)
 def test_forward_kernel_in_small_tiles(case):
     from pallas_kernels import FwdConfig, fwd_generic
-    from pallas_kernels.problem import FeatureArrays
     q, k, v, bias, mask = make_inputs(case)
     features = make_features(case)
-    arrays = FeatureArrays(features.get("q_segment_ids"), features.get("kv_segment_ids"),
-                           features.get("query_seq_lengths"),
-                           features.get("key_value_seq_lengths"), features.get("sinks"))
+    arrays = feature_arrays(features)
     out, lse = fwd_generic(q, k, v, as_4d(bias, True), as_4d(mask, True),
                            scale=scale_of(case), causal=case.causal,
                            config=FwdConfig(block_m=16, block_n=16, block_d=32, block_dv=32),

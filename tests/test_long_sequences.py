@@ -159,6 +159,18 @@ def _temp_bytes(fn, *args) -> int | None:
     return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
+def _run_in_little_memory(fn, *args):
+    """`fn` jitted on `args` after checking its temporaries stay under 1 GiB (one [T, S]
+    float32 matrix per head would be several); its outputs, every one finite."""
+    temp = _temp_bytes(fn, *args)
+    if temp is not None:
+        assert temp < 1 * GIB, f"temporaries {temp / GIB:.2f} GiB"
+    outputs = jax.block_until_ready(jax.jit(fn)(*args))
+    for x in outputs:
+        assert bool(jnp.all(jnp.isfinite(x)))
+    return outputs
+
+
 def _check_rows(out, lse, dq, q, k, v, rows, d_out, d_lse, *, scale, causal, mask=None):
     with_grads = dq is not None
     kw = dict(scale=scale, causal=causal, mask=mask, with_grads=with_grads)
@@ -186,12 +198,7 @@ def test_32k_d128_forward_backward(causal):
         (out, lse), vjp = jax.vjp(f, q, k, v)
         return (out, lse, *vjp((d_out, d_lse)))
 
-    temp = _temp_bytes(step, q, k, v, d_out, d_lse)
-    if temp is not None:  # one [T, S] float32 matrix per head would be 4 GiB
-        assert temp < 1 * GIB, f"temporaries {temp / GIB:.2f} GiB"
-    out, lse, dq, dk, dv = jax.block_until_ready(jax.jit(step)(q, k, v, d_out, d_lse))
-    for x in (out, lse, dq, dk, dv):
-        assert bool(jnp.all(jnp.isfinite(x)))
+    out, lse, dq, dk, dv = _run_in_little_memory(step, q, k, v, d_out, d_lse)
     rng = np.random.default_rng(0)
     rows = _sample(t, 48, rng)
     _check_rows(out, lse, dq, q, k, v, rows, d_out, d_lse, scale=scale, causal=causal)
@@ -215,11 +222,7 @@ def test_32k_d512_forward():
         return ffpa_jax.attention(q, k, v, is_causal=True, return_lse=True,
                                   implementation="pallas")
 
-    temp = _temp_bytes(fwd, q, k, v)
-    if temp is not None:
-        assert temp < 1 * GIB, f"temporaries {temp / GIB:.2f} GiB"
-    out, lse = jax.block_until_ready(jax.jit(fwd)(q, k, v))
-    assert bool(jnp.all(jnp.isfinite(out))) and bool(jnp.all(jnp.isfinite(lse)))
+    out, lse = _run_in_little_memory(fwd, q, k, v)
     rows = _sample(t, 48, np.random.default_rng(1))
     _check_rows(out, lse, None, q, k, v, rows, d_out, d_lse, scale=d ** -0.5, causal=True)
 
@@ -240,11 +243,7 @@ def test_decode_131k_keys(t, causal, masked):
         return ffpa_jax.attention(q, k, v, None, mask, is_causal=causal, return_lse=True,
                                   implementation="pallas")
 
-    temp = _temp_bytes(fwd, q, k, v)
-    if temp is not None:
-        assert temp < 1 * GIB, f"temporaries {temp / GIB:.2f} GiB"
-    out, lse = jax.block_until_ready(jax.jit(fwd)(q, k, v))
-    assert bool(jnp.all(jnp.isfinite(out))) and bool(jnp.all(jnp.isfinite(lse)))
+    out, lse = _run_in_little_memory(fwd, q, k, v)
     rows = np.arange(t, dtype=np.int32)
     _check_rows(out, lse, None, q, k, v, rows, d_out, d_lse, scale=d ** -0.5, causal=causal,
                 mask=mask)
