@@ -147,30 +147,25 @@ def scale_of(case: Case) -> float:
 _STATIC = ("scale", "is_causal", "rate", "window", "softcap")
 
 
-def _reference_kwargs(mask, keep, features: dict):
-    """`mha_reference`'s arguments other than the differentiated operands and the statics;
-    `features`: segment ids and lengths (`reference_features`)."""
-    return dict(mask=as_4d(mask, True), keep_mask=keep, **features)
+def _reference(q, k, v, bias, sinks, mask, keep, features, *, scale, is_causal, rate, window,
+               softcap):
+    """`mha_reference`; `features`: segment ids and lengths (`reference_features`)."""
+    return mha_reference(q, k, v, as_4d(bias, True), as_4d(mask, True), scale=scale,
+                         is_causal=is_causal, keep_mask=keep, dropout_rate=rate, window=window,
+                         softcap=softcap, sinks=sinks, **features)
 
 
 # The reference runs jitted: eagerly, each of its few dozen operations compiles on its own at
 # every new shape, which cost the suite more than the kernels under test.
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def _reference_forward(q, k, v, bias, sinks, mask, keep, features, *, scale, is_causal, rate,
-                       window, softcap):
-    return mha_reference(q, k, v, as_4d(bias, True), scale=scale, is_causal=is_causal,
-                         dropout_rate=rate, window=window, softcap=softcap, sinks=sinks,
-                         **_reference_kwargs(mask, keep, features))
+_reference_forward = jax.jit(_reference, static_argnames=_STATIC)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _reference_vjp(q, k, v, bias, sinks, mask, keep, features, d_out, d_lse, *, scale,
-                   is_causal, rate, window, softcap):
-    def f(q, k, v, bias, sinks):
-        return mha_reference(q, k, v, as_4d(bias, True), scale=scale, is_causal=is_causal,
-                             dropout_rate=rate, window=window, softcap=softcap, sinks=sinks,
-                             **_reference_kwargs(mask, keep, features))
-    (out, lse), vjp = jax.vjp(f, q, k, v, bias, sinks)
+def _reference_vjp(q, k, v, bias, sinks, mask, keep, features, d_out, d_lse, **statics):
+    (out, lse), vjp = jax.vjp(
+        lambda q, k, v, bias, sinks: _reference(q, k, v, bias, sinks, mask, keep, features,
+                                                **statics),
+        q, k, v, bias, sinks)
     # Rows with lse = -inf get no lse cotangent (as in attention's vjp).
     d_lse = jnp.where(jnp.isfinite(lse), d_lse.astype(lse.dtype), 0)
     return vjp((d_out.astype(out.dtype), d_lse))

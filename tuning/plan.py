@@ -87,13 +87,13 @@ def explain_tiers(problem: Problem, implementation: str, *, device_name: str | N
     window = (narrow, f"a window of at most 1/{NARROW_WINDOW_RATIO} of the keys: the fused "
                       "kernels skip the hidden tiles") if narrow else None
 
-    def chosen(direction):
-        return routed(direction) or window or explain_tier(direction, problem, **device)
-    backward = chosen("backward")
-    if uses_decode(problem) and not routed("forward"):
-        return ("pallas", f"decode shape (T <= {DECODE_MAX_QUERIES} queries against "
-                          f">= {DECODE_MIN_KEYS} keys): the decode kernels"), backward
-    return chosen("forward"), backward
+    decode = (("pallas", f"decode shape (T <= {DECODE_MAX_QUERIES} queries against "
+                         f">= {DECODE_MIN_KEYS} keys): the decode kernels")
+              if uses_decode(problem) else None)
+    forward = (routed("forward") or decode or window
+               or explain_tier("forward", problem, **device))
+    backward = routed("backward") or window or explain_tier("backward", problem, **device)
+    return forward, backward
 
 
 def tiers(problem: Problem, implementation: str) -> tuple[str, str]:
