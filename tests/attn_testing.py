@@ -168,7 +168,7 @@ def _reference_vjp(q, k, v, bias, sinks, mask, keep, features, d_out, d_lse, **s
         q, k, v, bias, sinks)
     # Rows with lse = -inf get no lse cotangent (as in attention's vjp).
     d_lse = jnp.where(jnp.isfinite(lse), d_lse.astype(lse.dtype), 0)
-    return vjp((d_out.astype(out.dtype), d_lse))
+    return out, lse, vjp((d_out.astype(out.dtype), d_lse))
 
 
 def _run_reference(fn, case: Case, q, k, v, bias, mask, *, keep, rate, features, float64,
@@ -206,15 +206,24 @@ def xla_same_precision(case: Case, q, k, v, bias, mask, *, keep=None, rate: floa
     return np.asarray(out.astype(jnp.float32)), np.asarray(lse)
 
 
+def reference_vjp(case: Case, q, k, v, bias, mask, d_out, d_lse, *, float64: bool,
+                  keep=None, rate: float = 0.0, features: dict | None = None):
+    """(out, lse, [dq, dk, dv, dbias, dsinks]) of the reference, in float64 or at the
+    inputs' own precision (then out and the gradients as float32), one compiled program:
+    the gradients are of <out, d_out> + <lse, d_lse>; None where the operand is None."""
+    out, lse, grads = _run_reference(_reference_vjp, case, q, k, v, bias, mask, keep=keep,
+                                     rate=rate, features=features, float64=float64,
+                                     cotangents=(d_out, d_lse))
+    as_np = (lambda x: np.asarray(x)) if float64 else (
+        lambda x: np.asarray(x.astype(jnp.float32)))
+    return as_np(out), np.asarray(lse), [None if g is None else as_np(g) for g in grads]
+
+
 def reference_grads(case: Case, q, k, v, bias, mask, d_out, d_lse, *, float64: bool,
                     keep=None, rate: float = 0.0, features: dict | None = None):
-    """[dq, dk, dv, dbias, dsinks] (numpy; None where the operand is None) of
-    <out, d_out> + <lse, d_lse> through the reference, in float64 or at the inputs' own
-    precision (then as float32)."""
-    grads = _run_reference(_reference_vjp, case, q, k, v, bias, mask, keep=keep, rate=rate,
-                           features=features, float64=float64, cotangents=(d_out, d_lse))
-    return [None if g is None else np.asarray(g if float64 else g.astype(jnp.float32))
-            for g in grads]
+    """The gradients of `reference_vjp`."""
+    return reference_vjp(case, q, k, v, bias, mask, d_out, d_lse, float64=float64, keep=keep,
+                         rate=rate, features=features)[2]
 
 
 def _max_err(x, ref) -> float:

@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import tempfile
 
-# On a machine without JAX's CUDA plugin every test runs on XLA's CPU backend, and
-# the suite's time is mostly XLA compiling the interpreted kernels (each test its
-# own shapes). Less LLVM optimisation compiles faster (measured on 2 cores: 80 s ->
-# 59 s for the bf16 backward and dropout gradient tests) with the same float
-# semantics (no fast-math either way). (Also turning off XLA's CPU fusion emitters
-# gave 36 s, but then a vmapped interpreted kernel no longer matched its loop bit
-# for bit: test_vmap.py.) Set before JAX starts; subprocesses that set XLA_FLAGS
-# append to this value.
+# On a machine without JAX's CUDA plugin every test runs on XLA's CPU backend, and the
+# suite's time is mostly XLA compiling the interpreted kernels (each test its own shapes).
+# These flags make those compiles cheaper with the same float semantics (no fast-math
+# either way): less LLVM optimisation, and XLA's older CPU code generator instead of its
+# fusion emitters, which spend much longer on the interpreter's large loop bodies
+# (docs/history.md has the measurements; test_vmap's bit-for-bit checks pass under both).
+# Every jaxlib from 0.10.2 to 0.12 knows these flags. Set before JAX starts; subprocesses
+# that set XLA_FLAGS append to this value.
 _CPU_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",
-                      "--xla_llvm_disable_expensive_passes=true")
+                      "--xla_llvm_disable_expensive_passes=true",
+                      "--xla_cpu_use_fusion_emitters=false")
+
+
 def _has_cuda_plugin() -> bool:
     for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12",
                  "jax_plugins.xla_cuda13"):
@@ -38,6 +43,50 @@ if not _has_cuda_plugin():
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402
+
+# On a CPU the same program is often compiled more than once: by two tests that share a
+# case (the float64 reference at a shape, a kernel variant) and by both pytest-xdist
+# workers. JAX's persistent compilation cache, in a directory of this run alone (removed
+# at its end), compiles each program once; lowering and running still happen every time.
+_COMPILE_CACHE = "ffpa_jax_compile_cache"
+_COMPILE_CACHE_MIN_SECONDS = 0.1  # smaller programs cost more to store than to compile
+
+
+class _ShareCompileCache:
+    """The pytest-xdist hook that hands the workers the controller's cache directory."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def pytest_configure_node(self, node):
+        node.workerinput[_COMPILE_CACHE] = self.path
+
+
+def pytest_configure(config):
+    if _has_cuda_plugin():
+        return
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:  # the controller, or a run without pytest-xdist
+        path = tempfile.mkdtemp(prefix="ffpa_jax_test_compiles_")
+        config.stash[_COMPILE_CACHE_PATH] = path
+        if config.pluginmanager.hasplugin("xdist"):
+            config.pluginmanager.register(_ShareCompileCache(path))
+    else:
+        path = workerinput.get(_COMPILE_CACHE)
+    if path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                          _COMPILE_CACHE_MIN_SECONDS)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    path = config.stash.get(_COMPILE_CACHE_PATH, None)
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+_COMPILE_CACHE_PATH = pytest.StashKey[str]()
 
 
 @pytest.fixture(autouse=True)

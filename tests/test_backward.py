@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import ffpa_jax
-from attn_testing import Case, assert_matches_reference, cotangents, make_inputs, reference_grads
+from attn_testing import (Case, assert_lse_matches, assert_matches_reference, cotangents,
+                          make_inputs, reference_vjp)
 from conftest import call_kwargs, interpret_flag
 
 
@@ -29,9 +30,9 @@ def _pallas_grads(case: Case, mode: str, q, k, v, bias, mask, d_out, d_lse, *,
         return {"both": (out, lse), "out": out, "lse": lse}[outputs]
 
     def grads(q, k, v, bias, d_out, d_lse):
-        _, vjp = jax.vjp(f, q, k, v, bias)
+        primal, vjp = jax.vjp(f, q, k, v, bias)
         d_out = d_out.astype(q.dtype)
-        return vjp({"both": (d_out, d_lse), "out": d_out, "lse": d_lse}[outputs])
+        return primal, vjp({"both": (d_out, d_lse), "out": d_out, "lse": d_lse}[outputs])
     return (grads if eager else jax.jit(grads))(q, k, v, bias, d_out, d_lse)
 
 
@@ -44,10 +45,18 @@ def check_grads(case: Case, mode: str, tier: str = "pallas", *, inputs=None,
         d_lse = jnp.zeros_like(d_lse)
     elif outputs == "lse":
         d_out = jnp.zeros_like(d_out)
-    got = _pallas_grads(case, mode, q, k, v, bias, mask, d_out, d_lse, outputs=outputs,
-                        tier=tier, eager=eager)
-    ref = reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=True)
-    xla = reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=False)
+    primal, got = _pallas_grads(case, mode, q, k, v, bias, mask, d_out, d_lse,
+                                outputs=outputs, tier=tier, eager=eager)
+    ref_out, ref_lse, ref = reference_vjp(case, q, k, v, bias, mask, d_out, d_lse, float64=True)
+    xla_out, xla_lse, xla = reference_vjp(case, q, k, v, bias, mask, d_out, d_lse,
+                                          float64=False)
+    # The forward that the backward differentiates (saving its residuals) is checked too.
+    out, lse = {"both": primal, "out": (primal, None), "lse": (None, primal)}[outputs]
+    if out is not None:
+        assert out.dtype == q.dtype
+        assert_matches_reference("out", out, ref_out, xla_out, q.dtype)
+    if lse is not None:
+        assert_lse_matches(lse, ref_lse, xla_lse)
     names = ["dq", "dk", "dv", "dbias"]
     for name, g, r, x, primal in zip(names, got, ref, xla, (q, k, v, bias)):
         if primal is None:
@@ -183,7 +192,7 @@ def test_backward_is_deterministic(kernel_mode):
     first = _pallas_grads(case, kernel_mode, q, k, v, bias, mask, d_out, d_lse)
     for _ in range(runs - 1):
         again = _pallas_grads(case, kernel_mode, q, k, v, bias, mask, d_out, d_lse)
-        for a, b in zip(first, again):
+        for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again), strict=True):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 

@@ -146,11 +146,14 @@ def _grads(case: Case, mode: str, key, *, float64: bool | None, tier: str = "pal
     d_out, d_lse = cotangents(case)
     d_out = d_out.astype(q.dtype).astype(jnp.float32)
     if float64 is None:
-        f = lambda q, k, v, bias: ffpa_jax.attention(
-            q, k, v, bias, mask, scale=case.scale, is_causal=case.causal, return_lse=True,
-            dropout_rate=RATE, dropout_rng=key, **call_kwargs(tier, mode))
-        (out, lse), vjp = jax.vjp(f, q, k, v, bias)
-        return vjp((d_out.astype(out.dtype), d_lse))
+        @jax.jit  # as a training step takes them (the eager vjp: test_backward's eager test)
+        def grads(q, k, v, bias, key, d_out, d_lse):
+            f = lambda q, k, v, bias: ffpa_jax.attention(
+                q, k, v, bias, mask, scale=case.scale, is_causal=case.causal, return_lse=True,
+                dropout_rate=RATE, dropout_rng=key, **call_kwargs(tier, mode))
+            (out, lse), vjp = jax.vjp(f, q, k, v, bias)
+            return vjp((d_out.astype(out.dtype), d_lse))
+        return grads(q, k, v, bias, key, d_out, d_lse)
     return reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=float64,
                            keep=_keep(case, key), rate=RATE)
 

@@ -13,6 +13,7 @@ decode kernels in many small tiles or splits (their block ranges) against float6
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ import pytest
 import ffpa_jax
 from attn_testing import (Case, assert_lse_matches, assert_matches_reference, cotangents,
                           feature_arrays, make_features, make_inputs, normal, reference64,
-                          reference_grads, scale_of, xla_same_precision)
+                          reference_vjp, scale_of, xla_same_precision)
 from conftest import call_kwargs
 from ffpa_jax.validation import as_4d
 from pallas_kernels.reference import window_keep
@@ -69,10 +70,14 @@ def _attention(case: Case, tier: str, mode: str, features: dict):
     return f, {k: v for k, v in features.items() if k not in STATIC_FEATURES}
 
 
-def _check_forward(case: Case, inputs, features: dict, out, lse):
+def _check_forward(case: Case, inputs, features: dict, out, lse, references=None):
+    """out and lse against float64; `references`: ((out, lse) in float64, (out, lse) of the
+    same-precision XLA computation) where the caller has them already."""
     q, k, v, bias, mask = inputs
-    ref_out, ref_lse = reference64(case, q, k, v, bias, mask, features=features)
-    xla_out, xla_lse = xla_same_precision(case, q, k, v, bias, mask, features=features)
+    if references is None:
+        references = (reference64(case, q, k, v, bias, mask, features=features),
+                      xla_same_precision(case, q, k, v, bias, mask, features=features))
+    (ref_out, ref_lse), (xla_out, xla_lse) = references
     assert out.dtype == q.dtype and out.shape == ref_out.shape
     assert lse.dtype == jnp.float32 and lse.shape == ref_lse.shape
     assert_matches_reference("out", out, ref_out, xla_out, q.dtype)
@@ -108,12 +113,12 @@ def check_grads(case: Case, tier: str, mode: str = "interpret"):
             q, k, v, bias, sinks)
         return out, lse, vjp((d_out, d_lse))
     out, lse, got = forward_and_vjp(q, k, v, bias, sinks, d_out, d_lse)
-    _check_forward(case, inputs, features, out, lse)
     d_out32 = d_out.astype(jnp.float32)
-    ref = reference_grads(case, q, k, v, bias, mask, d_out32, d_lse, float64=True,
-                          features=features)
-    xla = reference_grads(case, q, k, v, bias, mask, d_out32, d_lse, float64=False,
-                          features=features)
+    *ref_forward, ref = reference_vjp(case, q, k, v, bias, mask, d_out32, d_lse, float64=True,
+                                      features=features)
+    *xla_forward, xla = reference_vjp(case, q, k, v, bias, mask, d_out32, d_lse,
+                                      float64=False, features=features)
+    _check_forward(case, inputs, features, out, lse, (ref_forward, xla_forward))
     for name, g, r, x, primal in zip(["dq", "dk", "dv", "dbias", "dsinks"], got, ref, xla,
                                      (q, k, v, bias, sinks)):
         if primal is None:
@@ -292,21 +297,28 @@ def test_seq_lengths_match_jax_nn(t, s, causal, feature_tier, kernel_mode):
     q_len = jnp.asarray([t, t - 7, 5], jnp.int32)
     kv_len = jnp.asarray([s - 3, 11, 0], jnp.int32)
     kw = dict(query_seq_lengths=q_len, key_value_seq_lengths=kv_len, is_causal=causal)
-    got = ffpa_jax.attention(q, k, v, **kw, **call_kwargs(feature_tier, kernel_mode))
+    # The rows that jax.nn and we agree on are weighted in the loss whose gradients compare.
+    weights = np.random.default_rng(0).normal(size=q.shape[:3] + v.shape[3:])
+    weights[2] = 0.0
+    weights = jnp.asarray(weights, jnp.float32)
+
+    def out_and_grads(attention):
+        """attention's output and the gradients of sum(weights * output), jitted: eagerly,
+        jax.nn's operations compile one by one."""
+        def loss(q, k, v):
+            out = attention(q, k, v, **kw)
+            return jnp.sum(weights * out), out
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+    ours, got = out_and_grads(functools.partial(ffpa_jax.attention,
+                                                **call_kwargs(feature_tier, kernel_mode)))
     with jax.default_matmul_precision("highest"):  # float32 products, not TF32, on a GPU
-        want = jax.nn.dot_product_attention(q, k, v, **kw, implementation="xla")
+        theirs, want = out_and_grads(functools.partial(jax.nn.dot_product_attention,
+                                                       implementation="xla"))
     got, want = np.asarray(got), np.asarray(want)
     np.testing.assert_allclose(got[:2], want[:2], rtol=1e-5, atol=2e-6)
     assert np.all(got[2] == 0.0)
-    # And the gradients of the rows that jax.nn and we agree on.
-    weights = jnp.asarray(np.random.default_rng(0).normal(size=got.shape), jnp.float32)
-    weights = weights.at[2].set(0.0)
-    ours = jax.grad(lambda q, k, v: jnp.sum(weights * ffpa_jax.attention(
-        q, k, v, **kw, **call_kwargs(feature_tier, kernel_mode))), argnums=(0, 1, 2))(q, k, v)
-    with jax.default_matmul_precision("highest"):
-        theirs = jax.grad(lambda q, k, v: jnp.sum(weights * jax.nn.dot_product_attention(
-            q, k, v, **kw, implementation="xla")), argnums=(0, 1, 2))(q, k, v)
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         np.testing.assert_allclose(np.asarray(a)[:2], np.asarray(b)[:2], rtol=1e-5, atol=2e-6)
 
 
@@ -335,7 +347,8 @@ def test_sinks_equal_one_more_key_of_zero_value(feature_tier, kernel_mode):
         def f(q, k, v, sinks):
             out, lse = fn(q, k, v, sinks)
             return jnp.sum(out * jnp.sin(out)) + 0.3 * jnp.sum(lse), (out, lse)
-        return jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, sinks)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v,
+                                                                                   sinks)
 
     (_, got), got_grads = loss(ours)
     (_, want), want_grads = loss(extra_key)
