@@ -36,7 +36,8 @@ def _has_cuda_plugin() -> bool:
     return False
 
 
-if not _has_cuda_plugin():
+_CPU_ONLY = not _has_cuda_plugin()
+if _CPU_ONLY:
     _given = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = " ".join(
         [_given] + [f for f in _CPU_COMPILE_FLAGS if f.split("=")[0] not in _given]).strip()
@@ -48,8 +49,9 @@ import pytest  # noqa: E402
 # case (the float64 reference at a shape, a kernel variant) and by both pytest-xdist
 # workers. JAX's persistent compilation cache, in a directory of this run alone (removed
 # at its end), compiles each program once; lowering and running still happen every time.
-_COMPILE_CACHE = "ffpa_jax_compile_cache"
 _COMPILE_CACHE_MIN_SECONDS = 0.1  # smaller programs cost more to store than to compile
+_COMPILE_CACHE_INPUT = "ffpa_jax_compile_cache"  # the key of the workers' `workerinput`
+_COMPILE_CACHE_DIR = pytest.StashKey[str]()  # the controller's directory, removed at the end
 
 
 class _ShareCompileCache:
@@ -59,20 +61,20 @@ class _ShareCompileCache:
         self.path = path
 
     def pytest_configure_node(self, node):
-        node.workerinput[_COMPILE_CACHE] = self.path
+        node.workerinput[_COMPILE_CACHE_INPUT] = self.path
 
 
 def pytest_configure(config):
-    if _has_cuda_plugin():
+    if not _CPU_ONLY:
         return
     workerinput = getattr(config, "workerinput", None)
     if workerinput is None:  # the controller, or a run without pytest-xdist
         path = tempfile.mkdtemp(prefix="ffpa_jax_test_compiles_")
-        config.stash[_COMPILE_CACHE_PATH] = path
+        config.stash[_COMPILE_CACHE_DIR] = path
         if config.pluginmanager.hasplugin("xdist"):
             config.pluginmanager.register(_ShareCompileCache(path))
     else:
-        path = workerinput.get(_COMPILE_CACHE)
+        path = workerinput.get(_COMPILE_CACHE_INPUT)
     if path:
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs",
@@ -81,12 +83,10 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-    path = config.stash.get(_COMPILE_CACHE_PATH, None)
+    path = config.stash.get(_COMPILE_CACHE_DIR, None)
     if path:
         shutil.rmtree(path, ignore_errors=True)
 
-
-_COMPILE_CACHE_PATH = pytest.StashKey[str]()
 
 
 @pytest.fixture(autouse=True)
