@@ -51,9 +51,9 @@ def compile_ttir(ttir: str, num_warps: int, num_stages: int, capability: int):
     the same passes as a kernel written in Triton: `triton.compile` skips the first
     stage's passes for an IR file, and for a .ttir file those are make_ttir's (among
     them the combine pass that folds `acc + dot(a, b)` into the dot's accumulator), so
-    they are run here first. (Before 2026-11-22 they were not, and every dot here kept a
-    zero accumulator and a separate float32 add: the D=256 dq loop had 1030 instructions
-    against 708.) No GPU is needed to compile."""
+    they are run here first. (Without them every dot here kept a zero accumulator and a
+    separate float32 add, which overstated the hot loops: docs/history.md, session 17.)
+    No GPU is needed to compile."""
     import triton
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget

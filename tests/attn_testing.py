@@ -251,10 +251,9 @@ def assert_matches_reference(name: str, got, ref64, xla, dtype, *, factor: float
     err = _max_err(got, ref64)
     if jnp.dtype(dtype) == jnp.float32:
         # 1e-5 relative, unless float32 itself cannot reach it on these inputs: at logits
-        # in the hundreds (inputs of magnitude 2, scale 1.5, D=149) the float32 rounding
-        # of the logits alone costs XLA's own gradients 2-3.5e-5 (H100, 2026-11-21,
-        # docs/history.md, session 6); there the rule of the 16-bit dtypes applies,
-        # `factor` x XLA's float32 error.
+        # in the hundreds the float32 rounding of the logits alone costs XLA's own
+        # gradients more than that (docs/history.md, sessions 6 and 17); there the rule of
+        # the 16-bit dtypes applies, `factor` x XLA's float32 error.
         err_xla = _max_err(xla, ref64)
         bound = max(1e-5 * max(magnitude, 1.0), factor * err_xla)
         rule = f"1e-5 relative (float32), or {factor}x XLA's float32 error {err_xla:.3e}"

@@ -257,7 +257,7 @@ def test_grad_float32_d256_small_dv(kernel_mode):
 
 
 def test_grad_float32_d44_dv107_causal_mask(kernel_mode):
-    """The GPU fuzz's shared-memory overflow of 2026-11-21 (float32, D=44, Dv=107 in the
+    """A shared-memory overflow the GPU fuzz found (float32, D=44, Dv=107 in the
     128-wide tiles: 245760 of 232448 bytes), causal with a per-head key mask."""
     from test_fuzz import Config, check_example
     cfg = Config(batched=True, b=1, t=57, s=358, hq=4, hkv=2, d=44, dv=107, dtype="float32",
@@ -271,8 +271,8 @@ def test_grad_float32_d44_dv107_causal_mask(kernel_mode):
 def test_grad_single_visible_key_is_exactly_zero_dq(dtype, kernel_mode):
     """A row that sees one key has P = 1 and dS = dP - Σ P·dP = 0 exactly, as in XLA's
     softmax gradient: dq of that row is exactly 0, with dropout too. With δ taken as
-    rowsum(dO ∘ O), which rounds differently from the kernels' dP, the GPU fuzz of
-    2026-11-21 (float32, D=1024, T=1, S=10, dropout 0.9) got dq 52x XLA's error; float32
+    rowsum(dO ∘ O), which rounds differently from the kernels' dP, a GPU fuzz draw
+    (float32, D=1024, T=1, S=10, dropout 0.9) got dq 52x XLA's error; float32
     takes δ from `bwd_exact_rows`, and 16-bit from each tile (`rows_in_one_tile`: here
     S=10 fits one)."""
     b, t, s, hq, hkv, d = 2, 3, 10, 4, 2, 256
@@ -302,16 +302,16 @@ def test_grad_single_visible_key_is_exactly_zero_dq(dtype, kernel_mode):
     assert np.abs(dq[:, 2]).max() > 0.0  # the row that sees every key does get a gradient
 
 
-# float32 draws of the GPU fuzz of 2026-11-21 whose gradients missed the rule, with the
-# check_example arguments that reproduce them:
-# - "d150-large-logits" (seed 1131697874, part 3): inputs of magnitude 2 and scale 0.805
+# float32 draws of the GPU fuzz whose gradients missed the rule (their fuzz seeds:
+# docs/history.md, session 17), with the check_example arguments that reproduce them:
+# - "d150-large-logits": inputs of magnitude 2 and scale 0.805
 #   (logits ~ 170), a per-key fp16 bias; dq 3.4x XLA's float32 error (3.4x in the Pallas
 #   interpreter too). The backward's P did not sum to 1 over its row (its logits were
 #   rounded differently from the forward's), and that miss times |δ| ~ 27 dominated dS.
-# - "d1024-one-key-dropout" (seed 436743445, part 1): T=1, S=10, dropout 0.9, keys mostly
+# - "d1024-one-key-dropout": T=1, S=10, dropout 0.9, keys mostly
 #   masked; dq 1.66e-5 against the 1e-5 bound (XLA: 3.2e-7): δ = rowsum(dO ∘ O) did not
 #   cancel the kernels' own dP (see test_grad_single_visible_key_is_exactly_zero_dq).
-# - "d1024-causal-dropout" (seed 20261121, part 3, after both fixes below): dk 3.6x XLA's
+# - "d1024-causal-dropout" (found after both fixes below): dk 3.6x XLA's
 #   error; the float32 dP was one in-order FMA chain over Dv = 1024.
 # The fixes: the backward normalises its own P and takes δ = Σ P·dP
 # (`pallas_kernels.bwd.bwd_exact_rows`), and float32 kernels sum 16-wide head-dim chunks

@@ -248,7 +248,7 @@ def test_block_lists_under_jit(t, s, kernel_mode):
 
 @pytest.mark.parametrize("mask_density", [0.05, 0.9])
 def test_fuzz_case_causal_one_key_many_queries(mask_density, kernel_mode):
-    """From the H200 fuzz (2026-11-21): T=276 queries, S=1 key, causal (only the last
+    """Found by the GPU fuzz (docs/history.md, session 6): T=276 queries, S=1 key, causal (only the last
     row sees the key), a per-(batch, head) mask and a scalar bias. Under `jax.jit` on
     the GPU (jax 0.11.2) the last row came out 0 with lse -inf: XLA miscompiled the
     jnp iota arithmetic that listed the causally visible tiles (see
@@ -261,8 +261,8 @@ def test_fuzz_case_causal_one_key_many_queries(mask_density, kernel_mode):
                   neg_inf_bias_rows=False, impl="pallas", interpret=interpret_flag(kernel_mode))
 
 
-# Three draws of the GPU fuzz of 2026-11-21 (seeds 852294769, 1136079920, 137012700)
-# whose forward asked 246784-294912 bytes of the 232448 of shared memory: the D <= 128
+# Three draws of the GPU fuzz (docs/history.md, session 17, lists their seeds) whose
+# forward asked 246784-294912 bytes of the 232448 of shared memory: the D <= 128
 # defaults pipeline 3 stages, and a [T, S] mask or bias tile, or dropout, rides along.
 _SHARED_MEMORY_CASES = {
     "fp16-d72-bias-mask": dict(batched=False, b=1, t=50, s=70, hq=3, hkv=3, d=72, dv=72,

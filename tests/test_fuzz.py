@@ -311,8 +311,8 @@ def test_fuzz_gpu(part):
                rerun=f"FFPA_FUZZ_SEED={base} pytest -m gpu -k 'test_fuzz_gpu[{part}]'")
 
 
-# Found by the GPU fuzz of 2026-11-22 (FFPA_FUZZ_SEED=20261500, part 1, pool[21], data
-# seed 21), and reproduced in interpret mode. MQA (8 query heads on one key head), S=1,
+# Found by the GPU fuzz (docs/history.md, sessions 9 and 17, give its seed), and reproduced
+# in interpret mode. MQA (8 query heads on one key head), S=1,
 # D=1, with a random lse cotangent: dk sums scale·q·d_lse over the 8 heads, terms up to
 # 2.9 that cancel to 0.046. With dS fed to the tensor cores in bf16, dk carried
 # ~eps·Σ|term| (1.0e-2 against the same-precision XLA reference's 2.2e-5, which keeps

@@ -268,8 +268,8 @@ def _pallas_mgpu(case: BenchCase, interpret: bool):
     if case.t % 128 or case.s % 128:
         raise Unsupported("T and S must be multiples of 128")
     if case.dtype != "fp16":
-        # Measured on jax 0.11.2 (H200, 2026-11-22): fp16 runs; bf16 inputs stop inside
-        # the kernel on a bfloat16 -> float16 dtype mismatch.
+        # jax 0.11.2's kernel runs fp16 inputs; bf16 ones stop inside it on a bfloat16 ->
+        # float16 dtype mismatch (docs/history.md, session 17).
         raise Unsupported("float16 only (jax 0.11.2's kernel fails on bf16 inputs)")
     try:
         from jax.experimental.pallas.ops.gpu import attention_mgpu
