@@ -265,6 +265,16 @@ def assert_matches_reference(name: str, got, ref64, xla, dtype, *, factor: float
     assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e} ({rule})"
 
 
+def assert_forward_matches(out, lse, reference, xla, dtype):
+    """out by the rule of `dtype` (factor 2) and lse by `assert_lse_matches`; `reference`
+    and `xla`: (out, lse) of the float64 reference and of the same-precision XLA computation.
+    An output given as None is not checked (a loss of the other output alone)."""
+    if out is not None:
+        assert_matches_reference("out", out, reference[0], xla[0], dtype)
+    if lse is not None:
+        assert_lse_matches(lse, reference[1], xla[1])
+
+
 def assert_lse_matches(got, ref64, xla):
     """lse is float32 in every path: 2x the XLA path's error, plus a few float32 ulps."""
     ref64 = np.asarray(ref64, np.float64)

@@ -15,8 +15,8 @@ import pytest
 
 import ffpa_jax
 import tuning
-from attn_testing import (Case, assert_lse_matches, assert_matches_reference, cotangents,
-                          make_inputs, reference64, reference_grads, xla_same_precision)
+from attn_testing import (Case, assert_forward_matches, assert_matches_reference, cotangents,
+                          make_inputs, reference_vjp)
 from pallas_kernels import blocked
 from pallas_kernels import chunked as chunked_tier
 from pallas_kernels.chunked import _Block, _groups, block_sizes, bytes_per_element
@@ -295,12 +295,10 @@ def _end_to_end(case: Case, *, interpret: bool, rate: float = 0.0):
         (out, lse), vjp = jax.vjp(f, q, k, v, bias)
         return out, lse, vjp((d_out.astype(q.dtype), d_lse))
     out, lse, got = forward_and_vjp(q, k, v, bias, d_out, d_lse)
-    ref_out, ref_lse = reference64(case, q, k, v, bias, mask, keep=keep, rate=rate)
-    xla_out, xla_lse = xla_same_precision(case, q, k, v, bias, mask, keep=keep, rate=rate)
-    assert_matches_reference("out", out, ref_out, xla_out, q.dtype)
-    assert_lse_matches(lse, ref_lse, xla_lse)
-    ref, xla = (reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=float64,
-                                keep=keep, rate=rate) for float64 in (True, False))
+    (*ref_forward, ref), (*xla_forward, xla) = (
+        reference_vjp(case, q, k, v, bias, mask, d_out, d_lse, float64=float64, keep=keep,
+                      rate=rate) for float64 in (True, False))
+    assert_forward_matches(out, lse, ref_forward, xla_forward, q.dtype)
     for name, g, r, x in zip(["dq", "dk", "dv", "dbias"], got, ref, xla):
         if r is not None:
             assert_matches_reference(name, g, r, x, q.dtype, factor=3.0)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import ffpa_jax
-from attn_testing import (Case, assert_lse_matches, assert_matches_reference, cotangents,
-                          make_inputs, reference64, reference_grads, scale_of,
+from attn_testing import (Case, assert_forward_matches, assert_matches_reference, cotangents,
+                          make_inputs, reference64, reference_vjp, scale_of,
                           xla_same_precision)
 from conftest import interpret_flag
 from tuning import uses_decode
@@ -48,11 +48,9 @@ def run_decode(case: Case, mode: str, inputs=None, *, num_splits: int | None = N
 
 def check_decode(case: Case, mode: str, inputs=None, **kw):
     (out, lse), inputs = run_decode(case, mode, inputs, **kw)
-    ref_out, ref_lse = reference64(case, *inputs)
-    xla_out, xla_lse = xla_same_precision(case, *inputs)
     assert out.dtype == jnp.dtype(case.dtype)
-    assert_matches_reference("out", out, ref_out, xla_out, case.dtype)
-    assert_lse_matches(lse, ref_lse, xla_lse)
+    assert_forward_matches(out, lse, reference64(case, *inputs),
+                           xla_same_precision(case, *inputs), case.dtype)
     return out, lse
 
 
@@ -159,22 +157,19 @@ def test_api_decode_with_lse_and_gradients(kernel_mode):
         return out, lse
 
     out, lse = f(q, k, v, bias, "pallas")
-    ref_out, ref_lse = reference64(case, q, k, v, bias, mask)
-    xla_out, xla_lse = xla_same_precision(case, q, k, v, bias, mask)
-    assert_matches_reference("out", out, ref_out, xla_out, case.dtype)
-    assert_lse_matches(lse, ref_lse, xla_lse)
-
     d_out, _ = cotangents(case)
     d_out = d_out.astype(q.dtype).astype(jnp.float32)  # the cotangent as the kernel sees it
     d_lse = jnp.full(lse.shape, 0.1, jnp.float32)
+    (*ref_forward, ref), (*xla_forward, xla) = (
+        reference_vjp(case, q, k, v, bias, mask, d_out, d_lse, float64=float64)
+        for float64 in (True, False))
+    assert_forward_matches(out, lse, ref_forward, xla_forward, case.dtype)
 
     @jax.jit
     def grads(q, k, v, bias):
         _, vjp = jax.vjp(lambda *a: f(*a, "pallas"), q, k, v, bias)
         return vjp((d_out.astype(q.dtype), d_lse))
     got = grads(q, k, v, bias)
-    ref, xla = (reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=float64)
-                for float64 in (True, False))
     for name, g, r, x in zip(["dq", "dk", "dv", "dbias"], got, ref, xla):
         assert_matches_reference(name, g, r, x, q.dtype, factor=3.0)
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import ffpa_jax
-from attn_testing import (Case, assert_lse_matches, assert_matches_reference, cotangents,
+from attn_testing import (Case, assert_forward_matches, assert_matches_reference, cotangents,
                           make_inputs, reference64, reference_grads, xla_same_precision)
 from conftest import call_kwargs, interpret_flag
 from ffpa_jax.dropout import seed_from_key
@@ -121,10 +121,8 @@ FWD_CASES = [
                          ids=lambda c: f"T{c.t}-S{c.s}-H{c.hq}.{c.hkv}-D{c.d}-{c.dtype}")
 def test_forward_matches_reference(case, kernel_mode, tier):
     key = jax.random.key(case.seed() + 5)
-    (out, lse), (ref_out, ref_lse), (xla_out, xla_lse) = _dropout_outputs(case, kernel_mode, key,
-                                                                          tier=tier)
-    assert_matches_reference("out", out, ref_out, xla_out, case.dtype)
-    assert_lse_matches(lse, ref_lse, xla_lse)
+    (out, lse), reference, xla = _dropout_outputs(case, kernel_mode, key, tier=tier)
+    assert_forward_matches(out, lse, reference, xla, case.dtype)
 
 
 def test_xla_and_pallas_agree_for_the_same_key(kernel_mode):
@@ -139,23 +137,24 @@ def test_xla_and_pallas_agree_for_the_same_key(kernel_mode):
                                rtol=1e-5, atol=1e-6)
 
 
-def _grads(case: Case, mode: str, key, *, float64: bool | None, tier: str = "pallas"):
-    """Gradients of <out, d_out> + <lse, d_lse>: the tier's (float64=None) or the
-    reference's."""
+def _grads(case: Case, mode: str, key, tier: str):
+    """Gradients of <out, d_out> + <lse, d_lse>: (the tier's, the float64 reference's, the
+    same-precision reference's)."""
     q, k, v, bias, mask = make_inputs(case)
     d_out, d_lse = cotangents(case)
     d_out = d_out.astype(q.dtype).astype(jnp.float32)
-    if float64 is None:
-        @jax.jit  # as a training step takes them (the eager vjp: test_backward's eager test)
-        def grads(q, k, v, bias, key, d_out, d_lse):
-            f = lambda q, k, v, bias: ffpa_jax.attention(
-                q, k, v, bias, mask, scale=case.scale, is_causal=case.causal, return_lse=True,
-                dropout_rate=RATE, dropout_rng=key, **call_kwargs(tier, mode))
-            (out, lse), vjp = jax.vjp(f, q, k, v, bias)
-            return vjp((d_out.astype(out.dtype), d_lse))
-        return grads(q, k, v, bias, key, d_out, d_lse)
-    return reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=float64,
-                           keep=_keep(case, key), rate=RATE)
+
+    @jax.jit  # as a training step takes them (the eager vjp: test_backward's eager test)
+    def grads(q, k, v, bias, key, d_out, d_lse):
+        f = lambda q, k, v, bias: ffpa_jax.attention(
+            q, k, v, bias, mask, scale=case.scale, is_causal=case.causal, return_lse=True,
+            dropout_rate=RATE, dropout_rng=key, **call_kwargs(tier, mode))
+        (out, lse), vjp = jax.vjp(f, q, k, v, bias)
+        return vjp((d_out.astype(out.dtype), d_lse))
+    keep = _keep(case, key)
+    ref, xla = (reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=float64,
+                                keep=keep, rate=RATE) for float64 in (True, False))
+    return grads(q, k, v, bias, key, d_out, d_lse), ref, xla
 
 
 # Interpret mode runs every program of the four backward kernels: shapes stay small.
@@ -172,9 +171,7 @@ GRAD_CASES = [
                          ids=lambda c: f"T{c.t}-S{c.s}-H{c.hq}.{c.hkv}-D{c.d}-{c.dtype}")
 def test_gradients_match_reference(case, kernel_mode, tier):
     key = jax.random.key(case.seed() + 7)
-    got = _grads(case, kernel_mode, key, float64=None, tier=tier)
-    ref = _grads(case, kernel_mode, key, float64=True)
-    xla = _grads(case, kernel_mode, key, float64=False)
+    got, ref, xla = _grads(case, kernel_mode, key, tier)
     q_dtype = jnp.dtype(case.dtype)
     for name, g, r, x in zip(["dq", "dk", "dv", "dbias"], got, ref, xla):
         if r is None:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import ffpa_jax
-from attn_testing import (Case, assert_lse_matches, assert_matches_reference, cotangents,
+from attn_testing import (Case, assert_forward_matches, assert_matches_reference, cotangents,
                           feature_arrays, make_features, make_inputs, normal, reference64,
                           reference_vjp, scale_of, xla_same_precision)
 from conftest import call_kwargs
@@ -77,11 +77,10 @@ def _check_forward(case: Case, inputs, features: dict, out, lse, references=None
     if references is None:
         references = (reference64(case, q, k, v, bias, mask, features=features),
                       xla_same_precision(case, q, k, v, bias, mask, features=features))
-    (ref_out, ref_lse), (xla_out, xla_lse) = references
+    (ref_out, ref_lse), xla = references
     assert out.dtype == q.dtype and out.shape == ref_out.shape
     assert lse.dtype == jnp.float32 and lse.shape == ref_lse.shape
-    assert_matches_reference("out", out, ref_out, xla_out, q.dtype)
-    assert_lse_matches(lse, ref_lse, xla_lse)
+    assert_forward_matches(out, lse, (ref_out, ref_lse), xla, q.dtype)
 
 
 def run_case(case: Case, tier: str, mode: str = "interpret", *, eager: bool = False):
@@ -474,10 +473,9 @@ def test_decode_shapes(case, kernel_mode):
                                                     block_dv=32),
                                 num_splits=5, interpret=True, window=case.window,
                                 softcap=case.softcap, features=arrays)
-    ref_out, ref_lse = reference64(case, q, k, v, bias, mask, features=features)
-    xla_out, xla_lse = xla_same_precision(case, q, k, v, bias, mask, features=features)
-    assert_matches_reference("out", out, ref_out, xla_out, q.dtype)
-    assert_lse_matches(lse, ref_lse, xla_lse)
+    assert_forward_matches(out, lse, reference64(case, q, k, v, bias, mask, features=features),
+                           xla_same_precision(case, q, k, v, bias, mask, features=features),
+                           q.dtype)
 
 
 def test_decode_plan_uses_the_decode_kernels(monkeypatch):
@@ -521,10 +519,9 @@ def test_forward_kernel_in_small_tiles(case):
                            config=FwdConfig(block_m=16, block_n=16, block_d=32, block_dv=32),
                            interpret=True, window=case.window, softcap=case.softcap,
                            features=arrays)
-    ref_out, ref_lse = reference64(case, q, k, v, bias, mask, features=features)
-    xla_out, xla_lse = xla_same_precision(case, q, k, v, bias, mask, features=features)
-    assert_matches_reference("out", out, ref_out, xla_out, q.dtype)
-    assert_lse_matches(lse, ref_lse, xla_lse)
+    assert_forward_matches(out, lse, reference64(case, q, k, v, bias, mask, features=features),
+                           xla_same_precision(case, q, k, v, bias, mask, features=features),
+                           q.dtype)
 
 
 @pytest.mark.parametrize("sorted_ids", [True, False])
