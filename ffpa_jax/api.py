@@ -1,4 +1,10 @@
-"""`ffpa_jax.attention`: the public entry point."""
+"""`ffpa_jax.attention`: the public entry point.
+
+One call is: `validation.validate` (every argument checked; the call's `Problem`), then
+`tuning.dispatch.plan` (each direction's tier and every kernel's config), then the plan's
+tiers (`vjp.attention`, a custom_vjp over `pallas_kernels.tiers`, run shard-locally under
+sharded jit; or the dense tier, which JAX differentiates itself).
+"""
 
 from __future__ import annotations
 
@@ -8,52 +14,25 @@ import jax
 
 import tuning
 from ffpa_jax import runtime_autotune, validation, vjp
-from ffpa_jax.backend import default_backend_is_nvidia_gpu as _default_backend_is_nvidia_gpu
 from ffpa_jax.dropout import seed_from_key
-from ffpa_jax.reference import mha_reference
-from pallas_kernels.dropout import keep_mask_reference
-from pallas_kernels.tiers import fused_unsupported
+from pallas_kernels import tiers
+from pallas_kernels.problem import Inputs
 
 
-def resolve_implementation(implementation: str | None, interpret: bool,
-                           problem=None) -> str:
-    """Which implementation runs: the explicit choice, else "auto" on an NVIDIA GPU (each
-    direction on the tier the tuned data or the built-in rule picks: `tuning.tiers`), the
-    Pallas kernels when interpreting (a direction whose fused kernels lacked a feature
-    `problem` uses would run on the chunked tier: `tuning.tiers`), and XLA elsewhere. An
-    explicit "pallas" with such a feature is refused, naming it: the caller asked for
-    kernels that cannot run it."""
-    if implementation in ("xla", "chunked"):
-        return implementation
-    if implementation == "pallas":
-        if not interpret and not _default_backend_is_nvidia_gpu():
-            raise ValueError(
-                "implementation='pallas' needs an NVIDIA GPU, and the default JAX backend is "
-                f"{jax.default_backend()!r}. Pass interpret=True to run the Pallas kernels in "
-                "Pallas' interpreter (slow; for tests), or implementation='xla' (or None) to use "
-                "the plain-JAX path.")
-        missing = () if problem is None else fused_unsupported(problem)
-        if missing:
-            raise ValueError(
-                f"implementation='pallas' does not support {', '.join(missing)}: the fused "
-                "Pallas kernels do not implement it. Pass implementation=None (which runs "
-                "such a direction on the chunked tier) or implementation='chunked' (same "
-                "results, bounded memory), or 'xla'.")
-        return "pallas"
-    if interpret:
-        return "pallas"
-    return "auto" if _default_backend_is_nvidia_gpu() else "xla"
-
-
-def plan_for(problem, implementation: str, *, interpret: bool, precise_lse: bool = False,
+def plan_for(problem, implementation: str | None, *, interpret: bool,
              autotune: str | None = None):
-    """The `Plan` of a call resolved to `implementation` ("pallas", "chunked" or "auto")."""
-    step = "pallas" if interpret or _default_backend_is_nvidia_gpu() else "xla"
-    plan = tuning.make_plan(problem, interpret=interpret, precise_lse=precise_lse,
-                            tiers=tuning.tiers(problem, implementation), step=step,
-                            override=runtime_autotune.override(autotune, interpret))
-    if autotune is not None:
-        runtime_autotune.release_inputs()  # the benchmark's own inputs
+    """The `Plan` of a call: the dispatcher's, with the runtime autotune's configs when
+    `autotune` asks for them and the plan has kernels to tune (the dense tier has none:
+    one warning says so)."""
+    plan = tuning.plan(problem, implementation, interpret=interpret)
+    if autotune is None:
+        return plan
+    if tiers.BY_NAME[plan.forward_tier].differentiated_by_jax:
+        runtime_autotune.warn_ignored_on_xla(autotune, implementation)
+        return plan
+    plan = tuning.plan(problem, implementation, interpret=interpret,
+                       override=runtime_autotune.override(autotune, interpret))
+    runtime_autotune.release_inputs()  # the benchmark's own inputs
     return plan
 
 
@@ -132,25 +111,16 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         sinks=sinks)
     problem, batched = call.problem, call.batched
-    impl = resolve_implementation(implementation, interpret, problem)
     features = validation.feature_arrays(
         batched, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         sinks=sinks)
-
     q, k, v = (x if batched else x[None] for x in (query, key, value))
-    bias4 = validation.as_4d(bias, batched)
-    mask4 = validation.as_4d(mask, batched)
     seed = seed_from_key(dropout_rng) if problem.dropout_rate > 0.0 else None
-    if impl == "xla":
-        runtime_autotune.warn_ignored_on_xla(call.autotune, implementation)
-        plan = None
-    else:
-        # lse is computed either way (the backward needs it); its precise, slower
-        # form only when the caller sees it.
-        plan = plan_for(problem, impl, interpret=interpret, precise_lse=return_lse,
-                        autotune=call.autotune)
-    out, lse = _compute(q, k, v, bias4, mask4, seed, features, problem=problem, plan=plan)
+    inputs = Inputs(q, k, v, validation.as_4d(bias, batched), validation.as_4d(mask, batched),
+                    seed, features)
+    plan = plan_for(problem, implementation, interpret=interpret, autotune=call.autotune)
+    out, lse = _compute(inputs, plan=plan)
     if not batched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out
@@ -160,18 +130,10 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
 # attention once and reuses it at the same shapes, rather than compiling each XLA operation,
 # and each Pallas kernel at every call, apart. Inside a caller's trace it is inlined, so a
 # jitted step is traced exactly as without it.
-@functools.partial(jax.jit, static_argnames=("problem", "plan"), inline=True)
-def _compute(q, k, v, bias4, mask4, seed, features, *, problem, plan):
-    """(out, lse) of batched inputs: the XLA path (`plan` None) or the plan's tiers."""
-    if plan is not None:
-        return vjp.attention(q, k, v, bias4, mask4, plan, seed, features)
-    keep = None
-    if seed is not None:
-        shape = (q.shape[0], problem.heads_q, problem.seq_q, problem.seq_k)
-        keep = keep_mask_reference(seed, shape, problem.dropout_rate)
-    return mha_reference(q, k, v, bias4, mask4, scale=problem.scale, is_causal=problem.causal,
-                         keep_mask=keep, dropout_rate=problem.dropout_rate,
-                         window=problem.window, softcap=problem.softcap,
-                         q_segment_ids=features.q_segment_ids,
-                         kv_segment_ids=features.kv_segment_ids, q_lengths=features.q_lengths,
-                         kv_lengths=features.kv_lengths, sinks=features.sinks)
+@functools.partial(jax.jit, static_argnames=("plan",), inline=True)
+def _compute(inputs: Inputs, *, plan):
+    """(out, lse) of batched inputs on the plan's tiers."""
+    tier = tiers.BY_NAME[plan.forward_tier]
+    if tier.differentiated_by_jax:
+        return tier.forward(plan, inputs)
+    return vjp.attention(plan, inputs)

@@ -1,19 +1,18 @@
-"""Which backend JAX runs on: the one place that decides "is this an NVIDIA GPU".
-
-Also where ffpa_jax says what to install when the machine has an NVIDIA GPU but the
+"""What ffpa_jax says about JAX's backend: whether it is an NVIDIA GPU (decided in
+`tuning.device`, where the dispatcher reads it), and what to install when the machine has an NVIDIA GPU but the
 installed jaxlib cannot use it (`missing_cuda_message`), and where its warnings find
 the caller's line (`caller_stacklevel`).
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 import sys
 import warnings
 
-import jax
+
+from tuning.device import default_backend_is_nvidia_gpu  # noqa: F401  (its home is tuning)
 
 # What `pip install -e ".[cuda]"` installs (pyproject.toml); JAX's own install docs name the
 # same extra for NVIDIA GPUs. jax[cuda12] is the one for drivers that support CUDA 12 only.
@@ -27,19 +26,6 @@ CUDA_PLUGIN_MODULES = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xl
 # Files the NVIDIA kernel driver creates on a Linux machine (or a container given a GPU):
 # they say "there is an NVIDIA GPU" without starting any JAX backend, in a few stat calls.
 NVIDIA_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia/version")
-
-
-@functools.cache
-def default_backend_is_nvidia_gpu() -> bool:
-    """Whether JAX's default device is a CUDA GPU (ROCm GPUs also report platform 'gpu')."""
-    try:
-        device = jax.devices()[0]
-    except RuntimeError:
-        return False
-    if device.platform != "gpu":
-        return False
-    version = str(getattr(device.client, "platform_version", "")).lower()
-    return "rocm" not in version and "hip" not in version
 
 
 def nvidia_gpu_file() -> str | None:

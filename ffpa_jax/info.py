@@ -25,12 +25,11 @@ import jax
 import jax.numpy as jnp
 
 import tuning
-from ffpa_jax import api, validation
+from ffpa_jax import validation
 from ffpa_jax.backend import default_backend_is_nvidia_gpu
-from pallas_kernels import chunked
-from pallas_kernels.bwd import BwdConfig, rows_in_one_tile
-from pallas_kernels.decode import DecodeConfig, decode_num_splits
+from pallas_kernels import tiers
 from pallas_kernels.problem import DTYPES, Problem
+from tuning import dispatch
 from tuning.lookup import ENV_CONFIG_DIR, config_dirs, find_config_file
 
 _DTYPE_NAMES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16",
@@ -74,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mask", type=lambda t: _ints(t, 4), default=None, metavar="B,H,T,S",
                         help="a bool mask of this 4-D shape (each dim 1 or full)")
     parser.add_argument("--dropout", type=float, default=0.0, metavar="RATE")
-    parser.add_argument("--implementation", choices=("pallas", "chunked", "xla"), default=None,
+    parser.add_argument("--implementation", choices=[n for n in dispatch.IMPLEMENTATIONS if n],
+                        default=None,
                         help="as attention()'s argument (default None: what a call picks)")
     parser.add_argument("--device-name", default=None,
                         help="answer for this NVIDIA GPU (its device_kind, e.g. 'NVIDIA H200') "
@@ -164,93 +164,37 @@ def _describe(p: Problem) -> str:
             f"D={p.head_dim} Dv={p.head_dim_v} {p.dtype_name}, " + ", ".join(extras))
 
 
-def _config_text(config: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in config.items() if k != "num_ctas")
-
-
-def _kernel_lines(kernel: str, problem: Problem, device: dict, note: str = "") -> list[str]:
-    config, why = tuning.explain_config(kernel, problem, **device)
-    return [f"    {kernel}{note}: {_config_text(config)}", f"      <- {why}"]
-
-
-def _forward_lines(problem: Problem, device: dict) -> list[str]:
-    if not tuning.uses_decode(problem):
-        return _kernel_lines("fwd_generic", problem, device)
-    lines = (_kernel_lines("decode_fwd_stage1", problem, device)
-             + _kernel_lines("decode_fwd_stage2", problem, device))
-    stage1, _ = tuning.explain_config("decode_fwd_stage1", problem, **device)
-    config = DecodeConfig.from_tuned(stage1)
-    if config.num_splits:
-        lines.append(f"    key splits: {config.num_splits} (the tuned NUM_SPLITS)")
-    else:
-        sms = tuning.multiprocessor_count()
-        splits = decode_num_splits(batch=problem.batch, heads_kv=problem.heads_kv,
-                                   packed_rows=problem.group * problem.seq_q,
-                                   seq_k=problem.seq_k, head_dim_v=problem.head_dim_v,
-                                   config=config, multiprocessors=sms)
-        lines.append(f"    key splits: {splits} (the heuristic, for {sms} multiprocessors)")
-    return lines
-
-
-def _backward_lines(problem: Problem, device: dict) -> list[str]:
-    configs = {k: BwdConfig.from_tuned(tuning.explain_config(k, problem, **device)[0])
-               for k in ("bwd_generic_dq", "bwd_generic_dkdv", "bwd_dbias")}
-    if problem.dtype_name == "fp32":
-        lines = ["    delta: bwd_exact_rows (float32), with bwd_generic_dq's config"]
-    elif rows_in_one_tile(problem.seq_k, *configs.values()):
-        lines = ["    delta: each kernel's own P and dP (every row's keys fit one tile)"]
-    else:
-        lines = _kernel_lines("bwd_preproc", problem, device)
-    lines += (_kernel_lines("bwd_generic_dq", problem, device)
-              + _kernel_lines("bwd_generic_dkdv", problem, device))
-    if problem.has_bias and problem.bias_shape[-1] == 1:
-        lines.append("    dbias: summed from d_lse (a bias constant along the keys)")
-    elif problem.has_bias:
-        lines += _kernel_lines("bwd_dbias", problem, device)
-    return lines
-
-
-def _chunked_lines(problem: Problem, direction: str, step: str) -> list[str]:
-    plan = chunked.make_plan(problem, step=step)
-    if direction == "backward":
-        plan = plan.for_backward()
-    budget = chunked.budget_from_env() / 2**20
-    return [f"    blocks: {plan.block_q} query rows x {plan.block_k} keys "
-            f"(workspace budget {budget:g} MiB, ${chunked.BUDGET_ENV}); "
-            f"the step between the GEMMs: {plan.step}"]
+def _settings_text(settings) -> str:
+    return " ".join(f"{k}={v}" for k, v in settings if k != "num_ctas")
 
 
 def call_lines(problem: Problem, implementation: str | None, device_name: str | None,
                capability: str | None) -> list[str]:
-    gpu = default_backend_is_nvidia_gpu() or device_name is not None
-    lines = [f"problem: {_describe(problem)}"]
-    if implementation is None and device_name is not None:
-        impl, why = "auto", f"implementation=None on an NVIDIA GPU ({device_name})"
-    elif implementation == "pallas" and not gpu:
-        impl, why = "pallas", "implementation='pallas' (here it needs interpret=True)"
-    else:
-        impl = api.resolve_implementation(implementation, interpret=False)
-        why = (f"implementation={implementation!r}" if implementation is not None else
-               "implementation=None " + ("on an NVIDIA GPU" if impl == "auto" else
-                                        "without an NVIDIA GPU"))
-    if impl == "xla":
-        lines.append(f"implementation: xla <- {why}: the dense plain-JAX path "
-                     "(pallas_kernels.reference), no launch configs, O(T*S) memory")
-        if not gpu:
-            lines.append("  (pass --device-name to see what a given GPU would run)")
-        return lines
-    lines.append(f"implementation: {impl} <- {why}")
-    device = dict(device_name=device_name, compute_capability=capability)
-    forward, backward = tuning.explain_tiers(problem, impl, **device)
-    step = "pallas" if gpu else "xla"
-    for direction, (tier, tier_why) in (("forward", forward), ("backward", backward)):
-        lines.append(f"  {direction}: {tier} <- {tier_why}")
-        if tier == "chunked":
-            lines += _chunked_lines(problem, direction, step)
-        elif direction == "forward":
-            lines += _forward_lines(problem, device)
-        else:
-            lines += _backward_lines(problem, device)
+    """What a call of `problem` runs (`tuning.dispatch.explain`): each direction's tier with
+    why, its kernels' configs with why, and the tiers passed over."""
+    device = (dispatch.Device.current() if device_name is None else
+              dispatch.Device(nvidia_gpu=True, name=device_name, compute_capability=capability))
+    explained = dispatch.explain(problem, implementation, device=device)
+    plan = explained.plan
+    where = (f"on an NVIDIA GPU ({device.name})" if device.nvidia_gpu else
+             "without an NVIDIA GPU")
+    lines = [f"problem: {_describe(problem)}", f"implementation={implementation!r} {where}"]
+    for direction in dispatch.DIRECTIONS:
+        choice = explained.choice(direction)
+        tier = tiers.BY_NAME[choice.tier]
+        lines.append(f"  {direction}: {choice.tier} <- {choice.why}")
+        if tier.differentiated_by_jax:
+            lines.append(f"    {tier.summary}; no launch configs")
+        launched = tier.runs(plan, direction)
+        for kernel in plan.kernels:
+            if kernel.direction == direction and kernel.kernel in launched:
+                lines += [f"    {kernel.kernel}: {_settings_text(kernel.settings)}",
+                          f"      <- {kernel.why}"]
+        lines += [f"    {line}" for line in tier.describe(plan, direction)]
+    for name, why in explained.passed_over:
+        lines.append(f"  passed over: {name} ({why})")
+    if not device.nvidia_gpu:
+        lines.append("  (pass --device-name to see what a given GPU would run)")
     return lines
 
 

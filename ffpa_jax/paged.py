@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 
 import tuning
+import tuning.dispatch
 from ffpa_jax import validation
-from ffpa_jax.api import resolve_implementation
 from ffpa_jax.reference import mha_reference
-from pallas_kernels import paged_decode_attention
+from pallas_kernels import PagedKV, paged_decode_attention
 
 
 def paged_attention(query: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -60,16 +60,15 @@ def paged_attention(query: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     tables = jnp.asarray(block_tables).astype(jnp.int32)
     lens = jnp.asarray(lengths).astype(jnp.int32)
     sink_logits = None if sinks is None else jnp.asarray(sinks).astype(jnp.float32)
-    # "pallas" on an NVIDIA GPU or when interpreting (an explicit one elsewhere is refused
-    # there), "xla" otherwise: the decode kernels are the only Pallas path.
-    if resolve_implementation(implementation, interpret) == "xla":
+    # The paged decode kernels on an NVIDIA GPU or when interpreting (an explicit "pallas"
+    # elsewhere is refused there), the dense path otherwise.
+    if not tuning.dispatch.paged_decode_kernels(implementation, interpret=interpret):
         out, lse = _paged_reference(q, k_pages, v_pages, tables, lens, problem, sink_logits)
     else:
-        config, splits = tuning.decode_config(problem)
+        config = tuning.dispatch.paged_decode_configs(problem, interpret=interpret)
         out, lse = paged_decode_attention(
-            q, k_pages, v_pages, tables, lens, scale=problem.scale, config=config,
-            num_splits=splits, interpret=interpret, window=problem.window,
-            softcap=problem.softcap, sinks=sink_logits)
+            problem, config, q, PagedKV(k_pages, v_pages, tables, lens),
+            num_splits=config.num_splits, interpret=interpret, sinks=sink_logits)
     out, lse = out[:, 0], lse[:, :, 0]
     return (out, lse) if return_lse else out
 

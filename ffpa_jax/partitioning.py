@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pallas_kernels.problem import FeatureArrays
+from pallas_kernels.problem import Cotangents, FeatureArrays, Inputs, Saved
 
 # Roles of the arrays that cross the kernel boundary (see `_spec`).
 QKV = "qkv"    # [B, L, H, D]: batch dim 0, heads dim 2
@@ -245,13 +245,14 @@ def _explicit_axes(x) -> bool:
 
 
 class ShardLocal:
-    """Wraps `forward_kernels` or `backward_kernels` so that they run shard-locally.
+    """Wraps a plan's forward or backward (`pallas_kernels.tiers`) so that it runs
+    shard-locally.
 
-    forward:  fn(plan, q, k, v, bias, mask, seed, features=) -> (out, lse, ...)
-    backward: fn(plan, q, k, v, bias, mask, seed, *residuals_and_cotangents, features=)
-              -> (dq, dk, dv, dbias or None)
-    `features` is the call's `FeatureArrays` (or None); its arrays are split with the batch
-    (ids, lengths) and the heads (sinks) like the other inputs.
+    forward:  fn(plan, inputs) -> (out, *row statistics)
+    backward: fn(plan, inputs, saved, cotangents) -> (dq, dk, dv, dbias or None)
+    with `inputs` a `problem.Inputs`, `saved` a `problem.Saved` and `cotangents` a
+    `problem.Cotangents`. The feature arrays are split with the batch (ids, lengths) and the
+    heads (sinks) like the other inputs.
 
     `row_outputs(plan)` is how many [B, Hq, T] arrays the forward returns after out.
     `shift_seed(seed, batch_offset, head_offset) -> seed` (traced int32 offsets of
@@ -271,14 +272,15 @@ class ShardLocal:
         self.row_outputs = row_outputs
         self._cache = functools.lru_cache(maxsize=256)(self._build)
 
-    # -- packing: None-free positional arrays <-> the kernels' signature --------
-    def _layout(self, plan, q, k, v, bias, mask, seed, extra,
-                features=None) -> tuple[_Layout, list]:
+    # -- packing: None-free positional arrays <-> the records ------------------
+    def _layout(self, plan, inputs: Inputs, extra) -> tuple[_Layout, list]:
+        """The call's layout and its arrays: those of `inputs` that are given, then `extra`
+        (the backward's saved output and row statistics, and the cotangents)."""
+        q, k, v, bias, mask, seed, features = inputs
         present = (bias is not None, mask is not None, seed is not None)
-        feats = tuple(features) if features is not None else (None,) * len(FEATURE_ROLES)
-        given = tuple(x is not None for x in feats)
+        given = tuple(x is not None for x in features)
         ins = ([q, k, v] + [x for x in (bias, mask, seed) if x is not None]
-               + [x for x in feats if x is not None] + list(extra))
+               + [x for x in features if x is not None] + list(extra))
         in_roles = [QKV, QKV, QKV] + [BM] * present[0] + [BM] * present[1] + [REP] * present[2]
         in_roles += [role for role, g in zip(FEATURE_ROLES, given) if g]
         if self.kind == "forward":
@@ -308,18 +310,23 @@ class ShardLocal:
         bias, mask, seed = opt
         if seed is not None and seed_offsets is not None:
             seed = self.shift_seed(seed, *seed_offsets)
-        kwargs = {}
-        if any(layout.features):
-            kwargs["features"] = FeatureArrays(*(rest.pop(0) if g else None
-                                                 for g in layout.features))
-        outs = self.kernels(layout.plan, q, k, v, bias, mask, seed, *rest, **kwargs)
-        if self.kind == "backward":
-            dq, dk, dv, dbias = outs
-            return (dq, dk, dv) + ((dbias,) if layout.present[0] else ())
-        return tuple(outs)
+        features = FeatureArrays(*(rest.pop(0) if g else None for g in layout.features))
+        inputs = Inputs(q, k, v, bias, mask, seed, features)
+        if self.kind == "forward":
+            return tuple(self.kernels(layout.plan, inputs))
+        # out, the row statistics (lse and, for a pair, its low word), d_out, d_lse
+        out, lse, *lo, d_out, d_lse = rest
+        saved = Saved(out, lse, lo[0] if lo else None)
+        dq, dk, dv, dbias = self.kernels(layout.plan, inputs, saved, Cotangents(d_out, d_lse))
+        return (dq, dk, dv) + ((dbias,) if layout.present[0] else ())
 
-    def __call__(self, plan, q, k, v, bias, mask, seed, *extra, features=None):
-        layout, arrays = self._layout(plan, q, k, v, bias, mask, seed, extra, features)
+    def __call__(self, plan, inputs: Inputs, saved: Saved | None = None,
+                 cotangents: Cotangents | None = None):
+        extra = ()
+        if self.kind == "backward":
+            extra = (saved.out, saved.lse) + (() if saved.lse_lo is None else (saved.lse_lo,))
+            extra += tuple(cotangents)
+        layout, arrays = self._layout(plan, inputs, extra)
         if any(_explicit_axes(x) for x in arrays):
             outs = self._explicit_call(layout, arrays)
         else:

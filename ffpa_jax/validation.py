@@ -15,12 +15,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import tiers
 from pallas_kernels.problem import FeatureArrays, Problem
+from tuning import dispatch
 
 MAX_HEAD_DIM = 1024
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-IMPLEMENTATIONS = (None, "pallas", "chunked", "xla")
-PAGED_IMPLEMENTATIONS = (None, "pallas", "xla")  # paged_attention: the decode kernels or XLA
+IMPLEMENTATIONS = dispatch.IMPLEMENTATIONS
+# paged_attention: the fused tier's decode kernels, or the dense path.
+PAGED_IMPLEMENTATIONS = (None, tiers.PALLAS.name, tiers.XLA.name)
 AUTOTUNE_MODES = (None, "fast", "max")
 
 
@@ -37,6 +40,12 @@ class Call(NamedTuple):
 # would be truncated silently: they are refused instead).
 _ID_DTYPES = tuple(jnp.dtype(t) for t in (jnp.int8, jnp.int16, jnp.int32, jnp.uint8,
                                           jnp.uint16))
+
+
+def _names(choices) -> str:
+    """None, 'a', 'b' or 'c': the allowed values of a choice, as a sentence."""
+    words = [repr(c) for c in choices]
+    return ", ".join(words[:-1]) + " or " + words[-1]
 
 
 def _shape_str(x) -> str:
@@ -291,7 +300,7 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, d
     if not isinstance(interpret, (bool, np.bool_)):
         raise TypeError(f"interpret must be a bool; got {interpret!r}.")
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError("implementation must be None, 'pallas', 'chunked' or 'xla'; got "
+        raise ValueError(f"implementation must be one of {_names(IMPLEMENTATIONS)}; got "
                          f"{implementation!r}.")
 
     scale_value = _check_scale(scale, d)
@@ -309,7 +318,8 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, d
                       dropout_rate=rate, bias_shape=shape4(bias), mask_shape=shape4(mask),
                       window=window, softcap=cap, segment_ids=q_segment_ids is not None,
                       q_lengths=query_seq_lengths is not None,
-                      kv_lengths=key_value_seq_lengths is not None, sinks=sinks is not None)
+                      kv_lengths=key_value_seq_lengths is not None, sinks=sinks is not None,
+                      return_lse=bool(return_lse))
     return Call(problem=problem, batched=batched, autotune=autotune_mode)
 
 
@@ -427,7 +437,7 @@ def validate_paged(query, k_pages, v_pages, block_tables, lengths, *, scale,
     if not isinstance(interpret, (bool, np.bool_)):
         raise TypeError(f"interpret must be a bool; got {interpret!r}.")
     if implementation not in PAGED_IMPLEMENTATIONS:
-        raise ValueError("implementation must be None, 'pallas' or 'xla' for "
+        raise ValueError(f"implementation must be one of {_names(PAGED_IMPLEMENTATIONS)} for "
                          f"paged_attention; got {implementation!r}.")
     window = _check_window(local_window_size)
     if sinks is not None:

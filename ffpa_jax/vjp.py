@@ -1,12 +1,12 @@
 """The differentiable call: a plan's forward and backward (pallas_kernels.tiers) tied by a
 `custom_vjp`, each run shard-locally under sharded `jit` (ffpa_jax.partitioning).
 
-The forward saves only q, k, v, the bias and mask as given, the feature arrays, the output
-in float32 and lse (and, in float32, lse's low word: O(B·Hq·T) beyond what the caller
-already holds); the backward recomputes the probabilities block by block. No [T, S] matrix
-is kept from one direction to the other. lse counts the sinks, so the backward's
-probabilities exp(logits - lse) need no sink; the sinks' own gradient is closed-form
-(`sinks_grad`).
+The forward saves only the inputs as given (q, k, v, the bias and mask, the seed, the feature
+arrays), the output in float32 and lse (and, in float32, lse's low word: O(B·Hq·T) beyond
+what the caller already holds); the backward recomputes the probabilities block by block.
+No [T, S] matrix is kept from one direction to the other. lse counts the sinks, so the
+backward's probabilities exp(logits - lse) need no sink; the sinks' own gradient is
+closed-form (`sinks_grad`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from ffpa_jax import partitioning
 from pallas_kernels import tiers
-from pallas_kernels.problem import FeatureArrays
-from pallas_kernels.tiers import Plan
+from pallas_kernels.plan import Plan, row_outputs
+from pallas_kernels.problem import Cotangents, Inputs, Saved
 
 
 # Shard-local under jit when the inputs are sharded over batch and/or heads: each
@@ -34,14 +34,14 @@ def _shift_seed(seed, batch_offset, head_offset):
 
 
 _forward = partitioning.ShardLocal(tiers.forward, "forward", shift_seed=_shift_seed,
-                                   row_outputs=tiers.row_outputs)
+                                   row_outputs=row_outputs)
 _backward = partitioning.ShardLocal(tiers.backward, "backward", shift_seed=_shift_seed)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(plan: Plan, q, k, v, bias, mask, seed, features):
+def _attention(plan: Plan, inputs: Inputs):
     # a pair's lo is the vjp's
-    out, lse, *_ = _forward(plan, q, k, v, bias, mask, seed, features=features)
+    out, lse, *_ = _forward(plan, inputs)
     return out, lse
 
 
@@ -61,16 +61,13 @@ def _cotangent(x) -> tuple[jax.Array, bool]:
     return x, False
 
 
-def _attention_fwd(plan: Plan, q, k, v, bias, mask, seed, features):
-    q, k, v, bias, mask, seed, features = jax.tree.map(
-        _primal_value, (q, k, v, bias, mask, seed, features),
-        is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
-    plan = _vjp_plan(plan)
-    out32, *rows = _forward(plan, q, k, v, bias, mask, seed, features=features)
+def _attention_fwd(plan: Plan, inputs: Inputs):
+    inputs = jax.tree.map(_primal_value, inputs,
+                          is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
+    out32, *rows = _forward(_vjp_plan(plan), inputs)
     # Rounding the float32 result here equals the kernel's own rounding on store, so the
     # primal (out, lse) is bit-identical to the undifferentiated call's.
-    return (out32.astype(q.dtype), rows[0]), (q, k, v, bias, mask, seed, features, out32,
-                                              *rows)
+    return (out32.astype(inputs.q.dtype), rows[0]), (inputs, Saved(out32, *rows))
 
 
 def sinks_grad(sinks, out, lse, d_out, d_lse):
@@ -85,26 +82,25 @@ def sinks_grad(sinks, out, lse, d_out, d_lse):
 
 
 def _attention_bwd(plan: Plan, residuals, cotangents):
-    q, k, v, bias, mask, seed, features, out, *rows = residuals
+    inputs, saved = residuals
     (d_out, _), (d_lse, lse_unused) = map(_cotangent, cotangents)
     plan = dataclasses.replace(_vjp_plan(plan), lse_cotangent=not lse_unused)
-    dq, dk, dv, dbias = _backward(plan, q, k, v, bias, mask, seed, out, *rows, d_out, d_lse,
-                                  features=features)
-    d_features = features._replace(q_segment_ids=None, kv_segment_ids=None, q_lengths=None,
-                                   kv_lengths=None)  # ids and lengths get no gradient
+    dq, dk, dv, dbias = _backward(plan, inputs, saved, Cotangents(d_out, d_lse))
+    features = inputs.features
+    d_sinks = None
     if features.sinks is not None:
-        d_features = d_features._replace(
-            sinks=sinks_grad(features.sinks, out, rows[0], d_out, d_lse))
-    return dq, dk, dv, dbias, None, None, d_features  # the mask and the seed get none
+        d_sinks = sinks_grad(features.sinks, saved.out, saved.lse, d_out, d_lse)
+    # ids and lengths get no gradient; the mask and the seed neither.
+    d_features = features._replace(q_segment_ids=None, kv_segment_ids=None, q_lengths=None,
+                                   kv_lengths=None, sinks=d_sinks)
+    return (Inputs(dq, dk, dv, dbias, None, None, d_features),)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
-def attention(q, k, v, bias4, mask4, plan: Plan, seed: jax.Array | None = None,
-              features: FeatureArrays | None = None):
-    """(out, lse) through the kernels of `plan`, differentiable with respect to q, k, v,
-    bias and the sinks; q/k/v batched, bias4/mask4 4-D or None; seed uint32[2] when
-    dropping; `features` the batched feature arrays (segment ids, lengths, sinks)."""
-    return _attention(plan, q, k, v, bias4, mask4, seed,
-                      FeatureArrays() if features is None else features)
+def attention(plan: Plan, inputs: Inputs):
+    """(out, lse) through the tiers of `plan`, differentiable with respect to q, k, v, the
+    bias and the sinks; `inputs` batched (bias/mask 4-D or None, the seed uint32[2] when
+    dropping)."""
+    return _attention(plan, inputs)

@@ -30,18 +30,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from typing import Iterable
+from typing import Any, Iterable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import common, compat
-from pallas_kernels.common import cdiv, dot, fit_block, i32, iota
+from pallas_kernels import compat, kernel_inputs, numerics, static, tiles, visibility
+from pallas_kernels.numerics import dot
+from pallas_kernels.problem import FeatureArrays, Inputs, Problem
+from pallas_kernels.tiles import cdiv, fit_block, i32, iota
 from pallas_kernels.descriptor import (KernelDescriptor, Move, Table, add_stages, scaled, set_to,
                                        tile_width, toggle_warps)
-from pallas_kernels.problem import FeatureArrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +72,11 @@ class DecodeConfig:
                    stage2_block_dv=stage2.get("BLOCK_HEADDIM_V", 128),
                    stage2_num_warps=stage2.get("num_warps", 4))
 
+    def with_splits(self, num_splits: int) -> DecodeConfig:
+        """The same config with the key split count decided (the heuristic's, where the
+        tuned entry left it open)."""
+        return dataclasses.replace(self, num_splits=num_splits)
+
     def fitted(self, packed_rows: int, seq_k: int, head_dim: int, head_dim_v: int):
         return dataclasses.replace(
             self, block_m=fit_block(self.block_m, packed_rows),
@@ -83,7 +89,7 @@ class DecodeConfig:
 class _Layout:
     """Static sizes of one decode launch."""
 
-    st: common.KernelStatic
+    st: static.KernelStatic
     n_splits: int
     blocks_per_split: int
     page_size: int = 0  # paged K/V: keys per page (0: contiguous [B, S, Hkv, D])
@@ -91,7 +97,7 @@ class _Layout:
 
     @property
     def packed(self) -> int:  # rows per KV head: G · T
-        return self.st.group * self.st.seq_q
+        return self.st.problem.group * self.st.problem.seq_q
 
     @property
     def n_mblocks(self) -> int:
@@ -99,7 +105,7 @@ class _Layout:
 
     @property
     def n_vslices(self) -> int:
-        return cdiv(self.st.head_dim_v, self.st.cfg.block_dv)
+        return cdiv(self.st.problem.head_dim_v, self.st.cfg.block_dv)
 
 
 def _gather_tile(ref, b, h_rows, t_rows, cols, *, rows_ok, seq_k: int, other):
@@ -141,73 +147,65 @@ def _load_paged(pages_ref, hk, rows, cols_start, cols: int, *, n_cols: int):
 
 def _stage1_kernel(*refs, lay: _Layout, per_chunk: bool):
     st = lay.st
+    problem = st.problem
     cfg = st.cfg
     bm, bn, bd, bdv = cfg.block_m, cfg.block_n, cfg.block_d, cfg.block_dv
     q_ref, k_ref, v_ref, *rest = refs
     table_ref = rest.pop(0) if lay.page_size else None
-    bias_ref = rest.pop(0) if st.bias_shape is not None else None
-    mask_ref = rest.pop(0) if st.mask_shape is not None else None
-    seed_ref = rest.pop(0) if st.dropout_rate > 0 else None
-    feature_refs = common.pop_feature_refs(st, rest)
+    bias_ref = rest.pop(0) if problem.bias_shape is not None else None
+    mask_ref = rest.pop(0) if problem.mask_shape is not None else None
+    seed_ref = rest.pop(0) if problem.dropout_rate > 0 else None
+    feature_refs = kernel_inputs.pop_feature_refs(st, rest)
     o_ref, lse_ref = rest
 
     pid, bhk = pl.program_id(0), pl.program_id(1)
     v_slice = pid % lay.n_vslices
     m_block = (pid // lay.n_vslices) % lay.n_mblocks
     split = pid // (lay.n_vslices * lay.n_mblocks)
-    b, hk = bhk // st.heads_kv, bhk % st.heads_kv
+    b, hk = bhk // problem.heads_kv, bhk % problem.heads_kv
     v_start = v_slice * bdv
 
     # Packed rows of this program: r = g·T + t -> query t of head hk·G + g.
     r = m_block * bm + iota(bm)
     rows_ok = r < lay.packed
     r_safe = jnp.where(rows_ok, r, 0)
-    t_rows = r_safe % st.seq_q
-    h_rows = hk * st.group + r_safe // st.seq_q
+    t_rows = r_safe % problem.seq_q
+    h_rows = hk * problem.group + r_safe // problem.seq_q
     q_ids = q_len = kv_len = None
-    if st.segment_ids:
+    if problem.segment_ids:
         q_ids = plgpu.load(feature_refs["q_ids"].at[i32(b), t_rows], mask=rows_ok, other=0)
-    if st.q_lengths:
+    if problem.q_lengths:
         q_len = feature_refs["q_len"][i32(b)]
-    if st.kv_lengths:
+    if problem.kv_lengths:
         kv_len = feature_refs["kv_len"][i32(b)]
     # Where the query rows end among the keys: bottom-right at S, or (paged) at the
     # sequence's own length.
-    shift = kv_len - st.seq_q if lay.page_size else st.seq_k - st.seq_q
+    shift = (kv_len - problem.seq_q if lay.page_size
+             else visibility.default_shift(problem.seq_q, problem.seq_k))
 
     def feature_keep(kv_start, cols):
         """The window, segments and lengths at the packed rows × `cols` (None without)."""
-        keep = None
-
-        def both(a, x):
-            return x if a is None else a & x
-        if st.window is not None:
-            shifted = t_rows[:, None] + shift
-            keep = ((cols[None, :] >= shifted - st.window[0])
-                    & (cols[None, :] <= shifted + st.window[1]))
+        segments = None
         if q_ids is not None:
-            kv_ids = plgpu.load(feature_refs["kv_ids"].at[i32(b), common.ds(kv_start, bn)],
-                                mask=cols < st.seq_k, other=0)
-            keep = both(keep, q_ids[:, None] == kv_ids[None, :])
-        if q_len is not None:
-            keep = both(keep, (t_rows < q_len)[:, None])
-        if kv_len is not None:
-            keep = both(keep, (cols < kv_len)[None, :])
-        return keep
+            segments = lambda: (q_ids, plgpu.load(  # noqa: E731
+                feature_refs["kv_ids"].at[i32(b), tiles.ds(kv_start, bn)],
+                mask=cols < problem.seq_k, other=0))
+        return visibility.feature_visible(t_rows, cols, shift=shift, window=problem.window,
+                                          segments=segments, q_len=q_len, kv_len=kv_len)
 
     def q_chunk_at(c):
-        cols = common.chunk_start(c, bd) + iota(bd)
-        mask = rows_ok[:, None] & (cols < st.head_dim)[None, :]
+        cols = tiles.chunk_start(c, bd) + iota(bd)
+        mask = rows_ok[:, None] & (cols < problem.head_dim)[None, :]
         return plgpu.load(q_ref.at[i32(b), t_rows[:, None], h_rows[:, None], cols[None, :]],
                           mask=mask, other=0)
 
-    n_dchunks = cdiv(st.head_dim, bd)
+    n_dchunks = cdiv(problem.head_dim, bd)
     if not cfg.dynamic:
         q_chunks = [q_chunk_at(c) for c in range(n_dchunks)]
         q_chunk = lambda c: q_chunks[c]
     else:
         q_chunk = q_chunk_at
-    qk_scale = st.scale * st.score_unit
+    qk_scale = problem.scale * st.score_unit
 
     def visit(kv_block, carry):
         m_i, l_i, acc = carry
@@ -215,92 +213,74 @@ def _stage1_kernel(*refs, lay: _Layout, per_chunk: bool):
         cols = kv_start + iota(bn)
         if lay.page_size:
             rows = _paged_rows(table_ref, b, cols, kv_len, lay)
-            k_chunk = lambda c: _load_paged(k_ref, hk, rows, common.chunk_start(c, bd), bd,
-                                            n_cols=st.head_dim)
+            k_chunk = lambda c: _load_paged(k_ref, hk, rows, tiles.chunk_start(c, bd), bd,
+                                            n_cols=problem.head_dim)
         else:
-            k_chunk = lambda c: common.load_tile(k_ref, b, kv_start, bn, hk,
-                                                 common.chunk_start(c, bd), bd,
-                                                 n_rows=st.seq_k, n_cols=st.head_dim)
-        s = common.contract_chunks(q_chunk, k_chunk, n_dchunks, dynamic=cfg.dynamic,
+            k_chunk = lambda c: tiles.load_tile(k_ref, b, kv_start, bn, hk,
+                                                 tiles.chunk_start(c, bd), bd,
+                                                 n_rows=problem.seq_k, n_cols=problem.head_dim)
+        s = numerics.contract_chunks(q_chunk, k_chunk, n_dchunks, dynamic=cfg.dynamic,
                                    shape=(bm, bn), scale=qk_scale, round_per_chunk=per_chunk,
-                                   compensated=st.natural)
+                                   compensated=problem.natural)
         if bias_ref is not None:
             bias = _gather_tile(bias_ref, b, h_rows, t_rows, cols, rows_ok=rows_ok,
-                                seq_k=st.seq_k, other=0)
-            s = common.add_bias(s, bias, st)
-        if st.softcap is not None:
-            s = common.soft_cap(s, st)
+                                seq_k=problem.seq_k, other=0)
+            s = numerics.add_bias(s, bias, st)
+        if problem.softcap is not None:
+            s = numerics.soft_cap(s, st)
         if mask_ref is not None:
             keep = _gather_tile(mask_ref, b, h_rows, t_rows, cols, rows_ok=rows_ok,
-                                seq_k=st.seq_k, other=False)
+                                seq_k=problem.seq_k, other=False)
             s = jnp.where(keep, s, -jnp.inf)
-        if st.causal:
-            s = jnp.where(cols[None, :] <= t_rows[:, None] + (st.seq_k - st.seq_q), s, -jnp.inf)
+        if problem.causal:  # (never paged: there the query is the sequence's last token)
+            s = jnp.where(visibility.causal_visible(t_rows, cols, shift), s, -jnp.inf)
         if st.ranged:
             keep = feature_keep(kv_start, cols)
             if keep is not None:
                 s = jnp.where(keep, s, -jnp.inf)
-        if st.seq_k % bn != 0:
-            s = jnp.where((cols < st.seq_k)[None, :], s, -jnp.inf)
+        if problem.seq_k % bn != 0:
+            s = jnp.where((cols < problem.seq_k)[None, :], s, -jnp.inf)
 
-        m_new, p, alpha, l_i = common.online_softmax_step(s, m_i, l_i, st)
+        m_new, p, alpha, l_i = numerics.online_softmax_step(s, m_i, l_i, st)
         if seed_ref is not None:
-            keep = common.dropout_keep(st, seed_ref, b, h_rows, t_rows, kv_start, bn)
+            keep = static.dropout_keep(st, seed_ref, b, h_rows, t_rows, kv_start, bn)
             p = jnp.where(keep, p, 0.0)
         if lay.page_size:
-            v_tile = _load_paged(v_ref, hk, rows, v_start, bdv, n_cols=st.head_dim_v)
+            v_tile = _load_paged(v_ref, hk, rows, v_start, bdv, n_cols=problem.head_dim_v)
         else:
-            v_tile = common.load_tile(v_ref, b, kv_start, bn, hk, v_start, bdv,
-                                      n_rows=st.seq_k, n_cols=st.head_dim_v)
+            v_tile = tiles.load_tile(v_ref, b, kv_start, bn, hk, v_start, bdv,
+                                      n_rows=problem.seq_k, n_cols=problem.head_dim_v)
         p = p if v_tile.dtype == jnp.float32 else p.astype(v_tile.dtype)
         acc = acc * alpha[:, None] + dot(p, v_tile)
         return m_new, l_i, acc
 
     first = split * lay.blocks_per_split
-    last = jnp.minimum(first + lay.blocks_per_split, cdiv(st.seq_k, bn))
+    last = jnp.minimum(first + lay.blocks_per_split, cdiv(problem.seq_k, bn))
     if st.ranged:
-        first, last = _feature_block_range(st, feature_refs, b, first, last, q_len=q_len,
-                                           kv_len=kv_len, shift=shift)
+        # Every query row of the call is in this program's rows: the key blocks any of
+        # them can see, as one block of T rows.
+        segment_range = None
+        if problem.segment_ids:
+            ranges = feature_refs["seg_ranges"]
+            segment_range = lambda i: ranges[i32(b), i32(0), i]  # noqa: E731
+        first, last = visibility.kv_block_range(
+            0, problem.seq_q, bn, last, seq_q=problem.seq_q, shift=shift, window=problem.window,
+            kv_len=kv_len, q_len=q_len, segment_range=segment_range, lo=first)
     carry = (jnp.full((bm,), -jnp.inf, jnp.float32), jnp.zeros((bm,), jnp.float32),
              jnp.zeros((bm, bdv), jnp.float32))
     m_i, l_i, acc = jax.lax.fori_loop(i32(first), i32(last), visit, carry)
 
     has_keys = l_i > 0.0
     l_safe = jnp.where(has_keys, l_i, 1.0)
-    out = acc / (l_safe if st.dropout_rate == 0 else l_safe * (1.0 - st.dropout_rate))[:, None]
+    out = acc / (l_safe if problem.dropout_rate == 0 else l_safe * (1.0 - problem.dropout_rate))[:, None]
     # Output rows h·T + t = hk·G·T + r: one contiguous slab per KV head.
     row0 = hk * lay.packed + m_block * bm
     out_cols = v_start + iota(bdv)
-    plgpu.store(o_ref.at[i32(b), i32(split), common.ds(row0, bm), common.ds(v_start, bdv)],
-                out, mask=rows_ok[:, None] & (out_cols < st.head_dim_v)[None, :])
-    lse, _ = common.row_lse(m_i, l_safe, has_keys, st)
-    plgpu.store(lse_ref.at[i32(b), i32(split), common.ds(row0, bm)], lse,
+    plgpu.store(o_ref.at[i32(b), i32(split), tiles.ds(row0, bm), tiles.ds(v_start, bdv)],
+                out, mask=rows_ok[:, None] & (out_cols < problem.head_dim_v)[None, :])
+    lse, _ = numerics.row_lse(m_i, l_safe, has_keys, st)
+    plgpu.store(lse_ref.at[i32(b), i32(split), tiles.ds(row0, bm)], lse,
                 mask=rows_ok & (v_slice == 0))
-
-
-def _feature_block_range(st, refs, b, first, last, *, q_len, kv_len, shift):
-    """The split's key blocks [first, last) cut to those any query row can see by the
-    window (its rows are all T queries, the last at key `shift` + T - 1: a Python int, or
-    traced for paged K/V), the lengths and the segments (the range of the queries' ids:
-    `common.segment_block_ranges` with one block of T rows)."""
-    bn = st.cfg.block_n
-    first, last = i32(first), i32(last)
-    if st.window is not None:
-        left, right = st.window
-        if isinstance(shift, int):
-            first = jnp.maximum(first, max(0, shift - left) // bn)
-            last = jnp.minimum(last, cdiv(max(0, st.seq_q - 1 + shift + right + 1), bn))
-        else:
-            first = jnp.maximum(first, jnp.maximum(shift - left, 0) // bn)
-            last = jnp.minimum(last, (jnp.maximum(st.seq_q + shift + right, 0) + bn - 1) // bn)
-    if kv_len is not None:
-        last = jnp.minimum(last, (jnp.maximum(kv_len, 0) + bn - 1) // bn)
-    if q_len is not None:
-        last = jnp.where(q_len > 0, last, first)
-    if st.segment_ids:
-        first = jnp.maximum(first, refs["seg_ranges"][i32(b), i32(0), 0])
-        last = jnp.minimum(last, refs["seg_ranges"][i32(b), i32(0), 1])
-    return first, jnp.maximum(last, first)
 
 
 def decode_num_splits(*, batch: int, heads_kv: int, packed_rows: int, seq_k: int,
@@ -314,82 +294,77 @@ def decode_num_splits(*, batch: int, heads_kv: int, packed_rows: int, seq_k: int
     return max(1, min(wanted, n_blocks // 2, 128))
 
 
-def decode_fwd_stage1(q, k, v, bias=None, mask=None, *, scale: float, causal: bool,
-                      config: DecodeConfig, num_splits: int, interpret: bool = False,
-                      dropout_rate: float = 0.0, seed: jax.Array | None = None,
-                      precise_lse: bool = False, window=None, softcap=None, features=None):
+class PagedKV(NamedTuple):
+    """A paged KV cache: pools k_pages [Hkv, P, page, D] and v_pages [Hkv, P, page, Dv],
+    block_tables int32 [B, pages_per_seq] (sequence b's pages, in order) and lengths int32
+    [B] (its keys j < lengths[b]; the window ends at each sequence's length)."""
+
+    k_pages: Any
+    v_pages: Any
+    block_tables: Any
+    lengths: Any
+
+
+def decode_fwd_stage1(problem: Problem, config: DecodeConfig, inputs: Inputs, *,
+                      num_splits: int, interpret: bool = False):
     """Partial outputs float32 [B, splits, Hq·T, Dv] (row h·T + t) and partial lse
-    float32 [B, splits, Hq·T], one per key chunk. `precise_lse` as in `fwd_generic`;
-    `window`, `softcap` and `features` (its ids and lengths: the sinks are stage 2's) as
-    in `fwd_generic`."""
-    return _launch_stage1(q, k, v, bias, mask, scale=scale, causal=causal, config=config,
-                          num_splits=num_splits, interpret=interpret,
-                          dropout_rate=dropout_rate, seed=seed, precise_lse=precise_lse,
-                          window=window, softcap=softcap, features=features)
+    float32 [B, splits, Hq·T], one per key chunk, of the problem's every feature but the
+    sinks (stage 2's)."""
+    return _launch_stage1(problem, config, inputs, num_splits=num_splits, interpret=interpret)
 
 
-def paged_decode_stage1(q, k_pages, v_pages, block_tables, lengths, *, scale: float,
-                        config: DecodeConfig, num_splits: int, interpret: bool = False,
-                        window=None, softcap=None):
-    """Stage 1 over paged K/V: q [B, T, Hq, D], k_pages [Hkv, P, page, D], v_pages
-    [Hkv, P, page, Dv], block_tables int32 [B, pages_per_seq], lengths int32 [B] (keys
-    j < lengths[b] are seen; the window ends at each sequence's length). The partials of
-    `decode_fwd_stage1` over S = pages_per_seq · page keys."""
-    heads_kv, n_pages, page_size, head_dim = k_pages.shape
-    batch = q.shape[0]
-    seq_k = block_tables.shape[1] * page_size
-    # kernel_static and the layout read K's and V's shapes as [B, S, Hkv, D].
-    k_like = jax.ShapeDtypeStruct((batch, seq_k, heads_kv, head_dim), k_pages.dtype)
-    v_like = jax.ShapeDtypeStruct((batch, seq_k, heads_kv, v_pages.shape[3]), v_pages.dtype)
-    features = FeatureArrays(kv_lengths=lengths.astype(jnp.int32))
-    return _launch_stage1(q, k_like, v_like, scale=scale, causal=False, config=config,
-                          num_splits=num_splits, interpret=interpret, window=window,
-                          softcap=softcap, features=features,
-                          paged=(k_pages, v_pages, block_tables.astype(jnp.int32), n_pages,
-                                 page_size))
+def paged_decode_stage1(problem: Problem, config: DecodeConfig, q, pages: PagedKV, *,
+                        num_splits: int, interpret: bool = False):
+    """Stage 1 over paged K/V (`problem.seq_k` = pages_per_seq · page keys, with
+    `pages.lengths` as the kv lengths): the partials of `decode_fwd_stage1`."""
+    batch, heads_kv = q.shape[0], pages.k_pages.shape[0]
+    seq_k = problem.seq_k
+    # The layout and the problem read K's and V's shapes as [B, S, Hkv, D].
+    k_like = jax.ShapeDtypeStruct((batch, seq_k, heads_kv, pages.k_pages.shape[3]),
+                                  pages.k_pages.dtype)
+    v_like = jax.ShapeDtypeStruct((batch, seq_k, heads_kv, pages.v_pages.shape[3]),
+                                  pages.v_pages.dtype)
+    inputs = Inputs(q, k_like, v_like,
+                    features=FeatureArrays(kv_lengths=pages.lengths.astype(jnp.int32)))
+    return _launch_stage1(problem, config, inputs, num_splits=num_splits, interpret=interpret,
+                          pages=pages)
 
 
-def _launch_stage1(q, k, v, bias=None, mask=None, *, scale: float, causal: bool,
-                   config: DecodeConfig, num_splits: int, interpret: bool = False,
-                   dropout_rate: float = 0.0, seed: jax.Array | None = None,
-                   precise_lse: bool = False, window=None, softcap=None, features=None,
-                   paged=None):
-    """The stage-1 pallas_call. `paged` = (k_pages, v_pages, block_tables, pages in the
-    pool, page size) replaces K and V (then `k` and `v` only give the [B, S, Hkv, D]
-    shapes)."""
-    if features is not None:
-        features = features.without_sinks()
-    batch, seq_q, heads_q, head_dim = q.shape
-    _, seq_k, heads_kv, _ = k.shape
-    head_dim_v = v.shape[3]
-    group = heads_q // heads_kv
-    cfg = config.fitted(group * seq_q, seq_k, head_dim, head_dim_v)
-    cfg, per_chunk = common.capped_for_rounding(cfg, q.dtype, precise_lse)
-    n_blocks = cdiv(seq_k, cfg.block_n)
+def _launch_stage1(problem: Problem, config: DecodeConfig, inputs: Inputs, *, num_splits: int,
+                   interpret: bool, pages: PagedKV | None = None):
+    """The stage-1 pallas_call. `pages` replaces K and V (then `inputs.k` and `inputs.v`
+    only give the [B, S, Hkv, D] shapes)."""
+    inputs = inputs._replace(features=inputs.features.without_sinks())
+    problem = dataclasses.replace(problem.sized(inputs), sinks=False)
+    q, k, v, bias, mask, seed, _ = inputs
+    cfg = config.fitted(problem.group * problem.seq_q, problem.seq_k, problem.head_dim,
+                        problem.head_dim_v)
+    cfg, per_chunk = numerics.capped_for_rounding(cfg, q.dtype, problem.return_lse)
+    n_blocks = cdiv(problem.seq_k, cfg.block_n)
     blocks_per_split = cdiv(n_blocks, max(1, num_splits))
     n_splits = cdiv(n_blocks, blocks_per_split)  # no empty split
-    st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
-                              dropout_rate=dropout_rate, interpret=interpret, window=window,
-                              softcap=softcap, features=features)
-    kv_inputs = [k, v]
+    st = static.KernelStatic(problem=problem, cfg=cfg, interpret=interpret)
+    kv_arrays = [k, v]
     lay = _Layout(st=st, n_splits=n_splits, blocks_per_split=blocks_per_split)
-    if paged is not None:
-        k_pages, v_pages, tables, n_pages, page_size = paged
-        kv_inputs = [k_pages, v_pages, tables]
-        lay = dataclasses.replace(lay, page_size=page_size, n_pages=n_pages)
-    inputs = ([q] + kv_inputs + [x for x in (bias, mask) if x is not None]
-              + common.seed_inputs(dropout_rate, seed)
+    if pages is not None:
+        kv_arrays = [pages.k_pages, pages.v_pages, pages.block_tables.astype(jnp.int32)]
+        lay = dataclasses.replace(lay, page_size=pages.k_pages.shape[2],
+                                  n_pages=pages.k_pages.shape[1])
+    arrays = ([q] + kv_arrays + [x for x in (bias, mask) if x is not None]
+              + kernel_inputs.seed_inputs(problem.dropout_rate, seed)
               # the queries' ids as one block of T rows: the key blocks any of them meets
-              + common.feature_inputs(features, block_m=seq_q, block_n=cfg.block_n))
+              + kernel_inputs.feature_inputs(inputs.given_features, block_m=problem.seq_q,
+                                             block_n=cfg.block_n))
     compat.silence_triton_deprecation()
-    rows = heads_q * seq_q
+    rows = problem.heads_q * problem.seq_q
+    batch, head_dim_v = problem.batch, problem.head_dim_v
     return pl.pallas_call(
         functools.partial(_stage1_kernel, lay=lay, per_chunk=per_chunk),
         out_shape=(compat.output_struct((batch, n_splits, rows, head_dim_v), jnp.float32, q),
                    compat.output_struct((batch, n_splits, rows), jnp.float32, q)),
-        grid=(n_splits * lay.n_mblocks * lay.n_vslices, batch * heads_kv),
+        grid=(n_splits * lay.n_mblocks * lay.n_vslices, batch * problem.heads_kv),
         compiler_params=compat.compiler_params(cfg.num_warps, cfg.num_stages),
-        interpret=interpret, name="decode_fwd_stage1")(*inputs)
+        interpret=interpret, name="decode_fwd_stage1")(*arrays)
 
 
 def _stage2_kernel(o_part_ref, lse_part_ref, *refs, n_splits: int, seq_q: int,
@@ -434,7 +409,7 @@ def decode_fwd_stage2(o_part, lse_part, *, seq_q: int, heads_q: int, dtype,
     each head's sink (`sinks` [Hq], or None) in the denominator."""
     batch, n_splits, rows, head_dim_v = o_part.shape
     bdv = fit_block(config.stage2_block_dv, head_dim_v)
-    bs = max(2, common.next_pow2(n_splits))
+    bs = max(2, tiles.next_pow2(n_splits))
     kernel = functools.partial(_stage2_kernel, n_splits=n_splits, seq_q=seq_q, heads_q=heads_q,
                                head_dim_v=head_dim_v, bs=bs, bdv=bdv, sinks=sinks is not None)
     inputs = (o_part, lse_part) + (() if sinks is None else (sinks.astype(jnp.float32),))
@@ -449,34 +424,27 @@ def decode_fwd_stage2(o_part, lse_part, *, seq_q: int, heads_q: int, dtype,
     return out, lse.reshape(batch, heads_q, seq_q)
 
 
-def decode_attention(q, k, v, bias=None, mask=None, *, scale: float, causal: bool,
-                     config: DecodeConfig, num_splits: int, interpret: bool = False,
-                     dropout_rate: float = 0.0, seed: jax.Array | None = None, out_dtype=None,
-                     precise_lse: bool = False, window=None, softcap=None, features=None):
+def decode_attention(problem: Problem, config: DecodeConfig, inputs: Inputs, *, num_splits: int,
+                     interpret: bool = False, out_dtype=None):
     """Both stages: (out [B, T, Hq, Dv] in `out_dtype` (default q's dtype), lse [B, Hq, T]
-    float32). `precise_lse`, `window`, `softcap` and `features` as in `fwd_generic`."""
-    o_part, lse_part = decode_fwd_stage1(q, k, v, bias, mask, scale=scale, causal=causal,
-                                         config=config, num_splits=num_splits,
-                                         interpret=interpret, dropout_rate=dropout_rate,
-                                         seed=seed, precise_lse=precise_lse, window=window,
-                                         softcap=softcap, features=features)
+    float32), with every feature of `problem` (as in `fwd_generic`)."""
+    o_part, lse_part = decode_fwd_stage1(problem, config, inputs, num_splits=num_splits,
+                                         interpret=interpret)
+    q = inputs.q
     return decode_fwd_stage2(o_part, lse_part, seq_q=q.shape[1], heads_q=q.shape[2],
                              dtype=out_dtype or q.dtype, config=config, interpret=interpret,
-                             sinks=None if features is None else features.sinks)
+                             sinks=inputs.features.sinks)
 
 
-def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale: float,
-                           config: DecodeConfig, num_splits: int, interpret: bool = False,
-                           out_dtype=None, window=None, softcap=None, sinks=None):
-    """Both stages over paged K/V (`paged_decode_stage1`): (out [B, T, Hq, Dv] in
-    `out_dtype` (default q's dtype), lse [B, Hq, T] float32), with each head's sink
-    (`sinks` [Hq] or None) in the denominator."""
-    o_part, lse_part = paged_decode_stage1(q, k_pages, v_pages, block_tables, lengths,
-                                           scale=scale, config=config, num_splits=num_splits,
-                                           interpret=interpret, window=window, softcap=softcap)
+def paged_decode_attention(problem: Problem, config: DecodeConfig, q, pages: PagedKV, *,
+                           num_splits: int, interpret: bool = False, sinks=None):
+    """Both stages over paged K/V (`paged_decode_stage1`): (out [B, T, Hq, Dv] in q's dtype,
+    lse [B, Hq, T] float32), with each head's sink (`sinks` [Hq] or None) in the
+    denominator."""
+    o_part, lse_part = paged_decode_stage1(problem, config, q, pages, num_splits=num_splits,
+                                           interpret=interpret)
     return decode_fwd_stage2(o_part, lse_part, seq_q=q.shape[1], heads_q=q.shape[2],
-                             dtype=out_dtype or q.dtype, config=config, interpret=interpret,
-                             sinks=sinks)
+                             dtype=q.dtype, config=config, interpret=interpret, sinks=sinks)
 
 
 # ------------------------------------------------------------------ descriptors

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterable
 
-from pallas_kernels.common import MIN_TILE, next_pow2
+from pallas_kernels.tiles import MIN_TILE, next_pow2
 
 # (largest head dim the row applies to, config), scanned in order: the first row whose
 # head dim is >= the problem's applies (the last row beyond it). An override table

@@ -27,8 +27,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import common, compat
-from pallas_kernels.common import cdiv, dot, fit_block, i32, iota
+from pallas_kernels import compat, kernel_inputs, numerics, static, tiles
+from pallas_kernels.numerics import dot
+from pallas_kernels.problem import Inputs, Problem
+from pallas_kernels.tiles import cdiv, fit_block, i32, iota
 from pallas_kernels.descriptor import (KernelDescriptor, Move, Table, add_stages, scaled, set_to,
                                        tile_width, toggle_warps)
 
@@ -69,25 +71,26 @@ class FwdConfig:
         )
 
 
-def _n_dchunks(st: common.KernelStatic) -> int:
-    return cdiv(st.head_dim, st.cfg.block_d)
+def _n_dchunks(st: static.KernelStatic) -> int:
+    return cdiv(st.problem.head_dim, st.cfg.block_d)
 
 
-def _n_vslices(st: common.KernelStatic) -> int:
-    return cdiv(st.head_dim_v, st.cfg.block_dv)
+def _n_vslices(st: static.KernelStatic) -> int:
+    return cdiv(st.problem.head_dim_v, st.cfg.block_dv)
 
 
-def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool):
+def _fwd_kernel(*refs, st: static.KernelStatic, per_chunk: bool):
+    problem = st.problem
     cfg = st.cfg
     bm, bn, bd, bdv = cfg.block_m, cfg.block_n, cfg.block_d, cfg.block_dv
     q_ref, k_ref, v_ref, *rest = refs
-    bias_ref = rest.pop(0) if st.bias_shape is not None else None
+    bias_ref = rest.pop(0) if problem.bias_shape is not None else None
     mask_ref = count_ref = index_ref = None
-    if st.mask_shape is not None:
+    if problem.mask_shape is not None:
         mask_ref, count_ref, index_ref = rest[:3]
         rest = rest[3:]
-    seed_ref = rest.pop(0) if st.dropout_rate > 0 else None
-    feature_refs = common.pop_feature_refs(st, rest)
+    seed_ref = rest.pop(0) if problem.dropout_rate > 0 else None
+    feature_refs = kernel_inputs.pop_feature_refs(st, rest)
     o_ref, lse_ref, *lo_ref = rest
 
     pid = pl.program_id(0)
@@ -96,20 +99,20 @@ def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool):
         q_block, v_slice = pid, i32(0)
     else:
         q_block, v_slice = pid // _n_vslices(st), pid % _n_vslices(st)
-    b = bh // st.heads_q
-    h = bh % st.heads_q
-    hk = h // st.group
+    b = bh // problem.heads_q
+    h = bh % problem.heads_q
+    hk = h // problem.group
     q_start = q_block * bm
     v_start = v_slice * bdv
     rows = q_start + iota(bm)
-    features = common.TileFeatures(st, feature_refs, b, q_start, bm) if st.ranged else None
-    qk_scale = st.scale * st.score_unit
-    raw_scale = qk_scale if common.folds_scale(st, per_chunk=per_chunk) else None
+    features = static.TileFeatures(st, feature_refs, b, q_start, bm) if st.ranged else None
+    qk_scale = problem.scale * st.score_unit
+    raw_scale = qk_scale if numerics.folds_scale(st, per_chunk=per_chunk) else None
 
     resident_q = None
     if cfg.q_mode == "resident":
-        resident_q = [common.load_tile(q_ref, b, q_start, bm, h, c * bd, bd,
-                                       n_rows=st.seq_q, n_cols=st.head_dim)
+        resident_q = [tiles.load_tile(q_ref, b, q_start, bm, h, c * bd, bd,
+                                       n_rows=problem.seq_q, n_cols=problem.head_dim)
                       for c in range(_n_dchunks(st))]
 
     def scores(kv_start):
@@ -118,18 +121,18 @@ def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool):
         def q_chunk_at(c):
             if resident_q is not None:
                 return resident_q[c]
-            return common.load_tile(q_ref, b, q_start, bm, h, common.chunk_start(c, bd), bd,
-                                    n_rows=st.seq_q, n_cols=st.head_dim)
+            return tiles.load_tile(q_ref, b, q_start, bm, h, tiles.chunk_start(c, bd), bd,
+                                    n_rows=problem.seq_q, n_cols=problem.head_dim)
 
         def k_chunk_at(c):
-            return common.load_tile(k_ref, b, kv_start, bn, hk, common.chunk_start(c, bd), bd,
-                                    n_rows=st.seq_k, n_cols=st.head_dim)
+            return tiles.load_tile(k_ref, b, kv_start, bn, hk, tiles.chunk_start(c, bd), bd,
+                                    n_rows=problem.seq_k, n_cols=problem.head_dim)
 
-        return common.contract_chunks(q_chunk_at, k_chunk_at, _n_dchunks(st),
+        return numerics.contract_chunks(q_chunk_at, k_chunk_at, _n_dchunks(st),
                                       dynamic=cfg.q_mode == "dynamic", shape=(bm, bn),
                                       scale=qk_scale if raw_scale is None else None,
                                       round_per_chunk=per_chunk,
-                                      compensated=st.natural)
+                                      compensated=problem.natural)
 
     def visit(kv_block, carry, *, causal_mask: bool, with_mask: bool):
         m_i, l_i, acc = carry
@@ -137,18 +140,18 @@ def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool):
         cols = kv_start + iota(bn)
 
         def v_tile_load():
-            return common.load_tile(v_ref, b, kv_start, bn, hk, v_start, bdv,
-                                    n_rows=st.seq_k, n_cols=st.head_dim_v)
+            return tiles.load_tile(v_ref, b, kv_start, bn, hk, v_start, bdv,
+                                    n_rows=problem.seq_k, n_cols=problem.head_dim_v)
 
         v_tile = v_tile_load() if cfg.prefetch_v else None
-        s = common.bias_and_masks(scores(kv_start), st, bias_ref, mask_ref, b, h, q_start,
+        s = static.bias_and_masks(scores(kv_start), st, bias_ref, mask_ref, b, h, q_start,
                                   kv_start, rows, cols, causal_mask=causal_mask,
                                   with_mask=with_mask, features=features)
 
-        m_new, p, alpha, l_i = common.online_softmax_step(s, m_i, l_i, st, raw_scale=raw_scale)
+        m_new, p, alpha, l_i = numerics.online_softmax_step(s, m_i, l_i, st, raw_scale=raw_scale)
         if seed_ref is not None:
             # Dropped after the statistics: lse stays the undropped normaliser.
-            p = jnp.where(common.dropout_keep(st, seed_ref, b, h, rows, kv_start, bn), p, 0.0)
+            p = jnp.where(static.dropout_keep(st, seed_ref, b, h, rows, kv_start, bn), p, 0.0)
         if v_tile is None:
             v_tile = v_tile_load()
         p = p if v_tile.dtype == jnp.float32 else p.astype(v_tile.dtype)
@@ -158,129 +161,93 @@ def _fwd_kernel(*refs, st: common.KernelStatic, per_chunk: bool):
     carry = (jnp.full((bm,), -jnp.inf, jnp.float32), jnp.zeros((bm,), jnp.float32),
              jnp.zeros((bm, bdv), jnp.float32))
 
-    if st.mask_shape is not None:
-        # Block-sparse walk: only KV blocks whose mask tile holds a True.
-        lb = i32(common.broadcast_index(b, count_ref.shape[0]))
-        lh = i32(common.broadcast_index(h, count_ref.shape[1]))
-        lq = q_block if st.list_outer != 1 else i32(0)
-        n_visit = count_ref[lb, lh, lq]
-
-        def listed(i, c):
-            return visit(index_ref[lb, lh, lq, i], c, causal_mask=st.causal, with_mask=True)
-        carry = jax.lax.fori_loop(i32(0), n_visit, listed, carry)
-    elif st.ranged:
-        # The window, the segments and the lengths bound the key blocks; every visited
-        # block takes their element masks (and causality's).
-        hi = (common.causal_block_limits(q_start, bm, bn, st.seq_q, st.seq_k)[1] if st.causal
-              else cdiv(st.seq_k, bn))
-        lo, hi = features.kv_block_range(q_block, q_start, bm, bn, hi)
-        carry = jax.lax.fori_loop(
-            lo, hi, functools.partial(visit, causal_mask=st.causal, with_mask=False), carry)
-    elif st.causal:
-        n_unmasked, n_total = common.causal_block_limits(q_start, bm, bn, st.seq_q, st.seq_k)
-        carry = jax.lax.fori_loop(
-            i32(0), n_unmasked, functools.partial(visit, causal_mask=False, with_mask=False),
-            carry)
-        carry = jax.lax.fori_loop(
-            n_unmasked, n_total, functools.partial(visit, causal_mask=True, with_mask=False), carry)
-    else:
-        carry = jax.lax.fori_loop(
-            i32(0), i32(cdiv(st.seq_k, bn)),
-            functools.partial(visit, causal_mask=False, with_mask=False),
-            carry)
+    # Block-sparse over the mask's lists, or the blocks the window, segments, lengths and
+    # causality leave.
+    lists = (count_ref, index_ref) if problem.mask_shape is not None else None
+    carry = static.walk_kv_blocks(st, lists, b, h, q_block, q_start, visit, carry, features)
 
     m_i, l_i, acc = carry
-    if st.sinks:
-        m_i, l_i, acc = common.join_sink(m_i, l_i, acc, feature_refs["sinks"][i32(h)], st)
+    if problem.sinks:
+        m_i, l_i, acc = numerics.join_sink(m_i, l_i, acc, feature_refs["sinks"][i32(h)], st)
     has_keys = l_i > 0.0
     l_safe = jnp.where(has_keys, l_i, 1.0)
     # Kept values are scaled by 1/(1-rate); lse below stays the undropped normaliser.
-    out = acc / (l_safe if st.dropout_rate == 0 else l_safe * (1.0 - st.dropout_rate))[:, None]
-    common.store_tile(o_ref, out, b, q_start, bm, h, v_start, bdv,
-                      n_rows=st.seq_q, n_cols=st.head_dim_v)
-    lse, lo = common.row_lse(m_i, l_safe, has_keys, st)
-    lse_mask = rows < st.seq_q
+    kept = 1.0 - problem.dropout_rate
+    out = acc / (l_safe if problem.dropout_rate == 0 else l_safe * kept)[:, None]
+    tiles.store_tile(o_ref, out, b, q_start, bm, h, v_start, bdv,
+                      n_rows=problem.seq_q, n_cols=problem.head_dim_v)
+    lse, lo = numerics.row_lse(m_i, l_safe, has_keys, st)
+    lse_mask = rows < problem.seq_q
     if _n_vslices(st) > 1:
         lse_mask = lse_mask & (v_slice == 0)  # one writer per row
-    plgpu.store(lse_ref.at[b, h, common.ds(q_start, bm)], lse, mask=lse_mask)
+    plgpu.store(lse_ref.at[b, h, tiles.ds(q_start, bm)], lse, mask=lse_mask)
     if lo_ref:
-        plgpu.store(lo_ref[0].at[b, h, common.ds(q_start, bm)], lo, mask=lse_mask)
+        plgpu.store(lo_ref[0].at[b, h, tiles.ds(q_start, bm)], lo, mask=lse_mask)
 
 
-def _fit_shared_memory(cfg: FwdConfig, q_dtype, v_dtype, bias, mask, dropout_rate: float,
-                       head_dim: int, features=None) -> FwdConfig:
+def _fit_shared_memory(cfg: FwdConfig, problem: Problem, inputs: Inputs) -> FwdConfig:
     """`cfg` with fewer pipeline stages where bias/mask/dropout tiles would overflow
-    shared memory (`common.fit_stages`): Q's chunks stay resident (or are reloaded per
-    step), each KV step buffers K's chunks, the V slice and the extra tiles. The dynamic
+    shared memory (`kernel_inputs.fit_stages`): Q's chunks stay resident (or are reloaded
+    per step), each KV step buffers K's chunks, the V slice and the extra tiles. The dynamic
     chunk loop is left alone: its stages pipeline the D chunks, not the KV steps."""
     if cfg.q_mode == "dynamic":
         return cfg
-    qb, vb = jnp.dtype(q_dtype).itemsize, jnp.dtype(v_dtype).itemsize
+    qb, vb = jnp.dtype(inputs.q.dtype).itemsize, jnp.dtype(inputs.v.dtype).itemsize
+    head_dim = problem.head_dim
     q_bytes = cfg.block_m * cdiv(head_dim, cfg.block_d) * cfg.block_d * qb
     k_bytes = cfg.block_n * cdiv(head_dim, cfg.block_d) * cfg.block_d * qb
     resident = q_bytes if cfg.q_mode == "resident" else 0
     # (the V tile is block_dv wide, padded past Dv)
     per_stage = k_bytes + cfg.block_n * cfg.block_dv * vb + (q_bytes - resident)
-    extra = common.extra_tile_bytes(None if bias is None else bias.shape,
-                                    None if mask is None else mask.shape,
-                                    None if bias is None else bias.dtype,
-                                    block_m=cfg.block_m, block_n=cfg.block_n,
-                                    dropout=dropout_rate > 0)
-    if features is not None and features.q_segment_ids is not None:
+    bias = inputs.bias
+    extra = kernel_inputs.extra_tile_bytes(problem.bias_shape, problem.mask_shape,
+                                           None if bias is None else bias.dtype,
+                                           block_m=cfg.block_m, block_n=cfg.block_n,
+                                           dropout=problem.has_dropout)
+    if problem.segment_ids:
         extra += cfg.block_n * 4  # each KV step's int32 segment ids
-    stages = common.fit_stages(cfg.num_stages, resident=resident, per_stage=per_stage,
-                               extra=extra)
+    stages = kernel_inputs.fit_stages(cfg.num_stages, resident=resident, per_stage=per_stage,
+                                      extra=extra)
     return cfg if stages == cfg.num_stages else dataclasses.replace(cfg, num_stages=stages)
 
 
-def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None = None,
-                mask: jax.Array | None = None, *, scale: float, causal: bool, config: FwdConfig,
-                interpret: bool = False, dropout_rate: float = 0.0,
-                seed: jax.Array | None = None, out_dtype=None,
-                precise_lse: bool = False, lse_pair: bool = False,
-                window: tuple[int, int] | None = None, softcap: float | None = None,
-                features=None) -> tuple[jax.Array, ...]:
-    """Attention forward on Pallas/Triton. Returns (o [B,T,Hq,Dv] in `out_dtype` (default
-    q's dtype), lse [B,Hq,T] f32).
+def fwd_generic(problem: Problem, config: FwdConfig, inputs: Inputs, *, interpret: bool = False,
+                out_dtype=None) -> tuple[jax.Array, ...]:
+    """Attention forward on Pallas/Triton: (o [B,T,Hq,Dv] in `out_dtype` (default q's dtype),
+    lse [B,Hq,T] f32), and lse's low word where `problem.lse_pair` (float32).
 
-    bias/mask are 4-D, each dim 1 or full (see `common`). With dropout_rate > 0,
-    `seed` (uint32[2], a runtime input) picks the keep-mask (see `dropout`).
-    `precise_lse` rounds q·kᵀ per head-dim chunk (`common.contract_chunks`): lse
-    within XLA's error at large D, for callers that return it, at a cost in speed
-    (float32 always does: `common.rounds_per_chunk`). `lse_pair` (float32 only)
-    returns (o, hi, lo) instead: hi is lse, the float32 sum m + fl(log l), and lo its
-    rounding error (hi + lo = m + fl(log l) exactly), the form the backward kernels
-    take (their `lse_lo`).
-    `window` (left, right), `softcap` and `features` (a `problem.FeatureArrays`: segment
-    ids, lengths, sinks) as in `ffpa_jax.attention`; lse then counts the sinks.
+    `problem` says what to compute (`Problem.sized` fits it to the arrays of `inputs`, which
+    may be one device's shard); `config` how. With dropout, `inputs.seed` (uint32[2], a
+    runtime input) picks the keep-mask (see `dropout`). `problem.return_lse` rounds q·kᵀ per
+    head-dim chunk (`numerics.contract_chunks`): lse within XLA's error at large D, for
+    callers that return it, at a cost in speed (float32 always does:
+    `numerics.rounds_per_chunk`). In float32 the pair's hi is lse, the float32 sum
+    m + fl(log l), and lo its rounding error (hi + lo = m + fl(log l) exactly), the form
+    the backward kernels take. With sinks, lse counts them.
     """
-    batch, seq_q, heads_q, head_dim = q.shape
-    _, seq_k, heads_kv, _ = k.shape
-    head_dim_v = v.shape[3]
-    if lse_pair and not common.natural_units(q.dtype):
-        raise ValueError(f"lse_pair needs float32 inputs; got {q.dtype}")
+    problem = problem.sized(inputs)
+    q, k, v, bias, mask, seed, _ = inputs
     if config.q_mode not in Q_MODES:
         raise ValueError(f"q_mode must be one of {Q_MODES}; got {config.q_mode!r}")
-    cfg = config.fitted(seq_q, seq_k, head_dim, head_dim_v)
-    cfg, per_chunk = common.capped_for_rounding(cfg, q.dtype, precise_lse)
-    cfg = _fit_shared_memory(cfg, q.dtype, v.dtype, bias, mask, dropout_rate, head_dim,
-                             features)
+    cfg = config.fitted(problem.seq_q, problem.seq_k, problem.head_dim, problem.head_dim_v)
+    cfg, per_chunk = numerics.capped_for_rounding(cfg, q.dtype, problem.return_lse)
+    cfg = _fit_shared_memory(cfg, problem, inputs)
     compat.silence_triton_deprecation()
-    mask_args, list_outer = common.mask_inputs(
-        mask, block_m=cfg.block_m, block_n=cfg.block_n, seq_q=seq_q, seq_k=seq_k, causal=causal,
-        over_kv=True)
-    inputs = ([q, k, v] + ([bias] if bias is not None else []) + mask_args
-              + common.seed_inputs(dropout_rate, seed)
-              + common.feature_inputs(features, block_m=cfg.block_m, block_n=cfg.block_n))
-    st = common.kernel_static(q, k, v, bias, mask, scale=scale, causal=causal, cfg=cfg,
-                              list_outer=list_outer, dropout_rate=dropout_rate,
-                              interpret=interpret, window=window, softcap=softcap,
-                              features=features)
-    grid = (cdiv(seq_q, cfg.block_m) * _n_vslices(st), batch * heads_q)
-    rows_out = compat.output_struct((batch, heads_q, seq_q), jnp.float32, q)
-    out_shape = (compat.output_struct((batch, seq_q, heads_q, head_dim_v),
-                                      out_dtype or q.dtype, q),
-                 rows_out) + ((rows_out,) if lse_pair else ())
+    mask_args, list_outer = kernel_inputs.mask_inputs(
+        mask, block_m=cfg.block_m, block_n=cfg.block_n, seq_q=problem.seq_q,
+        seq_k=problem.seq_k, causal=problem.causal, over_kv=True)
+    arrays = ([q, k, v] + ([bias] if bias is not None else []) + mask_args
+              + kernel_inputs.seed_inputs(problem.dropout_rate, seed)
+              + kernel_inputs.feature_inputs(inputs.given_features, block_m=cfg.block_m,
+                                             block_n=cfg.block_n))
+    st = static.KernelStatic(problem=problem, cfg=cfg, list_outer=list_outer,
+                             interpret=interpret)
+    grid = (cdiv(problem.seq_q, cfg.block_m) * _n_vslices(st), problem.batch * problem.heads_q)
+    rows_out = compat.output_struct((problem.batch, problem.heads_q, problem.seq_q),
+                                    jnp.float32, q)
+    out_shape = (compat.output_struct((problem.batch, problem.seq_q, problem.heads_q,
+                                       problem.head_dim_v), out_dtype or q.dtype, q),
+                 rows_out) + ((rows_out,) if problem.lse_pair else ())
     return pl.pallas_call(
         functools.partial(_fwd_kernel, st=st, per_chunk=per_chunk),
         out_shape=out_shape,
@@ -288,7 +255,7 @@ def fwd_generic(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None
         compiler_params=compat.compiler_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="fwd_generic",
-    )(*inputs)
+    )(*arrays)
 
 
 # ------------------------------------------------------------------ descriptor

@@ -1,12 +1,17 @@
-"""`Problem`: one attention problem, in the vocabulary every layer uses.
+"""`Problem`: one attention call's static meaning, in the vocabulary every layer uses; and
+`Inputs`, `Saved`, `Cotangents`: the arrays that travel with it.
 
 q [B, T, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] (batched), a bias and a mask of 4-D
-shapes [B|1, Hq|1, T|1, S|1] (or None), causal, dropout, and the LLM features: a sliding
-window and a logit soft cap (static: they change the code), packed-sequence segment ids,
-padding lengths and attention sinks (runtime data: the problem records only that they are
-given; the arrays travel in `FeatureArrays`). Validation builds it from the caller's arrays,
-the plan and the tuning lookup read it, the autotuner, the bench and the tests describe
-their shapes with it, and the kernels' trace-time statics extend it (`common.KernelStatic`).
+shapes [B|1, Hq|1, T|1, S|1] (or None), causal, dropout, whether the caller returns lse,
+and the LLM features: a sliding window and a logit soft cap (static: they change the code),
+packed-sequence segment ids, padding lengths and attention sinks (runtime data: the problem
+records only that they are given; the arrays travel in `FeatureArrays`).
+
+It is the one record of those options: validation builds it from the caller's arrays, a
+plan holds it (`plan.Plan`), the tuning lookup and the dispatcher read it, and each kernel's
+static record holds it beside the kernel's own config (`static.KernelStatic`). A kernel may
+see a shard of the call (batch or heads split over devices): `Problem.sized` gives the
+problem of the arrays it holds.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ class Problem:
     q_lengths: bool = False  # query_seq_lengths [B] given
     kv_lengths: bool = False  # key_value_seq_lengths [B] given
     sinks: bool = False  # per-head sink logits [Hq] given
+    # The caller returns lse: the fused forward then rounds q·kᵀ per head-dim chunk, which
+    # keeps lse within XLA's error at large D and costs speed (numerics.contract_chunks).
+    return_lse: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -52,21 +60,37 @@ class Problem:
     def of(cls, q, k, v, bias=None, mask=None, *, scale: float | None = None,
            causal: bool = False, dropout_rate: float = 0.0,
            features: "FeatureArrays | None" = None, window: tuple[int, int] | None = None,
-           softcap: float | None = None) -> "Problem":
+           softcap: float | None = None, return_lse: bool = False) -> "Problem":
         """The problem of batched q/k/v and 4-D bias/mask (arrays or anything with .shape and
         .dtype); the scale defaults to 1/sqrt(D)."""
         f = FeatureArrays() if features is None else features
-        batch, seq_q, heads_q, head_dim = q.shape
-        return cls(batch=batch, seq_q=seq_q, seq_k=k.shape[1], heads_q=heads_q,
-                   heads_kv=k.shape[2], head_dim=head_dim, head_dim_v=v.shape[3],
-                   dtype=q.dtype, scale=1.0 / math.sqrt(head_dim) if scale is None else scale,
+        head_dim = q.shape[3]
+        return cls(**_shapes(q, k, v, bias, mask), dtype=q.dtype,
+                   scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
                    causal=bool(causal), dropout_rate=float(dropout_rate),
-                   bias_shape=None if bias is None else tuple(bias.shape),
-                   mask_shape=None if mask is None else tuple(mask.shape),
-                   window=None if window is None else tuple(window), softcap=softcap,
+                   window=None if window is None else tuple(window),
+                   softcap=None if softcap is None else float(softcap),
                    segment_ids=f.q_segment_ids is not None,
                    q_lengths=f.q_lengths is not None, kv_lengths=f.kv_lengths is not None,
-                   sinks=f.sinks is not None)
+                   sinks=f.sinks is not None, return_lse=return_lse)
+
+    def sized(self, inputs: "Inputs") -> "Problem":
+        """This problem with the shapes of `inputs` (batched q/k/v, 4-D bias/mask), which
+        may be one device's shard of the call's: what the kernels that hold them compute."""
+        shapes = _shapes(inputs.q, inputs.k, inputs.v, inputs.bias, inputs.mask)
+        if all(getattr(self, name) == value for name, value in shapes.items()):
+            return self
+        return dataclasses.replace(self, **shapes)
+
+    @property
+    def natural(self) -> bool:
+        """Whether kernels keep scores in natural-log units (float32), else log2 units."""
+        return self.dtype == jnp.float32
+
+    @property
+    def lse_pair(self) -> bool:
+        """Whether lse travels as an exact pair hi + lo (float32: see `plan.Plan`)."""
+        return self.natural
 
     @property
     def group(self) -> int:
@@ -111,6 +135,15 @@ class Problem:
         return tuple(name for name, used in names if used)
 
 
+def _shapes(q, k, v, bias, mask) -> dict:
+    """The `Problem` fields that batched q/k/v and 4-D bias/mask (or None) determine."""
+    batch, seq_q, heads_q, head_dim = q.shape
+    return dict(batch=batch, seq_q=seq_q, seq_k=k.shape[1], heads_q=heads_q,
+                heads_kv=k.shape[2], head_dim=head_dim, head_dim_v=v.shape[3],
+                bias_shape=None if bias is None else tuple(bias.shape),
+                mask_shape=None if mask is None else tuple(mask.shape))
+
+
 class FeatureArrays(NamedTuple):
     """The runtime arrays of a call's LLM features, each None when not given (batched; the
     data of what `Problem` records as given). A pytree: it travels through the custom_vjp,
@@ -126,3 +159,40 @@ class FeatureArrays(NamedTuple):
         """The visibility arrays alone (what the probabilities' recomputation reads: lse
         counts the sinks already)."""
         return self._replace(sinks=None)
+
+
+class Inputs(NamedTuple):
+    """The arrays of one call as the tiers take them (a pytree): batched q [B, T, Hq, D],
+    k [B, S, Hkv, D], v [B, S, Hkv, Dv]; bias and mask 4-D (each dim 1 or full) or None; the
+    dropout seed (uint32[2], or [4] with a shard's global batch and head offsets) or None;
+    the feature arrays (each None when not given)."""
+
+    q: Any
+    k: Any
+    v: Any
+    bias: Any = None
+    mask: Any = None
+    seed: Any = None
+    features: FeatureArrays = FeatureArrays()
+
+    @property
+    def given_features(self) -> "FeatureArrays | None":
+        """`features` when it holds an array, else None."""
+        return self.features if any(x is not None for x in self.features) else None
+
+
+class Saved(NamedTuple):
+    """What a forward leaves for its backward besides the inputs: the output (float32 in a
+    differentiated call) and the row statistics, lse [B, Hq, T] and, where
+    `Problem.lse_pair`, its low word (else None)."""
+
+    out: Any
+    lse: Any
+    lse_lo: Any = None
+
+
+class Cotangents(NamedTuple):
+    """The backward's incoming cotangents: of the output and of lse."""
+
+    d_out: Any
+    d_lse: Any

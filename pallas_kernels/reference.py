@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import visibility
 from pallas_kernels.problem import Problem
 
 
@@ -41,39 +42,33 @@ def causal_keep(t: int, s: int, rows=None, cols=None) -> jax.Array:
     query rows `rows` and key columns `cols` only when given ([R, C])."""
     rows = jnp.arange(t) if rows is None else jnp.asarray(rows)
     cols = jnp.arange(s) if cols is None else jnp.asarray(cols)
-    return cols[None, :] <= rows[:, None] + (s - t)
+    return visibility.causal_visible(rows, cols, visibility.default_shift(t, s))
 
 
 def window_keep(t: int, s: int, window: tuple[int, int], rows=None, cols=None) -> jax.Array:
     """bool [T, S] (or [R, C] at `rows`, `cols`): query i sees key j iff
     i' - left <= j <= i' + right, i' = i + (S - T) (bottom-right aligned, as causality; the
     same as jax.nn's window when T == S)."""
-    left, right = window
     rows = jnp.arange(t) if rows is None else jnp.asarray(rows)
     cols = jnp.arange(s) if cols is None else jnp.asarray(cols)
-    shifted = rows[:, None] + (s - t)
-    return (cols[None, :] >= shifted - left) & (cols[None, :] <= shifted + right)
+    return visibility.window_visible(rows, cols, window, visibility.default_shift(t, s))
 
 
 def feature_keep(t: int, s: int, rows, cols, *, window=None, q_segment_ids=None,
                  kv_segment_ids=None, q_lengths=None, kv_lengths=None):
-    """bool, broadcastable to [B, Hq, R, C], or None: which of the query rows `rows` (global
-    positions, [R]) see which keys `cols` ([C]) by the window, the segments and the padding
-    lengths. The ids are the rows' and columns' own ([B, R] and [B, C]: a block's slice,
-    never [T, S]); lengths [B]."""
-    keep = None
-
-    def both(a, b):
-        return b if a is None else a & b
-    if window is not None:
-        keep = window_keep(t, s, window, rows, cols)[None, None]
-    if q_segment_ids is not None:
-        keep = both(keep, (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None])
-    if q_lengths is not None:
-        keep = both(keep, (jnp.asarray(rows)[None, :] < q_lengths[:, None])[:, None, :, None])
-    if kv_lengths is not None:
-        keep = both(keep, (jnp.asarray(cols)[None, :] < kv_lengths[:, None])[:, None, None, :])
-    return keep
+    """bool [B|1, 1, R, C], or None: which of the query rows `rows` (global positions, [R])
+    see which keys `cols` ([C]) by the window, the segments and the padding lengths. The
+    ids are the rows' and columns' own ([B, R] and [B, C]: a block's slice, never [T, S]);
+    lengths [B]."""
+    segments = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
+    keep = visibility.feature_visible(
+        jnp.asarray(rows), jnp.asarray(cols), shift=visibility.default_shift(t, s),
+        window=window, segments=segments,
+        q_len=None if q_lengths is None else q_lengths[:, None],
+        kv_len=None if kv_lengths is None else kv_lengths[:, None])
+    if keep is None:
+        return None
+    return keep[None, None] if keep.ndim == 2 else keep[:, None]
 
 
 def soft_cap(logits, cap: float | None):
@@ -148,9 +143,10 @@ def mha_reference(q, k, v, bias=None, mask=None, *, scale: float, is_causal: boo
     s, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     acc = accumulation_dtype(q.dtype)
     logits = soft_cap(attention_logits(q, k, bias, scale=scale), softcap)
-    visible = mask
+    visible = None if mask is None else jnp.reshape(mask, (1,) * (4 - mask.ndim) + mask.shape)
     if is_causal:
-        visible = causal_keep(t, s) if visible is None else visible & causal_keep(t, s)
+        causal = causal_keep(t, s)[None, None]
+        visible = causal if visible is None else visible & causal
     keep = feature_keep(t, s, jnp.arange(t), jnp.arange(s), window=window,
                         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                         q_lengths=q_lengths, kv_lengths=kv_lengths)

@@ -30,7 +30,8 @@ jax.config.update("jax_traceback_in_locations_limit", 0)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 
 import test_lowering as lowering  # noqa: E402  (the lowering helpers the tests use)
-from pallas_kernels import BwdConfig, DecodeConfig, FwdConfig, decode_attention  # noqa: E402
+from pallas_kernels import (BwdConfig, DecodeConfig, FwdConfig, Inputs, Problem,  # noqa: E402
+                            decode_attention)
 
 
 def lower_decode(*, d, dv, dtype=jnp.bfloat16, causal=False, bias=False, mask=False,
@@ -45,9 +46,10 @@ def lower_decode(*, d, dv, dtype=jnp.bfloat16, causal=False, bias=False, mask=Fa
         args.append(sd((2, 1, t, s), jnp.bool_))
 
     def f(q, k, v, seed, *rest):
-        return decode_attention(q, k, v, rest[0] if bias else None,
-                                rest[-1] if mask else None, scale=0.1, causal=causal,
-                                config=config, num_splits=4, dropout_rate=dropout, seed=seed)
+        inputs = Inputs(q, k, v, rest[0] if bias else None, rest[-1] if mask else None, seed)
+        problem = Problem.of(q, k, v, inputs.bias, inputs.mask, scale=0.1, causal=causal,
+                             dropout_rate=dropout)
+        return decode_attention(problem, config, inputs, num_splits=4)
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 

@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import (BwdConfig, FwdConfig, bwd_dbias, bwd_exact_rows, bwd_generic_dkdv,
-                            bwd_generic_dq, bwd_preproc, fwd_generic)
+from pallas_kernels import (BackwardRows, BwdConfig, FeatureArrays, FwdConfig, Inputs, Problem,
+                            bwd_dbias, bwd_exact_rows, bwd_generic_dkdv, bwd_generic_dq,
+                            bwd_preproc, fwd_generic)
 
 sd = jax.ShapeDtypeStruct
 
@@ -22,7 +23,6 @@ def lower_fwd(*, d, dv, causal=False, bias=False, mask=False, hq=4, hkv=2, t=300
               window=None, softcap=None, features=()):
     """`features`: the names of the runtime feature arrays to pass ("ids", "q_len",
     "kv_len", "sinks"), with the static `window` and `softcap`."""
-    from pallas_kernels.problem import FeatureArrays
     args = [sd((2, t, hq, d), dtype), sd((2, s, hkv, d), dtype), sd((2, s, hkv, dv), dtype),
             sd((seed_words,), jnp.uint32)]
     if bias:
@@ -48,10 +48,10 @@ def lower_fwd(*, d, dv, causal=False, bias=False, mask=False, hq=4, hkv=2, t=300
             feats = FeatureArrays(*(given.get("ids") or (None, None)),
                                   *given.get("q_len", [None]), *given.get("kv_len", [None]),
                                   *given.get("sinks", [None]))
-        # float32 as the API runs it: with lse's low word.
-        return fwd_generic(q, k, v, b, m, scale=scale, causal=causal, config=config,
-                           dropout_rate=dropout, seed=seed, lse_pair=dtype == jnp.float32,
-                           window=window, softcap=softcap, features=feats)
+        problem = Problem.of(q, k, v, b, m, scale=scale, causal=causal, dropout_rate=dropout,
+                             features=feats, window=window, softcap=softcap)
+        return fwd_generic(problem, config, Inputs(q, k, v, b, m, seed,
+                                                   feats or FeatureArrays()))
 
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     # The kernel must be a Triton custom call (not something XLA expanded on its own).
@@ -143,26 +143,27 @@ def test_fwd_feature_variants(variant):
 
 def test_fwd_default_configs_lower_for_every_head_dim():
     """The configs the public API would pick (tuning defaults) lower at each size class."""
-    from tuning.plan import fwd_config
     from ffpa_jax.validation import validate
+    from tuning import kernel_config
 
     for d in (16, 64, 128, 256, 320, 512, 768, 1024):
         q = jnp.zeros((1, 128, 2, d), jnp.bfloat16)  # shape carriers only, never computed
         problem = validate(q, q, q, None, None, scale=None, is_causal=False, dropout_rate=0.0,
                            dropout_rng=None, return_lse=False, implementation=None,
                            interpret=False).problem
-        lower_fwd(d=d, dv=d, t=128, s=128, config=fwd_config(problem))
+        config = FwdConfig.from_tuned(kernel_config("fwd_generic", problem)[0])
+        lower_fwd(d=d, dv=d, t=128, s=128, config=config)
 
 
 def lower_bwd(*, d, dv, causal=False, bias_shape=None, mask=False, hq=4, hkv=2, t=300, s=257,
               dtype=jnp.bfloat16, config=BwdConfig(), dropout=0.0, seed_words=2,
               split_ds=False, own_delta=False, window=None, softcap=None, features=()):
     """Lower all four backward kernels in one jitted function (float32: with bwd_exact_rows
-    in place of bwd_preproc, and its lse correction passed on, as the vjp does).
+    in place of bwd_preproc, given the forward's lse pair (here lse itself stands for its
+    low word) and passing its correction on, as the vjp does).
     `split_ds`: dq and dkdv as the vjp runs them under an lse cotangent; `own_delta`: as
     it runs them when every row fits one tile (no preproc; s <= the config's block_n).
     `window`, `softcap`, `features` as in `lower_fwd`."""
-    from pallas_kernels.problem import FeatureArrays
     args = [sd((2, t, hq, d), dtype), sd((2, s, hkv, d), dtype), sd((2, s, hkv, dv), dtype),
             sd((2, t, hq, dv), dtype), sd((2, t, hq, dv), dtype), sd((2, hq, t), jnp.float32),
             sd((seed_words,), jnp.uint32)]
@@ -182,23 +183,25 @@ def lower_bwd(*, d, dv, causal=False, bias_shape=None, mask=False, hq=4, hkv=2, 
         m = rest[n_extra - 1] if mask else None
         arrays = list(rest[n_extra:])
         given = {name: [arrays.pop(0) for _ in feature_args[name]] for name in features}
-        kw = dict(scale=0.1, causal=causal, config=config, dropout_rate=dropout, seed=seed)
-        if features or window is not None or softcap is not None:
-            kw.update(window=window, softcap=softcap, features=FeatureArrays(
-                *(given.get("ids") or (None, None)), *given.get("q_len", [None]),
-                *given.get("kv_len", [None]), *given.get("sinks", [None])))
-        if dtype == jnp.float32:
-            delta, lse_lo = bwd_exact_rows(q, k, v, do, lse, lse, b, m, **kw)
-            kw["lse_lo"] = lse_lo
+        feats = FeatureArrays(*(given.get("ids") or (None, None)), *given.get("q_len", [None]),
+                              *given.get("kv_len", [None]), *given.get("sinks", [None]))
+        problem = Problem.of(q, k, v, b, m, scale=0.1, causal=causal, dropout_rate=dropout,
+                             features=feats, window=window, softcap=softcap)
+        inputs = Inputs(q, k, v, b, m, seed, feats)
+        lse_lo = None
+        if dtype == jnp.float32:  # as the vjp runs it: lse's low word from the forward
+            delta, lse_lo = bwd_exact_rows(problem, config, inputs,
+                                           BackwardRows(do, lse, lse, lse))
         elif own_delta:
             delta = lse  # stands for dlse
-            kw["own_delta"] = True
         else:
             delta = bwd_preproc(o, do, lse, config=config)
-        outs = [bwd_generic_dq(q, k, v, do, lse, delta, b, m, split_ds=split_ds, **kw),
-                *bwd_generic_dkdv(q, k, v, do, lse, delta, b, m, split_ds=split_ds, **kw)]
+        rows = BackwardRows(do, lse, delta, lse_lo)
+        kw = dict(split_ds=split_ds, own_delta=own_delta)
+        outs = [bwd_generic_dq(problem, config, inputs, rows, **kw),
+                *bwd_generic_dkdv(problem, config, inputs, rows, **kw)]
         if b is not None:
-            outs.append(bwd_dbias(q, k, v, do, lse, delta, b, m, **kw))
+            outs.append(bwd_dbias(problem, config, inputs, rows, own_delta=own_delta))
         return outs
 
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -255,15 +258,17 @@ def test_bwd_default_configs_lower_for_every_head_dim():
     import dataclasses
 
     from ffpa_jax.validation import validate
-    from tuning import make_plan
+    from tuning import plan_for_tiers
 
     for d in (16, 64, 128, 256, 320, 512, 768, 1024):
         q = jnp.zeros((1, 128, 2, d), jnp.bfloat16)  # shape carriers only, never computed
         problem = validate(q, q, q, None, None, scale=None, is_causal=False, dropout_rate=0.0,
                            dropout_rng=None, return_lse=False, implementation=None,
                            interpret=False).problem
-        plan = make_plan(dataclasses.replace(problem, bias_shape=(1, 2, 128, 128)))
-        for config in (plan.dq, plan.dkdv, plan.dbias):
+        plan = plan_for_tiers(dataclasses.replace(problem, bias_shape=(1, 2, 128, 128)),
+                              "pallas", "pallas")
+        for config in (plan.config(k) for k in ("bwd_generic_dq", "bwd_generic_dkdv",
+                                                  "bwd_dbias")):
             lower_bwd(d=d, dv=d, t=128, s=128, bias_shape=(1, 2, 128, 128), config=config)
 
 

@@ -1,4 +1,5 @@
-"""Which accelerator we run on, in the terms the tuned-config files use.
+"""Which accelerator we run on, in the terms the tuned-config files use, and the one place
+that decides "is JAX's default backend an NVIDIA GPU".
 
 Tuned-config files are named after the device (`<sanitized name>.json`) and
 carry its CUDA compute capability, which is the fallback key when no file for
@@ -7,6 +8,7 @@ the exact device name exists.
 
 from __future__ import annotations
 
+import functools
 import re
 
 # FFPA names its files with the device name where every character outside
@@ -67,3 +69,18 @@ def multiprocessor_count() -> int:
     except Exception:  # A broken backend must not break a trace-time decision.
         count = None
     return int(count) if isinstance(count, int) and count > 0 else DEFAULT_MULTIPROCESSORS
+
+
+@functools.cache
+def default_backend_is_nvidia_gpu() -> bool:
+    """Whether JAX's default device is a CUDA GPU (ROCm GPUs also report platform 'gpu')."""
+    import jax  # Local import: importing `tuning` must stay cheap.
+
+    try:
+        device = jax.devices()[0]
+    except RuntimeError:
+        return False
+    if device.platform != "gpu":
+        return False
+    version = str(getattr(device.client, "platform_version", "")).lower()
+    return "rocm" not in version and "hip" not in version

@@ -1,4 +1,5 @@
-"""`launch_config`: the one place callers get a kernel's launch parameters from."""
+"""`kernel_config`: the one place a kernel's launch parameters come from (a tuned entry for
+this device and problem, else the built-in default), with why."""
 
 from __future__ import annotations
 
@@ -6,8 +7,7 @@ import logging
 from typing import Any
 
 from pallas_kernels.problem import Problem
-from pallas_kernels.tiers import TIERS
-from tuning.defaults import TIER_KERNELS, default_config, default_tier
+from tuning.defaults import default_config
 from tuning.lookup import TunedEntry, explain_entry
 
 logger = logging.getLogger("ffpa_jax.tuning")
@@ -60,44 +60,8 @@ def usable_config(kernel: str, found: TunedEntry, *, headdim: int, seqlen_k: int
     return config, ""
 
 
-def explain_launch_config(kernel: str, *, direction: str, dtype: str, headdim: int,
-                          seqlen_q: int, seqlen_k: int, causal: bool = False,
-                          has_attn_bias: bool = False, has_dropout: bool = False,
-                          nheads_q: int | None = None, nheads_kv: int | None = None,
-                          bias_grad: bool | None = None, batch: int | None = None,
-                          device_name: str | None = None,
-                          compute_capability: str | None = None) -> tuple[dict, str]:
-    """(`launch_config`'s config, why: the tuned entry it came from, or why the built-in
-    default applies)."""
-    found, where = explain_entry(direction, kernel, dtype=dtype, headdim=headdim,
-                                 seqlen_q=seqlen_q, seqlen_k=seqlen_k, causal=causal,
-                                 has_attn_bias=has_attn_bias, has_dropout=has_dropout,
-                                 nheads_q=nheads_q, nheads_kv=nheads_kv, bias_grad=bias_grad,
-                                 device_name=device_name,
-                                 compute_capability=compute_capability)
-    if found is not None:
-        tuned, note = usable_config(kernel, found, headdim=headdim, seqlen_k=seqlen_k,
-                                    nheads_q=nheads_q, nheads_kv=nheads_kv, batch=batch)
-        if tuned is not None:
-            return tuned, f"tuned entry ({where})" + (f"; {note}" if note else "")
-        where = note
-    return (default_config(kernel, headdim=headdim, dtype=dtype, has_dropout=has_dropout),
-            f"built-in default ({where})")
-
-
-def launch_config(kernel: str, **problem: Any) -> dict:
-    """The tuned config for this problem on this device, else the built-in default.
-
-    Called at trace time; the lookup caches, so a traced step pays nothing.
-    Entries a kernel cannot launch never get this far: the file loader drops them,
-    and `usable_config` drops those tuned for a narrower head dim. The keywords are
-    `explain_launch_config`'s.
-    """
-    return explain_launch_config(kernel, **problem)[0]
-
-
-def _fields(problem: Problem, direction: str) -> dict:
-    """The lookup fields of `problem` (the tuned-config files' vocabulary)."""
+def lookup_fields(problem: Problem, direction: str) -> dict:
+    """The tuned lookup's fields of `problem` (the tuned-config files' vocabulary)."""
     return dict(dtype=problem.dtype_name, headdim=problem.headdim, seqlen_q=problem.seq_q,
                 seqlen_k=problem.seq_k, causal=problem.causal,
                 has_attn_bias=problem.has_bias, has_dropout=problem.has_dropout,
@@ -109,36 +73,26 @@ def kernel_direction(kernel: str) -> str:
     return "backward" if kernel.startswith("bwd") else "forward"
 
 
-def explain_config(kernel: str, problem: Problem, *, device_name: str | None = None,
-                   compute_capability: str | None = None) -> tuple[dict, str]:
-    """(`config_for`'s config, why)."""
+def kernel_config(kernel: str, problem: Problem, *, device_name: str | None = None,
+                  compute_capability: str | None = None) -> tuple[dict, str]:
+    """(the launch config of `kernel` for `problem`, why): the tuned entry for this device
+    (JAX's, or the one named) when one matches and this call may use it, else the built-in
+    default, with the entry it came from or why the default applies.
+
+    Called at trace time; the lookup caches, so a traced step pays nothing. Entries a
+    kernel cannot launch never get this far: the file loader drops them, and
+    `usable_config` drops those tuned for a narrower head dim."""
     direction = kernel_direction(kernel)
-    return explain_launch_config(kernel, direction=direction, batch=problem.batch,
-                                 device_name=device_name, compute_capability=compute_capability,
-                                 **_fields(problem, direction))
-
-
-def config_for(kernel: str, problem: Problem, *, device_name: str | None = None) -> dict:
-    """`launch_config` of `kernel` for `problem`."""
-    return explain_config(kernel, problem, device_name=device_name)[0]
-
-
-def explain_tier(direction: str, problem: Problem, *, device_name: str | None = None,
-                 compute_capability: str | None = None) -> tuple[str, str]:
-    """(`tier`'s answer, why: the tuned entry that names it, or the built-in rule)."""
-    fields = _fields(problem, direction)
-    found, where = explain_entry(direction, TIER_KERNELS[direction], device_name=device_name,
+    fields = lookup_fields(problem, direction)
+    found, where = explain_entry(direction, kernel, device_name=device_name,
                                  compute_capability=compute_capability, **fields)
-    if found is not None and found.entry.get("tier") in TIERS:
-        return found.entry["tier"], f"tuned entry ({where})"
     if found is not None:
-        where = f"the matched entry ({where}) names no tier"
-    return (default_tier(direction, headdim=problem.headdim, dtype=problem.dtype_name),
-            f"built-in rule ({where})")
-
-
-def tier(direction: str, problem: Problem, *, device_name: str | None = None) -> str:
-    """Which tier ("pallas" or "chunked") runs `direction` of `problem` on this device: the
-    "tier" field of the matched tuned entry of the direction's main kernel (an added field;
-    FFPA's readers ignore it), else the built-in rule (`defaults.default_tier`)."""
-    return explain_tier(direction, problem, device_name=device_name)[0]
+        tuned, note = usable_config(kernel, found, headdim=problem.headdim,
+                                    seqlen_k=problem.seq_k, nheads_q=problem.heads_q,
+                                    nheads_kv=problem.heads_kv, batch=problem.batch)
+        if tuned is not None:
+            return tuned, f"tuned entry ({where})" + (f"; {note}" if note else "")
+        where = note
+    return (default_config(kernel, headdim=problem.headdim, dtype=problem.dtype_name,
+                           has_dropout=problem.has_dropout),
+            f"built-in default ({where})")

@@ -1,0 +1,221 @@
+"""The chunked tier's plan: how large its blocks of queries and keys are (`ChunkConfig`, from
+a byte budget), and which blocks of rows run, grouped, against which keys (`groups`).
+
+The workspace of one block is O(B·Hq·rows·keys); `block_sizes` picks the blocks so that it
+stays under a byte budget, never O(T·S) unless the problem itself is that small. Rows that
+see no key (causality, the window) are never planned; with a window narrower than S each
+block reads only the band of keys its rows can see (`visibility`'s static spans).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import jax.numpy as jnp
+
+from pallas_kernels import visibility
+from pallas_kernels.blocked import MAX_ROW_KEYS
+from pallas_kernels.problem import Problem
+
+# Peak bytes of one block's temporaries (logits, P, dP, dS): 4 GiB unless the environment
+# variable says otherwise (`budget_from_env`).
+DEFAULT_BUDGET_BYTES = 4 << 30
+BUDGET_ENV = "FFPA_CHUNKED_BUDGET_MIB"
+# The step between the GEMMs: the Pallas kernels of `blocked`, or the same as XLA ops (what
+# runs without a GPU).
+STEP_KERNEL = "kernel"
+STEP_FUSION = "fusion"
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkConfig:
+    """The chunked tier's blocks (hashable): query rows and keys per block of the forward,
+    the backward's (its temporaries per element are twice the forward's; 0: the forward's),
+    and the step between the GEMMs (`STEP_KERNEL` or `STEP_FUSION`)."""
+
+    block_q: int
+    block_k: int  # >= S: one key block per query block
+    bwd_block_q: int = 0
+    bwd_block_k: int = 0
+    step: str = STEP_FUSION
+
+    def for_backward(self) -> "ChunkConfig":
+        return dataclasses.replace(self, block_q=self.bwd_block_q or self.block_q,
+                                   block_k=self.bwd_block_k or self.block_k)
+
+
+# ---------------------------------------------------------------- block sizes
+
+
+def bytes_per_element(dtype, direction: str) -> int:
+    """Temporary bytes one block holds per (head, query, key) element, with room for one
+    more input-dtype copy: forward, float32 logits and P; backward, float32 logits, dP, P
+    and dS (and dS's low word under an lse cotangent) in the input dtype."""
+    item = jnp.dtype(dtype).itemsize
+    return 4 + 2 * item if direction == "forward" else 4 + 5 * item
+
+
+def _equal_rows(t: int, most: int) -> int:
+    """Rows per block: the fewest blocks of at most `most` rows, made equal (a multiple of
+    128 where there are several blocks and room for one)."""
+    most = max(1, min(t, most))
+    count = -(-t // most)
+    rows = -(-t // count)
+    if count > 1 and rows >= 128:
+        rows = min(-(-rows // 128) * 128, most - most % 128)
+    return rows
+
+
+def _power_of_two_at_most(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def causal_rows_cap(seq_q: int) -> int:
+    """The most rows of a causal block: a quarter of T (at least 256), so that at least four
+    row blocks split the triangle and the hidden blocks beyond each one's keys are skipped
+    (one block of all T rows took as long as the whole square: docs/history.md)."""
+    return max(256, -(-seq_q // 4 // 128) * 128)
+
+
+def window_rows_cap(band: int) -> int:
+    """The most rows of a block under a sliding window whose rows each see `band` keys at
+    most: about the band (at least 256), so that the keys a block reads (its rows plus the
+    band) stay near twice those its rows see; blocks of a quarter of T read up to five times
+    as many at a window of T/16 (docs/history.md)."""
+    return max(256, -(-band // 128) * 128)
+
+
+def block_sizes(problem: Problem, direction: str, budget_bytes: int = DEFAULT_BUDGET_BYTES,
+                max_keys: int | None = None) -> tuple[int, int]:
+    """(query rows, keys) per block of `direction` ("forward" or "backward") whose
+    temporaries stay under `budget_bytes`.
+
+    The forward takes all keys (at most `max_keys`, a power of two) and as many rows as fit:
+    key blocks would merge the output. The backward adds each block's dK and dV into float32
+    accumulators and each key block's dQ into the rows': the traffic of that grows as
+    Hkv/rows + Hq/keys, so its blocks are about sqrt(area·Hkv/Hq) rows by
+    sqrt(area·Hq/Hkv) keys (keys a power of two, or all of S). Causal blocks take at most
+    `causal_rows_cap` rows, windowed ones at most `window_rows_cap`."""
+    per_element = problem.batch * problem.heads_q * bytes_per_element(problem.dtype, direction)
+    t, s = problem.seq_q, problem.seq_k
+    area = max(1, budget_bytes // per_element)  # (query, key) elements per block and head
+    cap = causal_rows_cap(t) if problem.causal else t
+    if problem.window is not None:
+        cap = min(cap, window_rows_cap(problem.window_band))
+    if direction == "forward":
+        keys = s if max_keys is None or s <= max_keys else max_keys
+        while area // keys < min(t, 16) and keys > 128:
+            keys = _power_of_two_at_most(keys - 1)
+        return _equal_rows(t, min(cap, area // keys)), keys
+    keys = int(math.sqrt(area * problem.heads_q / problem.heads_kv))
+    if keys < s:
+        keys = max(128, _power_of_two_at_most(keys))
+    keys = min(keys, s)
+    rows = min(cap, area // keys)
+    if area // keys > rows:  # rows are few (or capped): widen the key blocks instead
+        keys = min(s, max(keys, area // max(1, rows)))
+        if keys < s:
+            keys = _power_of_two_at_most(keys)
+    return _equal_rows(t, min(rows, area // keys)), keys
+
+
+
+# ---------------------------------------------------------------- the groups of blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """`count` query blocks of `rows` rows, the first at row `first`, each seeing `keys`
+    keys: [0, keys), or with `band` the `keys` keys from `key_start` of the block's first
+    row (a window's band). One `lax.scan` runs them: XLA then runs the blocks one after
+    another, which is what bounds the workspace (unrolled, XLA hoists every block's logits
+    GEMM)."""
+
+    first: int
+    rows: int
+    count: int
+    keys: int
+    band: bool = False
+
+    @property
+    def starts(self) -> list[int]:
+        return [self.first + i * self.rows for i in range(self.count)]
+
+
+# Causal query blocks are grouped by the keys they see; each group computes up to its last
+# block's key limit and masks the rest, so at most 1/(2·groups) of the visible work is wasted.
+MAX_CAUSAL_GROUPS = 8
+
+
+def key_start(problem: Problem, group: Group, r0):
+    """The first key of the block at row `r0` (int or traced): 0, or with a band the left
+    end of the window of its first row, moved left where the band would pass S (so that
+    the block's `group.keys` keys stay in range and still hold every key it sees)."""
+    if not group.band:
+        return 0
+    return visibility.band_start(r0, group.keys, seq_q=problem.seq_q, seq_k=problem.seq_k,
+                                 window=problem.window)
+
+
+def groups(problem: Problem, block_q: int) -> list[Group]:
+    """The query blocks of `block_q` rows in row order, grouped; blocks that see no key are
+    left out."""
+    t, s = problem.seq_q, problem.seq_k
+    span = dict(seq_q=t, seq_k=s, causal=problem.causal, window=problem.window)
+    band = dict(seq_k=s, causal=problem.causal, window=problem.window)
+    full, tail = divmod(t, block_q)
+    blocks = [(i * block_q, block_q) for i in range(full)] + ([(full * block_q, tail)]
+                                                             if tail else [])
+    blocks = [(r0, n, visibility.key_limit(r0 + n, **span)) for r0, n in blocks
+              if visibility.rows_see_a_key(r0, n, **span)]
+    if any(visibility.band_keys(n, **band) < s for _, n, _ in blocks):
+        # A window narrower than S: each block reads its own band of keys (equal widths for
+        # equal rows), wherever its rows' windows put it.
+        runs = [[b for b in blocks if b[1] == block_q], [b for b in blocks if b[1] != block_q]]
+        return [Group(first=run[0][0], rows=run[0][1], count=len(run),
+                      keys=visibility.band_keys(run[0][1], **band), band=True)
+                for run in runs if run]
+    if visibility.right_reach(problem.causal, problem.window) is None:
+        runs = [[b for b in blocks if b[1] == block_q], [b for b in blocks if b[1] != block_q]]
+    else:
+        per = max(1, math.ceil(len(blocks) / MAX_CAUSAL_GROUPS))
+        runs = [blocks[i:i + per] for i in range(0, len(blocks), per)]
+        runs = [r for run in runs for r in ([run[:-1], run[-1:]] if run[-1][1] != block_q
+                                              else [run])]
+    return [Group(first=run[0][0], rows=run[0][1], count=len(run),
+                  keys=max(limit for _, _, limit in run)) for run in runs if run]
+
+
+# ---------------------------------------------------------------- the config
+
+
+def budget_from_env(default: int = DEFAULT_BUDGET_BYTES) -> int:
+    """The workspace budget: $FFPA_CHUNKED_BUDGET_MIB (MiB) when set to a positive number,
+    else `default`. Read when a call is traced."""
+    raw = os.environ.get(BUDGET_ENV, "").strip()
+    try:
+        value = float(raw)
+    except ValueError:
+        return default
+    return int(value * 2**20) if value > 0 else default
+
+
+def make_config(problem: Problem, *, step: str, budget_bytes: int | None = None,
+                blocks: tuple[int, int] | None = None) -> ChunkConfig:
+    """The chunked tier's blocks for `problem`. `step`: `STEP_KERNEL` (pallas_kernels.blocked)
+    or `STEP_FUSION`. `blocks` = (query rows, keys) per block, both directions, overrides
+    the budget (tests)."""
+    budget = budget_from_env() if budget_bytes is None else budget_bytes
+    max_keys = MAX_ROW_KEYS if step == STEP_KERNEL else None
+    if blocks is not None:
+        fwd_blocks = bwd_blocks = tuple(int(x) for x in blocks)
+    else:
+        fwd_blocks, bwd_blocks = (block_sizes(problem, direction, budget, max_keys=max_keys)
+                                  for direction in ("forward", "backward"))
+    if max_keys is not None and fwd_blocks[1] > max_keys:  # softmax_rows holds whole rows
+        fwd_blocks = (fwd_blocks[0], max_keys)
+    return ChunkConfig(block_q=max(1, fwd_blocks[0]), block_k=max(1, fwd_blocks[1]),
+                       bwd_block_q=max(1, bwd_blocks[0]), bwd_block_k=max(1, bwd_blocks[1]),
+                       step=step)

@@ -1,0 +1,26 @@
+"""The dense tier: the plain-JAX reference (`reference.mha_reference`) as the computation,
+differentiated by JAX itself. O(T·S) memory; it runs anywhere, and it is the semantics every
+other tier is tested against."""
+
+from __future__ import annotations
+
+from pallas_kernels.dropout import keep_mask_reference
+from pallas_kernels.plan import Plan
+from pallas_kernels.problem import Inputs
+from pallas_kernels.reference import mha_reference
+
+
+def forward(plan: Plan, inputs: Inputs):
+    """(out [B, T, Hq, Dv] in q's dtype, lse [B, Hq, T]) of batched inputs."""
+    problem = plan.problem
+    q, k, v, bias, mask, seed, features = inputs
+    keep = None
+    if seed is not None:
+        shape = (q.shape[0], problem.heads_q, problem.seq_q, problem.seq_k)
+        keep = keep_mask_reference(seed, shape, problem.dropout_rate)
+    return mha_reference(q, k, v, bias, mask, scale=problem.scale, is_causal=problem.causal,
+                         keep_mask=keep, dropout_rate=problem.dropout_rate,
+                         window=problem.window, softcap=problem.softcap,
+                         q_segment_ids=features.q_segment_ids,
+                         kv_segment_ids=features.kv_segment_ids, q_lengths=features.q_lengths,
+                         kv_lengths=features.kv_lengths, sinks=features.sinks)

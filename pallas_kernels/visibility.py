@@ -1,0 +1,266 @@
+"""Which keys a query row sees, and which blocks of keys (or rows) can be skipped.
+
+The one statement of the visibility rule. The reference (`reference.py`) applies it densely,
+the fused kernels (`fwd.py`, `bwd*.py`) and the decode kernels (`decode.py`) per tile and per
+walk over blocks, the chunked tier (`chunked.py`, `blocked.py`) per block of its GEMMs.
+
+Query row i (0 <= i < T) sits at key position i' = i + shift, shift = S - T (bottom-right
+alignment); the paged decode kernels align a sequence to its own length instead. Row i sees
+key j (0 <= j < S) iff every rule that the call uses holds:
+- the mask: mask[b, h, i, j] (the caller's array; each tier reads it itself);
+- causality: j <= i';
+- the sliding window (left, right): i' - left <= j <= i' + right;
+- packed segments: q_segment_ids[b, i] == kv_segment_ids[b, j];
+- padding lengths: i < q_len[b] and j < kv_len[b].
+
+The element functions take positions `rows` [R] and `cols` [C] and return bool [R, C]; the
+segment ids may carry leading batch dims. The runtime values the kernels read from refs
+(segment ids, lengths, a block's segment range) may be given as zero-argument callables:
+they are then read where the rule first needs them, which keeps each kernel's order of
+operations (and its compiled code) what it was when the rule lived inline.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels.tiles import cdiv, i32
+
+
+def _value(x):
+    """A runtime value given directly or as a callable that reads it."""
+    return x() if callable(x) else x
+
+
+def _both(a, b):
+    return b if a is None else a & b
+
+
+def _max(a, b):
+    """max of two int32 bounds: Python's for two Python ints (a bound known at trace time
+    stays a constant), else `jnp.maximum`."""
+    return max(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.maximum(a, b)
+
+
+def _min(a, b):
+    return min(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.minimum(a, b)
+
+
+# ---------------------------------------------------------------- element rules
+
+
+def default_shift(seq_q: int, seq_k: int) -> int:
+    """Where row 0 sits among the keys: S - T (bottom-right alignment)."""
+    return seq_k - seq_q
+
+
+def causal_visible(rows, cols, shift):
+    """bool [R, C]: key j is at or before row i's diagonal, j <= i + shift."""
+    return cols[None, :] <= rows[:, None] + shift
+
+
+def window_visible(rows, cols, window: tuple[int, int], shift):
+    """bool [R, C]: key j lies in row i's window, i' - left <= j <= i' + right."""
+    left, right = window
+    shifted = rows[:, None] + shift
+    return (cols[None, :] >= shifted - left) & (cols[None, :] <= shifted + right)
+
+
+def same_segment(q_ids, kv_ids):
+    """bool [..., R, C]: the row's and the key's segment ids are equal."""
+    return q_ids[..., :, None] == kv_ids[..., None, :]
+
+
+def feature_visible(rows, cols, *, shift, window=None, segments=None, q_len=None,
+                    kv_len=None):
+    """bool, broadcastable to [..., R, C], or None when no rule applies: the window, the
+    segments (`segments`: (q_ids [..., R], kv_ids [..., C]), or a callable giving them), and
+    the lengths (scalars, or callables; with batched ids, [B, 1] and [B, 1] columns) at rows
+    `rows` [R] and keys `cols` [C]. Causality and the mask are the callers' (they order
+    them before these, as the semantics do)."""
+    keep = None
+    if window is not None:
+        keep = window_visible(rows, cols, window, shift)
+    if segments is not None:
+        keep = _both(keep, same_segment(*_value(segments)))
+    if q_len is not None:
+        keep = _both(keep, (rows < _value(q_len))[..., :, None])
+    if kv_len is not None:
+        keep = _both(keep, (cols < _value(kv_len))[..., None, :])
+    return keep
+
+
+# ---------------------------------------------------------------- walks over blocks
+# The fused kernels walk key blocks of `bn` keys for a query block of `bm` rows (or query
+# blocks for a key block); the bounds below are int32 scalars, traced or not.
+
+
+def causal_kv_blocks(q_start, block_m: int, block_n: int, seq_q: int, seq_k: int, shift=None):
+    """For the query rows [q_start, q_start + block_m): (n_unmasked, n_total) key blocks.
+
+    Blocks [0, n_unmasked) are visible to every row of the tile; blocks [n_unmasked,
+    n_total) are partly visible and need the element-wise causal mask; later blocks are
+    skipped."""
+    shift = default_shift(seq_q, seq_k) if shift is None else shift
+    # Keys visible to the last (valid) row and to the first row, as counts >= 0,
+    # so the integer divisions below never see a negative operand.
+    keys_last_row = jnp.maximum(jnp.minimum(q_start + block_m - 1, seq_q - 1) + shift + 1, 0)
+    keys_first_row = jnp.maximum(q_start + shift + 1, 0)
+    n_total = jnp.minimum((keys_last_row + block_n - 1) // block_n, cdiv(seq_k, block_n))
+    n_unmasked = jnp.minimum(keys_first_row // block_n, n_total)
+    return n_unmasked, n_total
+
+
+def causal_q_blocks(kv_start, block_m: int, block_n: int, seq_q: int, seq_k: int):
+    """For the keys [kv_start, kv_start + block_n): (first, first_unmasked) query blocks.
+
+    Query blocks before `first` see none of these keys (skipped); blocks in
+    [first, first_unmasked) see some (element-wise causal mask); blocks from
+    `first_unmasked` on see all of them."""
+    shift = default_shift(seq_q, seq_k)
+    n_q = cdiv(seq_q, block_m)
+    first = jnp.minimum(jnp.maximum(kv_start - shift, 0) // block_m, n_q)
+    all_visible_from = jnp.maximum(kv_start + block_n - 1 - shift, 0)
+    first_unmasked = jnp.clip((all_visible_from + block_m - 1) // block_m, first, n_q)
+    return first, first_unmasked
+
+
+def kv_block_range(q_start, block_m: int, block_n: int, hi, *, seq_q: int, shift,
+                   window=None, kv_len=None, q_len=None, segment_range=None, lo=None):
+    """[lo, hi) of the key blocks that rows [q_start, q_start + block_m) can see, within
+    the caller's [lo, hi) (`lo` None: from 0): the window's band, the kv length, the
+    q length (a block past it sees nothing) and the block's segment range (`segment_range(i)`
+    reads its first (i = 0) or end (i = 1) key block, from `segment_block_ranges`)."""
+    lo_in = lo
+    lo = i32(0) if lo is None else i32(lo)
+    hi = i32(hi)
+    if window is not None:
+        left, right = window
+        first_row_key = shift if isinstance(q_start, int) and q_start == 0 else q_start + shift
+        window_lo = _max(first_row_key - left, 0) // block_n
+        lo = window_lo if lo_in is None else jnp.maximum(lo, window_lo)
+        last = _min(q_start + block_m - 1, seq_q - 1)
+        # The key after the last row's window: a static last row adds its 1 first, so a
+        # traced shift (paged decode) takes one add.
+        end = (last + 1) + shift + right if isinstance(last, int) else last + shift + right + 1
+        hi = jnp.minimum(hi, (_max(end, 0) + block_n - 1) // block_n)
+    if kv_len is not None:
+        hi = jnp.minimum(hi, (jnp.maximum(_value(kv_len), 0) + block_n - 1) // block_n)
+    if q_len is not None:
+        hi = jnp.where(q_start < _value(q_len), hi, lo)
+    if segment_range is not None:
+        lo = jnp.maximum(lo, segment_range(0))
+        hi = jnp.minimum(hi, segment_range(1))
+    return lo, jnp.maximum(hi, lo)
+
+
+def q_block_range(kv_start, block_m: int, block_n: int, lo, hi, *, seq_q: int, seq_k: int,
+                  window=None, q_len=None, kv_len=None, segment_range=None):
+    """[lo, hi) of the query blocks that see any of the keys [kv_start, kv_start + block_n),
+    within the caller's [lo, hi) (causality's, or all query blocks): the transpose of
+    `kv_block_range`, for the kernels that walk query blocks (dK, dV); `segment_range` is
+    the key block's range of query blocks."""
+    lo, hi = i32(lo), i32(hi)
+    shift = default_shift(seq_q, seq_k)
+    if window is not None:
+        left, right = window
+        # Row i sees key j iff j - shift - right <= i <= j - shift + left.
+        lo = jnp.maximum(lo, jnp.maximum(kv_start - shift - right, 0) // block_m)
+        last_key = jnp.minimum(kv_start + block_n - 1, seq_k - 1)
+        hi = jnp.minimum(hi, (jnp.maximum(last_key - shift + left + 1, 0) + block_m - 1)
+                         // block_m)
+    if q_len is not None:
+        hi = jnp.minimum(hi, (jnp.maximum(_value(q_len), 0) + block_m - 1) // block_m)
+    if kv_len is not None:
+        hi = jnp.where(kv_start < _value(kv_len), hi, lo)
+    if segment_range is not None:
+        lo = jnp.maximum(lo, segment_range(0))
+        hi = jnp.minimum(hi, segment_range(1))
+    return lo, jnp.maximum(hi, lo)
+
+
+def causal_tiles(n_q: int, n_kv: int, block_m: int, block_n: int, seq_q: int, seq_k: int):
+    """bool [n_q, n_kv]: whether tile (query block i, key block j) holds a key that
+    causality lets one of its rows see."""
+    # Tile (i, j) holds a visible key iff its first key j·bn is at most the limit of its
+    # last row, i·bm + bm - 1 + S - T. Clamping that row to T - 1 (rows past T are padding)
+    # would change nothing, as a tile's first key is below S; and the clamp, `jnp.minimum`,
+    # is what XLA miscompiled on the GPU (jax 0.11.2, H100: `0 <= min(i·bm + bm - 1, T - 1)
+    # + S - T` came out inverted at equality, e.g. T=276, S=1, dropping the only visible
+    # tile; the HLO after optimization was right, eager and CPU runs too; the repro is in
+    # docs/history.md).
+    last_row_limit = jnp.arange(n_q) * block_m + (block_m - 1 + default_shift(seq_q, seq_k))
+    return (jnp.arange(n_kv) * block_n)[None, :] <= last_row_limit[:, None]
+
+
+def segment_block_ranges(q_ids, kv_ids, *, block_m: int, block_n: int):
+    """int32 [B, nq, 2]: for each query block of `block_m` rows, the key blocks
+    [first, last + 1) of `block_n` keys whose id ranges (min to max) meet the block's
+    ([0, 0) where none does). A cheap XLA pass over the ids ([B, nq, nk] booleans, never
+    [T, S]); exact for contiguous (sorted) segments, a superset for others: the element
+    masks decide, the range only skips blocks."""
+    def block_min_max(ids, block):
+        b, n = ids.shape
+        blocks = cdiv(n, block)
+        padded = jnp.pad(ids, ((0, 0), (0, blocks * block - n)), mode="edge")
+        padded = padded.reshape(b, blocks, block)
+        return padded.min(axis=-1), padded.max(axis=-1)
+    q_min, q_max = block_min_max(q_ids, block_m)
+    k_min, k_max = block_min_max(kv_ids, block_n)
+    meet = (k_min[:, None, :] <= q_max[:, :, None]) & (k_max[:, None, :] >= q_min[:, :, None])
+    n_k = meet.shape[-1]
+    any_meet = meet.any(axis=-1)
+    first = jnp.argmax(meet, axis=-1)
+    last = n_k - 1 - jnp.argmax(meet[..., ::-1], axis=-1)
+    lo = jnp.where(any_meet, first, 0)
+    hi = jnp.where(any_meet, last + 1, 0)
+    return jnp.stack([lo, hi], axis=-1).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------- static spans of keys
+# The chunked tier plans its blocks of rows at trace time, in Python integers.
+
+
+def right_reach(causal: bool, window) -> int | None:
+    """How far right of its diagonal i' a row sees: 0 under causality, the window's right
+    size, the smaller of both, or None (no limit)."""
+    reach = 0 if causal else None
+    if window is not None:
+        reach = window[1] if reach is None else min(reach, window[1])
+    return reach
+
+
+def key_limit(r1: int, *, seq_q: int, seq_k: int, causal: bool, window) -> int:
+    """Keys [0, limit) that rows [., r1) can see: causality and the window's right side hide
+    the rest."""
+    reach = right_reach(causal, window)
+    if reach is None:
+        return seq_k
+    return max(0, min(seq_k, r1 + default_shift(seq_q, seq_k) + reach))
+
+
+def band_keys(rows: int, *, seq_k: int, causal: bool, window) -> int:
+    """How many keys a block of `rows` rows sees under the window: its band's width (all
+    of S when the band is that wide)."""
+    if window is None:
+        return seq_k
+    return min(seq_k, rows + window[0] + right_reach(causal, window))
+
+
+def band_start(r0, keys: int, *, seq_q: int, seq_k: int, window):
+    """The first key of the band of `keys` keys that rows from `r0` (int or traced) see:
+    the left end of the window of row r0, moved left where the band would pass S (so that
+    the band stays in range and still holds every key the rows see)."""
+    start = r0 + default_shift(seq_q, seq_k) - window[0]
+    if isinstance(start, int):
+        return max(0, min(start, seq_k - keys))
+    return jnp.clip(start, 0, seq_k - keys)
+
+
+def rows_see_a_key(r0: int, rows: int, *, seq_q: int, seq_k: int, causal: bool,
+                   window) -> bool:
+    """Whether any of rows [r0, r0 + rows) sees a key by causality and the window."""
+    limit = key_limit(r0 + rows, seq_q=seq_q, seq_k=seq_k, causal=causal, window=window)
+    if window is not None:  # the first key of the block's last row's window
+        return limit > 0 and r0 + rows - 1 + default_shift(seq_q, seq_k) - window[0] < seq_k
+    return limit > 0

@@ -1,0 +1,315 @@
+"""The dispatcher: which tier runs each direction of a call, and every kernel's config.
+
+One place decides, for the run (`plan`) and for `python -m ffpa_jax.info` (`explain`) alike:
+
+1. `implementation=` names a tier of the registry (`pallas_kernels.tiers.TIERS`): that tier,
+   if it runs here and serves the problem; else a ValueError that says why.
+2. `implementation=None` without an NVIDIA GPU: Pallas' interpreter with `interpret=True`;
+   else the chunked tier where the dense logits would pass its workspace budget, and XLA's
+   dense path below it.
+3. `implementation=None` on an NVIDIA GPU, each direction by the first rule that applies:
+   - a sliding window narrow enough for the fused kernels' tile skipping (`narrow_window`);
+   - the decode shapes' forward: the fused tier's split-KV decode kernels;
+   - the tier the device's tuned file names for the nearest problem (its "tier" field);
+   - the built-in rule (`built_in_tier`).
+   A tier that cannot serve the problem (`Tier.unsupported`) or does not run here passes
+   the direction to the next tier of the registry that can; the explanation says why.
+Then each chosen tier fills the plan with its kernels' configs (`Tier.configs`): the runtime
+autotune's winner, else the tuned entry, else the built-in default (`select.kernel_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax.numpy as jnp
+
+from pallas_kernels import chunked_plan, fused, tiers
+from pallas_kernels.plan import Plan, Target
+from pallas_kernels.problem import Problem
+from pallas_kernels.tiers import TIERS, Tier
+from tuning import device as devices
+from tuning.lookup import explain_entry
+from tuning.select import kernel_config, lookup_fields
+
+# The names `implementation=` accepts (None: the dispatcher's choice).
+IMPLEMENTATIONS: tuple[str | None, ...] = (None,) + tuple(tier.name for tier in TIERS)
+DIRECTIONS = ("forward", "backward")
+
+# (kernel name, problem) -> a config dict that replaces the tuned/default one, or None.
+Override = Callable[[str, Problem], "dict | None"]
+
+# The kernel whose tuned entry carries a direction's "tier" field.
+TIER_KERNELS = {"forward": fused.FWD_GENERIC.name, "backward": fused.BWD_GENERIC_DKDV.name}
+
+# A sliding window whose band is at most 1/NARROW_WINDOW_RATIO of the keys runs both
+# directions on the fused kernels, up to NARROW_WINDOW_MAX_HEADDIM: they skip hidden tiles at
+# their own tile width, where the chunked tier's query blocks read their rows' whole band
+# (the tuned tiers were measured without windows; docs/benchmarks.md has the A/B).
+NARROW_WINDOW_RATIO = 8
+NARROW_WINDOW_MAX_HEADDIM = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """The device a call is planned for: JAX's (`Device.current`), or one named for
+    `info` (`--device-name`)."""
+
+    nvidia_gpu: bool
+    name: str | None = None
+    compute_capability: str | None = None
+    multiprocessors: int = devices.DEFAULT_MULTIPROCESSORS
+
+    @classmethod
+    def current(cls) -> "Device":
+        if not devices.default_backend_is_nvidia_gpu():
+            return cls(nvidia_gpu=False)
+        name, capability = devices.current_device()
+        return cls(nvidia_gpu=True, name=name, compute_capability=capability,
+                   multiprocessors=devices.multiprocessor_count())
+
+    def lookup_keys(self) -> dict:
+        """The tuned lookup's device keywords (None: JAX's own device)."""
+        return dict(device_name=self.name, compute_capability=self.compute_capability)
+
+
+@dataclasses.dataclass(frozen=True)
+class TierChoice:
+    """The tier of one direction, and why."""
+
+    tier: str
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """What a call runs and why: the tier of each direction, the tiers passed over (by
+    name, with the reason), and the plan, whose kernels carry their configs' reasons."""
+
+    forward: TierChoice
+    backward: TierChoice
+    passed_over: tuple[tuple[str, str], ...]
+    plan: Plan
+
+    def choice(self, direction: str) -> TierChoice:
+        return self.forward if direction == "forward" else self.backward
+
+
+def runs_here(tier: Tier, device: Device, interpret: bool) -> str | None:
+    """Why `tier` cannot run on `device` (None: it can)."""
+    if tier.runs_on == tiers.ANYWHERE:
+        return None
+    if device.nvidia_gpu and not interpret:
+        return None
+    if interpret and tier.interpretable:
+        return None
+    return (f"needs {tier.runs_on}" + (" (its kernels do not run in Pallas' interpreter)"
+                                       if interpret else ""))
+
+
+def narrow_window(problem: Problem) -> bool:
+    """Whether a window is narrow enough for the fused kernels' tile skipping to win (see
+    NARROW_WINDOW_RATIO)."""
+    band = problem.window_band
+    return (band is not None and problem.headdim <= NARROW_WINDOW_MAX_HEADDIM
+            and band * NARROW_WINDOW_RATIO <= problem.seq_k)
+
+
+def built_in_tier(direction: str, problem: Problem) -> tuple[Tier, str]:
+    """The tier a direction runs on without a tuned entry: the chunked tier's GEMMs beat the
+    fused kernels' register-bound head-dim slices above D = 256 in the forward and from
+    D = 256 in the backward (H200, bf16, docs/benchmarks.md); float32 keeps the fused
+    kernels, whose backward recomputes its own normalised P exactly."""
+    if problem.natural:
+        return tiers.PALLAS, "built-in rule: float32 runs the fused kernels"
+    if direction == "forward":
+        chunked = problem.headdim > 256
+        rule = "above D = 256" if chunked else "up to D = 256"
+    else:
+        chunked = problem.headdim >= 256
+        rule = "from D = 256" if chunked else "below D = 256"
+    tier = tiers.CHUNKED if chunked else tiers.PALLAS
+    return tier, f"built-in rule: {tier.name} {rule} in the {direction}"
+
+
+def tuned_tier(direction: str, problem: Problem, device: Device) -> tuple[Tier | None, str]:
+    """(the tier the matched tuned entry names, why), or (None, why not)."""
+    found, where = explain_entry(direction, TIER_KERNELS[direction], **device.lookup_keys(),
+                                 **lookup_fields(problem, direction))
+    if found is None:
+        return None, where
+    name = found.entry.get("tier")
+    if name in tiers.BY_NAME:
+        return tiers.BY_NAME[name], f"tuned entry ({where})"
+    return None, f"the matched entry ({where}) names no tier"
+
+
+def _rule(direction: str, problem: Problem, device: Device) -> tuple[Tier, str]:
+    """The GPU's first applicable rule for `direction` (step 3 of the module docstring)."""
+    if narrow_window(problem):
+        return tiers.PALLAS, (f"a window of at most 1/{NARROW_WINDOW_RATIO} of the keys: the "
+                              "fused kernels skip the hidden tiles")
+    if direction == "forward" and fused.uses_decode(problem):
+        return tiers.PALLAS, (f"decode shape (T <= {fused.DECODE_MAX_QUERIES} queries against "
+                              f">= {fused.DECODE_MIN_KEYS} keys): the decode kernels")
+    tier, why = tuned_tier(direction, problem, device)
+    if tier is not None:
+        return tier, why
+    tier, rule = built_in_tier(direction, problem)
+    return tier, f"{rule} ({why})"
+
+
+def _off_gpu(problem: Problem, interpret: bool) -> tuple[Tier, str]:
+    """The tier of both directions without an NVIDIA GPU (step 2 of the module docstring)."""
+    if interpret:
+        return tiers.PALLAS, "interpret=True: the Pallas kernels in Pallas' interpreter"
+    dense_bytes = dense_logits_bytes(problem)
+    budget = chunked_plan.budget_from_env()
+    if dense_bytes > budget:
+        return tiers.CHUNKED, (f"no NVIDIA GPU, and the dense logits ({dense_bytes / 2**20:.0f} "
+                               f"MiB in float32) pass the chunked tier's workspace budget "
+                               f"({budget / 2**20:g} MiB, ${chunked_plan.BUDGET_ENV})")
+    return tiers.XLA, "no NVIDIA GPU: the dense plain-JAX path"
+
+
+def _serving(tier: Tier, direction: str, problem: Problem, device: Device, interpret: bool,
+             passed_over: list) -> Tier:
+    """`tier`, or the first tier after it in the registry that runs here and serves
+    `direction` of `problem` (each one passed over noted with why)."""
+    order = TIERS[TIERS.index(tier):]
+    for candidate in order:
+        reason = runs_here(candidate, device, interpret)
+        missing = candidate.unsupported(problem, direction)
+        if reason is None and not missing:
+            return candidate
+        why = reason or f"does not implement {', '.join(missing)} in the {direction}"
+        passed_over.append((candidate.name, why))
+    return tiers.XLA
+
+
+def _explicit(name: str, problem: Problem, device: Device, interpret: bool) -> Tier:
+    """The tier `implementation=name` names, or a ValueError saying why it cannot run."""
+    tier = tiers.BY_NAME[name]
+    reason = runs_here(tier, device, interpret)
+    if reason is not None:
+        hint = (" Pass interpret=True to run its kernels in Pallas' interpreter (slow; for "
+                "tests)," if tier.interpretable and not interpret else "")
+        raise ValueError(
+            f"implementation={name!r} {reason}, and the default JAX backend is not one."
+            f"{hint} or pass implementation=None (the dispatcher's choice) or 'xla'.")
+    for direction in DIRECTIONS:
+        missing = tier.unsupported(problem, direction)
+        if missing:
+            raise ValueError(
+                f"implementation={name!r} does not support {', '.join(missing)} in the "
+                f"{direction}. Pass implementation=None (another tier then runs it) or "
+                "'chunked' (same results, bounded memory), or 'xla'.")
+    return tier
+
+
+def explain(problem: Problem, implementation: str | None = None, *, interpret: bool = False,
+            device: Device | None = None, override: Override | None = None) -> Explanation:
+    """What a call of `problem` with `implementation` runs on `device` (default: JAX's), and
+    why; its `plan` is what the call runs. `override` (runtime autotune) may replace any
+    kernel's config."""
+    device = Device.current() if device is None else device
+    passed_over: list[tuple[str, str]] = []
+    if implementation is not None:
+        if implementation not in tiers.BY_NAME:
+            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}; got "
+                             f"{implementation!r}")
+        tier = _explicit(implementation, problem, device, interpret)
+        chosen = {d: (tier, f"implementation={implementation!r}") for d in DIRECTIONS}
+    elif not device.nvidia_gpu or interpret:
+        tier, why = _off_gpu(problem, interpret)
+        chosen = {d: (tier, why) for d in DIRECTIONS}
+    else:
+        chosen = {}
+        for direction in DIRECTIONS:
+            tier, why = _rule(direction, problem, device)
+            served = _serving(tier, direction, problem, device, interpret, passed_over)
+            if served is not tier:
+                why = f"{why}; {tier.name} passed over, {served.name} runs it"
+            chosen[direction] = (served, why)
+    dense = [(tier, why) for tier, why in chosen.values() if tier.differentiated_by_jax]
+    if dense:
+        # JAX differentiates that tier's forward itself: both directions are that tier's.
+        chosen = {d: dense[0] for d in DIRECTIONS}
+    plan = _configured(problem, {d: tier for d, (tier, _) in chosen.items()}, interpret,
+                       device, override)
+    return Explanation(forward=TierChoice(chosen["forward"][0].name, chosen["forward"][1]),
+                       backward=TierChoice(chosen["backward"][0].name, chosen["backward"][1]),
+                       passed_over=tuple(passed_over), plan=plan)
+
+
+def plan(problem: Problem, implementation: str | None = None, *, interpret: bool = False,
+         override: Override | None = None) -> Plan:
+    """The plan of a call on JAX's device (`explain`'s)."""
+    return explain(problem, implementation, interpret=interpret, override=override).plan
+
+
+def _configured(problem: Problem, chosen, interpret: bool, device: Device,
+                override: Override | None = None) -> Plan:
+    """The plan of `chosen` ({direction: tier}) with its tiers' kernels' configs."""
+    target = Target(nvidia_gpu=device.nvidia_gpu, interpret=interpret,
+                    multiprocessors=device.multiprocessors)
+    kernels = {}
+    for direction in DIRECTIONS:
+        for choice in chosen[direction].configs(problem, direction, _lookup(problem, device,
+                                                                            override), target):
+            kernels.setdefault((choice.kernel, choice.direction), choice)
+    return Plan(problem=problem, forward_tier=chosen["forward"].name,
+                backward_tier=chosen["backward"].name, kernels=tuple(kernels.values()),
+                interpret=interpret)
+
+
+def _lookup(problem: Problem, device: Device, override: Override | None):
+    """kernel -> (config dict, why): the override's, else the tuned entry's or default."""
+    def lookup(kernel: str):
+        found = None if override is None else override(kernel, problem)
+        if found is not None:
+            return found, "runtime autotune (autotune=...)"
+        return kernel_config(kernel, problem, **device.lookup_keys())
+    return lookup
+
+
+def plan_for_tiers(problem: Problem, forward: str, backward: str, *,
+                   interpret: bool = False) -> Plan:
+    """A plan with the given tiers, their configs as a call would take them (the tier
+    autotuner and the A/B scripts measure tiers this way)."""
+    chosen = {"forward": tiers.BY_NAME[forward], "backward": tiers.BY_NAME[backward]}
+    return _configured(problem, chosen, interpret, Device.current())
+
+
+def paged_decode_configs(problem: Problem, *, interpret: bool = False):
+    """The paged decode kernels' config for `problem` (one query per sequence against
+    pages_per_seq · page keys), whatever the decode rule says of S: the `DecodeConfig` of
+    both stages."""
+    device = Device.current()
+    target = Target(nvidia_gpu=device.nvidia_gpu, interpret=interpret,
+                    multiprocessors=device.multiprocessors)
+    return fused.decode_configs(problem, _lookup(problem, device, None), target)[0].config
+
+
+def paged_decode_kernels(implementation: str | None, *, interpret: bool = False,
+                         device: Device | None = None) -> bool:
+    """Whether `paged_attention` runs the fused tier's paged decode kernels (else the dense
+    tier over the gathered pages): `implementation` None takes them where they run, "pallas"
+    insists (a ValueError where they cannot run), "xla" declines."""
+    device = Device.current() if device is None else device
+    if implementation == tiers.XLA.name:
+        return False
+    reason = runs_here(tiers.PALLAS, device, interpret)
+    if implementation == tiers.PALLAS.name and reason is not None:
+        raise ValueError(f"implementation={implementation!r} {reason}, and the default JAX "
+                         "backend is not one. Pass interpret=True to run its kernels in "
+                         "Pallas' interpreter (slow; for tests), or implementation=None or "
+                         "'xla'.")
+    return reason is None
+
+
+def dense_logits_bytes(problem: Problem) -> int:
+    """Bytes of the [B, Hq, T, S] float32 logits the dense path materialises."""
+    return problem.batch * problem.heads_q * problem.seq_q * problem.seq_k * jnp.dtype(
+        jnp.float32).itemsize
