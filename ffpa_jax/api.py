@@ -133,7 +133,6 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
 @functools.partial(jax.jit, static_argnames=("plan",), inline=True)
 def _compute(inputs: Inputs, *, plan):
     """(out, lse) of batched inputs on the plan's tiers."""
-    tier = tiers.BY_NAME[plan.forward_tier]
-    if tier.differentiated_by_jax:
-        return tier.forward(plan, inputs)
+    if tiers.BY_NAME[plan.forward_tier].differentiated_by_jax:
+        return tiers.forward(plan, inputs)
     return vjp.attention(plan, inputs)

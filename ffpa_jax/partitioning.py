@@ -56,13 +56,13 @@ from pallas_kernels.problem import Cotangents, FeatureArrays, Inputs, Saved
 QKV = "qkv"    # [B, L, H, D]: batch dim 0, heads dim 2
 BM = "bm"      # bias/mask [B|1, Hq|1, T|1, S|1]
 LSE = "lse"    # [B, Hq, T]
-REP = "rep"    # replicated (the dropout seed)
+REP = "rep"    # replicated (the dropout seed, a block's positions)
 SEQ_Q = "seq_q"  # q_segment_ids [B, T]
 SEQ_K = "seq_k"  # kv_segment_ids [B, S]
 PER_BATCH = "per_batch"  # sequence lengths [B]
 PER_HEAD = "per_head"  # sinks [Hq]
 # The roles of `FeatureArrays`' fields, in its order.
-FEATURE_ROLES = (SEQ_Q, SEQ_K, PER_BATCH, PER_BATCH, PER_HEAD)
+FEATURE_ROLES = (SEQ_Q, SEQ_K, PER_BATCH, PER_BATCH, PER_HEAD, REP)
 
 _NEED_REPLICATION = ("t", "s", "d", "e")
 

@@ -90,9 +90,9 @@ def _attention_bwd(plan: Plan, residuals, cotangents):
     d_sinks = None
     if features.sinks is not None:
         d_sinks = sinks_grad(features.sinks, saved.out, saved.lse, d_out, d_lse)
-    # ids and lengths get no gradient; the mask and the seed neither.
+    # ids, lengths and positions get no gradient; the mask and the seed neither.
     d_features = features._replace(q_segment_ids=None, kv_segment_ids=None, q_lengths=None,
-                                   kv_lengths=None, sinks=d_sinks)
+                                   kv_lengths=None, sinks=d_sinks, positions=None)
     return (Inputs(dq, dk, dv, dbias, None, None, d_features),)
 
 

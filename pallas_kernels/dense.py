@@ -11,16 +11,22 @@ from pallas_kernels.reference import mha_reference
 
 
 def forward(plan: Plan, inputs: Inputs):
-    """(out [B, T, Hq, Dv] in q's dtype, lse [B, Hq, T]) of batched inputs."""
+    """(out [B, T, Hq, Dv] in q's dtype, lse [B, Hq, T]) of batched inputs (their lengths
+    the block's own where `positions` place them in a longer sequence: `tiers.forward`)."""
     problem = plan.problem
     q, k, v, bias, mask, seed, features = inputs
+    row0 = col0 = shift = 0
+    if features.positions is not None:
+        row0, col0, shift = features.positions[0], features.positions[1], features.positions[2]
     keep = None
     if seed is not None:
         shape = (q.shape[0], problem.heads_q, problem.seq_q, problem.seq_k)
-        keep = keep_mask_reference(seed, shape, problem.dropout_rate)
+        keep = keep_mask_reference(seed, shape, problem.dropout_rate,
+                                   offsets=(0, 0, row0, col0))
     return mha_reference(q, k, v, bias, mask, scale=problem.scale, is_causal=problem.causal,
                          keep_mask=keep, dropout_rate=problem.dropout_rate,
                          window=problem.window, softcap=problem.softcap,
                          q_segment_ids=features.q_segment_ids,
                          kv_segment_ids=features.kv_segment_ids, q_lengths=features.q_lengths,
-                         kv_lengths=features.kv_lengths, sinks=features.sinks)
+                         kv_lengths=features.kv_lengths, sinks=features.sinks,
+                         shift=None if features.positions is None else shift)

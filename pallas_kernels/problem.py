@@ -49,6 +49,9 @@ class Problem:
     q_lengths: bool = False  # query_seq_lengths [B] given
     kv_lengths: bool = False  # key_value_seq_lengths [B] given
     sinks: bool = False  # per-head sink logits [Hq] given
+    # The arrays are a block of a longer sequence (context parallelism): runtime positions
+    # place its rows and keys in the whole (`FeatureArrays.positions`).
+    positions: bool = False
     # The caller returns lse: the fused forward then rounds q·kᵀ per head-dim chunk, which
     # keeps lse within XLA's error at large D and costs speed (numerics.contract_chunks).
     return_lse: bool = False
@@ -72,7 +75,8 @@ class Problem:
                    softcap=None if softcap is None else float(softcap),
                    segment_ids=f.q_segment_ids is not None,
                    q_lengths=f.q_lengths is not None, kv_lengths=f.kv_lengths is not None,
-                   sinks=f.sinks is not None, return_lse=return_lse)
+                   sinks=f.sinks is not None, positions=f.positions is not None,
+                   return_lse=return_lse)
 
     def sized(self, inputs: "Inputs") -> "Problem":
         """This problem with the shapes of `inputs` (batched q/k/v, 4-D bias/mask), which
@@ -154,6 +158,11 @@ class FeatureArrays(NamedTuple):
     q_lengths: Any = None  # int32 [B]: rows i >= q_lengths[b] see no key
     kv_lengths: Any = None  # int32 [B]: keys j >= kv_lengths[b] are seen by no row
     sinks: Any = None  # float32 [Hq]: a logit in each row's denominator, without a value
+    # int32 [3] (row0, col0, shift): the arrays' rows and keys are a block of a longer
+    # sequence, local row i being global row row0 + i and local key j global key col0 + j;
+    # shift = row0 - col0 + (S - T) of the whole sequence, so that row i's diagonal is local
+    # key i + shift (causality and the window), and dropout draws at global indices.
+    positions: Any = None
 
     def without_sinks(self) -> "FeatureArrays":
         """The visibility arrays alone (what the probabilities' recomputation reads: lse

@@ -37,32 +37,38 @@ def accumulation_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
 
 
-def causal_keep(t: int, s: int, rows=None, cols=None) -> jax.Array:
+def _shift(t: int, s: int, shift):
+    return visibility.default_shift(t, s) if shift is None else shift
+
+
+def causal_keep(t: int, s: int, rows=None, cols=None, shift=None) -> jax.Array:
     """bool [T, S]: query i sees key j iff j <= i + (S - T) (bottom-right aligned); at the
-    query rows `rows` and key columns `cols` only when given ([R, C])."""
+    query rows `rows` and key columns `cols` only when given ([R, C]); `shift` (may be
+    traced) replaces S - T for a block of a longer sequence (`FeatureArrays.positions`)."""
     rows = jnp.arange(t) if rows is None else jnp.asarray(rows)
     cols = jnp.arange(s) if cols is None else jnp.asarray(cols)
-    return visibility.causal_visible(rows, cols, visibility.default_shift(t, s))
+    return visibility.causal_visible(rows, cols, _shift(t, s, shift))
 
 
-def window_keep(t: int, s: int, window: tuple[int, int], rows=None, cols=None) -> jax.Array:
+def window_keep(t: int, s: int, window: tuple[int, int], rows=None, cols=None,
+                shift=None) -> jax.Array:
     """bool [T, S] (or [R, C] at `rows`, `cols`): query i sees key j iff
     i' - left <= j <= i' + right, i' = i + (S - T) (bottom-right aligned, as causality; the
-    same as jax.nn's window when T == S)."""
+    same as jax.nn's window when T == S); `shift` as in `causal_keep`."""
     rows = jnp.arange(t) if rows is None else jnp.asarray(rows)
     cols = jnp.arange(s) if cols is None else jnp.asarray(cols)
-    return visibility.window_visible(rows, cols, window, visibility.default_shift(t, s))
+    return visibility.window_visible(rows, cols, window, _shift(t, s, shift))
 
 
 def feature_keep(t: int, s: int, rows, cols, *, window=None, q_segment_ids=None,
-                 kv_segment_ids=None, q_lengths=None, kv_lengths=None):
+                 kv_segment_ids=None, q_lengths=None, kv_lengths=None, shift=None):
     """bool [B|1, 1, R, C], or None: which of the query rows `rows` (global positions, [R])
     see which keys `cols` ([C]) by the window, the segments and the padding lengths. The
     ids are the rows' and columns' own ([B, R] and [B, C]: a block's slice, never [T, S]);
-    lengths [B]."""
+    lengths [B]; `shift` as in `causal_keep`."""
     segments = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
     keep = visibility.feature_visible(
-        jnp.asarray(rows), jnp.asarray(cols), shift=visibility.default_shift(t, s),
+        jnp.asarray(rows), jnp.asarray(cols), shift=_shift(t, s, shift),
         window=window, segments=segments,
         q_len=None if q_lengths is None else q_lengths[:, None],
         kv_len=None if kv_lengths is None else kv_lengths[:, None])
@@ -129,14 +135,17 @@ def softmax(scores, visible=None, sink=None) -> tuple[jax.Array, jax.Array]:
 def mha_reference(q, k, v, bias=None, mask=None, *, scale: float, is_causal: bool = False,
                   keep_mask=None, dropout_rate: float = 0.0, window=None, softcap=None,
                   q_segment_ids=None, kv_segment_ids=None, q_lengths=None, kv_lengths=None,
-                  sinks=None):
+                  sinks=None, shift=None):
     """Attention output [B, T, Hq, Dv] (dtype of q) and lse [B, Hq, T] (accumulation dtype).
 
     `keep_mask` (bool, broadcastable to [B, Hq, T, S]) applies dropout with rate
     `dropout_rate` to the normalised probabilities; lse stays undropped.
     `window` (left, right), `softcap` c, `q_segment_ids` [B, T] with `kv_segment_ids`
     [B, S], `q_lengths` / `kv_lengths` [B] and `sinks` [Hq]: the features of
-    `ffpa_jax.attention` (docs/design.md); lse counts the sink.
+    `ffpa_jax.attention` (docs/design.md); lse counts the sink. `shift` (may be traced)
+    places row i's diagonal at key i + shift instead of i + S - T: the rows and keys are
+    a block of a longer sequence (`FeatureArrays.positions`; the lengths are then the
+    block's own).
     Rows with no key left give output 0 and lse -inf (lse = the sink with sinks).
     """
     b, t, hq, _ = q.shape
@@ -145,11 +154,11 @@ def mha_reference(q, k, v, bias=None, mask=None, *, scale: float, is_causal: boo
     logits = soft_cap(attention_logits(q, k, bias, scale=scale), softcap)
     visible = None if mask is None else jnp.reshape(mask, (1,) * (4 - mask.ndim) + mask.shape)
     if is_causal:
-        causal = causal_keep(t, s)[None, None]
+        causal = causal_keep(t, s, shift=shift)[None, None]
         visible = causal if visible is None else visible & causal
     keep = feature_keep(t, s, jnp.arange(t), jnp.arange(s), window=window,
                         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                        q_lengths=q_lengths, kv_lengths=kv_lengths)
+                        q_lengths=q_lengths, kv_lengths=kv_lengths, shift=shift)
     if keep is not None:
         visible = keep if visible is None else visible & keep
     sink = None if sinks is None else jnp.asarray(sinks).astype(acc)[None, :, None]

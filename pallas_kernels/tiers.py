@@ -117,9 +117,22 @@ def forward(plan: Plan, inputs: Inputs):
     """(out, lse[, lse_lo]) of the plan's forward tier. Every array of `inputs` has batch as
     dim 0 and heads as dim 2 (q/k/v) or dim 1 (bias/mask): a sharding wrapper partitions
     this function."""
-    return BY_NAME[plan.forward_tier].forward(plan, inputs)
+    return BY_NAME[plan.forward_tier].forward(plan, _local_lengths(inputs))
 
 
 def backward(plan: Plan, inputs: Inputs, saved: Saved, cotangents: Cotangents):
     """(dq, dk, dv, dbias) of the plan's backward tier."""
-    return BY_NAME[plan.backward_tier].backward(plan, inputs, saved, cotangents)
+    return BY_NAME[plan.backward_tier].backward(plan, _local_lengths(inputs), saved, cotangents)
+
+
+def _local_lengths(inputs: Inputs) -> Inputs:
+    """Inputs whose lengths count the block's own rows and keys: for a block of a longer
+    sequence (`FeatureArrays.positions`), global row row0 + i is within q_len iff local row
+    i < q_len - row0 (keys likewise), so no tier needs to know the block's place for them."""
+    f = inputs.features
+    if f.positions is None or (f.q_lengths is None and f.kv_lengths is None):
+        return inputs
+    row0, col0 = f.positions[0], f.positions[1]
+    return inputs._replace(features=f._replace(
+        q_lengths=None if f.q_lengths is None else f.q_lengths - row0,
+        kv_lengths=None if f.kv_lengths is None else f.kv_lengths - col0))
