@@ -80,19 +80,18 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
         the Pallas path the forward then sums q·kᵀ over head-dim chunks in float32,
         which keeps lse as accurate as XLA's at large D and is slower there (up to
         1.6x the forward time at D >= 512; see docs/benchmarks.md).
-      implementation: None, "pallas", "chunked" or "xla". None on an NVIDIA GPU runs each
-        direction on the tier measured fastest for this device and shape (the tuned
-        configs' "tier" field, else a built-in rule: see `tiers`), and XLA elsewhere.
-        "pallas": the fused Pallas kernels. "chunked": large GEMMs over blocks of queries
-        and keys, with a bounded workspace ($FFPA_CHUNKED_BUDGET_MIB, 4096 by default); it
-        runs anywhere (plain XLA without a GPU, same blocks). "xla": the dense plain-JAX path.
+      implementation: None, or the name of a tier to force. None on an NVIDIA GPU runs
+        each direction on the tier measured fastest for this device and shape (the tuned
+        configs' "tier" field, else a built-in rule: `tuning.dispatch`); without one, XLA's
+        dense path (the chunked tier where the dense logits would pass its workspace
+        budget, $FFPA_CHUNKED_BUDGET_MIB, 4096 MiB by default). `python -m ffpa_jax.info`
+        says which tier runs and why. The tiers: {tiers}.
       interpret: run the Pallas kernels in Pallas' interpreter (CPU testing).
       autotune: None (default: tuned-config files, else built-in configs), "fast" or
         "max": when the call is traced, benchmark each kernel's candidate configs for
         this exact shape on the current GPU and use the fastest correct one (cached
-        per process; needs a GPU, else a one-time warning). On the XLA path
-        (implementation="xla", or None without an NVIDIA GPU) there is nothing to tune:
-        it is ignored with a one-time warning. See docs/tuning.md.
+        per process; needs a GPU, else a one-time warning). On the dense tier there is
+        nothing to tune: it is ignored with a one-time warning. See docs/tuning.md.
 
     Returns:
       out [B, T, Hq, Dv] in query's dtype, or (out, lse) when return_lse is True.
@@ -111,6 +110,7 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         sinks=sinks)
     problem, batched = call.problem, call.batched
+    plan = plan_for(problem, implementation, interpret=interpret, autotune=call.autotune)
     features = validation.feature_arrays(
         batched, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
@@ -119,11 +119,14 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
     seed = seed_from_key(dropout_rng) if problem.dropout_rate > 0.0 else None
     inputs = Inputs(q, k, v, validation.as_4d(bias, batched), validation.as_4d(mask, batched),
                     seed, features)
-    plan = plan_for(problem, implementation, interpret=interpret, autotune=call.autotune)
     out, lse = _compute(inputs, plan=plan)
     if not batched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out
+
+
+attention.__doc__ = attention.__doc__.replace("{tiers}", ", ".join(
+    f"{tier.name!r} ({tier.summary})" for tier in tiers.TIERS))
 
 
 # One jitted program per call signature: an eager call (a notebook's) compiles the whole

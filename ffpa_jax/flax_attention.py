@@ -46,7 +46,7 @@ here (ffpa_jax's rule), while Flax fills masked logits with the dtype's minimum
 and returns the mean of the values for such a row.
 
 Keyword-only extras, forwarded to `ffpa_jax.attention`: `scale`,
-`implementation` ("pallas", "chunked", "xla" or None) and `interpret`, and the
+`implementation` (None or a tier's name, as in `ffpa_jax.attention`) and `interpret`, and the
 language-model features Flax's attention_fn interface has no argument for (set them with
 functools.partial, or a lambda for per-batch data): `local_window_size`,
 `logits_soft_cap`, `sinks`, `q_segment_ids` / `kv_segment_ids` ([batch..., T] /

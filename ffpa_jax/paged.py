@@ -43,8 +43,9 @@ def paged_attention(query: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       logits_soft_cap: c > 0: logits = c * tanh(logits / c).
       sinks: float [Hq]: a per-head logit in each row's denominator, without a value.
       return_lse: also return the log-sum-exp of the logits, [B, Hq] float32.
-      implementation: None (the Pallas decode kernels on an NVIDIA GPU, XLA elsewhere),
-        "pallas" or "xla" (gathers the pages into a contiguous cache first).
+      implementation: None (the fused tier's paged decode kernels on an NVIDIA GPU, the
+        dense tier elsewhere), or one of those two tiers' names ({names}; the dense tier
+        gathers the pages into a contiguous cache first).
       interpret: run the Pallas kernels in Pallas' interpreter (CPU testing).
 
     Returns:
@@ -60,7 +61,7 @@ def paged_attention(query: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     tables = jnp.asarray(block_tables).astype(jnp.int32)
     lens = jnp.asarray(lengths).astype(jnp.int32)
     sink_logits = None if sinks is None else jnp.asarray(sinks).astype(jnp.float32)
-    # The paged decode kernels on an NVIDIA GPU or when interpreting (an explicit "pallas"
+    # The paged decode kernels on an NVIDIA GPU or when interpreting (an explicit fused tier
     # elsewhere is refused there), the dense path otherwise.
     if not tuning.dispatch.paged_decode_kernels(implementation, interpret=interpret):
         out, lse = _paged_reference(q, k_pages, v_pages, tables, lens, problem, sink_logits)
@@ -71,6 +72,10 @@ def paged_attention(query: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
             num_splits=config.num_splits, interpret=interpret, sinks=sink_logits)
     out, lse = out[:, 0], lse[:, :, 0]
     return (out, lse) if return_lse else out
+
+
+paged_attention.__doc__ = paged_attention.__doc__.replace(
+    "{names}", ", ".join(repr(n) for n in validation.PAGED_IMPLEMENTATIONS if n))
 
 
 def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:

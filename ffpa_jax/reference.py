@@ -1,4 +1,4 @@
-"""The plain-JAX attention, the `"xla"` implementation: `pallas_kernels.reference`, the one
+"""The plain-JAX attention, the dense tier's computation: `pallas_kernels.reference`, the one
 reference of the project (the tests', the bench's and the autotuner's too), under the name
 the XLA path and the Flax adapter import it by."""
 

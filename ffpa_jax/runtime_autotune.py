@@ -18,7 +18,7 @@ Notes:
 - Without a GPU (Pallas' interpreter, `interpret=True`, or a CPU backend) it
   returns None after one warning per process: timings of interpreted kernels
   mean nothing, so the tuned/default config is used instead.
-- A call that runs the XLA path (implementation="xla", or None without an NVIDIA
+- A call that runs the XLA path (the dense tier, or implementation=None without an NVIDIA
   GPU) has no launch configs to tune: `autotune` is ignored there, with one
   warning per process (`warn_ignored_on_xla`).
 - Every warning points at the caller's line (the user's call of
@@ -38,6 +38,7 @@ import jax
 
 from ffpa_jax.backend import caller_stacklevel, default_backend_is_nvidia_gpu
 from ffpa_jax.validation import check_autotune
+from pallas_kernels import tiers
 from pallas_kernels.problem import Problem
 
 logger = logging.getLogger("ffpa_jax.tuning")
@@ -63,9 +64,10 @@ def warn_ignored_on_xla(mode: str | None, implementation: str | None) -> None:
     there is no kernel to tune (`implementation` as the caller passed it)."""
     if mode is None:
         return
-    if implementation == "xla":
-        why = "the call runs the XLA path (implementation='xla')"
-        fix = ("pass autotune=None, or implementation=None, 'pallas' or 'chunked' on an "
+    if implementation == tiers.XLA.name:
+        why = f"the call runs the XLA path (implementation={implementation!r})"
+        kernels = [t.name for t in tiers.TIERS if not t.differentiated_by_jax]
+        fix = (f"pass autotune=None, or implementation=None or one of {kernels} on an "
                "NVIDIA GPU")
     else:
         why = (f"implementation={implementation!r} runs the XLA path here (JAX's default "
@@ -92,6 +94,7 @@ def autotuned_config(kernel: str, problem: Problem, *, mode: str | None,
                    "kernels (not interpret mode); using the tuned or built-in configs instead.")
         return None
     from tuning.autotune import measure as autotune_measure  # noqa: PLC0415
+    from tuning.autotune import runners  # noqa: PLC0415
 
     device = str(getattr(jax.devices()[0], "device_kind", "?"))
     key = (kernel, problem, mode, device, bool(interpret))
@@ -99,14 +102,14 @@ def autotuned_config(kernel: str, problem: Problem, *, mode: str | None,
         if key in _cache:
             cached = _cache[key]
             return None if cached is None else dict(cached)
-        if autotune_measure.unsupported(kernel, problem) is not None:
+        if runners.unsupported(kernel, problem) is not None:
             _cache[key] = None
             return None
         # Concrete computation while the caller is being traced.
         with jax.ensure_compile_time_eval():
             if _inputs.get("key") != problem:
                 _inputs.clear()
-                _inputs.update(key=problem, value=autotune_measure.Inputs(problem,
+                _inputs.update(key=problem, value=runners.Inputs(problem,
                                                                          interpret=interpret))
             result = autotune_measure.tune(kernel, problem, mode=mode, interpret=interpret,
                                            inputs=_inputs["value"])
@@ -124,7 +127,7 @@ def autotuned_config(kernel: str, problem: Problem, *, mode: str | None,
 
 
 def override(mode: str | None, interpret: bool):
-    """The plan's config override for a call with `autotune=mode` (tuning.plan.Override), or
+    """The plan's config override for a call with `autotune=mode` (tuning.dispatch.Override), or
     None when autotune is off."""
     if mode is None:
         return None

@@ -1,4 +1,4 @@
-"""The `"chunked"` tier: attention as large matrix products over blocks of queries (and keys),
+"""The chunked tier: attention as large matrix products over blocks of queries (and keys),
 with a workspace bounded by a budget.
 
 Each block of queries (rows [r0, r1)) against a range of keys (columns [c0, c1)) is three

@@ -4,7 +4,7 @@ logits = scale · q·kᵀ + bias, then the logit soft cap c·tanh(logits / c), t
 causality (bottom-right aligned), the sliding window (bottom-right aligned), the packed
 segments and the padding lengths, softmax over keys (with the head's sink logit in the
 denominator), dropout on the probabilities, then · v. One implementation, several uses:
-- `mha_reference`, dense: the `"xla"` implementation (`ffpa_jax.attention`), and the
+- `mha_reference`, dense: the dense tier's computation (`dense.py`), and the
   tests' reference (in float64: any float dtype works here).
 - `rows_reference`: the same at some query rows of one head, with the visibility written
   out ([rows, S] at most): the bench's float64 check and the autotuner's forward check.

@@ -59,19 +59,14 @@ def plan_for(q, k, v, causal: bool, implementation: str):
     problem = validation.validate(q, k, v, None, None, scale=None, is_causal=causal,
                                   dropout_rate=0.0, dropout_rng=None, return_lse=False,
                                   implementation=None, interpret=False).problem
-    return tuning.make_plan(problem, tiers=tuning.tiers(problem, implementation))
+    return tuning.plan(problem, None if implementation == "auto" else implementation)
 
 
 def kernels_used(plan, mode: str) -> tuple:
     """What a call of `mode` runs under `plan`: tiers and launch parameters."""
-    if mode == "decode":
-        return (plan.decode, plan.decode_splits)
-    forward = ("chunked", plan.chunk) if plan.forward_tier == "chunked" else (plan.fwd,)
-    if mode == "fwd":
-        return forward
-    backward = (("chunked", plan.chunk) if plan.backward_tier == "chunked"
-                else (plan.preproc, plan.dq, plan.dkdv))
-    return forward + backward
+    directions = ("forward",) if mode in ("fwd", "decode") else ("forward", "backward")
+    return tuple((plan.tier(d), c.kernel, c.config) for d in directions
+                 for c in plan.kernels if c.direction == d)
 
 
 def make_fn(mode: str, causal: bool, implementation: str):

@@ -45,6 +45,8 @@ if _CPU_ONLY:
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402
 
+from pallas_kernels import tiers as _registry  # noqa: E402
+
 # On a CPU the same program is often compiled more than once: by two tests that share a
 # case (the float64 reference at a shape, a kernel variant) and by both pytest-xdist
 # workers. JAX's persistent compilation cache, in a directory of this run alone (removed
@@ -141,7 +143,9 @@ def interpret_flag(mode: str) -> bool:
 # (the scans, the causal groups, the key-block merges, the accumulation at offsets) with
 # the real kernels; on a CPU it runs as users get it (one block at these shapes: each extra
 # block is another scan for XLA to compile), and test_chunked.py runs the blocked paths.
-TIERS = ("pallas", "chunked")
+# Every tier of the registry with a backward of its own (the dense tier is the reference the
+# matrix compares against): a new tier joins the matrix by its registry entry.
+TIERS = tuple(t.name for t in _registry.TIERS if not t.differentiated_by_jax)
 SMALL_CHUNK_BUDGET_MIB = "0.0625"
 
 

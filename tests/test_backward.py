@@ -401,7 +401,7 @@ def test_lse_cotangent_adds_the_split_ds_products_only_when_lse_is_differentiate
 def test_split_words_carry_twice_the_bits(dtype):
     """dS's two 16-bit words (`common.split_words`): hi is dS rounded to nearest (exactly
     astype, but for ties), and hi + lo carries about twice the word's significant bits."""
-    from pallas_kernels.common import split_words
+    from pallas_kernels.numerics import split_words
     # magnitudes over 2^-20..2^12 (float16: 2^-2..2^6, where its residual stays normal)
     low, high = (-20, 12) if dtype == jnp.bfloat16 else (-2, 6)
     sign = jnp.where(jax.random.bernoulli(jax.random.key(3), 0.5, (4096,)), 1.0, -1.0)

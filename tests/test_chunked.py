@@ -19,9 +19,13 @@ from attn_testing import (Case, assert_forward_matches, assert_matches_reference
                           make_inputs, reference_vjp)
 from pallas_kernels import blocked
 from pallas_kernels import chunked as chunked_tier
-from pallas_kernels.chunked import _Block, _groups, block_sizes, bytes_per_element
-from pallas_kernels.problem import Problem
+from pallas_kernels import chunked_plan
+from pallas_kernels.blocked import GradBlock
+from pallas_kernels.chunked import _Block
+from pallas_kernels.chunked_plan import block_sizes, bytes_per_element, groups
 from pallas_kernels.dropout import keep_mask_reference
+from pallas_kernels.problem import FeatureArrays, Inputs, Problem
+from tuning import dispatch
 
 sd = jax.ShapeDtypeStruct
 
@@ -59,11 +63,9 @@ def test_blocks_fit_the_budget(problem, direction, budget):
 @pytest.mark.parametrize("block_q", [1, 16, 100, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_groups_cover_every_row_that_sees_a_key(t, s, block_q, causal):
-    plan = chunked_tier.ChunkPlan(scale=1.0, causal=causal, dropout_rate=0.0,
-                                  block_q=block_q, block_k=64)
-    groups = _groups(plan, t, s)
+    planned = groups(_problem(t=t, s=s, causal=causal), block_q)
     covered = np.zeros(t, int)
-    for g in groups:
+    for g in planned:
         for start in g.starts:
             covered[start:start + g.rows] += 1
             last = start + g.rows - 1
@@ -76,7 +78,7 @@ def test_groups_cover_every_row_that_sees_a_key(t, s, block_q, causal):
     first_seeing = int(np.argmax(sees_a_key)) if sees_a_key.any() else t
     assert not covered[:max(0, first_seeing - block_q)].any(), "a block of keyless rows ran"
     if causal:
-        assert len(groups) <= 2 * chunked_tier.MAX_CAUSAL_GROUPS
+        assert len(planned) <= 2 * chunked_plan.MAX_CAUSAL_GROUPS
 
 
 @pytest.mark.slow
@@ -98,16 +100,16 @@ def test_workspace_stays_under_the_budget_at_16k():
     for fn, args, arrays in ((attn, (arg,) * 3, 4), (fwd_bwd, (arg,) * 4, 5)):
         memory = jax.jit(fn).trace(*args).lower().compile().memory_analysis()
         temp = memory.temp_size_in_bytes
-        assert temp <= chunked_tier.DEFAULT_BUDGET_BYTES + 2 * arrays * f32_bytes, temp / 2**30
+        assert temp <= chunked_plan.DEFAULT_BUDGET_BYTES + 2 * arrays * f32_bytes, temp / 2**30
         assert temp < dense_logits / 2
 
 
 def test_budget_comes_from_the_environment(monkeypatch):
-    monkeypatch.setenv(chunked_tier.BUDGET_ENV, "256")
-    assert chunked_tier.budget_from_env() == 256 << 20
+    monkeypatch.setenv(chunked_plan.BUDGET_ENV, "256")
+    assert chunked_plan.budget_from_env() == 256 << 20
     for bad in ("", "lots", "-3", "0", "nan"):
-        monkeypatch.setenv(chunked_tier.BUDGET_ENV, bad)
-        assert chunked_tier.budget_from_env() == chunked_tier.DEFAULT_BUDGET_BYTES
+        monkeypatch.setenv(chunked_plan.BUDGET_ENV, bad)
+        assert chunked_plan.budget_from_env() == chunked_plan.DEFAULT_BUDGET_BYTES
 
 
 # ---------------------------------------------------------------- the Pallas steps
@@ -120,57 +122,76 @@ STEP_CASES = [  # (B, Hq, rows, keys, offsets, causal, bias shape, mask shape, d
 ]
 
 
-def _step_inputs(case, seed=0):
-    b, hq, rows, keys, offsets, causal, bias_shape, mask_shape, rate = case
-    kl, kb, km, kd, kx = jax.random.split(jax.random.key(seed), 5)
-    logits = 3.0 * jax.random.normal(kl, (b, hq, rows, keys), jnp.float32)
-    bias = None if bias_shape is None else jax.random.normal(kb, bias_shape, jnp.float32)
-    mask = None if mask_shape is None else jax.random.bernoulli(km, 0.7, mask_shape)
-    seed_words = jnp.asarray([7, 11], jnp.uint32) if rate else None
-    plan = chunked_tier.ChunkPlan(scale=0.3, causal=causal, dropout_rate=rate, block_q=rows,
-                                  block_k=keys)
-    blk = _Block(offsets[0], rows, offsets[1], keys)
-    return logits, bias, mask, seed_words, plan, blk, kd, kx
+# The steps see a block of the problem's (T, S) = (90, 200) at its offsets.
+STEP_T, STEP_S = 90, 200
+
+
+class Step:
+    """One step case: the block's logits, the problem and arrays the step reads, and the
+    same as the XLA twin's `chunked._Call`."""
+
+    def __init__(self, case, seed=0, *, window=None, softcap=None, features=None):
+        b, hq, rows, keys, offsets, causal, bias_shape, mask_shape, rate = case
+        kl, kb, km, self.kd, self.kx = jax.random.split(jax.random.key(seed), 5)
+        self.logits = 3.0 * jax.random.normal(kl, (b, hq, rows, keys), jnp.float32)
+        bias = None if bias_shape is None else jax.random.normal(kb, bias_shape, jnp.float32)
+        mask = None if mask_shape is None else jax.random.bernoulli(km, 0.7, mask_shape)
+        seed_words = jnp.asarray([7, 11], jnp.uint32) if rate else None
+        features = FeatureArrays() if features is None else features
+        # q, k and v only give the problem's shapes: the steps read the logits.
+        q = sd((b, STEP_T, hq, 8), jnp.float32)
+        kv = sd((b, STEP_S, hq, 8), jnp.float32)
+        self.inputs = Inputs(q, kv, kv, bias, mask, seed_words, features)
+        self.problem = Problem.of(q, kv, kv, bias, mask, scale=0.3, causal=causal,
+                                  dropout_rate=rate, features=features, window=window,
+                                  softcap=softcap)
+        self.blk = _Block(offsets[0], rows, offsets[1], keys)
+        config = chunked_plan.ChunkConfig(block_q=rows, block_k=keys)
+        self.call = chunked_tier._Call(self.problem, config, True, self.inputs)
+
+    def rows(self, out_dtype=jnp.float32):
+        return blocked.softmax_rows(self.problem, self.logits, self.blk.offsets(), self.inputs,
+                                    out_dtype=out_dtype, interpret=True)
+
+    def rows_xla(self):
+        return chunked_tier._softmax_xla(self.call, self.logits, self.blk, jnp.float32)
+
+    def grad_block(self, lse, dp, delta):
+        return GradBlock(self.logits, dp, lse, delta, self.blk.offsets())
 
 
 @pytest.mark.parametrize("case", STEP_CASES, ids=str)
 def test_softmax_rows_matches_its_xla_twin(case):
-    logits, bias, mask, seed, plan, blk, _, _ = _step_inputs(case)
-    probs, lse = blocked.softmax_rows(
-        logits, blk.offsets(), bias, mask, seed, seq_q=90, seq_k=200, scale=plan.scale,
-        causal=plan.causal, dropout_rate=plan.dropout_rate, out_dtype=jnp.float32,
-        interpret=True)
-    ref_p, ref_lse = chunked_tier._softmax_xla(plan, logits, bias, mask, seed, blk, seq_q=90,
-                                               seq_k=200, p_dtype=jnp.float32)
+    step = Step(case)
+    probs, lse = step.rows()
+    ref_p, ref_lse = step.rows_xla()
     np.testing.assert_allclose(np.asarray(probs), np.asarray(ref_p), rtol=2e-6, atol=1e-7)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6, atol=1e-6)
     assert (np.asarray(lse) == -np.inf).sum() == (np.asarray(ref_lse) == -np.inf).sum()
+
+
+def _grads_match(step: Step, *, own_delta: bool, split: bool):
+    _, lse = step.rows_xla()
+    dp = jax.random.normal(step.kd, step.logits.shape, jnp.float32).astype(jnp.bfloat16)
+    delta = jax.random.normal(step.kx, lse.shape, jnp.float32)
+    block = step.grad_block(lse, dp, delta)
+    got = blocked.softmax_grad(step.problem, block, step.inputs, out_dtype=jnp.bfloat16,
+                               split=split, with_ds32=True, own_delta=own_delta,
+                               interpret=True)
+    dropped, parts, ds32 = chunked_tier._softmax_grad_xla(
+        step.call, block, step.blk, out_dtype=jnp.bfloat16, split=split, own_delta=own_delta)
+    for g, w in zip(got, (dropped, *parts, ds32), strict=True):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        # float32 results agree to rounding; 16-bit ones may differ in their last bit.
+        tol = 1e-5 if w.dtype == np.float32 and g.dtype == np.float32 else 1e-2
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol * (1 + np.abs(w).max()))
 
 
 @pytest.mark.parametrize("case", STEP_CASES, ids=str)
 @pytest.mark.parametrize("own_delta", [False, True])
 @pytest.mark.parametrize("split", [False, True])
 def test_softmax_grad_matches_its_xla_twin(case, own_delta, split):
-    logits, bias, mask, seed, plan, blk, kd, kx = _step_inputs(case)
-    _, lse = chunked_tier._softmax_xla(plan, logits, bias, mask, seed, blk, seq_q=90,
-                                       seq_k=200, p_dtype=jnp.float32)
-    dp = jax.random.normal(kd, logits.shape, jnp.float32).astype(jnp.bfloat16)
-    delta = jax.random.normal(kx, lse.shape, jnp.float32)
-    got = blocked.softmax_grad(
-        logits, dp, lse, delta, blk.offsets(), bias, mask, seed, seq_q=90, seq_k=200,
-        scale=plan.scale, causal=plan.causal, dropout_rate=plan.dropout_rate,
-        out_dtype=jnp.bfloat16, split=split, with_ds32=True, own_delta=own_delta,
-        interpret=True)
-    dropped, parts, ds32 = chunked_tier._softmax_grad_xla(
-        plan, logits, dp, lse, delta, bias, mask, seed, blk, seq_q=90, seq_k=200,
-        out_dtype=jnp.bfloat16, split=split, own_delta=own_delta)
-    want = (dropped, *parts, ds32)
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-        # float32 results agree to rounding; 16-bit ones may differ in their last bit.
-        tol = 1e-5 if w.dtype == np.float32 and g.dtype == np.float32 else 1e-2
-        np.testing.assert_allclose(g, w, rtol=tol, atol=tol * (1 + np.abs(w).max()))
+    _grads_match(Step(case), own_delta=own_delta, split=split)
 
 
 # (step case, window, soft cap, segment ids, q lengths, kv lengths): the LLM features of
@@ -184,36 +205,23 @@ FEATURE_STEP_CASES = [
 ]
 
 
-def _feature_step_inputs(fcase, seed=0):
-    from pallas_kernels.problem import FeatureArrays
+def _feature_step(fcase, seed=0) -> Step:
     case, window, cap, ids, q_len, kv_len = fcase
-    logits, bias, mask, seed_words, plan, blk, kd, kx = _step_inputs(case, seed)
-    b = logits.shape[0]
+    b = case[0]
     ka, kb = jax.random.split(jax.random.key(seed + 1))
     features = FeatureArrays(
-        q_segment_ids=jax.random.randint(ka, (b, 90), 0, 3) if ids else None,
-        kv_segment_ids=jax.random.randint(kb, (b, 200), 0, 3) if ids else None,
+        q_segment_ids=jax.random.randint(ka, (b, STEP_T), 0, 3) if ids else None,
+        kv_segment_ids=jax.random.randint(kb, (b, STEP_S), 0, 3) if ids else None,
         q_lengths=jnp.asarray([60, 90][:b], jnp.int32) if q_len else None,
         kv_lengths=jnp.asarray([150, 77][:b], jnp.int32) if kv_len else None)
-    plan = dataclasses.replace(plan, window=window, softcap=cap)
-    kw = dict(features=features)
-    if window is not None:
-        kw["window"] = window
-    if cap is not None:
-        kw["softcap"] = cap
-    return logits, bias, mask, seed_words, plan, blk, kd, kx, features, kw
+    return Step(case, seed, window=window, softcap=cap, features=features)
 
 
 @pytest.mark.parametrize("fcase", FEATURE_STEP_CASES, ids=str)
 def test_softmax_rows_with_features_matches_its_xla_twin(fcase):
-    logits, bias, mask, seed, plan, blk, _, _, features, kw = _feature_step_inputs(fcase)
-    probs, lse = blocked.softmax_rows(
-        logits, blk.offsets(), bias, mask, seed, seq_q=90, seq_k=200, scale=plan.scale,
-        causal=plan.causal, dropout_rate=plan.dropout_rate, out_dtype=jnp.float32,
-        interpret=True, **kw)
-    ref_p, ref_lse = chunked_tier._softmax_xla(plan, logits, bias, mask, seed, blk, seq_q=90,
-                                               seq_k=200, p_dtype=jnp.float32,
-                                               features=features)
+    step = _feature_step(fcase)
+    probs, lse = step.rows()
+    ref_p, ref_lse = step.rows_xla()
     np.testing.assert_allclose(np.asarray(probs), np.asarray(ref_p), rtol=2e-6, atol=1e-7)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6, atol=1e-6)
     assert (np.asarray(lse) == -np.inf).sum() == (np.asarray(ref_lse) == -np.inf).sum()
@@ -222,37 +230,17 @@ def test_softmax_rows_with_features_matches_its_xla_twin(fcase):
 @pytest.mark.parametrize("fcase", FEATURE_STEP_CASES, ids=str)
 @pytest.mark.parametrize("own_delta", [False, True])
 def test_softmax_grad_with_features_matches_its_xla_twin(fcase, own_delta):
-    logits, bias, mask, seed, plan, blk, kd, kx, features, kw = _feature_step_inputs(fcase)
-    _, lse = chunked_tier._softmax_xla(plan, logits, bias, mask, seed, blk, seq_q=90,
-                                       seq_k=200, p_dtype=jnp.float32, features=features)
-    dp = jax.random.normal(kd, logits.shape, jnp.float32).astype(jnp.bfloat16)
-    delta = jax.random.normal(kx, lse.shape, jnp.float32)
-    got = blocked.softmax_grad(
-        logits, dp, lse, delta, blk.offsets(), bias, mask, seed, seq_q=90, seq_k=200,
-        scale=plan.scale, causal=plan.causal, dropout_rate=plan.dropout_rate,
-        out_dtype=jnp.bfloat16, split=True, with_ds32=True, own_delta=own_delta,
-        interpret=True, **kw)
-    dropped, parts, ds32 = chunked_tier._softmax_grad_xla(
-        plan, logits, dp, lse, delta, bias, mask, seed, blk, seq_q=90, seq_k=200,
-        out_dtype=jnp.bfloat16, split=True, own_delta=own_delta, features=features)
-    for g, w in zip(got, (dropped, *parts, ds32), strict=True):
-        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-        tol = 1e-5 if w.dtype == np.float32 and g.dtype == np.float32 else 1e-2
-        np.testing.assert_allclose(g, w, rtol=tol, atol=tol * (1 + np.abs(w).max()))
+    _grads_match(_feature_step(fcase), own_delta=own_delta, split=True)
 
 
 def test_step_seed_with_shard_offsets_draws_the_global_mask():
     """A shard's seed (words 2, 3: its global batch and head offsets) draws its slice of the
     unsharded keep-mask, in both steps."""
-    case = (1, 2, 16, 64, (8, 0), False, None, None, 0.4)
-    logits, _, _, _, plan, blk, _, _ = _step_inputs(case)
-    seed4 = jnp.asarray([7, 11, 1, 2], jnp.uint32)
-    xla_p, _ = chunked_tier._softmax_xla(plan, logits, None, None, seed4, blk, seq_q=90,
-                                         seq_k=200, p_dtype=jnp.float32)
-    pallas_p, _ = blocked.softmax_rows(logits, blk.offsets(), None, None, seed4, seq_q=90,
-                                       seq_k=200, scale=plan.scale, causal=False,
-                                       dropout_rate=0.4, out_dtype=jnp.float32,
-                                       interpret=True)
+    step = Step((1, 2, 16, 64, (8, 0), False, None, None, 0.4))
+    step.inputs = step.inputs._replace(seed=jnp.asarray([7, 11, 1, 2], jnp.uint32))
+    step.call = dataclasses.replace(step.call, inputs=step.inputs)
+    xla_p, _ = step.rows_xla()
+    pallas_p, _ = step.rows()
     full = keep_mask_reference(jnp.asarray([7, 11], jnp.uint32), (2, 4, 90, 64), 0.4)
     np.testing.assert_array_equal(np.asarray(xla_p) != 0, np.asarray(full)[1:2, 2:4, 8:24])
     np.testing.assert_allclose(np.asarray(pallas_p), np.asarray(xla_p), rtol=2e-6, atol=1e-7)
@@ -309,13 +297,13 @@ def _end_to_end(case: Case, *, interpret: bool, rate: float = 0.0):
                          f"T{x.t}-S{x.s}-D{x.d}-{x.dtype}")
 def test_blocked_paths_end_to_end(case, rate, monkeypatch):
     """The XLA step (the tier on a CPU) in many blocks."""
-    monkeypatch.setenv(chunked_tier.BUDGET_ENV, SMALL_BUDGET_MIB)
+    monkeypatch.setenv(chunked_plan.BUDGET_ENV, SMALL_BUDGET_MIB)
     _end_to_end(case, interpret=False, rate=rate)
 
 
 def test_pallas_step_end_to_end(monkeypatch):
     """The Pallas steps (interpreted) in many blocks."""
-    monkeypatch.setenv(chunked_tier.BUDGET_ENV, SMALL_BUDGET_MIB)
+    monkeypatch.setenv(chunked_plan.BUDGET_ENV, SMALL_BUDGET_MIB)
     _end_to_end(BLOCKED_CASES[1], interpret=True, rate=0.2)
 
 
@@ -325,7 +313,8 @@ def test_pallas_step_end_to_end(monkeypatch):
 def _plan_of(monkeypatch, q_shape, kv_shape, dtype=jnp.bfloat16, **kw):
     """The Plan `attention(implementation=None)` makes on a (simulated) GPU."""
     import ffpa_jax.api as api
-    monkeypatch.setattr(api, "_default_backend_is_nvidia_gpu", lambda: True)
+    monkeypatch.setattr(dispatch.Device, "current",
+                        classmethod(lambda cls: cls(nvidia_gpu=True, name="Simulated GPU")))
     plans = []
     real = api.plan_for
 
@@ -345,7 +334,8 @@ def test_built_in_rule_picks_a_tier_per_direction(d, expected, monkeypatch):
     monkeypatch.setenv("FFPA_SKIP_PERSIST_TUNED_CONFIG", "1")
     plan = _plan_of(monkeypatch, (1, 512, 4, d), (1, 512, 4, d))
     assert (plan.forward_tier, plan.backward_tier) == expected
-    assert (plan.chunk is not None) == ("chunked" in expected)
+    has_blocks = any(c.kernel == "chunked_blocks" for c in plan.kernels)
+    assert has_blocks == ("chunked" in expected)
 
 
 @pytest.mark.parametrize("d,window,expected", [
@@ -364,7 +354,7 @@ def test_narrow_windows_run_on_the_fused_kernels(d, window, expected, monkeypatc
 def test_windowed_blocks_take_about_the_band_in_rows():
     """The chunked tier's blocks under a window: about the band's width in rows (at least
     256), in both directions; without a window, causal blocks keep a quarter of T."""
-    from pallas_kernels.chunked import window_rows_cap
+    from pallas_kernels.chunked_plan import window_rows_cap
     base = dict(batch=1, seq_q=16384, seq_k=16384, heads_q=4, heads_kv=4, head_dim=256,
                 head_dim_v=256, dtype=jnp.bfloat16, scale=0.1, causal=True)
     for direction in ("forward", "backward"):
@@ -378,7 +368,8 @@ def test_windowed_blocks_take_about_the_band_in_rows():
 def test_decode_shapes_keep_the_decode_kernels(monkeypatch):
     monkeypatch.setenv("FFPA_SKIP_PERSIST_TUNED_CONFIG", "1")
     plan = _plan_of(monkeypatch, (2, 1, 8, 512), (2, 4096, 2, 512))
-    assert plan.forward_tier == "pallas" and plan.decode is not None
+    assert plan.forward_tier == "pallas"
+    assert plan.config("decode_fwd_stage1").num_splits >= 1
 
 
 def test_float32_keeps_the_fused_kernels_by_default(monkeypatch):
@@ -408,16 +399,20 @@ def test_tuned_entries_name_the_tier(tmp_path, monkeypatch):
     monkeypatch.setenv("FFPA_TUNED_CONFIG_DIR", str(tmp_path))
     lookup.clear_cache()
     try:
+        device = dispatch.Device(nvidia_gpu=True, name=name)
+
+        def tier(direction, problem):
+            return dispatch.explain(problem, device=device).choice(direction).tier
         ask = _problem()
-        assert tuning.tier("forward", ask, device_name=name) == "pallas"  # rule: chunked
-        assert tuning.tier("backward", ask, device_name=name) == "chunked"
+        assert tier("forward", ask) == "pallas"  # rule: chunked
+        assert tier("backward", ask) == "chunked"
         entries[1]["tier"] = "mosaic-someday"
         del entries[0]["tier"]
         (tmp_path / f"{name}.json").write_text(json.dumps(header))
         lookup.clear_cache()
-        assert tuning.tier("forward", ask, device_name=name) == "chunked"
-        assert tuning.tier("backward", ask, device_name=name) == "chunked"
-        assert tuning.tier("backward", _problem(d=128), device_name=name) == "pallas"
+        assert tier("forward", ask) == "chunked"
+        assert tier("backward", ask) == "chunked"
+        assert tier("backward", _problem(d=128)) == "pallas"
     finally:
         lookup.clear_cache()
 
@@ -448,12 +443,14 @@ def test_step_kernels_lower_for_cuda(keys, extras):
         bias = rest.pop(0) if "bias" in extras else None
         mask = rest.pop(0) if "mask" in extras else None
         seed = rest.pop(0) if "seed" in extras else None
-        kw = dict(seq_q=500, seq_k=20000, scale=0.1, causal=True, dropout_rate=rate)
-        probs, lse = blocked.softmax_rows(logits, offsets, bias, mask, seed,
-                                          out_dtype=jnp.bfloat16, **kw)
-        grads = [blocked.softmax_grad(logits, probs, lse, lse, offsets, bias, mask, seed,
-                                      out_dtype=jnp.bfloat16, split=split,
-                                      with_ds32=bias is not None, own_delta=own, **kw)
+        q, kv = sd((2, 500, 4, 8), jnp.float32), sd((2, 20000, 4, 8), jnp.float32)
+        inputs = Inputs(q, kv, kv, bias, mask, seed)
+        problem = Problem.of(q, kv, kv, bias, mask, scale=0.1, causal=True, dropout_rate=rate)
+        probs, lse = blocked.softmax_rows(problem, logits, offsets, inputs,
+                                          out_dtype=jnp.bfloat16)
+        grads = [blocked.softmax_grad(problem, GradBlock(logits, probs, lse, lse, offsets),
+                                      inputs, out_dtype=jnp.bfloat16, split=split,
+                                      with_ds32=bias is not None, own_delta=own)
                  for split, own in ((False, False), (True, True))]
         return probs, lse, grads
 
@@ -464,7 +461,6 @@ def test_step_kernels_lower_for_cuda(keys, extras):
 @pytest.mark.parametrize("features", [("window",), ("softcap",), ("ids", "lengths"),
                                       ("window", "softcap", "ids", "lengths")], ids=str)
 def test_step_kernels_with_features_lower_for_cuda(features):
-    from pallas_kernels.problem import FeatureArrays
     args = [sd((2, 4, 96, 1000), jnp.float32), sd((2,), jnp.int32)]
     if "ids" in features:
         args += [sd((2, 500), jnp.int32), sd((2, 20000), jnp.int32)]
@@ -475,15 +471,17 @@ def test_step_kernels_with_features_lower_for_cuda(features):
         rest = list(rest)
         ids = (rest.pop(0), rest.pop(0)) if "ids" in features else (None, None)
         lens = (rest.pop(0), rest.pop(0)) if "lengths" in features else (None, None)
-        kw = dict(seq_q=500, seq_k=20000, scale=0.1, causal=True,
-                  features=FeatureArrays(*ids, *lens))
-        if "window" in features:
-            kw["window"] = (128, 16)
-        if "softcap" in features:
-            kw["softcap"] = 30.0
-        probs, lse = blocked.softmax_rows(logits, offsets, out_dtype=jnp.bfloat16, **kw)
-        return probs, lse, blocked.softmax_grad(logits, probs, lse, lse, offsets,
-                                                out_dtype=jnp.bfloat16, own_delta=True, **kw)
+        feats = FeatureArrays(*ids, *lens)
+        q, kv = sd((2, 500, 4, 8), jnp.float32), sd((2, 20000, 4, 8), jnp.float32)
+        inputs = Inputs(q, kv, kv, features=feats)
+        problem = Problem.of(q, kv, kv, scale=0.1, causal=True, features=feats,
+                             window=(128, 16) if "window" in features else None,
+                             softcap=30.0 if "softcap" in features else None)
+        probs, lse = blocked.softmax_rows(problem, logits, offsets, inputs,
+                                          out_dtype=jnp.bfloat16)
+        return probs, lse, blocked.softmax_grad(
+            problem, GradBlock(logits, probs, lse, lse, offsets), inputs,
+            out_dtype=jnp.bfloat16, own_delta=True)
 
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2

@@ -21,10 +21,10 @@ import pytest
 import ffpa_jax
 import tuning
 from ffpa_jax import validation
-from tuning.plan import fwd_config
 from pallas_kernels import FwdConfig
 from test_numerics import compare_all, random_inputs, run_reference
 from tuning import lookup as lookup_mod
+from pallas_kernels.problem import Problem
 from tuning.defaults import default_config
 from tuning.device import sanitize_device_name
 
@@ -152,11 +152,17 @@ def _problem():
                                implementation="pallas", interpret=True).problem
 
 
+def _config(kernel, *, batch=B, headdim=D, seqlen_q=T, seqlen_k=S, heads_q=HQ, heads_kv=HKV):
+    """The launch config `tuning.kernel_config` gives `kernel` for a bf16 problem."""
+    problem = Problem(batch=batch, seq_q=seqlen_q, seq_k=seqlen_k, heads_q=heads_q,
+                      heads_kv=heads_kv, head_dim=headdim, head_dim_v=headdim,
+                      dtype=jnp.bfloat16, scale=headdim ** -0.5)
+    return tuning.kernel_config(kernel, problem)[0]
+
+
 def _launch(kernel, direction):
-    return tuning.launch_config(kernel, direction=direction, dtype="bf16", headdim=D,
-                                seqlen_q=T, seqlen_k=S, causal=False, has_attn_bias=False,
-                                has_dropout=False, nheads_q=HQ, nheads_kv=HKV,
-                                bias_grad=False if direction == "backward" else None)
+    del direction  # the kernel's own (`select.kernel_direction`)
+    return _config(kernel)
 
 
 def _check_attention_against_reference():
@@ -181,7 +187,8 @@ def test_positive_control_valid_file_is_used(fake_device, caplog):
     """Without this, the negative cases below could pass for the wrong reason."""
     (fake_device / FILE_NAME).write_text(_document([_entry()]))
     assert _launch("fwd_generic", "forward") == TUNED_FWD
-    assert fwd_config(_problem()) == FwdConfig.from_tuned(TUNED_FWD)
+    plan = tuning.plan(_problem(), "pallas", interpret=True)
+    assert plan.config("fwd_generic") == FwdConfig.from_tuned(TUNED_FWD)
     assert "tuned config hit" in caplog.text and FILE_NAME in caplog.text
     lookup_mod.clear_cache()  # log each lookup again
     caplog.clear()
@@ -244,8 +251,7 @@ def test_entry_tuned_at_a_narrower_head_dim_is_not_used(fake_device):
         _entry(headdim=256, config=narrow), _entry(headdim=1024, config=wide)]))
 
     def launch(d):
-        return tuning.launch_config("fwd_generic", direction="forward", dtype="bf16", headdim=d,
-                                    seqlen_q=T, seqlen_k=S, nheads_q=HQ, nheads_kv=HKV)
+        return _config("fwd_generic", headdim=d)
     # The lookup itself still follows the design's rule (320 -> 256; 700 -> 1024) ...
     assert lookup_mod.lookup_config("forward", "fwd_generic", dtype="bf16", headdim=320,
                                     seqlen_q=T, seqlen_k=S, nheads_q=HQ, nheads_kv=HKV) == narrow
@@ -266,9 +272,8 @@ def test_tuned_split_count_is_used_only_on_its_own_problem(fake_device):
                 config=config)], B=1))
 
     def launch(batch, heads_q, heads_kv, seqlen_k):
-        return tuning.launch_config("decode_fwd_stage1", direction="forward", dtype="bf16",
-                                    headdim=D, seqlen_q=1, seqlen_k=seqlen_k,
-                                    nheads_q=heads_q, nheads_kv=heads_kv, batch=batch)
+        return _config("decode_fwd_stage1", batch=batch, seqlen_q=1, seqlen_k=seqlen_k,
+                       heads_q=heads_q, heads_kv=heads_kv)
     assert launch(1, 32, 32, 4096) == config
     without_splits = {k: v for k, v in config.items() if k != "NUM_SPLITS"}
     assert launch(8, 32, 32, 4096) == without_splits  # another batch

@@ -17,9 +17,10 @@ from attn_testing import (Case, assert_forward_matches, assert_matches_reference
                           make_inputs, reference64, reference_vjp, scale_of,
                           xla_same_precision)
 from conftest import interpret_flag
-from tuning import uses_decode
+from pallas_kernels.fused import uses_decode
 from ffpa_jax.validation import as_4d
-from pallas_kernels import (DecodeConfig, FwdConfig, decode_attention, decode_num_splits,
+from pallas_kernels import (DecodeConfig, FwdConfig, Inputs, Problem, decode_attention,
+                            decode_num_splits,
                             fwd_generic)
 from tuning import default_config
 
@@ -40,9 +41,12 @@ def run_decode(case: Case, mode: str, inputs=None, *, num_splits: int | None = N
                                        packed_rows=case.t * case.hq // case.hkv, seq_k=case.s,
                                        head_dim_v=case.head_dim_v, config=config,
                                        multiprocessors=132)
-    fn = jax.jit(lambda q, k, v, bias, mask: decode_attention(
-        q, k, v, as_4d(bias, True), as_4d(mask, True), scale=scale_of(case), causal=case.causal,
-        config=config, num_splits=num_splits, interpret=interpret_flag(mode)))
+    def decode(q, k, v, bias, mask):
+        inputs = Inputs(q, k, v, as_4d(bias, True), as_4d(mask, True))
+        problem = Problem.of(*inputs[:5], scale=scale_of(case), causal=case.causal)
+        return decode_attention(problem, config, inputs, num_splits=num_splits,
+                                interpret=interpret_flag(mode))
+    fn = jax.jit(decode)
     return fn(q, k, v, bias, mask), (q, k, v, bias, mask)
 
 
@@ -117,9 +121,10 @@ def test_decode_equals_generic_forward(kernel_mode):
     case = Case(b=2, t=4, s=500, hq=8, hkv=2, d=96, causal=True, bias_shape=(1, 8, 4, 500),
                 dtype="float32")
     (out, lse), (q, k, v, bias, mask) = run_decode(case, kernel_mode)
-    out_g, lse_g = fwd_generic(q, k, v, as_4d(bias, True), None, scale=scale_of(case),
-                               causal=True, config=FwdConfig(),
-                               interpret=interpret_flag(kernel_mode))
+    inputs = Inputs(q, k, v, as_4d(bias, True))
+    problem = Problem.of(*inputs[:5], scale=scale_of(case), causal=True)
+    out_g, lse_g = fwd_generic(problem, FwdConfig(), inputs,
+                               interpret=interpret_flag(kernel_mode))[:2]
     np.testing.assert_allclose(np.asarray(out), np.asarray(out_g), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_g), rtol=1e-6, atol=1e-6)
 
@@ -201,9 +206,9 @@ def test_decode_lowers_for_cuda(d, dtype):
     config = _config(case)
     args = [sd((2, 3, 8, d), dtype), sd((2, 5000, 2, d), dtype), sd((2, 5000, 2, d), dtype),
             sd((1, 8, 3, 5000), jnp.float32), sd((2, 1, 1, 5000), jnp.bool_), sd((2,), jnp.uint32)]
-    f = lambda q, k, v, b, m, seed: decode_attention(
-        q, k, v, b, m, scale=0.1, causal=True, config=config, num_splits=7, dropout_rate=0.1,
-        seed=seed)
+    f = lambda q, k, v, b, m, seed: decode_attention(  # noqa: E731
+        Problem.of(q, k, v, b, m, scale=0.1, causal=True, dropout_rate=0.1), config,
+        Inputs(q, k, v, b, m, seed), num_splits=7)
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2
 

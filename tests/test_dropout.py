@@ -16,7 +16,8 @@ from attn_testing import (Case, assert_forward_matches, assert_matches_reference
                           make_inputs, reference64, reference_grads, xla_same_precision)
 from conftest import call_kwargs, interpret_flag
 from ffpa_jax.dropout import seed_from_key
-from pallas_kernels import (BwdConfig, FwdConfig, bwd_generic_dkdv, bwd_preproc, fwd_generic)
+from pallas_kernels import (BackwardRows, BwdConfig, FwdConfig, Inputs, Problem, bwd_generic_dkdv,
+                            bwd_preproc, fwd_generic)
 from pallas_kernels.dropout import keep_threshold, philox4x32
 
 RATE = 0.3
@@ -59,16 +60,17 @@ def test_forward_kernel_mask_is_dropout_mask(case, config, kernel_mode):
     """Bit-identical keep decisions, whatever the block sizes and the V slicing."""
     q, k, v = _identity_probe(case)
     key = jax.random.key(case.seed())
-    out, lse = jax.jit(lambda q, k, v, s: fwd_generic(
-        q, k, v, scale=0.3, causal=case.causal, config=config, dropout_rate=RATE, seed=s,
-        interpret=interpret_flag(kernel_mode)))(q, k, v, seed_from_key(key))
+    def forward(q, k, v, seed, rate):
+        problem = Problem.of(q, k, v, scale=0.3, causal=case.causal, dropout_rate=rate)
+        return fwd_generic(problem, config, Inputs(q, k, v, seed=seed),
+                           interpret=interpret_flag(kernel_mode))[:2]
+    out, lse = jax.jit(forward, static_argnums=4)(q, k, v, seed_from_key(key), RATE)
     kept = np.asarray(out).transpose(0, 2, 1, 3) != 0  # [B, Hq, T, S]
     visible = _visible(case)
     expected = np.asarray(_keep(case, key)) & visible
     np.testing.assert_array_equal(kept, expected)
     # The undropped normaliser: lse equals the no-dropout forward's.
-    _, lse_plain = fwd_generic(q, k, v, scale=0.3, causal=case.causal, config=config,
-                               interpret=interpret_flag(kernel_mode))
+    _, lse_plain = forward(q, k, v, None, 0.0)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_plain), rtol=1e-6)
 
 
@@ -83,14 +85,15 @@ def test_backward_kernel_replays_the_mask(case, block_m, block_n, kernel_mode):
     key = jax.random.key(case.seed() + 1)
     seed = seed_from_key(key)
     interpret = interpret_flag(kernel_mode)
-    out, lse = fwd_generic(q, k, v, scale=0.3, causal=case.causal, config=FwdConfig(),
-                           dropout_rate=RATE, seed=seed, interpret=interpret)
+    problem = Problem.of(q, k, v, scale=0.3, causal=case.causal, dropout_rate=RATE)
+    inputs = Inputs(q, k, v, seed=seed)
+    out, lse, lse_lo = fwd_generic(problem, FwdConfig(), inputs, interpret=interpret)
     d_out = jnp.broadcast_to(jnp.eye(case.t, dtype=jnp.float32)[None, :, None, :],
                              (case.b, case.t, case.hq, case.t))
     cfg = BwdConfig(block_m=block_m, block_n=block_n, block_d=32, block_slice=128)
     delta = bwd_preproc(out, d_out, jnp.zeros_like(lse), config=cfg, interpret=interpret)
-    _, dv = bwd_generic_dkdv(q, k, v, d_out, lse, delta, scale=0.3, causal=case.causal,
-                             config=cfg, dropout_rate=RATE, seed=seed, interpret=interpret)
+    _, dv = bwd_generic_dkdv(problem, cfg, inputs, BackwardRows(d_out, lse, delta, lse_lo),
+                             interpret=interpret)
     kept = np.asarray(dv).transpose(0, 2, 3, 1) != 0  # [B, H, T, S]
     np.testing.assert_array_equal(kept, np.asarray(_keep(case, key)) & _visible(case))
 

@@ -26,6 +26,7 @@ from attn_testing import (Case, assert_forward_matches, assert_matches_reference
                           reference_vjp, scale_of, xla_same_precision)
 from conftest import call_kwargs
 from ffpa_jax.validation import as_4d
+from pallas_kernels.problem import Problem
 from pallas_kernels.reference import window_keep
 
 
@@ -459,7 +460,7 @@ DECODE_CASES = [
 def test_decode_shapes(case, kernel_mode):
     """Through the public API (the decode kernels for the forward, the fused backward) and
     through decode_attention in many splits of 16 keys, against float64."""
-    from pallas_kernels import DecodeConfig, decode_attention
+    from pallas_kernels import DecodeConfig, Inputs, Problem, decode_attention
     run_case(case, "pallas", kernel_mode)
     if kernel_mode != "interpret":
         return
@@ -467,12 +468,12 @@ def test_decode_shapes(case, kernel_mode):
     q, k, v, bias, mask = make_inputs(case)
     features = make_features(case)
     arrays = feature_arrays(features)
-    out, lse = decode_attention(q, k, v, as_4d(bias, True), as_4d(mask, True),
-                                scale=scale_of(case), causal=case.causal,
-                                config=DecodeConfig(block_m=16, block_n=16, block_d=32,
-                                                    block_dv=32),
-                                num_splits=5, interpret=True, window=case.window,
-                                softcap=case.softcap, features=arrays)
+    inputs = Inputs(q, k, v, as_4d(bias, True), as_4d(mask, True), features=arrays)
+    problem = Problem.of(*inputs[:5], scale=scale_of(case), causal=case.causal,
+                         window=case.window, softcap=case.softcap, features=arrays)
+    out, lse = decode_attention(problem, DecodeConfig(block_m=16, block_n=16, block_d=32,
+                                                      block_dv=32),
+                                inputs, num_splits=5, interpret=True)
     assert_forward_matches(out, lse, reference64(case, q, k, v, bias, mask, features=features),
                            xla_same_precision(case, q, k, v, bias, mask, features=features),
                            q.dtype)
@@ -489,8 +490,10 @@ def test_decode_plan_uses_the_decode_kernels(monkeypatch):
     got = ffpa_jax.attention(q, k, v, implementation="pallas", interpret=True, **kw)
     want = ffpa_jax.attention(q, k, v, implementation="xla", **kw)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
-    assert plans[-1].forward_tier == "pallas" and plans[-1].decode is not None
-    assert plans[-1].window == (30, 0) and plans[-1].softcap == 2.0
+    plan = plans[0]  # the pallas call's (the second is the dense tier's)
+    assert plan.forward_tier == "pallas"
+    assert plan.config("decode_fwd_stage1").num_splits >= 1
+    assert plan.problem.window == (30, 0) and plan.problem.softcap == 2.0
 
 
 # ---------------------------------------------------------------- the fused forward kernel
@@ -510,15 +513,15 @@ KERNEL_CASES = [
 
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=_ids)
 def test_forward_kernel_in_small_tiles(case):
-    from pallas_kernels import FwdConfig, fwd_generic
+    from pallas_kernels import FwdConfig, Inputs, Problem, fwd_generic
     q, k, v, bias, mask = make_inputs(case)
     features = make_features(case)
     arrays = feature_arrays(features)
-    out, lse = fwd_generic(q, k, v, as_4d(bias, True), as_4d(mask, True),
-                           scale=scale_of(case), causal=case.causal,
-                           config=FwdConfig(block_m=16, block_n=16, block_d=32, block_dv=32),
-                           interpret=True, window=case.window, softcap=case.softcap,
-                           features=arrays)
+    inputs = Inputs(q, k, v, as_4d(bias, True), as_4d(mask, True), features=arrays)
+    problem = Problem.of(*inputs[:5], scale=scale_of(case), causal=case.causal,
+                         window=case.window, softcap=case.softcap, features=arrays)
+    out, lse = fwd_generic(problem, FwdConfig(block_m=16, block_n=16, block_d=32, block_dv=32),
+                           inputs, interpret=True)[:2]
     assert_forward_matches(out, lse, reference64(case, q, k, v, bias, mask, features=features),
                            xla_same_precision(case, q, k, v, bias, mask, features=features),
                            q.dtype)
@@ -529,7 +532,7 @@ def test_forward_kernel_in_small_tiles(case):
 def test_segment_block_ranges_hold_every_meeting_block(sorted_ids, t, s, bm, bn):
     """Every (query block, key block) pair with a query and a key of one segment lies in the
     query block's range; with contiguous segments each block in the range meets it."""
-    from pallas_kernels.common import segment_block_ranges
+    from pallas_kernels.visibility import segment_block_ranges
     ka, kb = jax.random.split(jax.random.key(t + s + bm))
     q_ids = jax.random.randint(ka, (3, t), 0, 6)
     kv_ids = jax.random.randint(kb, (3, s), 0, 5)
@@ -569,14 +572,14 @@ SMALL_BUDGET_MIB = "0.0625"
 
 @pytest.mark.parametrize("case", BLOCKED_CASES, ids=_ids)
 def test_chunked_tier_in_many_blocks(case, monkeypatch):
-    from pallas_kernels import chunked
-    monkeypatch.setenv(chunked.BUDGET_ENV, SMALL_BUDGET_MIB)
+    from pallas_kernels import chunked_plan
+    monkeypatch.setenv(chunked_plan.BUDGET_ENV, SMALL_BUDGET_MIB)
     check_grads(case, "chunked")
 
 
 def test_chunked_pallas_steps_in_many_blocks(monkeypatch):
-    from pallas_kernels import chunked
-    monkeypatch.setenv(chunked.BUDGET_ENV, SMALL_BUDGET_MIB)
+    from pallas_kernels import chunked_plan
+    monkeypatch.setenv(chunked_plan.BUDGET_ENV, SMALL_BUDGET_MIB)
     case = dataclasses.replace(BLOCKED_CASES[0], t=90, s=57, bias_shape=(1, 6, 90, 57))
     check_grads(case, "chunked-step")
 
@@ -588,16 +591,16 @@ def test_chunked_pallas_steps_in_many_blocks(monkeypatch):
 def test_window_blocks_read_every_key_their_rows_see(t, s, block_q, window, causal):
     """Each query block reads a band of keys (or keys [0, limit)) that holds every key its
     rows' windows show; rows that see no key are left out only when they see none."""
-    from pallas_kernels import chunked
-    plan = chunked.ChunkPlan(scale=1.0, causal=causal, dropout_rate=0.0, block_q=block_q,
-                             block_k=64, window=window)
+    from pallas_kernels import chunked_plan
+    problem = Problem(batch=1, seq_q=t, seq_k=s, heads_q=1, heads_kv=1, head_dim=8,
+                      head_dim_v=8, dtype=jnp.float32, scale=1.0, causal=causal, window=window)
     i = np.arange(t)[:, None]
     j = np.arange(s)[None, :]
     visible = np.asarray(window_keep(t, s, window)) & ((j <= i + s - t) if causal else True)
     covered = np.zeros(t, int)
-    for g in chunked._groups(plan, t, s):
+    for g in chunked_plan.groups(problem, block_q):
         for r0 in g.starts:
-            start = chunked._key_start(plan, g, r0, t, s)
+            start = chunked_plan.key_start(problem, g, r0)
             assert 0 <= start and start + g.keys <= s
             rows = visible[r0:r0 + g.rows]
             cols = np.nonzero(rows.any(axis=0))[0]
@@ -633,8 +636,8 @@ def _shapes_in(jaxpr) -> list[tuple[int, ...]]:
 def test_chunked_tier_builds_no_t_by_s_array(features, monkeypatch):
     """The chunked forward and backward with the features, in blocks: no intermediate has
     both a T-sized and an S-sized dim (the ids become per-block masks only)."""
-    from pallas_kernels import chunked
-    monkeypatch.setenv(chunked.BUDGET_ENV, "1")
+    from pallas_kernels import chunked_plan
+    monkeypatch.setenv(chunked_plan.BUDGET_ENV, "1")
     b, t, s, h, d = 1, 2053, 2063, 2, 16
     q = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16)
@@ -655,10 +658,11 @@ def test_chunked_tier_builds_no_t_by_s_array(features, monkeypatch):
 def _small_tiles(monkeypatch):
     """Every fused kernel's launch config at 16 x 16 tiles (32-wide head-dim chunks): the
     shapes below then split into many query and key blocks in each direction."""
-    import tuning.plan as plan
+    from tuning import dispatch
     small = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_HEADDIM_QK=32, BLOCK_HEADDIM_V=32,
                  BLOCK_HEADDIM=32, num_warps=4, num_stages=2)
-    monkeypatch.setattr(plan, "launch_config", lambda kernel, problem, override=None: small)
+    monkeypatch.setattr(dispatch, "kernel_config", lambda kernel, problem, **kw: (dict(small),
+                                                                                   "test"))
 
 
 BACKWARD_KERNEL_CASES = KERNEL_CASES + [
@@ -677,18 +681,20 @@ def test_fused_kernels_in_small_tiles(case, monkeypatch):
 
 
 def test_a_feature_a_kernel_lacks_is_routed_or_refused(monkeypatch):
-    """The mechanism for a feature some fused kernels lack (none today): with
-    `fused_unsupported` declaring one for the backward, the plan runs that direction on the
-    chunked tier (also with interpret=True), and an explicit "pallas" is refused naming it."""
-    import ffpa_jax.api as api
-    import tuning.plan as plan_module
+    """The mechanism for a feature a tier lacks (`Tier.unsupported`; the fused tier lacks
+    none today): declared for its backward, the dispatcher runs that direction on the next
+    tier (also with interpret=True), and an explicit "pallas" is refused naming it."""
+    from pallas_kernels import tiers
     from test_chunked import _plan_of
+    from tuning import dispatch
 
-    def lacks(problem, direction=None):
-        return ("logits_soft_cap",) if direction in (None, "backward") and problem.softcap \
-            else ()
-    monkeypatch.setattr(api, "fused_unsupported", lacks)
-    monkeypatch.setattr(plan_module, "fused_unsupported", lacks)
+    def lacks(problem, direction):
+        return ("logits_soft_cap",) if direction == "backward" and problem.softcap else ()
+    lacking = dataclasses.replace(tiers.PALLAS, unsupported=lacks)
+    monkeypatch.setattr(tiers, "PALLAS", lacking)
+    monkeypatch.setattr(tiers, "TIERS", (lacking,) + tiers.TIERS[1:])
+    monkeypatch.setattr(tiers, "BY_NAME", {**tiers.BY_NAME, lacking.name: lacking})
+    monkeypatch.setattr(dispatch, "TIERS", tiers.TIERS)
     monkeypatch.setenv("FFPA_SKIP_PERSIST_TUNED_CONFIG", "1")
     q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
     with pytest.raises(ValueError) as info:
@@ -699,9 +705,11 @@ def test_a_feature_a_kernel_lacks_is_routed_or_refused(monkeypatch):
         assert word in str(info.value)
     plan = _plan_of(monkeypatch, (1, 512, 4, 64), (1, 512, 4, 64), logits_soft_cap=5.0)
     assert (plan.forward_tier, plan.backward_tier) == ("pallas", "chunked")
-    (_, _), (tier, why) = plan_module.explain_tiers(
-        api.validation.validate(q, q, q, None, None, scale=None, is_causal=False,
-                                dropout_rate=0.0, dropout_rng=None, return_lse=False,
-                                implementation=None, interpret=True,
-                                logits_soft_cap=5.0).problem, "pallas")
-    assert tier == "chunked" and "logits_soft_cap" in why and "backward" in why
+    problem = ffpa_jax.validation.validate(q, q, q, None, None, scale=None, is_causal=False,
+                                           dropout_rate=0.0, dropout_rng=None,
+                                           return_lse=False, implementation=None,
+                                           interpret=True, logits_soft_cap=5.0).problem
+    explained = dispatch.explain(problem, interpret=True)
+    assert (explained.forward.tier, explained.backward.tier) == ("pallas", "chunked")
+    assert explained.passed_over == (("pallas", "does not implement logits_soft_cap in the "
+                                                "backward"),)

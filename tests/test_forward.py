@@ -18,8 +18,8 @@ import ffpa_jax
 from attn_testing import (Case, assert_forward_matches, make_inputs, reference64, scale_of,
                           xla_same_precision)
 from conftest import call_kwargs, interpret_flag
-from pallas_kernels import FwdConfig, fwd_generic
-from pallas_kernels.common import mask_block_lists
+from pallas_kernels import FwdConfig, Inputs, Problem, fwd_generic
+from pallas_kernels.kernel_inputs import mask_block_lists
 
 
 def run_case(case: Case, mode: str, tier: str = "pallas", *, q=None, k=None, v=None,
@@ -182,9 +182,9 @@ def test_kernel_configs(cfg, causal, kernel_mode):
     case = Case(b=1, t=77, s=100, hq=4, hkv=2, d=130, dv=100, causal=causal,
                 bias_shape=(1, 4, 1, 100), mask_shape=(1, 1, 77, 100))
     q, k, v, bias, mask = make_inputs(case)
-    out, lse = fwd_generic(q, k, v, bias.reshape(1, 4, 1, 100), mask.reshape(1, 1, 77, 100),
-                           scale=scale_of(case), causal=causal, config=cfg,
-                           interpret=interpret_flag(kernel_mode))
+    inputs = Inputs(q, k, v, bias.reshape(1, 4, 1, 100), mask.reshape(1, 1, 77, 100))
+    problem = Problem.of(*inputs[:5], scale=scale_of(case), causal=causal)
+    out, lse = fwd_generic(problem, cfg, inputs, interpret=interpret_flag(kernel_mode))[:2]
     assert_forward_matches(out, lse, reference64(case, q, k, v, bias, mask),
                            xla_same_precision(case, q, k, v, bias, mask), q.dtype)
 
@@ -291,7 +291,7 @@ def test_fuzz_cases_fit_shared_memory_gpu(name):
 def test_extra_tiles_cost_pipeline_stages_only_when_they_overflow():
     """The stage guard: the fuzz's overflowing forward configs lose a stage; plain calls
     and calls whose extra tiles fit keep the tuned count."""
-    from pallas_kernels.common import fit_stages
+    from pallas_kernels.kernel_inputs import fit_stages
     kib = 1024
     # fp16 D=100, T=69, S=226 with a [T, S] mask: Q 32 KiB resident, K + V 64 KiB/step.
     assert fit_stages(3, resident=32 * kib, per_stage=64 * kib, extra=16 * kib) == 2

@@ -77,13 +77,15 @@ def test_a_call_on_this_cpu_runs_xla_unless_told_otherwise(env):
     assert run.returncode == 0, run.stderr
     flat = unfolded(run.stdout)
     assert "problem: B=2 T=300 S=300 Hq=8 Hkv=2 D=96 Dv=96 bf16, causal" in flat
-    assert "implementation: xla <- implementation=None without an NVIDIA GPU" in flat
+    assert "implementation=None without an NVIDIA GPU" in flat
+    assert "forward: xla <- no NVIDIA GPU: the dense plain-JAX path" in flat
+    assert "backward: xla <- no NVIDIA GPU: the dense plain-JAX path" in flat
     chunked = info("--shape", "2,300,8,96", "--implementation", "chunked", env=env)
     assert chunked.returncode == 0, chunked.stderr
     flat = unfolded(chunked.stdout)
     assert "forward: chunked <- implementation='chunked'" in flat
     assert "backward: chunked <- implementation='chunked'" in flat
-    assert "the step between the GEMMs: xla" in flat
+    assert "the step between the GEMMs: XLA fusions" in flat
 
 
 def test_a_call_on_a_named_gpu_says_which_config_and_why(env, tmp_path):
@@ -94,14 +96,15 @@ def test_a_call_on_a_named_gpu_says_which_config_and_why(env, tmp_path):
     assert all(len(line) <= 100 for line in out.splitlines())
     flat = unfolded(out)
     assert f"for {DEVICE}: {path} (1 entries, autotune mode fast)" in flat
-    assert f"implementation: auto <- implementation=None on an NVIDIA GPU ({DEVICE})" in flat
+    assert f"implementation=None on an NVIDIA GPU ({DEVICE})" in flat
     # The forward: the tier and the launch config of the tuned entry (T=1000 -> 1024 stored).
     matched = "tuned entry (the tuned file: headdim=64 seqlen_q=1024 seqlen_k=1024 heads=4/4)"
     assert f"forward: pallas <- {matched}" in flat
     assert (f"fwd_generic: BLOCK_M=32 BLOCK_N=16 BLOCK_HEADDIM_QK=64 BLOCK_HEADDIM_V=64 "
             f"num_warps=2 num_stages=1 <- {matched}") in flat
     # The backward: no entry, so the built-in rule (D=64: the fused kernels) and defaults.
-    assert "backward: pallas <- built-in rule (no compatible entry in the tuned file)" in flat
+    assert ("backward: pallas <- built-in rule: pallas below D = 256 in the backward (no "
+            "compatible entry in the tuned file)") in flat
     assert ("bwd_generic_dq: BLOCK_M=128 BLOCK_N=64 BLOCK_HEADDIM=64 BLOCK_HEADDIM_QK=64 "
             "num_warps=8 num_stages=3 <- built-in default (no compatible entry in the tuned "
             "file)") in flat

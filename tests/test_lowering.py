@@ -290,15 +290,21 @@ def test_dropout_variants(variant):
     lower_bwd(**kwargs)
 
 
+def pretend_nvidia_gpu(monkeypatch):
+    """The dispatcher plans for an NVIDIA GPU (nothing runs: the calls are only lowered)."""
+    from tuning import dispatch
+    monkeypatch.setattr(dispatch.Device, "current",
+                        classmethod(lambda cls: cls(nvidia_gpu=True, name="Lowering GPU")))
+
+
 def test_forward_and_backward_lower_with_explicit_sharding(monkeypatch):
     """Inputs sharded over an Explicit mesh axis (jax.make_mesh's default) carry the
     axis in their types; a Pallas ref of such a type rejects integer indexing, so
     the call must go through ffpa_jax's own shard_map (the jax 0.11 GPU failure of
     test_user_shard_map_with_default_check_vma_gpu's unsharded reference)."""
     import ffpa_jax
-    import ffpa_jax.api as api
 
-    monkeypatch.setattr(api, "_default_backend_is_nvidia_gpu", lambda: True)
+    pretend_nvidia_gpu(monkeypatch)
     mesh = jax.make_mesh((1,), ("b",), axis_types=(jax.sharding.AxisType.Explicit,))
     arg = sd((2, 96, 4, 64), jnp.bfloat16,
              sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("b")))
@@ -316,9 +322,8 @@ def test_forward_and_backward_lower_inside_shard_map_with_check_vma(monkeypatch)
     """Inside a user's shard_map (default check_vma=True) every pallas_call output must
     declare the manual axes it varies over; lowering the Triton kernels checks it."""
     import ffpa_jax
-    import ffpa_jax.api as api
 
-    monkeypatch.setattr(api, "_default_backend_is_nvidia_gpu", lambda: True)
+    pretend_nvidia_gpu(monkeypatch)
     mesh = jax.make_mesh((1,), ("b",))
     spec = jax.sharding.PartitionSpec("b")
     arg = sd((2, 96, 4, 64), jnp.bfloat16, sharding=jax.sharding.NamedSharding(mesh, spec))
@@ -342,9 +347,8 @@ def test_returned_lse_lowers_the_precise_kernel(t, d, monkeypatch):
     import re
 
     import ffpa_jax
-    import ffpa_jax.api as api
 
-    monkeypatch.setattr(api, "_default_backend_is_nvidia_gpu", lambda: True)
+    pretend_nvidia_gpu(monkeypatch)
     q, kv = sd((1, t, 4, d), jnp.bfloat16), sd((1, 300, 2, d), jnp.bfloat16)
 
     def kernels(return_lse: bool) -> list[str]:
@@ -366,7 +370,6 @@ def test_returned_lse_lowers_the_precise_kernel(t, d, monkeypatch):
 def test_decode_feature_variants(variant):
     """The language-model features (issue 24) in both decode stages (GQA 8/2, T = 4)."""
     from pallas_kernels import DecodeConfig, decode_attention
-    from pallas_kernels.problem import FeatureArrays
     kw = dict(variant)
     dtype = kw.pop("dtype", jnp.bfloat16)
     ids, lengths, sinks = kw.pop("ids", False), kw.pop("lengths", False), kw.pop("sinks", False)
@@ -382,8 +385,9 @@ def test_decode_feature_variants(variant):
         q_ids, kv_ids = (rest.pop(0), rest.pop(0)) if ids else (None, None)
         q_len, kv_len = (rest.pop(0), rest.pop(0)) if lengths else (None, None)
         feats = FeatureArrays(q_ids, kv_ids, q_len, kv_len, rest.pop(0) if sinks else None)
-        return decode_attention(q, k, v, scale=0.1, causal=causal, config=DecodeConfig(),
-                                num_splits=4, features=feats, **kw)
+        problem = Problem.of(q, k, v, scale=0.1, causal=causal, features=feats, **kw)
+        return decode_attention(problem, DecodeConfig(), Inputs(q, k, v, features=feats),
+                                num_splits=4)
 
     text = jax.jit(f).trace(*args, *extra).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2

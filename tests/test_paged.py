@@ -256,7 +256,7 @@ def test_table_entries_past_a_length_are_not_checked():
 
 
 def test_paged_options_are_checked():
-    with pytest.raises(ValueError, match="implementation must be None, 'pallas' or 'xla'"):
+    with pytest.raises(ValueError, match="implementation must be one of None, 'pallas' or 'xla'"):
         ffpa_jax.paged_attention(**_args(), implementation="chunked")
     with pytest.raises(ValueError, match="logits_soft_cap"):
         ffpa_jax.paged_attention(**_args(), logits_soft_cap=-1.0)
@@ -284,7 +284,7 @@ def test_bad_update_names_the_argument():
 @pytest.mark.parametrize("d,page,window", [(128, 16, None), (128, 64, (256, 0)),
                                            (512, 16, None), (1024, 32, (64, 0))])
 def test_paged_decode_lowers_for_cuda(d, page, window):
-    from pallas_kernels import DecodeConfig, paged_decode_attention
+    from pallas_kernels import DecodeConfig, PagedKV, Problem, paged_decode_attention
     from tuning import default_config
     config = DecodeConfig.from_tuned(default_config("decode_fwd_stage1", headdim=d, dtype="bf16"),
                                      default_config("decode_fwd_stage2", headdim=d,
@@ -295,8 +295,11 @@ def test_paged_decode_lowers_for_cuda(d, page, window):
             sd((8,), jnp.int32), sd((32,), jnp.float32))
 
     def f(q, kp, vp, table, lengths, sinks):
-        return paged_decode_attention(q, kp, vp, table, lengths, scale=0.1, config=config,
-                                      num_splits=8, window=window, softcap=30.0, sinks=sinks)
+        problem = Problem(batch=8, seq_q=1, seq_k=8192, heads_q=32, heads_kv=8, head_dim=d,
+                          head_dim_v=d, dtype=q.dtype, scale=0.1, window=window,
+                          softcap=30.0, kv_lengths=True, sinks=True)
+        return paged_decode_attention(problem, config, q, PagedKV(kp, vp, table, lengths),
+                                      num_splits=8, sinks=sinks)
 
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2

@@ -75,7 +75,7 @@ def run_checks(interpret: bool) -> dict:
     import ffpa_jax
     import tuning
     from ffpa_jax import validation
-    from pallas_kernels import tiers
+    from pallas_kernels import Inputs, tiers
 
     devices = jax.devices()
     n = len(devices)
@@ -152,8 +152,8 @@ def run_checks(interpret: bool) -> dict:
     problem = validation.validate(q, k, v, bias, mask, scale=None, is_causal=True,
                                   dropout_rate=0.0, dropout_rng=None, return_lse=False,
                                   **pallas).problem
-    plan = tuning.make_plan(problem, interpret=interpret)
-    bare = lambda q, k, v, bias: tiers.forward(plan, q, k, v, bias, mask, None)
+    plan = tuning.plan(problem, "pallas", interpret=interpret)
+    bare = lambda q, k, v, bias: tiers.forward(plan, Inputs(q, k, v, bias, mask))
     compiled, _ = sharded_run(bare, line, P("x"), q, k, v, bias)
     report["control/bare_kernels"] = dict(collectives=_collectives(compiled))
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import tuning
+from pallas_kernels.problem import DTYPES, Problem
 from tuning import lookup as lookup_mod
 
 KERNELS_WITH_DEFAULTS = ["fwd_generic", "bwd_preproc", "bwd_generic_dq", "bwd_generic_dkdv",
@@ -63,11 +64,10 @@ def tuned_dir(tmp_path, monkeypatch):
     lookup_mod.clear_cache()
 
 
-def _launch(**kw):
-    args = dict(direction="forward", dtype="bf16", headdim=64, seqlen_q=100, seqlen_k=100,
-                device_name="Tuned GPU")
-    args.update(kw)
-    return tuning.launch_config("fwd_generic", **args)
+def _launch(dtype="bf16", device_name="Tuned GPU"):
+    q = jnp.zeros((1, 100, 2, 64), DTYPES[dtype])  # a shape carrier
+    problem = Problem.of(q, q, q)
+    return tuning.kernel_config("fwd_generic", problem, device_name=device_name)[0]
 
 
 def test_launch_config_prefers_a_tuned_entry(tuned_dir):
@@ -86,12 +86,12 @@ def test_launch_config_falls_back_to_defaults(tuned_dir, monkeypatch):
 def test_tuned_entry_reaches_the_kernel_config(tuned_dir, monkeypatch):
     """The public path asks `tuning` for the current device's configs at trace time."""
     from ffpa_jax.validation import validate
-    from tuning import make_plan
 
     monkeypatch.setattr(lookup_mod, "current_device", lambda: ("Tuned GPU", "9.0"))
     q = jnp.zeros((1, 100, 2, 64), jnp.bfloat16)  # a shape carrier
     problem = validate(q, q, q, None, None, scale=None, is_causal=False, dropout_rate=0.0,
                        dropout_rng=None, return_lse=False, implementation="xla",
                        interpret=False).problem
-    plan = make_plan(problem, interpret=True)
-    assert (plan.fwd.block_m, plan.fwd.block_n, plan.fwd.num_warps) == (32, 16, 2)
+    plan = tuning.plan(problem, "pallas", interpret=True)
+    fwd = plan.config("fwd_generic")
+    assert (fwd.block_m, fwd.block_n, fwd.num_warps) == (32, 16, 2)

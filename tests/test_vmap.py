@@ -18,7 +18,8 @@ from conftest import interpret_flag
 import ffpa_jax
 import tuning
 from ffpa_jax import partitioning, validation
-from pallas_kernels import tiers
+from pallas_kernels import Inputs, tiers
+from pallas_kernels.plan import row_outputs
 
 N = 3  # the vmapped axis
 
@@ -110,12 +111,12 @@ def test_vmap_of_the_partitioning_wrapper_directly(kernel_mode):
                                   dropout_rate=0.0, dropout_rng=None, return_lse=False,
                                   implementation="pallas",
                                   interpret=interpret_flag(kernel_mode)).problem
-    plan = tuning.make_plan(problem, interpret=interpret_flag(kernel_mode))
-    wrapped = partitioning.ShardLocal(tiers.forward, "forward", row_outputs=tiers.row_outputs)
+    plan = tuning.plan(problem, "pallas", interpret=interpret_flag(kernel_mode))
+    wrapped = partitioning.ShardLocal(tiers.forward, "forward", row_outputs=row_outputs)
     # float32 inputs: the forward returns lse with its rounding error, (out, lse, lo).
-    outputs = jax.vmap(lambda q, k, v, b: wrapped(plan, q, k, v, b, mask, None))(q, k, v, bias)
+    outputs = jax.vmap(lambda q, k, v, b: wrapped(plan, Inputs(q, k, v, b, mask)))(q, k, v, bias)
     assert len(outputs) == 3
     for i in range(N):
-        expected = tiers.forward(plan, q[i], k[i], v[i], bias[i], mask, None)
+        expected = tiers.forward(plan, Inputs(q[i], k[i], v[i], bias[i], mask))
         for got, want in zip(outputs, expected, strict=True):
             assert_same(got[i], want, exact=True)

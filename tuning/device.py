@@ -84,3 +84,13 @@ def default_backend_is_nvidia_gpu() -> bool:
         return False
     version = str(getattr(device.client, "platform_version", "")).lower()
     return "rocm" not in version and "hip" not in version
+
+
+def default_backend() -> str:
+    """JAX's default backend's name ("cpu", "gpu", ...), for messages."""
+    import jax  # Local import: importing `tuning` must stay cheap.
+
+    try:
+        return jax.default_backend()
+    except RuntimeError as exc:  # no backend at all: say so rather than fail
+        return f"unavailable ({exc})"

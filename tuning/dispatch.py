@@ -188,23 +188,31 @@ def _serving(tier: Tier, direction: str, problem: Problem, device: Device, inter
     return tiers.XLA
 
 
+def _require_runs_here(tier: Tier, device: Device, interpret: bool) -> None:
+    """A ValueError when `implementation=tier.name` cannot run here, saying why and what to
+    pass instead."""
+    reason = runs_here(tier, device, interpret)
+    if reason is None:
+        return
+    hint = (" Pass interpret=True to run its kernels in Pallas' interpreter (slow; for "
+            "tests)," if tier.interpretable and not interpret else " Pass")
+    raise ValueError(
+        f"implementation={tier.name!r} {reason}, and the default JAX backend is "
+        f"{devices.default_backend()!r}.{hint} implementation=None (the dispatcher's choice) "
+        f"or implementation={tiers.XLA.name!r}.")
+
+
 def _explicit(name: str, problem: Problem, device: Device, interpret: bool) -> Tier:
     """The tier `implementation=name` names, or a ValueError saying why it cannot run."""
     tier = tiers.BY_NAME[name]
-    reason = runs_here(tier, device, interpret)
-    if reason is not None:
-        hint = (" Pass interpret=True to run its kernels in Pallas' interpreter (slow; for "
-                "tests)," if tier.interpretable and not interpret else "")
-        raise ValueError(
-            f"implementation={name!r} {reason}, and the default JAX backend is not one."
-            f"{hint} or pass implementation=None (the dispatcher's choice) or 'xla'.")
+    _require_runs_here(tier, device, interpret)
     for direction in DIRECTIONS:
         missing = tier.unsupported(problem, direction)
         if missing:
             raise ValueError(
                 f"implementation={name!r} does not support {', '.join(missing)} in the "
                 f"{direction}. Pass implementation=None (another tier then runs it) or "
-                "'chunked' (same results, bounded memory), or 'xla'.")
+                f"{tiers.CHUNKED.name!r} (same results, bounded memory), or {tiers.XLA.name!r}.")
     return tier
 
 
@@ -221,13 +229,13 @@ def explain(problem: Problem, implementation: str | None = None, *, interpret: b
                              f"{implementation!r}")
         tier = _explicit(implementation, problem, device, interpret)
         chosen = {d: (tier, f"implementation={implementation!r}") for d in DIRECTIONS}
-    elif not device.nvidia_gpu or interpret:
-        tier, why = _off_gpu(problem, interpret)
-        chosen = {d: (tier, why) for d in DIRECTIONS}
     else:
         chosen = {}
         for direction in DIRECTIONS:
-            tier, why = _rule(direction, problem, device)
+            if device.nvidia_gpu and not interpret:
+                tier, why = _rule(direction, problem, device)
+            else:
+                tier, why = _off_gpu(problem, interpret)
             served = _serving(tier, direction, problem, device, interpret, passed_over)
             if served is not tier:
                 why = f"{why}; {tier.name} passed over, {served.name} runs it"
@@ -295,18 +303,14 @@ def paged_decode_configs(problem: Problem, *, interpret: bool = False):
 def paged_decode_kernels(implementation: str | None, *, interpret: bool = False,
                          device: Device | None = None) -> bool:
     """Whether `paged_attention` runs the fused tier's paged decode kernels (else the dense
-    tier over the gathered pages): `implementation` None takes them where they run, "pallas"
-    insists (a ValueError where they cannot run), "xla" declines."""
+    tier over the gathered pages): `implementation` None takes them where they run, the fused
+    tier's name insists (a ValueError where they cannot run), the dense tier's declines."""
     device = Device.current() if device is None else device
     if implementation == tiers.XLA.name:
         return False
-    reason = runs_here(tiers.PALLAS, device, interpret)
-    if implementation == tiers.PALLAS.name and reason is not None:
-        raise ValueError(f"implementation={implementation!r} {reason}, and the default JAX "
-                         "backend is not one. Pass interpret=True to run its kernels in "
-                         "Pallas' interpreter (slow; for tests), or implementation=None or "
-                         "'xla'.")
-    return reason is None
+    if implementation == tiers.PALLAS.name:
+        _require_runs_here(tiers.PALLAS, device, interpret)
+    return runs_here(tiers.PALLAS, device, interpret) is None
 
 
 def dense_logits_bytes(problem: Problem) -> int:

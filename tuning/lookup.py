@@ -296,38 +296,43 @@ class TunedEntry(NamedTuple):
     file_batch: int | None
 
 
-def explain_entry(
-    direction: str,
-    kernel: str,
-    *,
-    dtype: Any,
-    headdim: int,
-    seqlen_q: int,
-    seqlen_k: int,
-    causal: bool = False,
-    has_attn_bias: bool = False,
-    has_dropout: bool = False,
-    nheads_q: int | None = None,
-    nheads_kv: int | None = None,
-    autotune_mode: str = "fast",
-    bias_grad: bool | None = None,
-    device_name: str | None = None,
-    compute_capability: str | None = None,
-) -> tuple[TunedEntry | None, str]:
+# The lookup's optional fields and their defaults (`explain_entry`).
+_QUERY_DEFAULTS = dict(causal=False, has_attn_bias=False, has_dropout=False, nheads_q=None,
+                       nheads_kv=None, autotune_mode="fast", bias_grad=None, device_name=None,
+                       compute_capability=None)
+_QUERY_REQUIRED = ("dtype", "headdim", "seqlen_q", "seqlen_k")
+
+
+def _query(direction: str, kernel: str, fields: Mapping[str, Any]) -> _Query:
+    """The normalized query of `explain_entry`'s keywords (a TypeError names a missing or
+    unknown one)."""
+    missing = [name for name in _QUERY_REQUIRED if name not in fields]
+    unknown = sorted(set(fields) - set(_QUERY_REQUIRED) - set(_QUERY_DEFAULTS))
+    if missing or unknown:
+        raise TypeError(f"tuned lookup: missing fields {missing}, unknown fields {unknown}; "
+                        f"it takes {list(_QUERY_REQUIRED)} and {list(_QUERY_DEFAULTS)}")
+    f = {**_QUERY_DEFAULTS, **fields}
+    optional_str = lambda x: None if x is None else str(x)  # noqa: E731
+    return _Query(
+        direction=str(direction), kernel=str(kernel), dtype=dtype_name(f["dtype"]),
+        headdim=int(f["headdim"]), seqlen_q=int(f["seqlen_q"]), seqlen_k=int(f["seqlen_k"]),
+        causal=bool(f["causal"]), has_attn_bias=bool(f["has_attn_bias"]),
+        has_dropout=bool(f["has_dropout"]), nheads_q=_optional_int(f["nheads_q"]),
+        nheads_kv=_optional_int(f["nheads_kv"]), autotune_mode=str(f["autotune_mode"]),
+        bias_grad=None if f["bias_grad"] is None else bool(f["bias_grad"]),
+        device_name=optional_str(f["device_name"]),
+        compute_capability=optional_str(f["compute_capability"]))
+
+
+def explain_entry(direction: str, kernel: str, **fields: Any) -> tuple[TunedEntry | None, str]:
     """(the matched entry, a fresh copy, with its file's "B", or None; why: the file and
-    stored problem matched, or why nothing matched); see the module docstring for the
-    matching rules and `lookup_config` for the arguments."""
+    stored problem matched, or why nothing matched). `fields`: `dtype` ("bf16"/"fp16"/"fp32"
+    or a numpy/JAX dtype), `headdim`, `seqlen_q`, `seqlen_k` (required), and optionally
+    `causal`, `has_attn_bias`, `has_dropout`, `nheads_q`, `nheads_kv`, `autotune_mode`,
+    `bias_grad`, `device_name` (None: JAX's current device) and `compute_capability`; see
+    the module docstring for the matching rules."""
     _configure_debug_logging()
-    query = _Query(
-        direction=str(direction), kernel=str(kernel), dtype=dtype_name(dtype),
-        headdim=int(headdim), seqlen_q=int(seqlen_q), seqlen_k=int(seqlen_k),
-        causal=bool(causal), has_attn_bias=bool(has_attn_bias), has_dropout=bool(has_dropout),
-        nheads_q=_optional_int(nheads_q), nheads_kv=_optional_int(nheads_kv),
-        autotune_mode=str(autotune_mode),
-        bias_grad=None if bias_grad is None else bool(bias_grad),
-        device_name=None if device_name is None else str(device_name),
-        compute_capability=None if compute_capability is None else str(compute_capability),
-    )
+    query = _query(direction, kernel, fields)
     env = _read_env()
     entry, batch, why = _cached_lookup(query, env)
     _log_once(query, env, entry is not None, why)

@@ -19,6 +19,7 @@ import jax
 
 import ffpa_jax
 from ffpa_jax.bench.cases import BenchCase, feature_kwargs, segment_ids
+from pallas_kernels import tiers
 
 
 class Unsupported(Exception):
@@ -48,8 +49,8 @@ class Impl:
 
     def interpreted(self, interpret: bool, tier: str | None = None) -> bool:
         """Whether a run with `interpret` (no GPU) went through Pallas' interpreter; `tier`:
-        the tiers ffpa_jax ran ("xla" runs no Pallas kernel)."""
-        return interpret and self.pallas and tier != "xla"
+        the tiers ffpa_jax ran (the dense tier runs no Pallas kernel)."""
+        return interpret and self.pallas and tier != tiers.XLA.name
 
 
 def _scale(case: BenchCase) -> float:
@@ -135,7 +136,6 @@ def _tiers_of(implementation: str | None):
     """(case, interpret) -> "forward tier/backward tier" of ffpa_jax's call for the case."""
     def tiers(case: BenchCase, interpret: bool) -> str:
         import tuning
-        from ffpa_jax import api
         from pallas_kernels.problem import DTYPES, Problem
         problem = Problem(batch=case.b, seq_q=case.t, seq_k=case.s, heads_q=case.hq,
                           heads_kv=case.hkv, head_dim=case.d, head_dim_v=case.dv,
@@ -146,11 +146,9 @@ def _tiers_of(implementation: str | None):
                           window=(case.window, 0) if case.window else None,
                           softcap=case.softcap or None, segment_ids=bool(case.segments),
                           sinks=case.sinks)
-        impl = api.resolve_implementation(implementation, interpret, problem)
-        if impl == "xla":
-            return "xla"
-        forward, backward = tuning.tiers(problem, impl)
-        return forward if case.mode == "fwd" else f"{forward}/{backward}"
+        explained = tuning.explain(problem, implementation, interpret=interpret)
+        forward, backward = explained.forward.tier, explained.backward.tier
+        return forward if case.mode == "fwd" or forward == backward else f"{forward}/{backward}"
     return tiers
 
 
@@ -202,7 +200,7 @@ def _ffpa_xla_run(case: BenchCase):
         return ffpa_jax.attention(q, k, v, bias=bias, mask=mask, is_causal=case.causal,
                                   dropout_rate=case.dropout,
                                   dropout_rng=rng if case.dropout else None,
-                                  implementation="xla", **feature_kwargs(case))
+                                  implementation=tiers.XLA.name, **feature_kwargs(case))
     return run
 
 
@@ -357,12 +355,11 @@ FFPA = Impl("ffpa", _ffpa, doc="ffpa_jax.attention(): each direction on its tune
             "(paged-decode: ffpa_jax.paged_attention)", tiers=_tiers_of(None), pallas=True,
             paged=True)
 PEERS: dict[str, Impl] = {
-    "ffpa-pallas": Impl("ffpa-pallas", _ffpa_tier("pallas"), tiers=_tiers_of("pallas"),
-                        pallas=True,
-                        doc="ffpa_jax.attention(implementation='pallas'): the fused kernels"),
-    "ffpa-chunked": Impl("ffpa-chunked", _ffpa_tier("chunked"), tiers=_tiers_of("chunked"),
-                         pallas=True,
-                         doc="ffpa_jax.attention(implementation='chunked'): blocked GEMMs"),
+    # One row per tier of the registry that has kernels of its own (the A/B of tiers).
+    **{f"ffpa-{t.name}": Impl(f"ffpa-{t.name}", _ffpa_tier(t.name), tiers=_tiers_of(t.name),
+                              pallas=True,
+                              doc=f"ffpa_jax.attention(implementation={t.name!r}): {t.summary}")
+       for t in tiers.TIERS if not t.differentiated_by_jax},
     "cudnn": Impl("cudnn", _cudnn, doc="jax.nn.dot_product_attention(implementation='cudnn')"),
     "xla": Impl("xla", _xla, doc="jax.nn.dot_product_attention(implementation='xla'); "
                 "ffpa_jax's XLA path for dropout and causal with T != S"),

@@ -20,7 +20,7 @@ and computes the right thing is for the measurement to find out.
 from __future__ import annotations
 
 from pallas_kernels import KERNEL_DESCRIPTORS
-from pallas_kernels.common import MIN_TILE
+from pallas_kernels.tiles import MIN_TILE
 from pallas_kernels.descriptor import tile_width
 from tuning.defaults import default_config
 from tuning.registry import config_problem

@@ -1,12 +1,14 @@
 """Measure which tier runs each direction fastest on this GPU and record it in the tuned file.
 
 For every problem of the grid (square, T = S, causal or not, no bias or dropout: the
-"common" case), both tiers' forward and both tiers' backward are timed on the same random
-inputs: the backwards take the same residuals (the output in float32 and lse), so each
-direction is compared alone. The faster tier goes into the "tier" field of the entry that
-`tuning.tier` reads for that direction (fwd_generic for the forward, bwd_generic_dkdv for
-the backward), beside "tier_ms" with both times; an absent entry is added with the
-built-in launch config. FFPA's readers ignore both fields.
+"common" case), every measured tier's forward and backward are timed on the same random
+inputs (the tiers of the registry with a backward of their own that run on this GPU:
+`measured_tiers`): the backwards take the same residuals (the output in float32 and lse),
+so each direction is compared alone. The fastest tier goes into the "tier" field of the
+entry that the dispatcher reads for that direction (`tuning.dispatch.TIER_KERNELS`:
+fwd_generic for the forward, bwd_generic_dkdv for the backward), beside "tier_ms" with every
+time; an absent entry is added with the built-in launch config. FFPA's readers ignore both
+fields.
 
     python -m tuning.autotune.tiers --file tuning/configs/NVIDIA_H200.json
         [--headdims 128,256,512] [--seqlens 1024,4096] [--causal both] [--dtypes bf16]
@@ -30,13 +32,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import tiers as tiers_mod
-from pallas_kernels.problem import DTYPES, Problem
-from pallas_kernels.tiers import TIERS
+from pallas_kernels.problem import DTYPES, Cotangents, Inputs, Problem, Saved
+from tuning import dispatch
 from tuning.autotune.tasks import Task, entries_for, entry_key
-from tuning.defaults import TIER_KERNELS, default_config
+from tuning.defaults import default_config
 from tuning.device import sanitize_device_name
 from tuning.lookup import user_config_dir
-from tuning.plan import make_plan
 from tuning.schema import load_config_file, write_config_file
 from tuning.timing import median_ms
 
@@ -48,9 +49,17 @@ def problem_of(*, dtype: str, headdim: int, seqlen: int, causal: bool, batch: in
                    scale=1.0 / math.sqrt(headdim), causal=causal)
 
 
+def measured_tiers() -> tuple[str, ...]:
+    """The tiers whose directions are timed: those of the registry with a backward of their
+    own (the dense tier has none: JAX differentiates it) that run on this GPU."""
+    device = dispatch.Device.current()
+    return tuple(t.name for t in tiers_mod.TIERS if not t.differentiated_by_jax
+                 and dispatch.runs_here(t, device, interpret=False) is None)
+
+
 def _plan(problem: Problem, tier: str):
     """The vjp's plan of `tier` in both directions (float32 output: the backward's residual)."""
-    plan = make_plan(problem, tiers=(tier, tier))
+    plan = dispatch.plan_for_tiers(problem, tier, tier)
     return dataclasses.replace(plan, float32_out=True)
 
 
@@ -65,10 +74,9 @@ def measure(problem: Problem, *, min_rep_s: float = 0.05, reps: int = 5) -> dict
     do = jax.random.normal(keys[3], shape_q, problem.dtype)
     times: dict[str, dict[str, float | None]] = {"forward": {}, "backward": {}}
     residuals = None
-    for tier in TIERS:
+    for tier in measured_tiers():
         plan = _plan(problem, tier)
-        forward = jax.jit(lambda q, k, v, plan=plan: tiers_mod.forward(
-            plan, q, k, v, None, None, None))
+        forward = jax.jit(lambda q, k, v, plan=plan: tiers_mod.forward(plan, Inputs(q, k, v)))
         try:
             times["forward"][tier] = median_ms(forward, (q, k, v), min_rep_s=min_rep_s,
                                                reps=reps)
@@ -81,10 +89,10 @@ def measure(problem: Problem, *, min_rep_s: float = 0.05, reps: int = 5) -> dict
         return times
     out, *rows = residuals
     d_lse = jnp.zeros_like(rows[0])
-    for tier in TIERS:
+    for tier in measured_tiers():
         plan = _plan(problem, tier)
         backward = jax.jit(lambda q, k, v, out, do, *rows, plan=plan: tiers_mod.backward(
-            plan, q, k, v, None, None, None, out, *rows, do, d_lse))
+            plan, Inputs(q, k, v), Saved(out, *rows), Cotangents(do, d_lse)))
         try:
             times["backward"][tier] = median_ms(backward, (q, k, v, out, do, *rows),
                                                 min_rep_s=min_rep_s, reps=reps)
@@ -104,7 +112,7 @@ def record(entries: list[dict], problem: Problem, direction: str, times: dict) -
     tier = winner(times)
     if tier is None:
         return
-    kernel = TIER_KERNELS[direction]
+    kernel = dispatch.TIER_KERNELS[direction]
     task = Task(direction=direction, kernel=kernel, case_name="common",
                 dtype=problem.dtype_name, headdim=problem.head_dim, seqlen_q=problem.seq_q,
                 seqlen_k=problem.seq_k, causal=problem.causal, batch=problem.batch,
