@@ -5,9 +5,11 @@ Keep version-specific code here and nowhere else.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import jax
+from jax.experimental.pallas import mosaic_gpu as _pl_mosaic
 from jax.experimental.pallas import triton as _pl_triton
 
 # Since JAX 0.9 Mosaic GPU is Pallas' default GPU lowering; passing Triton's
@@ -37,7 +39,6 @@ def compiler_params(num_warps: int, num_stages: int):
 def _manual_axes_keyword() -> str | None:
     """The ShapeDtypeStruct keyword that declares which manual (shard_map) mesh axes an
     array varies over: `manual_axis_type` (JAX 0.10), `vma` (earlier), else None."""
-    import inspect
     params = inspect.signature(jax.ShapeDtypeStruct).parameters
     for keyword in ("manual_axis_type", "vma"):
         if keyword in params:
@@ -59,3 +60,23 @@ def output_struct(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
     if value is None:
         return jax.ShapeDtypeStruct(shape, dtype)
     return jax.ShapeDtypeStruct(shape, dtype, **{keyword: value})
+
+
+# Mosaic GPU's `load`: jax 0.10.2 requires the index argument (`()` for a whole ref); from
+# 0.11 it is deprecated (indexing goes through `.at[]`) and warns when given.
+_MOSAIC_LOAD_NEEDS_INDEX = (inspect.signature(_pl_mosaic.load).parameters["idx"].default
+                            is inspect.Parameter.empty)
+
+
+def mosaic_load(ref, *, layout):
+    """A whole Mosaic GPU shared-memory ref loaded into registers in `layout`."""
+    if _MOSAIC_LOAD_NEEDS_INDEX:
+        return _pl_mosaic.load(ref, (), layout=layout)
+    return _pl_mosaic.load(ref, layout=layout)
+
+
+def mosaic_gpu_runs() -> bool:
+    """Whether this JAX runs the Mosaic tier's kernels: they were built and measured on
+    jax 0.11 (they lower on 0.10.2, which never ran them on a GPU)."""
+    major, minor = (int(x) for x in jax.__version__.split(".")[:2])
+    return (major, minor) >= (0, 11)

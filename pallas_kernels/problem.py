@@ -60,23 +60,25 @@ class Problem:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
 
     @classmethod
-    def of(cls, q, k, v, bias=None, mask=None, *, scale: float | None = None,
-           causal: bool = False, dropout_rate: float = 0.0,
-           features: "FeatureArrays | None" = None, window: tuple[int, int] | None = None,
-           softcap: float | None = None, return_lse: bool = False) -> "Problem":
+    def of(cls, q, k, v, bias=None, mask=None, *, features: "FeatureArrays | None" = None,
+           **options) -> "Problem":
         """The problem of batched q/k/v and 4-D bias/mask (arrays or anything with .shape and
-        .dtype); the scale defaults to 1/sqrt(D)."""
+        .dtype) and the feature arrays `features`; `options` are the static fields (`scale`,
+        default 1/sqrt(D); `causal`, `dropout_rate`, `window`, `softcap`, `return_lse`)."""
         f = FeatureArrays() if features is None else features
-        head_dim = q.shape[3]
-        return cls(**_shapes(q, k, v, bias, mask), dtype=q.dtype,
-                   scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
-                   causal=bool(causal), dropout_rate=float(dropout_rate),
-                   window=None if window is None else tuple(window),
-                   softcap=None if softcap is None else float(softcap),
+        unknown = sorted(set(options) - set(_OPTIONS))
+        if unknown:
+            raise TypeError(f"Problem.of takes the options {sorted(_OPTIONS)}; got {unknown}")
+        o = {**_OPTIONS, **options}
+        scale = 1.0 / math.sqrt(q.shape[3]) if o["scale"] is None else float(o["scale"])
+        return cls(**_shapes(q, k, v, bias, mask), dtype=q.dtype, scale=scale,
+                   causal=bool(o["causal"]), dropout_rate=float(o["dropout_rate"]),
+                   window=None if o["window"] is None else tuple(o["window"]),
+                   softcap=None if o["softcap"] is None else float(o["softcap"]),
                    segment_ids=f.q_segment_ids is not None,
                    q_lengths=f.q_lengths is not None, kv_lengths=f.kv_lengths is not None,
                    sinks=f.sinks is not None, positions=f.positions is not None,
-                   return_lse=return_lse)
+                   return_lse=bool(o["return_lse"]))
 
     def sized(self, inputs: "Inputs") -> "Problem":
         """This problem with the shapes of `inputs` (batched q/k/v, 4-D bias/mask), which
@@ -137,6 +139,11 @@ class Problem:
                  ("query_seq_lengths", self.q_lengths),
                  ("key_value_seq_lengths", self.kv_lengths), ("sinks", self.sinks))
         return tuple(name for name, used in names if used)
+
+
+# `Problem.of`'s options and their defaults.
+_OPTIONS = dict(scale=None, causal=False, dropout_rate=0.0, window=None, softcap=None,
+                return_lse=False)
 
 
 def _shapes(q, k, v, bias, mask) -> dict:

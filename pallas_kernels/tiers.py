@@ -17,12 +17,14 @@ from typing import Callable
 import jax.numpy as jnp
 
 from pallas_kernels import chunked, chunked_plan, dense, fused
+from pallas_kernels.mosaic import tier as mosaic_tier
 from pallas_kernels.plan import KernelChoice, Plan, Target
 from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
 
 # Where a tier runs (`Tier.runs_on`).
 ANYWHERE = "anywhere"
 NVIDIA_GPU = "an NVIDIA GPU"
+SM90 = "an sm90 GPU (H100, H200) and jax >= 0.11"
 
 
 def _none(*_):
@@ -37,7 +39,9 @@ class Tier:
     - `runs_on`: `ANYWHERE`, or `NVIDIA_GPU` (then `interpretable` says whether its Pallas
       kernels also run in Pallas' interpreter elsewhere, for tests).
     - `forward(plan, inputs)` -> (out, lse[, lse_lo]); `backward(plan, inputs, saved,
-      cotangents)` -> (dq, dk, dv, dbias), or None: JAX differentiates `forward` itself.
+      cotangents)` -> (dq, dk, dv, dbias), or None: JAX differentiates `forward` itself
+      (`differentiated_by_jax`), or the tier has no backward (`directions` without it: another tier's
+      runs the backward).
     - `configs(problem, direction, lookup, target)` -> the `KernelChoice`s it runs a
       direction with (`lookup(kernel)` gives a tuned or built-in config dict, and why).
     - `unsupported(problem, direction)` -> the features of `problem` it cannot compute, by
@@ -58,10 +62,8 @@ class Tier:
     runs: Callable = lambda plan, direction: tuple(
         c.kernel for c in plan.kernels if c.direction == direction)
     interpretable: bool = False
-
-    @property
-    def differentiated_by_jax(self) -> bool:
-        return self.backward is None
+    directions: tuple[str, ...] = ("forward", "backward")
+    differentiated_by_jax: bool = False
 
 
 def _chunked_configs(problem: Problem, direction: str, lookup, target: Target):
@@ -94,7 +96,7 @@ def _chunked_backward(plan: Plan, inputs: Inputs, saved: Saved, cotangents: Cota
 
 
 XLA = Tier(
-    name="xla", runs_on=ANYWHERE, forward=dense.forward, backward=None,
+    name="xla", runs_on=ANYWHERE, forward=dense.forward, backward=None, differentiated_by_jax=True,
     summary="the dense plain-JAX path (pallas_kernels.reference), differentiated by JAX; "
             "O(T*S) memory")
 CHUNKED = Tier(
@@ -107,9 +109,15 @@ PALLAS = Tier(
     backward=fused.backward, configs=fused.configs, describe=fused.describe, runs=fused.runs,
     summary="the fused Pallas kernels lowered to Triton (forward, backward, decode)")
 
+MOSAIC = Tier(
+    name="mosaic", runs_on=SM90, forward=mosaic_tier.forward, backward=None,
+    directions=("forward",), configs=mosaic_tier.configs, unsupported=mosaic_tier.unsupported,
+    summary="Pallas Mosaic GPU kernels for sm90 (wgmma, TMA, warp specialisation): the "
+            "forward; its backward runs on another tier")
+
 # Every tier, in the order the dispatcher falls back along (the most general last but one:
 # the dense path serves everything, the chunked tier everything in bounded memory).
-TIERS: tuple[Tier, ...] = (PALLAS, CHUNKED, XLA)
+TIERS: tuple[Tier, ...] = (MOSAIC, PALLAS, CHUNKED, XLA)
 BY_NAME = {tier.name: tier for tier in TIERS}
 
 

@@ -25,7 +25,7 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-from pallas_kernels import chunked_plan, fused, tiers
+from pallas_kernels import chunked_plan, compat, fused, tiers
 from pallas_kernels.plan import Plan, Target
 from pallas_kernels.problem import Problem
 from pallas_kernels.tiers import TIERS, Tier
@@ -100,6 +100,11 @@ def runs_here(tier: Tier, device: Device, interpret: bool) -> str | None:
     """Why `tier` cannot run on `device` (None: it can)."""
     if tier.runs_on == tiers.ANYWHERE:
         return None
+    if tier.runs_on == tiers.SM90:
+        sm90 = (device.nvidia_gpu and not interpret
+                and str(device.compute_capability or "").startswith("9.")
+                and compat.mosaic_gpu_runs())
+        return None if sm90 else f"needs {tier.runs_on}"
     if device.nvidia_gpu and not interpret:
         return None
     if interpret and tier.interpretable:
@@ -117,32 +122,40 @@ def narrow_window(problem: Problem) -> bool:
 
 
 def built_in_tier(direction: str, problem: Problem) -> tuple[Tier, str]:
-    """The tier a direction runs on without a tuned entry: the chunked tier's GEMMs beat the
-    fused kernels' register-bound head-dim slices above D = 256 in the forward and from
-    D = 256 in the backward (H200, bf16, docs/benchmarks.md); float32 keeps the fused
-    kernels, whose backward recomputes its own normalised P exactly."""
+    """The tier a direction runs on without a tuned entry. The forward up to D = 256 runs on
+    the Mosaic kernels where they run (about cuDNN's speed, where the Triton kernels reach
+    0.73-0.93x of it: docs/benchmarks.md), else on the fused kernels; the chunked tier's
+    GEMMs beat the fused kernels' register-bound head-dim slices above D = 256 in the forward
+    and from D = 256 in the backward (H200, bf16); float32 keeps the fused kernels, whose
+    backward recomputes its own normalised P exactly."""
     if problem.natural:
         return tiers.PALLAS, "built-in rule: float32 runs the fused kernels"
     if direction == "forward":
-        chunked = problem.headdim > 256
-        rule = "above D = 256" if chunked else "up to D = 256"
-    else:
-        chunked = problem.headdim >= 256
-        rule = "from D = 256" if chunked else "below D = 256"
-    tier = tiers.CHUNKED if chunked else tiers.PALLAS
-    return tier, f"built-in rule: {tier.name} {rule} in the {direction}"
+        if problem.headdim > 256:
+            return tiers.CHUNKED, "built-in rule: chunked above D = 256 in the forward"
+        return tiers.MOSAIC, "built-in rule: mosaic up to D = 256 in the forward"
+    if problem.headdim >= 256:
+        return tiers.CHUNKED, "built-in rule: chunked from D = 256 in the backward"
+    return tiers.PALLAS, "built-in rule: pallas below D = 256 in the backward"
 
 
 def tuned_tier(direction: str, problem: Problem, device: Device) -> tuple[Tier | None, str]:
-    """(the tier the matched tuned entry names, why), or (None, why not)."""
+    """(the tier the matched tuned entry names, why), or (None, why not). An entry chooses
+    among the tiers it measured ("tier_ms"): where the built-in rule names a tier the entry
+    never measured (one added since the file was tuned), the entry has no say."""
     found, where = explain_entry(direction, TIER_KERNELS[direction], **device.lookup_keys(),
                                  **lookup_fields(problem, direction))
     if found is None:
         return None, where
     name = found.entry.get("tier")
-    if name in tiers.BY_NAME:
-        return tiers.BY_NAME[name], f"tuned entry ({where})"
-    return None, f"the matched entry ({where}) names no tier"
+    if name not in tiers.BY_NAME:
+        return None, f"the matched entry ({where}) names no tier"
+    measured = found.entry.get("tier_ms") or {}
+    rule, _ = built_in_tier(direction, problem)
+    if measured and rule.name not in measured:
+        return None, (f"the matched entry ({where}) measured {sorted(measured)}, not "
+                      f"{rule.name}")
+    return tiers.BY_NAME[name], f"tuned entry ({where})"
 
 
 def _rule(direction: str, problem: Problem, device: Device) -> tuple[Tier, str]:
@@ -181,6 +194,8 @@ def _serving(tier: Tier, direction: str, problem: Problem, device: Device, inter
     for candidate in order:
         reason = runs_here(candidate, device, interpret)
         missing = candidate.unsupported(problem, direction)
+        if direction not in candidate.directions:
+            reason = reason or f"has no {direction} of its own"
         if reason is None and not missing:
             return candidate
         why = reason or f"does not implement {', '.join(missing)} in the {direction}"
@@ -206,7 +221,7 @@ def _explicit(name: str, problem: Problem, device: Device, interpret: bool) -> T
     """The tier `implementation=name` names, or a ValueError saying why it cannot run."""
     tier = tiers.BY_NAME[name]
     _require_runs_here(tier, device, interpret)
-    for direction in DIRECTIONS:
+    for direction in tier.directions:
         missing = tier.unsupported(problem, direction)
         if missing:
             raise ValueError(
@@ -228,7 +243,13 @@ def explain(problem: Problem, implementation: str | None = None, *, interpret: b
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}; got "
                              f"{implementation!r}")
         tier = _explicit(implementation, problem, device, interpret)
-        chosen = {d: (tier, f"implementation={implementation!r}") for d in DIRECTIONS}
+        chosen = {d: (tier, f"implementation={implementation!r}") for d in tier.directions}
+        for direction in DIRECTIONS:
+            if direction not in chosen:  # a tier without it: the rules pick that direction's
+                rule, why = (_rule(direction, problem, device) if device.nvidia_gpu
+                             else _off_gpu(problem, interpret))
+                served = _serving(rule, direction, problem, device, interpret, passed_over)
+                chosen[direction] = (served, f"{why} ({implementation!r} has no {direction})")
     else:
         chosen = {}
         for direction in DIRECTIONS:

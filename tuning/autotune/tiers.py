@@ -49,17 +49,21 @@ def problem_of(*, dtype: str, headdim: int, seqlen: int, causal: bool, batch: in
                    scale=1.0 / math.sqrt(headdim), causal=causal)
 
 
-def measured_tiers() -> tuple[str, ...]:
-    """The tiers whose directions are timed: those of the registry with a backward of their
-    own (the dense tier has none: JAX differentiates it) that run on this GPU."""
+def measured_tiers(direction: str | None = None) -> tuple[str, ...]:
+    """The tiers whose directions are timed: those of the registry with kernels of their
+    own (JAX differentiates the dense tier) that run on this GPU; with `direction`, those
+    that have it."""
     device = dispatch.Device.current()
     return tuple(t.name for t in tiers_mod.TIERS if not t.differentiated_by_jax
-                 and dispatch.runs_here(t, device, interpret=False) is None)
+                 and dispatch.runs_here(t, device, interpret=False) is None
+                 and (direction is None or direction in t.directions))
 
 
 def _plan(problem: Problem, tier: str):
-    """The vjp's plan of `tier` in both directions (float32 output: the backward's residual)."""
-    plan = dispatch.plan_for_tiers(problem, tier, tier)
+    """The vjp's plan of `tier` in the directions it has (float32 output: the backward's
+    residual); a forward-only tier's backward is the fused tier's, which is not timed."""
+    backward = tier if "backward" in tiers_mod.BY_NAME[tier].directions else tiers_mod.PALLAS.name
+    plan = dispatch.plan_for_tiers(problem, tier, backward)
     return dataclasses.replace(plan, float32_out=True)
 
 
@@ -74,7 +78,7 @@ def measure(problem: Problem, *, min_rep_s: float = 0.05, reps: int = 5) -> dict
     do = jax.random.normal(keys[3], shape_q, problem.dtype)
     times: dict[str, dict[str, float | None]] = {"forward": {}, "backward": {}}
     residuals = None
-    for tier in measured_tiers():
+    for tier in measured_tiers("forward"):
         plan = _plan(problem, tier)
         forward = jax.jit(lambda q, k, v, plan=plan: tiers_mod.forward(plan, Inputs(q, k, v)))
         try:
@@ -89,7 +93,7 @@ def measure(problem: Problem, *, min_rep_s: float = 0.05, reps: int = 5) -> dict
         return times
     out, *rows = residuals
     d_lse = jnp.zeros_like(rows[0])
-    for tier in measured_tiers():
+    for tier in measured_tiers("backward"):
         plan = _plan(problem, tier)
         backward = jax.jit(lambda q, k, v, out, do, *rows, plan=plan: tiers_mod.backward(
             plan, Inputs(q, k, v), Saved(out, *rows), Cotangents(do, d_lse)))

@@ -1,0 +1,55 @@
+"""The Mosaic tier's kernels: an exact attention forward for Hopper (sm90) in Pallas Mosaic
+GPU (wgmma, TMA, warp specialisation, clusters with TMA multicast).
+
+    out, lse = mosaic_attention_forward(q, k, v, scale=..., causal=..., config=...)
+
+q [B, T, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] (bf16 or f16, same dtype),
+Hq % Hkv == 0 (GQA / MQA: query head h reads KV head h // (Hq // Hkv); K/V are
+never repeated in memory).  out [B, T, Hq, Dv] (q's dtype or `out_dtype`),
+lse f32 [B, Hq, T] = natural log of sum_j exp(scale * q.k_j) over visible keys.
+Causal masking is bottom-right aligned: query i sees key j iff j <= i + (S - T).
+A row that sees no key gets out = 0 and lse = -inf.
+
+Two kernels (chosen by head size, see `default_config`):
+
+* "rows" (D, Dv <= 256 after padding to 64): FA3-style warp specialisation.
+  One CTA = 2 consumer warpgroups x 64 query rows + 1 producer warpgroup that
+  streams K and V tiles through a ring of shared-memory stages with TMA and
+  mbarriers.  Consumers run S = Q K^T (wgmma, smem x smem), online softmax in
+  registers (exp2, scale*log2(e) folded in), O += P V (wgmma, P from registers).
+  A shared "schedule" barrier makes the two consumer warpgroups ping-pong: one
+  runs its softmax while the other's matmuls occupy the tensor cores.
+
+* "wide" (D or Dv > 256, e.g. 512): the 64 x Dv float32 accumulator does not
+  fit one warpgroup's registers, so the two consumer warpgroups share the same
+  64 query rows and split the work: S = Q K^T is split by key columns (each
+  warpgroup computes 64 x block_kv/2), the row maxima are exchanged through
+  shared memory so both use the same running max, each warpgroup publishes its
+  half of P in shared memory, and O is split by Dv halves (each warpgroup owns a
+  64 x Dv/2 accumulator, computing P_own V (P from registers) + P_other V
+  (P from smem)).  K/V tiles go through one ring of uniform slots
+  [2, block_kv, W] (W = config.wide_piece; a K slot holds 2W columns of the
+  head dim, a V slot holds W columns of each Dv half).
+
+Both kernels optionally run as clusters of `config.cluster` CTAs that share
+every K/V tile with TMA multicast (each CTA issues 1/n of the tile; the ring's
+"slot free" barriers become cluster barriers): either consecutive query tiles
+of one head (cluster_axis="q"; they walk the union of their key ranges) or
+sibling query heads of one GQA group on the same query tile
+(cluster_axis="heads").
+
+The launch grid is (heads, q tiles, batch) with heads fastest by default:
+measured +50% at D=128 over q-tiles-fastest on H100 (CTAs that run together
+then read different K/V instead of all hammering the same tile).
+
+Where more semantics go (see NOTES.md): `_score_mod` is the single element-wise
+hook applied to raw scores of blocks that need masking (bias, soft cap, window,
+segment ids would be applied there); `_kv_range` is the single place that
+decides which key blocks a group of query rows walks (a window or segment
+bounds would narrow `lo`/`hi` there); both producer and consumers call it.
+"""
+
+from pallas_kernels.mosaic.config import Config, default_config
+from pallas_kernels.mosaic.forward import mosaic_attention_forward
+
+__all__ = ["Config", "default_config", "mosaic_attention_forward"]

@@ -1,0 +1,124 @@
+"""The Mosaic tier's launch config (`Config`) and the built-in choice per head size
+(`default_config`), from the measurements in docs/history.md (session 18, the Mosaic forward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tuning knobs.
+
+    block_kv:       keys per pipeline step.
+    num_stages:     rows kernel: K and V ring depth; wide kernel: number of ring
+                    slots ([2, block_kv, 128] each).
+    cluster:        CTAs per cluster along the query-tile axis sharing K/V tiles
+                    through TMA multicast (1 = no cluster).
+    wide:           None = automatic (D or Dv > 256 after padding).
+    schedule_barrier: rows kernel only: ping-pong the two consumer warpgroups.
+    consumer_regs / producer_regs: setmaxnreg budgets.
+    reverse_causal: walk query tiles from the heaviest (last) one under causal.
+    lowering:       "warpgroup" or "lane" Mosaic GPU lowering semantics.
+    out_chunk:      columns of O written per TMA store in the epilogue
+                    (None = all of Dv for 16-bit outputs, 128 for float32).
+    grid_order:     "heads" (default): heads vary fastest in the launch grid;
+                    "q": query tiles vary fastest (all CTAs that run together
+                    read the same K/V; better L2 reuse, but measured much slower
+                    for the rows kernel; used by the wide kernel).
+    cluster_axis:   "q": a cluster is `cluster` consecutive query tiles of one
+                    head (they walk the union of their key ranges); "heads": a
+                    cluster is `cluster` query heads of one GQA group on the same
+                    query tile (needs (Hq // Hkv) % cluster == 0).
+    wide_piece:     wide kernel: columns of one ring piece (64 or 128).
+    kv_rotate:      walk the fully visible key blocks starting at an offset that
+                    depends on the query tile, so that CTAs running together do
+                    not all read the same K/V tile at the same moment
+                    (measured neutral with grid_order="heads"; off by default).
+    wide_eager_release: wide kernel: wait for each tile's wgmmas and release its
+                    ring slot immediately (instead of one tile later); +5% at
+                    D=512 on H100.
+    """
+
+    block_kv: int = 128
+    num_stages: int = 2
+    cluster: int = 1
+    wide: bool | None = None
+    schedule_barrier: bool = True
+    consumer_regs: int = 232
+    producer_regs: int = 40
+    reverse_causal: bool = True
+    lowering: str = "lane"
+    out_chunk: int | None = None
+    grid_order: str = "heads"
+    cluster_axis: str = "q"
+    wide_piece: int = 128
+    kv_rotate: bool = False
+    wide_eager_release: bool = True
+
+    def __post_init__(self):
+        if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
+            raise ValueError(f"block_kv={self.block_kv} must be 64, 128, 192 or 256")
+        if self.num_stages < 1:
+            raise ValueError("num_stages must be >= 1")
+        if self.cluster not in (1, 2, 4):
+            raise ValueError("cluster must be 1, 2 or 4")
+        if self.lowering not in ("warpgroup", "lane"):
+            raise ValueError("lowering must be 'warpgroup' or 'lane'")
+        if self.grid_order not in ("q", "heads") or self.cluster_axis not in ("q", "heads"):
+            raise ValueError("grid_order / cluster_axis must be 'q' or 'heads'")
+        if self.wide_piece not in (64, 128):
+            raise ValueError("wide_piece must be 64 or 128")
+
+
+def round_up(x, m):
+    return (x + m - 1) // m * m
+
+
+def default_config(
+    head_dim: int,
+    head_dim_v: int | None = None,
+    dtype=jnp.bfloat16,
+    causal: bool = False,
+    gqa_group: int = 1,
+) -> Config:
+    """Best measured configuration for a head size (see NOTES.md for the data).
+
+    gqa_group = Hq // Hkv (optional): with groups of 2+ query heads per KV head,
+    CTAs of sibling query heads are paired in a cluster and share K/V tiles by
+    TMA multicast.
+    """
+    del dtype, causal  # the same choice won for bf16/fp16 and causal/non-causal
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    d = round_up(head_dim, 64)
+    dv = round_up(head_dim_v, 64)
+    if max(d, dv) > 256:
+        # 64-row CTAs, Dv split over the 2 consumer warpgroups, 2 ring slots of
+        # 64 KiB; clusters of 4 CTAs share every K/V tile (multicast).
+        # q tiles fastest here: one head's K/V (32 MiB at S=16k) stays in L2.
+        if gqa_group % 4 == 0:
+            return Config(
+                block_kv=128,
+                num_stages=2,
+                wide=True,
+                wide_piece=128,
+                cluster=4,
+                cluster_axis="heads",
+                grid_order="q",
+            )
+        return Config(
+            block_kv=128, num_stages=2, wide=True, wide_piece=128, cluster=4, grid_order="q"
+        )
+    if gqa_group % 2 == 0:
+        clu = dict(cluster=2, cluster_axis="heads")
+    else:
+        clu = {}
+    if max(d, dv) > 128:
+        return Config(block_kv=64, num_stages=2, grid_order="heads", lowering="lane", **clu)
+    if max(d, dv) > 64:
+        return Config(block_kv=128, num_stages=2, grid_order="heads", lowering="warpgroup", **clu)
+    return Config(block_kv=256, num_stages=3, grid_order="heads", lowering="lane", **clu)
+

@@ -1,0 +1,71 @@
+"""`mosaic_attention_forward`: the Mosaic tier's forward entry point (padding to the
+kernels' tiles, the choice between the "rows" and "wide" kernels)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels.mosaic.config import Config, default_config, round_up
+from pallas_kernels.mosaic.rows import rows_forward
+from pallas_kernels.mosaic.wide import wide_forward
+
+
+def pad_axes(x, sizes):
+    pads = [(0, sizes.get(i, n) - n) for i, n in enumerate(x.shape)]
+    if not any(p for _, p in pads):
+        return x
+    return jnp.pad(x, pads)
+
+
+def mosaic_attention_forward(
+    q, k, v, *, scale: float, causal: bool, config: Config | None = None, out_dtype=None
+):
+    """Returns (out [B,T,Hq,Dv], lse f32 [B,Hq,T]).  See the module docstring."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError("q, k, v must be [B, T|S, H, D]")
+    B, T, Hq, D = q.shape
+    Bk, S, Hkv, Dk = k.shape
+    if (Bk, S, Hkv) != v.shape[:3] or Bk != B or Dk != D:
+        raise ValueError(f"incompatible shapes {q.shape} {k.shape} {v.shape}")
+    if Hq % Hkv:
+        raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError("q, k, v must share a dtype")
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise NotImplementedError(f"dtype {q.dtype} (bf16 / f16 only)")
+    Dv = v.shape[-1]
+    if not (1 <= D <= 512 and 1 <= Dv <= 512 and T >= 1 and S >= 1):
+        raise ValueError("need 1 <= D, Dv <= 512 and T, S >= 1")
+    scale = float(scale)
+    if not scale > 0.0:
+        if scale < 0.0:
+            q, scale = -q, -scale  # exact in bf16/f16
+        else:
+            raise ValueError("scale must be non-zero")
+    out_dtype = jnp.dtype(q.dtype if out_dtype is None else out_dtype)
+    if config is None:
+        config = default_config(D, Dv, q.dtype, causal, gqa_group=Hq // Hkv)
+    Dp, Dvp = round_up(D, 64), round_up(Dv, 64)
+    wide = config.wide if config.wide is not None else max(Dp, Dvp) > 256
+    if wide:
+        Dp, Dvp = round_up(D, 256), round_up(Dv, 256)
+        fwd = wide_forward
+    else:
+        if max(Dp, Dvp) > 256:
+            raise ValueError("the rows kernel supports D, Dv <= 256")
+        fwd = rows_forward
+    # TMA tiles need the row dimension (T / S) to be a multiple of 8 and the
+    # head dims to be multiples of 64 (zero columns do not change q.k).
+    T8, S8 = round_up(T, 8), round_up(S, 8)
+    qp = pad_axes(q, {1: T8, 3: Dp})
+    kp = pad_axes(k, {1: S8, 3: Dp})
+    vp = pad_axes(v, {1: S8, 3: Dvp})
+    out, lse = fwd(
+        qp, kp, vp, T=T, S=S, scale=scale, causal=causal, config=config, out_dtype=out_dtype
+    )
+    if Dvp != Dv or T8 != T:
+        out = out[:, :T, :, :Dv]
+    if lse.shape[-1] != T:
+        lse = lse[..., :T]
+    return out, lse
+

@@ -1,0 +1,270 @@
+"""The "rows" kernel (D, Dv <= 256 after padding): FA3-style warp specialisation.
+
+One CTA = 2 consumer warpgroups x 64 query rows + 1 producer warpgroup that streams K and V
+tiles through a ring of shared-memory stages with TMA and mbarriers. Consumers run
+S = Q Kᵀ (wgmma, smem x smem), the online softmax in registers (exp2, scale·log2(e) folded
+in), O += P V (wgmma, P from registers). A shared "schedule" barrier makes the two consumer
+warpgroups ping-pong: one runs its softmax while the other's matmuls occupy the tensor
+cores.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.mosaic.common import (LOG2E, NEG_INF, ROW, WGMMA, Grid, Walk, cdiv,
+                                          compiler_params, finalize, imin, iota, kv_order,
+                                          kv_range, score_mod, softmax_update,
+                                          tiled_smem)
+from pallas_kernels.mosaic.config import Config
+
+
+def rows_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
+    # T, S: true lengths; the arrays may be padded to multiples of 8 (TMA tiling).
+    B, Tq, Hq, D = q.shape
+    _, _, Hkv, Dv = v.shape
+    dtype = q.dtype
+    group = Hq // Hkv
+    bq = 64
+    nwg = 2
+    rows_cta = nwg * bq
+    bkv = config.block_kv
+    ns = config.num_stages
+    ncl = config.cluster
+    prob = Walk(T=T, S=S, causal=causal, block_kv=bkv)
+    c_exp = float(scale) * LOG2E
+    grid = Grid(
+        n_q=cdiv(T, rows_cta),
+        Hq=Hq,
+        B=B,
+        group=group,
+        ncl=ncl,
+        cluster_axis=config.cluster_axis,
+        grid_order=config.grid_order,
+        reverse=causal and config.reverse_causal,
+    )
+    Tp = grid.q_extent * rows_cta
+    out_itemsize = jnp.dtype(out_dtype).itemsize
+    oc = config.out_chunk or (Dv if out_itemsize == 2 else min(Dv, 128))
+    assert Dv % oc == 0
+
+    def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scoped):
+        (
+            (q_smem, o_smem),
+            lse_smem,
+            k_smem,
+            v_smem,
+            q_bar,
+            k_bar,
+            v_bar,
+            k_free,
+            v_free,
+            sched,
+            exit_bar,
+        ) = scoped
+        wg = lax.axis_index("wg")
+        t, h, b, t_first, t_count = grid.indices()
+        hk = lax.div(h, jnp.int32(group))
+        # Key-block range shared by the whole cluster (multicast needs every CTA to
+        # load the same tiles): rows of all CTAs in the cluster.
+        cl_first = t_first * rows_cta
+        cl_last = jnp.minimum(cl_first + t_count * rows_cta - 1, T - 1)
+        lo, cl_full, hi = kv_range(prob, cl_first, cl_last)
+        kv_of = kv_order(
+            lo, cl_full, lax.div(t_first, jnp.int32(t_count)), grid.n_q_clusters, config.kv_rotate
+        )
+        collective = "cl" if ncl > 1 else None
+
+        def sched_sync():
+            if config.schedule_barrier:
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(sched)
+
+        @pl.when(wg < nwg)
+        def _consumer():
+            plgpu.set_max_registers(config.consumer_regs, action="increase")
+            q0 = t * rows_cta + wg * bq
+            my_q = q_smem.at[wg]
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], my_q, q_bar.at[wg])
+            q_last = jnp.minimum(q0 + bq - 1, T - 1)
+            _, full_hi, my_hi = kv_range(prob, q0, q_last)
+            if grid.q_extent * rows_cta - bq >= T:  # some warpgroups may be all padding
+                my_hi = jnp.where(q0 < T, my_hi, lo)
+            full_hi = imin(full_hi, my_hi)
+
+            m_i = plgpu.layout_cast(jnp.full((bq,), NEG_INF, jnp.float32), ROW)
+            l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), ROW)
+            acc = plgpu.layout_cast(jnp.zeros((bq, Dv), jnp.float32), WGMMA)
+
+            plgpu.barrier_wait(q_bar.at[wg])
+
+            @pl.when(my_hi > lo)
+            def _():
+                plgpu.barrier_wait(k_bar.at[0])
+
+            pl.when(wg == 1)(sched_sync)
+
+            def step(j, carry, *, masked):
+                acc, m_i, l_i = carry
+                slot = lax.rem(j - lo, ns)
+
+                def qk(s_ref):
+                    plgpu.wgmma(s_ref, my_q, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    sched_sync()
+                    return s_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                if masked:
+                    q_idx = q0 + iota((bq, bkv), 0)
+                    k_idx = kv_of(j) * bkv + iota((bq, bkv), 1)
+                    s = score_mod(prob, s, q_idx, k_idx)
+                p, alpha, m_new = softmax_update(s, m_i, l_i, c_exp, guard=masked)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l_i = l_i * alpha
+                p16 = p.astype(dtype)
+                if Dv <= 128:
+                    l_i = l_i + p.sum(axis=1)
+                    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                if config.schedule_barrier:
+                    plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(v_bar.at[slot])
+                if config.schedule_barrier:
+                    plgpu.barrier_wait(sched)
+                if Dv > 128:
+                    l_i = l_i + p.sum(axis=1)
+
+                # (computed outside the run_state closure: the Warpgroup lowering
+                # cannot carry literal constants through run_state)
+                has_next = j + 1 < my_hi
+                next_slot = lax.rem(j + 1 - lo, ns)
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                    @pl.when(has_next)
+                    def _():
+                        plgpu.barrier_wait(k_bar.at[next_slot])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l_i
+
+            carry = (acc, m_i, l_i)
+            carry = lax.fori_loop(lo, full_hi, functools.partial(step, masked=False), carry)
+            carry = lax.fori_loop(full_hi, my_hi, functools.partial(step, masked=True), carry)
+            acc, m_i, l_i = carry
+
+            # Blocks loaded for the other warpgroup / the cluster but hidden for us:
+            # release them (only once they have landed, so that no warpgroup can
+            # ever arrive for a later phase of a slot before the current one is
+            # complete) and keep the schedule barrier in lock-step.
+            @pl.loop(my_hi, hi)
+            def _skip(j):
+                slot = lax.rem(j - lo, ns)
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+                sched_sync()
+                sched_sync()
+
+            if config.schedule_barrier:
+                pl.when(wg == 0)(sched_sync)
+            else:
+                # O aliases Q of the other warpgroup: wait until both left the loop.
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(sched)
+
+            (out,), lse = finalize([acc], m_i, l_i)
+            lse_smem.at[wg][...] = lse
+            my_o = o_smem.at[wg]
+            for ci in range(Dv // oc):
+                if ci:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                my_o[...] = out[:, ci * oc : (ci + 1) * oc].astype(out_dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(my_o, o_ref.at[b, pl.ds(q0, bq), h, pl.ds(ci * oc, oc)])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q0, bq)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            if ncl > 1:
+                # Nobody in the cluster may exit while others can still signal it.
+                plgpu.barrier_arrive(exit_bar)
+                plgpu.barrier_wait(exit_bar)
+
+        @pl.when(wg == nwg)
+        def _producer():
+            plgpu.set_max_registers(config.producer_regs, action="decrease")
+
+            @pl.loop(lo, hi)
+            def _load(j):
+                i = j - lo
+                slot = lax.rem(i, ns)
+                kv_rows = pl.ds(kv_of(j) * bkv, bkv)
+
+                @pl.when(i >= ns)
+                def _():
+                    plgpu.barrier_wait(k_free.at[slot])
+
+                plgpu.copy_gmem_to_smem(
+                    k_ref.at[b, kv_rows, hk],
+                    k_smem.at[slot],
+                    k_bar.at[slot],
+                    collective_axes=collective,
+                )
+
+                @pl.when(i >= ns)
+                def _():
+                    plgpu.barrier_wait(v_free.at[slot])
+
+                plgpu.copy_gmem_to_smem(
+                    v_ref.at[b, kv_rows, hk],
+                    v_smem.at[slot],
+                    v_bar.at[slot],
+                    collective_axes=collective,
+                )
+
+    def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
+        if ncl > 1:
+            free = lambda: plgpu.ClusterBarrier(
+                collective_axes=("cl",), num_arrivals=nwg, num_barriers=ns
+            )
+            exit_bar = plgpu.ClusterBarrier(collective_axes=("cl",), num_arrivals=nwg)
+        else:
+            free = lambda: plgpu.Barrier(num_arrivals=nwg, num_barriers=ns)
+            exit_bar = None
+        pl.run_scoped(
+            lambda *args: kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, args),
+            plgpu.RefUnion(tiled_smem((nwg, bq, D), dtype), tiled_smem((nwg, bq, oc), out_dtype)),
+            plgpu.SMEM((nwg, bq), jnp.float32),
+            tiled_smem((ns, bkv, D), dtype),
+            tiled_smem((ns, bkv, Dv), dtype),
+            plgpu.Barrier(num_barriers=nwg),
+            plgpu.Barrier(num_barriers=ns),
+            plgpu.Barrier(num_barriers=ns),
+            free(),
+            free(),
+            plgpu.Barrier(num_arrivals=nwg),  # schedule (ping-pong) barrier
+            exit_bar,
+            collective_axes="wg",
+        )
+
+    out, lse = plgpu.kernel(
+        entry,
+        out_type=(
+            jax.ShapeDtypeStruct((B, Tq, Hq, Dv), out_dtype),
+            jax.ShapeDtypeStruct((B, Hq, Tp), jnp.float32),
+        ),
+        num_threads=nwg + 1,
+        thread_name="wg",
+        compiler_params=compiler_params(config),
+        **grid.kernel_kwargs(),
+    )(q, k, v)
+    return out, lse
+

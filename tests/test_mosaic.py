@@ -1,0 +1,125 @@
+"""The Mosaic tier (Pallas Mosaic GPU, sm90): what a CPU can check. Its kernels have no
+interpreter: here they are lowered for CUDA (Mosaic GPU's whole Pallas lowering runs without
+a GPU), and the dispatcher's choices around the tier are checked on a simulated H100. Its
+numerics run in the shared matrix on the GPU (the `tier` fixture, `-m gpu`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import ffpa_jax
+from conftest import HAS_GPU
+from pallas_kernels import compat
+from pallas_kernels.mosaic import Config, default_config, mosaic_attention_forward
+from pallas_kernels.problem import Problem
+from tuning import dispatch
+
+sd = jax.ShapeDtypeStruct
+
+# (B, T, S, Hq, Hkv, D, Dv, causal, config): both kernels, odd shapes (padded to the
+# kernels' tiles), GQA with clusters along heads and along query tiles, both lowerings.
+LOWERING_CASES = [
+    (1, 113, 203, 4, 2, 59, 40, True, None),
+    (2, 256, 256, 8, 2, 128, 128, False, None),
+    (1, 300, 1000, 4, 4, 64, 64, True, None),
+    (1, 256, 300, 2, 1, 256, 256, True, None),
+    (1, 256, 256, 2, 2, 128, 128, True, Config(block_kv=128, cluster=2,
+                                               lowering="warpgroup")),
+    (1, 203, 300, 4, 2, 320, 111, True, None),
+    (1, 256, 256, 8, 2, 512, 512, False, None),
+]
+
+
+@pytest.mark.parametrize("case", LOWERING_CASES,
+                         ids=lambda c: "B{}-T{}-S{}-H{}.{}-D{}.{}-causal{}".format(*c[:8]))
+def test_kernels_lower_for_cuda(case):
+    b, t, s, hq, hkv, d, dv, causal, config = case
+    q, k, v = sd((b, t, hq, d), jnp.bfloat16), sd((b, s, hkv, d), jnp.bfloat16), sd(
+        (b, s, hkv, dv), jnp.bfloat16)
+
+    def f(q, k, v):
+        return mosaic_attention_forward(q, k, v, scale=d ** -0.5, causal=causal,
+                                        config=config, out_dtype=jnp.float32)
+    text = jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_default_configs_by_head_size():
+    """The rows kernel up to D = 256 (its blocks as measured), the wide one above, with
+    clusters along the heads of an even GQA group."""
+    assert default_config(64).block_kv == 256 and not default_config(64).wide
+    assert default_config(128).lowering == "warpgroup"
+    assert default_config(256).block_kv == 64
+    assert default_config(128, gqa_group=4).cluster_axis == "heads"
+    wide = default_config(512)
+    assert wide.wide and wide.cluster == 4 and wide.grid_order == "q"
+
+
+def _h100(monkeypatch, jax_runs_mosaic: bool = True) -> dispatch.Device:
+    monkeypatch.setattr(compat, "mosaic_gpu_runs", lambda: jax_runs_mosaic)
+    monkeypatch.setenv("FFPA_SKIP_PERSIST_TUNED_CONFIG", "1")
+    return dispatch.Device(nvidia_gpu=True, name="Simulated H100", compute_capability="9.0")
+
+
+def _problem(d=128, dtype=jnp.bfloat16, **kw):
+    q = sd((2, 512, 8, d), dtype)
+    kv = sd((2, 512, 2, d), dtype)
+    return Problem.of(q, kv, kv, **kw)
+
+
+def test_dispatcher_runs_the_forward_on_mosaic_where_it_runs(monkeypatch):
+    device = _h100(monkeypatch)
+    explained = dispatch.explain(_problem(), device=device)
+    assert (explained.forward.tier, explained.backward.tier) == ("mosaic", "pallas")
+    assert explained.plan.config("mosaic_fwd") == default_config(128, 128, gqa_group=4)
+    # Above D = 256 the chunked tier keeps both directions.
+    wide = dispatch.explain(_problem(d=512), device=device)
+    assert (wide.forward.tier, wide.backward.tier) == ("chunked", "chunked")
+
+
+@pytest.mark.parametrize("options,feature", [
+    (dict(window=(64, 0), causal=True), "local_window_size"),
+    (dict(softcap=30.0), "logits_soft_cap"),
+    (dict(dropout_rate=0.1), "dropout_rate"),
+])
+def test_what_mosaic_lacks_goes_to_the_fused_kernels_and_says_why(options, feature,
+                                                                   monkeypatch):
+    device = _h100(monkeypatch)
+    explained = dispatch.explain(_problem(**options), device=device)
+    assert explained.forward.tier == "pallas"
+    reasons = dict(explained.passed_over)
+    if "mosaic" in reasons:  # a narrow window goes to the fused kernels by its own rule
+        assert feature in reasons["mosaic"]
+
+
+def test_float32_and_other_gpus_never_take_mosaic(monkeypatch):
+    device = _h100(monkeypatch)
+    assert dispatch.explain(_problem(dtype=jnp.float32), device=device).forward.tier == "pallas"
+    ampere = dispatch.Device(nvidia_gpu=True, name="Simulated A100", compute_capability="8.0")
+    explained = dispatch.explain(_problem(), device=ampere)
+    assert explained.forward.tier == "pallas"
+    assert dict(explained.passed_over)["mosaic"].startswith("needs an sm90 GPU")
+    old_jax = _h100(monkeypatch, jax_runs_mosaic=False)
+    assert dispatch.explain(_problem(), device=old_jax).forward.tier == "pallas"
+
+
+def test_explicit_mosaic_runs_its_forward_and_the_rules_pick_the_backward(monkeypatch):
+    device = _h100(monkeypatch)
+    explained = dispatch.explain(_problem(), "mosaic", device=device)
+    assert (explained.forward.tier, explained.backward.tier) == ("mosaic", "pallas")
+    with pytest.raises(ValueError, match="does not support bias"):
+        dispatch.explain(_problem(d=128).__class__.of(
+            sd((1, 64, 2, 64), jnp.bfloat16), sd((1, 64, 2, 64), jnp.bfloat16),
+            sd((1, 64, 2, 64), jnp.bfloat16), sd((1, 2, 64, 64), jnp.float32)),
+            "mosaic", device=device)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the refusal on a machine without an sm90 GPU")
+def test_explicit_mosaic_without_an_sm90_gpu_is_refused():
+    q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="implementation='mosaic' needs an sm90 GPU"):
+        ffpa_jax.attention(q, q, q, implementation="mosaic")
+    # implementation=None never picks it here.
+    assert dispatch.explain(_problem()).forward.tier != "mosaic"
