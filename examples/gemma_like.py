@@ -230,8 +230,10 @@ def rope_frequencies(kind: LayerKind) -> np.ndarray:
 
 def apply_rope(x: jax.Array, positions: jax.Array, kind: LayerKind) -> jax.Array:
     """x [B, T, H, D] rotated by position, the two halves of D paired (rotate-half)."""
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_frequencies(kind),
-                                                                 jnp.float32)[None, :]
+    # Angles in float32 at least (positions reach the tens of thousands), float64 in the
+    # float64 reference.
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    angles = positions.astype(wide)[:, None] * jnp.asarray(rope_frequencies(kind), wide)[None, :]
     cos = jnp.cos(angles).astype(x.dtype)[None, :, None, :]
     sin = jnp.sin(angles).astype(x.dtype)[None, :, None, :]
     first, second = jnp.split(x, 2, axis=-1)
@@ -563,8 +565,14 @@ def peak_memory_text() -> str:
     return f"{stats['peak_bytes_in_use'] / 2**30:.2f} GiB"
 
 
-def is_out_of_memory(error: Exception) -> bool:
-    return "RESOURCE_EXHAUSTED" in str(error) or "out of memory" in str(error).lower()
+def out_of_memory_exit(error: Exception, what: str) -> int:
+    """EXIT_OUT_OF_MEMORY, said in one line, if `error` is the device running out of
+    memory; any other error goes on up."""
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
+        raise error
+    print(f"out of device memory: {what} ({text.splitlines()[0][:200]})")
+    return EXIT_OUT_OF_MEMORY
 
 
 def print_model(cfg: GemmaLikeConfig, init, batch: int, seq_len: int) -> None:
@@ -624,26 +632,35 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--preset", choices=("auto", *PRESETS), default="auto",
                         help="sizes and dtype: gpu (one GPU), ci (a CPU, in seconds); auto "
                              "picks gpu where JAX's default backend is a GPU")
-    run = parser.add_argument_group("run (the preset's value where not given)")
-    run.add_argument("--seq-len", type=_positive, help="tokens per sequence")
-    run.add_argument("--steps", type=_positive, help="training steps timed")
-    run.add_argument("--batch", type=_positive, help="sequences per step")
+    run = parser.add_argument_group("run")
+    run.add_argument("--seq-len", type=_positive,
+                     help="tokens per sequence" + _preset_defaults("seq_len"))
+    run.add_argument("--steps", type=_positive,
+                     help="training steps timed" + _preset_defaults("steps"))
+    run.add_argument("--batch", type=_positive,
+                     help="sequences per step" + _preset_defaults("batch"))
     run.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
-    run.add_argument("--seed", type=int, default=0)
-    model = parser.add_argument_group("model (the preset's value where not given)")
-    model.add_argument("--layers", type=_positive, help="decoder layers")
+    run.add_argument("--seed", type=int, default=0,
+                     help="seed of the initial parameters and of the tokens")
+    model = parser.add_argument_group("model")
+    model.add_argument("--layers", type=_positive,
+                       help="decoder layers" + _preset_defaults("layers"))
     model.add_argument("--global-every", type=_positive, default=6,
                        help="every N-th layer is global (Gemma 4: 6); the last always is")
     model.add_argument("--window", type=_positive,
-                       help="sliding window of the local layers, the query included")
+                       help="sliding window of the local layers in tokens, the query "
+                            "included" + _preset_defaults("window"))
     model.add_argument("--heads", type=_positive,
-                       help="query heads (KV heads: half of them in local layers, an "
-                            "eighth, at least 1, in global layers)")
-    model.add_argument("--d-model", type=_positive, help="width of the residual stream")
-    model.add_argument("--mlp-dim", type=_positive, help="width of the gated MLP")
-    model.add_argument("--vocab", type=_positive, help="vocabulary size")
+                       help="query heads; KV heads: half of them in local layers, an eighth "
+                            "(at least 1) in global layers" + _preset_defaults("heads_q"))
+    model.add_argument("--d-model", type=_positive,
+                       help="width of the residual stream" + _preset_defaults("d_model"))
+    model.add_argument("--mlp-dim", type=_positive,
+                       help="width of the gated MLP" + _preset_defaults("mlp_dim"))
+    model.add_argument("--vocab", type=_positive,
+                       help="vocabulary size" + _preset_defaults("vocab"))
     model.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                       help="parameters and activations (gpu preset: bfloat16, ci: float32)")
+                       help="parameters and activations" + _preset_defaults("dtype"))
     attn = parser.add_argument_group("attention implementations")
     attn.add_argument("--ffpa-implementation", choices=("auto", "pallas", "chunked", "xla"),
                       default="auto",
@@ -659,11 +676,18 @@ def build_parser() -> argparse.ArgumentParser:
                             "and a reference, and apply the tolerance rule (exit 1 if it "
                             "fails)")
     check.add_argument("--check-steps", type=_positive,
-                       help="steps the check trains (gpu preset: 3, ci: 2)")
+                       help="steps the check trains" + _preset_defaults("check_steps"))
     check.add_argument("--check-seq-len", type=_positive, default=2048,
                        help="the check's sequence length, at most --seq-len (jax.nn's XLA "
                             "path and the reference hold [T, T] logits per head)")
     return parser
+
+
+def _preset_defaults(field: str) -> str:
+    """' (default: gpu preset X, ci preset Y)' for a field of the presets."""
+    values = ", ".join(f"{name} preset {getattr(preset, field)}"
+                       for name, preset in PRESETS.items())
+    return f" (default: {values})"
 
 
 def _positive(text: str) -> int:
@@ -683,9 +707,10 @@ def config_from_args(args, parser: argparse.ArgumentParser) -> tuple[GemmaLikeCo
     heads = _given_or(args.heads, preset.heads_q)
     window = _given_or(args.window, preset.window)
     local, global_ = gemma4_kinds(heads, window)
-    if heads % local.kv_heads or heads % global_.kv_heads:
-        parser.error(f"--heads {heads} must be a multiple of its KV heads ({local.kv_heads} "
-                     f"local, {global_.kv_heads} global): use an even number, or 1")
+    for kind in (local, global_):
+        if heads % kind.kv_heads:
+            parser.error(f"--heads {heads} is not a multiple of the {kind.name} layers' "
+                         f"{kind.kv_heads} KV heads")
     if not args.lr > 0:
         parser.error(f"--lr must be positive; got {args.lr}")
     implementation = None if args.ffpa_implementation == "auto" else args.ffpa_implementation
@@ -723,11 +748,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         timings, _ = run_steps(cfg, init, data_key, optax.adam(run["lr"]), steps=run["steps"],
                                batch=run["batch"], seq_len=run["seq_len"], progress=True)
     except jax.errors.JaxRuntimeError as error:
-        if not is_out_of_memory(error):
-            raise
-        print(f"out of device memory: {cfg.attention} at {run['batch']} x {run['seq_len']} "
-              f"tokens ({str(error).splitlines()[0][:200]})")
-        return EXIT_OUT_OF_MEMORY
+        return out_of_memory_exit(error, f"{cfg.attention} at {run['batch']} x "
+                                         f"{run['seq_len']} tokens")
     print_timings(timings, run["batch"], run["seq_len"], cfg.vocab)
     if not np.all(np.isfinite(timings.losses)):
         print("non-finite loss")
@@ -739,8 +761,12 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"initialisation, gradient descent by steps of norm {CHECK_STEP:g}; ffpa and jax.nn "
           f"in {cfg.dtype}, reference jax.nn xla in {reference_dtype(cfg.dtype)}")
     print("  rule: max per-token |loss - ref| of ffpa <= 2 x jax.nn's + 4 ulp(max |loss|)")
-    verdicts = check_losses(cfg, init, data_key, steps=steps, batch=run["batch"],
-                            seq_len=seq_len)
+    try:
+        verdicts = check_losses(cfg, init, data_key, steps=steps, batch=run["batch"],
+                                seq_len=seq_len)
+    except jax.errors.JaxRuntimeError as error:
+        return out_of_memory_exit(error, f"the loss check at {run['batch']} x {seq_len} "
+                                         "tokens (a smaller --check-seq-len needs less)")
     print_verdicts(verdicts)
     passed = all(v.ok for v in verdicts)
     print(f"loss check: {'passed' if passed else 'FAILED'}")
