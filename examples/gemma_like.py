@@ -29,7 +29,8 @@ configuration_gemma4.py (head_dim 256, global_head_dim 512, the last layer force
 `_compute_proportional_rope_parameters` in its modeling_rope_utils.py (the layout of the
 partial rotation); mlx-lm's mlx_lm/models/gemma4_text.py (q/k/v norms, scale 1.0, values
 from the raw key projection); a copy of the released 31B config.json
-(huggingface.co/OpenMOSE/Gemma4-Text/blob/main/config.json: the same numbers).
+(huggingface.co/OpenMOSE/Gemma4-Text/blob/main/config.json: the same head dims, widths,
+layer pattern, k_eq_v and soft cap).
 
 Scaled down to one GPU (the "gpu" preset): 12 layers instead of 60 (two groups of five
 local and one global), d_model 1024 (5376), MLP 4096 (21504), vocab 16384 (262144), 8 query
@@ -88,13 +89,17 @@ Run it from the repository (needs the `flax` extra: `pip install -e ".[flax]"`):
     python examples/gemma_like.py --ffpa-implementation pallas --interpret
                                                         # the Pallas kernels, interpreted (CPU)
 
-The GPU measurement, one process per line so that each peak memory is that run's own (the
-check, after the measurement, runs at --check-seq-len 2048):
+The GPU measurement, one process per line so that each peak memory is that run's own. The
+loss check runs after the measurement, at --check-seq-len 2048 whatever --seq-len and
+--attention are, so once is enough:
 
     python examples/gemma_like.py --attention ffpa   --seq-len 8192  --steps 20
-    python examples/gemma_like.py --attention jax.nn --seq-len 8192  --steps 20
-    python examples/gemma_like.py --attention ffpa   --seq-len 32768 --steps 10
-    python examples/gemma_like.py --attention jax.nn --seq-len 32768 --steps 10
+    python examples/gemma_like.py --attention jax.nn --seq-len 8192  --steps 20 --no-check
+    python examples/gemma_like.py --attention ffpa   --seq-len 32768 --steps 10 --no-check
+    python examples/gemma_like.py --attention jax.nn --seq-len 32768 --steps 10 --no-check
+
+(jax.nn at 32768 tokens may run out of memory in its XLA global layers: exit status 3, with
+the reason printed.)
 """
 
 from __future__ import annotations
@@ -542,8 +547,8 @@ def check_losses(cfg: GemmaLikeConfig, init, data_key: jax.Array, *, steps: int,
 
 # ------------------------------------------------------------------ reports
 def ffpa_tiers(cfg: GemmaLikeConfig, kind: LayerKind, batch: int, seq_len: int) -> str:
-    """Which ffpa_jax tier runs each direction of this layer kind's attention (what
-    `python -m ffpa_jax.info` reports for the call)."""
+    """Which ffpa_jax tier runs each direction of this layer kind's attention. The public
+    API does not answer that; this asks it as `python -m ffpa_jax.info` does."""
     sds = jax.ShapeDtypeStruct
     dtype = jnp.dtype(cfg.dtype)
     q = sds((batch, seq_len, cfg.heads_q, kind.head_dim), dtype)
@@ -600,8 +605,8 @@ def print_model(cfg: GemmaLikeConfig, init, batch: int, seq_len: int) -> None:
 
 
 def print_timings(timings: Timings, batch: int, seq_len: int, vocab: int) -> None:
-    print(f"compile: {timings.compile_s:.2f} s; first step: {timings.first_step_s:.3f} s "
-          "(both left out of the step time)")
+    print(f"trace and compile: {timings.compile_s:.2f} s; first step: "
+          f"{timings.first_step_s:.3f} s (both left out of the step time)")
     if timings.step_s:
         median = float(np.median(timings.step_s))
         print(f"step time: median {1e3 * median:.2f} ms, mean "

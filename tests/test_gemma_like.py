@@ -49,7 +49,7 @@ def test_ffpa_on_the_interpreted_kernels_trains_and_passes_the_loss_check():
     out = run.stdout
     assert "model: 2 layers LG" in out
     assert out.count("attention: ffpa_jax forward pallas, backward pallas (interpreted)") == 2
-    for report in ("compile: ", "step time: median ", "tokens/s: ",
+    for report in ("trace and compile: ", "step time: median ", "tokens/s: ",
                    "peak device memory: n/a on CPU"):
         assert report in out, out
     assert "3/3 loss" in run.stderr  # the progress bar's last line
