@@ -613,7 +613,7 @@ def print_timings(timings: Timings, batch: int, seq_len: int, vocab: int) -> Non
               f"{1e3 * float(np.mean(timings.step_s)):.2f} ms over {len(timings.step_s)} steps")
         print(f"tokens/s: {batch * seq_len / median:,.0f}")
     else:
-        print("step time: n/a (one step: only the first, which is not timed apart)")
+        print("step time: n/a (a single step: the first, reported above)")
     print(f"peak device memory: {peak_memory_text()}")
     print(f"loss: first {timings.losses[0]:.4f}, last {timings.losses[-1]:.4f} "
           f"(uniform guessing: log(vocab) = {math.log(vocab):.4f})")
@@ -773,7 +773,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.check:
         return 0
     steps, seq_len = run["check_steps"], run["check_seq_len"]
-    print(f"loss check: {steps} steps of {run['batch']} x {seq_len} tokens from the same "
+    print(f"loss check: {steps} step(s) of {run['batch']} x {seq_len} tokens from the same "
           f"initialisation, gradient descent by steps of norm {CHECK_STEP:g}; ffpa and jax.nn "
           f"in {cfg.dtype}, reference jax.nn xla in {reference_dtype(cfg.dtype)}")
     print("  rule: max per-token |loss - ref| of ffpa <= 2 x jax.nn's + 4 ulp(the loss)")
