@@ -1,0 +1,144 @@
+"""`python examples/gemma_like.py` as a new user runs it on a CPU (its "ci" preset): --help
+lists the options with their defaults; a short run with ffpa_jax's Pallas kernels
+(interpreted) prints its timings and what each layer kind ran, and passes the loss check,
+which trains both attention choices and the float64 reference (the script exits 1 when the
+check fails); a short run with jax.nn's attention. In process: the check fails for an
+attention whose window is one token too wide; the tolerance rule on given losses; the
+layer pattern and the partial RoPE."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("optax")
+
+from example_runner import run_example
+from examples import gemma_like
+
+
+def _run(*args: str):
+    return run_example("gemma_like.py", *args)
+
+
+def _check_lines(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith("  step ")]
+
+
+def test_help_lists_the_options_and_their_defaults():
+    run = _run("--help")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("usage: python examples/gemma_like.py")
+    for option in ("--attention", "--seq-len", "--steps", "--layers", "--check",
+                   "--check-steps", "--ffpa-implementation", "--interpret",
+                   "--jaxnn-implementation"):
+        assert option in run.stdout
+    text = " ".join(run.stdout.split())  # argparse wraps the help at the terminal's width
+    assert "(default: ffpa)" in text
+    assert "(default: gpu preset 8192, ci preset 64)" in text
+
+
+def test_ffpa_on_the_interpreted_kernels_trains_and_passes_the_loss_check():
+    run = _run("--attention", "ffpa", "--ffpa-implementation", "pallas", "--interpret",
+               "--steps", "3", "--check-steps", "1")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out = run.stdout
+    assert "model: 2 layers LG" in out
+    assert out.count("attention: ffpa_jax forward pallas, backward pallas (interpreted)") == 2
+    for report in ("trace and compile: ", "step time: median ", "tokens/s: ",
+                   "peak device memory: n/a on CPU"):
+        assert report in out, out
+    assert "3/3 loss" in run.stderr  # the progress bar's last line
+    steps = _check_lines(out)
+    assert len(steps) == 1 and steps[0].endswith(" ok"), out
+    assert "loss check: passed" in out
+
+
+def test_jaxnn_trains():
+    run = _run("--attention", "jax.nn", "--steps", "2", "--no-check")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.stdout.count("attention: jax.nn implementation='xla' (no GPU)") == 2
+    assert "step time: median " in run.stdout and "loss check" not in run.stdout
+
+
+def _tiny_config() -> gemma_like.GemmaLikeConfig:
+    local, global_ = gemma_like.gemma4_kinds(heads_q=4, window=8)
+    return gemma_like.GemmaLikeConfig(vocab=64, d_model=32, mlp_dim=64, layers=2, heads_q=4,
+                                      local=local, global_=global_,
+                                      ffpa_implementation="chunked")
+
+
+def test_the_loss_check_fails_for_a_window_one_token_too_wide(monkeypatch):
+    correct = gemma_like.attend
+
+    def ffpa_sees_one_key_more(q, k, v, kind, cfg):
+        if cfg.attention == "ffpa" and kind.window is not None:
+            kind = dataclasses.replace(kind, window=kind.window + 1)
+        return correct(q, k, v, kind, cfg)
+
+    monkeypatch.setattr(gemma_like, "attend", ffpa_sees_one_key_more)
+    cfg = _tiny_config()
+    verdicts = gemma_like.check_losses(cfg, gemma_like.float32_init(cfg, 0),
+                                       jax.random.key(0), steps=1, batch=2, seq_len=32)
+    assert len(verdicts) == 1 and not verdicts[0].ok, verdicts
+    # jax.nn stayed within the rounding of the reference; ffpa is far outside.
+    assert verdicts[0].err_jaxnn < 1e-4 < verdicts[0].err_ffpa
+
+
+def test_the_rule_is_twice_jaxnns_error_plus_four_ulps():
+    ref = np.full((1, 2, 3), 5.0)
+    ulp = gemma_like.ulp(5.0, np.float32)  # 2**-21
+    judge = lambda ffpa, jaxnn: gemma_like.judge_losses(ffpa, jaxnn, ref, np.float32)[0]
+    assert judge(ref + 2e-3, ref + 1e-3).ok
+    assert not judge(ref + 2e-3 + 5 * ulp, ref + 1e-3).ok
+    assert judge(ref + 4 * ulp, ref).ok        # jax.nn exact: the floor
+    assert not judge(ref + 5 * ulp, ref).ok
+    off = ref.copy()
+    off[0, 1, 2] += 1e-2                       # one token is enough
+    assert not judge(off, ref + 1e-3).ok
+
+
+def test_the_layer_pattern_is_gemma4s():
+    cfg = _tiny_config()
+    pattern = lambda layers: "".join(
+        "G" if kind.name == "global" else "L"
+        for kind in gemma_like.layer_kinds(dataclasses.replace(cfg, layers=layers)))
+    assert pattern(12) == "LLLLLGLLLLLG"
+    assert pattern(8) == "LLLLLGLG"  # the last layer is always global
+    assert pattern(1) == "G"
+
+
+def test_the_global_layers_rotate_a_quarter_of_the_frequency_pairs():
+    local, global_ = gemma_like.gemma4_kinds(heads_q=8, window=1024)
+    assert (local.head_dim, local.kv_heads, global_.head_dim, global_.kv_heads) == (256, 4,
+                                                                                    512, 1)
+    freqs = gemma_like.rope_frequencies(global_)
+    assert freqs.shape == (256,) and np.all(freqs[:64] > 0) and np.all(freqs[64:] == 0)
+    np.testing.assert_allclose(freqs[1], 1e6 ** (-2 / 512))
+    np.testing.assert_allclose(gemma_like.rope_frequencies(local)[1], 1e4 ** (-2 / 256))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "--steps: expected a positive integer; got '0'"),
+    (["--heads", "5"], "--heads 5 is not a multiple of the local layers' 2 KV heads"),
+    (["--lr", "0"], "--lr must be positive; got 0.0"),
+    (["--attention", "flash"], "invalid choice: 'flash'"),
+])
+def test_bad_options_are_refused_with_the_reason(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        gemma_like.main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_pallas_without_a_gpu_needs_the_interpreter(capsys):
+    if jax.default_backend() == "gpu":
+        pytest.skip("there is a GPU")
+    with pytest.raises(SystemExit):
+        gemma_like.main(["--ffpa-implementation", "pallas"])
+    assert "--ffpa-implementation pallas needs an NVIDIA GPU, or --interpret" in (
+        capsys.readouterr().err)
