@@ -134,7 +134,7 @@ except ImportError as _missing:
 
 import ffpa_jax
 import tuning
-from ffpa_jax import api, validation
+from ffpa_jax import validation
 
 ATTENTION_CHOICES = ("ffpa", "jax.nn")
 EXIT_CHECK_FAILED = 1
@@ -175,7 +175,7 @@ class GemmaLikeConfig:
     final_softcap: float | None = 30.0
     dtype: str = "float32"          # parameters and activations
     attention: str = "ffpa"         # "ffpa" or "jax.nn"
-    ffpa_implementation: str | None = None   # ffpa_jax's: None, "pallas", "chunked", "xla"
+    ffpa_implementation: str | None = None   # ffpa_jax's: None or a tier's name
     interpret: bool = False         # ffpa_jax's Pallas kernels in the interpreter
     jaxnn_implementation: str = "auto"       # "auto" (cuDNN where it can) or "xla"
 
@@ -547,8 +547,8 @@ def check_losses(cfg: GemmaLikeConfig, init, data_key: jax.Array, *, steps: int,
 
 # ------------------------------------------------------------------ reports
 def ffpa_tiers(cfg: GemmaLikeConfig, kind: LayerKind, batch: int, seq_len: int) -> str:
-    """Which ffpa_jax tier runs each direction of this layer kind's attention. The public
-    API does not answer that; this asks it as `python -m ffpa_jax.info` does."""
+    """Which ffpa_jax tier runs each direction of this layer kind's attention, as
+    `python -m ffpa_jax.info` asks it (`tuning.explain`)."""
     sds = jax.ShapeDtypeStruct
     dtype = jnp.dtype(cfg.dtype)
     q = sds((batch, seq_len, cfg.heads_q, kind.head_dim), dtype)
@@ -558,11 +558,11 @@ def ffpa_tiers(cfg: GemmaLikeConfig, kind: LayerKind, batch: int, seq_len: int) 
                                implementation=cfg.ffpa_implementation,
                                interpret=cfg.interpret,
                                local_window_size=window_argument(kind))
-    impl = api.resolve_implementation(cfg.ffpa_implementation, cfg.interpret, call.problem)
-    if impl == "xla":
-        return "ffpa_jax xla (its dense plain-JAX path) in both directions"
-    (forward, _), (backward, _) = tuning.explain_tiers(call.problem, impl)
+    explained = tuning.explain(call.problem, cfg.ffpa_implementation, interpret=cfg.interpret)
+    forward, backward = explained.forward.tier, explained.backward.tier
     interpreted = " (interpreted)" if cfg.interpret else ""
+    if forward == backward:
+        return f"ffpa_jax {forward} in both directions{interpreted}"
     return f"ffpa_jax forward {forward}, backward {backward}{interpreted}"
 
 
@@ -678,10 +678,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                        help="parameters and activations" + _preset_defaults("dtype"))
     attn = parser.add_argument_group("attention implementations")
-    attn.add_argument("--ffpa-implementation", choices=("auto", "pallas", "chunked", "xla"),
+    attn.add_argument("--ffpa-implementation",
+                      choices=("auto", *(n for n in tuning.IMPLEMENTATIONS if n)),
                       default="auto",
-                      help="ffpa_jax's; auto: its tuned tiers on an NVIDIA GPU, its XLA path "
-                           "elsewhere")
+                      help="ffpa_jax's; auto: the dispatcher's choice (its measured tiers on an "
+                           "NVIDIA GPU, its XLA path elsewhere)")
     attn.add_argument("--interpret", action="store_true",
                       help="ffpa_jax's Pallas kernels in Pallas' interpreter (CPU; slow)")
     attn.add_argument("--jaxnn-implementation", choices=("auto", "xla"), default="auto",

@@ -48,7 +48,7 @@ def test_ffpa_on_the_interpreted_kernels_trains_and_passes_the_loss_check():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     out = run.stdout
     assert "model: 2 layers LG" in out
-    assert out.count("attention: ffpa_jax forward pallas, backward pallas (interpreted)") == 2
+    assert out.count("attention: ffpa_jax pallas in both directions (interpreted)") == 2
     for report in ("trace and compile: ", "step time: median ", "tokens/s: ",
                    "peak device memory: n/a on CPU"):
         assert report in out, out
