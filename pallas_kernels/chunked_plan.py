@@ -157,9 +157,10 @@ MAX_CAUSAL_GROUPS = 8
 
 def band_align(problem: Problem) -> int:
     """The multiple of which a band's first key is (1: any key). A block with dropout
-    whose keys are offset by a runtime col0 (positions) draws its keep decisions 32 keys
-    to a Philox chunk from its first key on, which must then start a chunk."""
-    return dropout.CHUNK if problem.has_dropout and problem.positions else 1
+    draws its keep decisions 32 keys to a Philox chunk from its first key on (the Pallas
+    step's `keep_tile`, the XLA step's `keep_mask_reference` at a traced key), which must
+    then start a chunk."""
+    return dropout.CHUNK if problem.has_dropout else 1
 
 
 def key_start(problem: Problem, group: Group, r0, shift=None):
