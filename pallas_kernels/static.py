@@ -203,10 +203,10 @@ def q_block_range(st: KernelStatic, refs: dict, b, kv_block, kv_start, bm: int, 
         ranges = refs["seg_ranges"]
         segment_range = lambda i: ranges[i32(b), i32(kv_block), i]  # noqa: E731
     return visibility.q_block_range(
-        kv_start, bm, bn, lo, hi, seq_q=p.seq_q, seq_k=p.seq_k, window=p.window,
+        kv_start, bm, bn, lo, hi, seq_k=p.seq_k, shift=kernel_shift(st, refs), window=p.window,
         q_len=(lambda: refs["q_len"][i32(b)]) if p.q_lengths else None,
         kv_len=(lambda: refs["kv_len"][i32(b)]) if p.kv_lengths else None,
-        segment_range=segment_range, shift=kernel_shift(st, refs))
+        segment_range=segment_range)
 
 
 def kernel_shift(st: KernelStatic, refs: dict):
@@ -250,7 +250,8 @@ def walk_kv_blocks(st: KernelStatic, lists, b, h, q_block, q_start, visit, carry
     blocks that query block `q_block` (rows from `q_start`) of head h sees: the mask's block
     list (`lists`: its (counts, indices) refs), or the blocks the window, segments and
     lengths leave (`features`), or causality's limits (unmasked blocks first), or every
-    block. The forward and the kernels of the backward that walk key blocks share it."""
+    block; causality at `features.shift` where positions place the block (runtime), else at
+    S - T. The forward and the kernels of the backward that walk key blocks share it."""
     problem = st.problem
     bm, bn = st.cfg.block_m, st.cfg.block_n
     # Where the rows sit among the keys: S - T, or the positions' runtime shift.

@@ -164,14 +164,14 @@ def kv_block_range(q_start, block_m: int, block_n: int, hi, *, seq_q: int, shift
     return lo, jnp.maximum(hi, lo)
 
 
-def q_block_range(kv_start, block_m: int, block_n: int, lo, hi, *, seq_q: int, seq_k: int,
-                  window=None, q_len=None, kv_len=None, segment_range=None, shift=None):
+def q_block_range(kv_start, block_m: int, block_n: int, lo, hi, *, seq_k: int, shift,
+                  window=None, q_len=None, kv_len=None, segment_range=None):
     """[lo, hi) of the query blocks that see any of the keys [kv_start, kv_start + block_n),
     within the caller's [lo, hi) (causality's, or all query blocks): the transpose of
     `kv_block_range`, for the kernels that walk query blocks (dK, dV); `segment_range` is
-    the key block's range of query blocks; `shift` None: S - T."""
+    the key block's range of query blocks; `shift` where row 0 sits among the keys
+    (`shift_of`)."""
     lo, hi = i32(lo), i32(hi)
-    shift = default_shift(seq_q, seq_k) if shift is None else shift
     if window is not None:
         left, right = window
         # Row i sees key j iff j - shift - right <= i <= j - shift + left.
