@@ -14,7 +14,10 @@ products; these kernels are what runs between them, one pass over the block each
 
 The block sits at global row r0 and key c0 of the problem (`offsets`, a runtime int32[2]):
 bias, mask, causality and the dropout keep decisions are taken at global positions, so
-every block agrees with the fused kernels and with `dropout.keep_mask_reference`. Bias and
+every block agrees with the fused kernels and with `dropout.keep_mask_reference`. Where the
+problem is itself a block of a longer sequence (`FeatureArrays.positions`, one more input),
+causality and the window take its runtime shift, and dropout draws at row0 + r0 + i and
+col0 + c0 + j. Bias and
 mask are the problem's 4-D arrays with broadcast dims of size 1 (read with stride 0); the
 segment ids ([B, T] and [B, S]) are read at the tile's own rows and keys, the lengths [B]
 once per program.
@@ -60,6 +63,16 @@ class _FeatureRefs:
     kv_ids: object = None
     q_len: object = None
     kv_len: object = None
+    positions: object = None
+
+    def shift(self, problem: Problem):
+        """Where query row 0 sits among the keys: S - T, or the positions' runtime shift."""
+        return visibility.shift_of(problem.seq_q, problem.seq_k, self.positions)
+
+    @property
+    def place(self):
+        """(row0, col0) of the positions (the dropout draws' offsets), or None."""
+        return None if self.positions is None else (self.positions[0], self.positions[1])
 
 
 def _feature_keep(st: BlockStatic, fr: _FeatureRefs, b, row_start, bm: int, col_start,
@@ -77,7 +90,7 @@ def _feature_keep(st: BlockStatic, fr: _FeatureRefs, b, row_start, bm: int, col_
             plgpu.load(fr.kv_ids.at[i32(b), tiles.ds(col_start, bn)], mask=cols < problem.seq_k,
                        other=0))
     return visibility.feature_visible(
-        rows, cols, shift=visibility.default_shift(problem.seq_q, problem.seq_k),
+        rows, cols, shift=fr.shift(problem),
         window=problem.window, segments=segments,
         q_len=None if fr.q_len is None else (lambda: fr.q_len[i32(b)]),
         kv_len=None if fr.kv_len is None else (lambda: fr.kv_len[i32(b)]))
@@ -116,7 +129,8 @@ def _scores(st: BlockStatic, logits, bias_ref, mask_ref, b, h, row_start, col_st
         s = jnp.where(keep, s, -jnp.inf)
     if problem.causal:
         rows, cols = row_start + iota(bm), col_start + iota(bn)
-        shift = visibility.default_shift(problem.seq_q, problem.seq_k)
+        shift = (visibility.default_shift(problem.seq_q, problem.seq_k) if fr is None
+                 else fr.shift(problem))
         s = jnp.where(visibility.causal_visible(rows, cols, shift), s, -jnp.inf)
     if fr is not None:
         keep = _feature_keep(st, fr, b, row_start, bm, col_start, bn)
@@ -142,7 +156,9 @@ def _feature_refs(st: BlockStatic, refs: list) -> _FeatureRefs:
     kv_ids = refs.pop(0) if problem.segment_ids else None
     q_len = refs.pop(0) if problem.q_lengths else None
     kv_len = refs.pop(0) if problem.kv_lengths else None
-    return _FeatureRefs(q_ids=q_ids, kv_ids=kv_ids, q_len=q_len, kv_len=kv_len)
+    positions = refs.pop(0) if problem.positions else None
+    return _FeatureRefs(q_ids=q_ids, kv_ids=kv_ids, q_len=q_len, kv_len=kv_len,
+                        positions=positions)
 
 
 def _softmax_rows_kernel(logits_ref, offsets_ref, *refs, st: BlockStatic, n_rows: int,
@@ -171,7 +187,7 @@ def _softmax_rows_kernel(logits_ref, offsets_ref, *refs, st: BlockStatic, n_rows
     safe = jnp.where(has_keys, total, 1.0)
     p = e / safe[:, None]
     if seed_ref is not None:
-        keep = static.dropout_keep(st, seed_ref, b, h, r0 + r, c0, bk)
+        keep = static.dropout_keep(st, seed_ref, b, h, r0 + r, c0, bk, fr.place)
         p = jnp.where(keep, p / (1.0 - problem.dropout_rate), 0.0)
     plgpu.store(p_ref.at[i32(b), i32(h), tiles.ds(pl.program_id(0) * bm, bm), tiles.ds(0, bk)],
                 p.astype(p_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
@@ -182,10 +198,12 @@ def _softmax_rows_kernel(logits_ref, offsets_ref, *refs, st: BlockStatic, n_rows
 
 def _inputs(problem: Problem, inputs: Inputs) -> list:
     """The kernels' inputs after the block's own: bias, mask, seed, then the visibility
-    arrays (segment ids, lengths; the sinks join the merged rows, not a block)."""
+    arrays (segment ids, lengths, positions; the sinks join the merged rows, not a
+    block)."""
     f = inputs.features
-    visible = [x for x in (f.q_segment_ids, f.kv_segment_ids, f.q_lengths, f.kv_lengths)
-               if x is not None]
+    positions = None if f.positions is None else jnp.asarray(f.positions).astype(jnp.int32)
+    visible = [x for x in (f.q_segment_ids, f.kv_segment_ids, f.q_lengths, f.kv_lengths,
+                           positions) if x is not None]
     return ([x for x in (inputs.bias, inputs.mask) if x is not None]
             + kernel_inputs.seed_inputs(problem.dropout_rate, inputs.seed) + visible)
 
@@ -257,7 +275,7 @@ def _softmax_grad_kernel(logits_ref, dp_ref, lse_ref, delta_ref, offsets_ref, *r
     dp = tile(dp_ref).astype(jnp.float32)
     dropped = p
     if seed_ref is not None:
-        keep = static.dropout_keep(st, seed_ref, b, h, r0 + r, c0 + cs, bn)
+        keep = static.dropout_keep(st, seed_ref, b, h, r0 + r, c0 + cs, bn, fr.place)
         inv = 1.0 - problem.dropout_rate
         dropped = jnp.where(keep, p / inv, 0.0)
         dp = jnp.where(keep, dp / inv, 0.0)

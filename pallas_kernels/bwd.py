@@ -264,17 +264,19 @@ def _dkdv_program(st, r, dk_ref, dv_ref, b, hk, kv_block, kv_start, *, with_dk, 
                                         causal_mask=problem.causal, with_mask=True)
             return jax.lax.fori_loop(i32(0), r["counts"][lb, lh, lk], listed, accs)
         n_q = i32(cdiv(problem.seq_q, bm))
+        shift = static.kernel_shift(st, r)  # S - T, or the positions' runtime shift
         if st.ranged:
             # The query blocks the window, segments and lengths let see this key block;
             # every visit takes their element masks (and causality's).
-            first = (visibility.causal_q_blocks(kv_start, bm, bn, problem.seq_q, problem.seq_k)[0]
+            first = (visibility.causal_q_blocks(kv_start, bm, bn, problem.seq_q, problem.seq_k,
+                                                shift)[0]
                      if problem.causal else i32(0))
             lo, hi = static.q_block_range(st, r, b, kv_block, kv_start, bm, bn, first, n_q)
             return jax.lax.fori_loop(lo, hi, partial(causal_mask=problem.causal, with_mask=False),
                                      accs)
         if problem.causal:
             first, first_unmasked = visibility.causal_q_blocks(kv_start, bm, bn, problem.seq_q,
-                                                                 problem.seq_k)
+                                                                 problem.seq_k, shift)
             accs = jax.lax.fori_loop(first, first_unmasked,
                                      partial(causal_mask=True, with_mask=False), accs)
             return jax.lax.fori_loop(first_unmasked, n_q,

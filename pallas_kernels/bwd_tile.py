@@ -120,7 +120,8 @@ def prepare(problem: Problem, config: BwdConfig, inputs: Inputs, rows: BackwardR
                              None if bias is None else bias.dtype)
     mask_args, list_outer = kernel_inputs.mask_inputs(
         mask, block_m=cfg.block_m, block_n=cfg.block_n, seq_q=problem.seq_q,
-        seq_k=problem.seq_k, causal=problem.causal, over_kv=over_kv)
+        seq_k=problem.seq_k, causal=problem.causal, over_kv=over_kv,
+        positions=inputs.features.positions)
     arrays = ([q, k, v, rows.d_out, rows.lse] + _lse_lo_inputs(problem, rows) + [rows.delta]
               + ([bias] if bias is not None else []) + mask_args
               + kernel_inputs.seed_inputs(problem.dropout_rate, seed)
@@ -177,8 +178,9 @@ class Tile:
         return q_chunk, do_chunk
 
     def features(self, q_start):
-        """The window, segments and lengths of the query block at `q_start` (None without)."""
-        if not self.st.ranged:
+        """The window, segments and lengths of the query block at `q_start`, and where
+        positions place it (None without any of them)."""
+        if not self.st.tile_features:
             return None
         return static.TileFeatures(self.st, self.refs, self.b, q_start, self.cfg.block_m)
 
@@ -228,7 +230,8 @@ class Tile:
             p = p / jnp.where(total > 0.0, total, 1.0)[:, None]
         keep = None
         if problem.dropout_rate > 0:
-            keep = static.dropout_keep(st, self.refs["seed"], self.b, h, rows, kv_start, bn)
+            keep = static.dropout_keep(st, self.refs["seed"], self.b, h, rows, kv_start, bn,
+                                       None if features is None else features.place)
             inv_keep = 1.0 / (1.0 - problem.dropout_rate)
         p_out = p if keep is None else jnp.where(keep, p * inv_keep, 0.0)
         if not need_dp:

@@ -52,6 +52,12 @@ class _Call:
     def kernel_step(self) -> bool:
         return self.config.step == STEP_KERNEL
 
+    @property
+    def positions(self):
+        """int32[3] (row0, col0, shift) where the arrays are a block of a longer sequence,
+        else None (`FeatureArrays.positions`)."""
+        return self.inputs.features.positions
+
 
 def _segments(limit: int, size: int) -> list[tuple[int, list[int]]]:
     """Key blocks covering [0, limit): (block size, starts) for the full blocks, then the tail."""
@@ -159,7 +165,7 @@ def _visible(call: _Call, blk: _Block):
                                                  blk.c0, blk.keys)
     rows = blk.r0 + jnp.arange(blk.rows, dtype=jnp.int32)
     cols = blk.c0 + jnp.arange(blk.keys, dtype=jnp.int32)
-    shift = visibility.default_shift(problem.seq_q, problem.seq_k)
+    shift = visibility.shift_of(problem.seq_q, problem.seq_k, call.positions)
 
     def both(keep):
         return keep if visible is None else visible & keep
@@ -190,11 +196,20 @@ def _scores_xla(call: _Call, logits, blk: _Block):
 
 def _keep(call: _Call, blk: _Block, *, batch: int, heads_q: int):
     """The dropout keep-mask of the block, [B, Hq, rows, keys]. A shard's seed carries its
-    global batch and head offsets as words 2 and 3."""
+    global batch and head offsets as words 2 and 3; a block of a longer sequence draws at
+    its global rows and keys (the positions' row0 and col0 added)."""
     seed = call.inputs.seed
     b0, h0 = (seed[2], seed[3]) if seed.shape[0] == 4 else (0, 0)
+    r0, c0 = blk.r0, blk.c0
+    if call.positions is not None:
+        r0, c0 = r0 + call.positions[0], c0 + call.positions[1]
     return keep_mask_reference(seed[:2], (batch, heads_q, blk.rows, blk.keys),
-                               call.problem.dropout_rate, offsets=(b0, h0, blk.r0, blk.c0))
+                               call.problem.dropout_rate, offsets=(b0, h0, r0, c0))
+
+
+def _shift(call: _Call):
+    """The positions' runtime shift, or None (S - T)."""
+    return None if call.positions is None else call.positions[2]
 
 
 def _softmax_xla(call: _Call, logits, blk: _Block, p_dtype):
@@ -322,8 +337,8 @@ def forward(problem: Problem, config: ChunkConfig, inputs: Inputs, *,
     outs, lses = [], []
     for g in planned:
         def body(carry, r0, g=g):
-            return carry, _forward_rows(call, ops, r0, g.rows, key_start(call.problem, g, r0),
-                                        g.keys)
+            start = key_start(call.problem, g, r0, _shift(call))
+            return carry, _forward_rows(call, ops, r0, g.rows, start, g.keys)
         _, (out, lse) = _over(g.starts, body, None)
         outs.append(out)
         lses.append(lse)
@@ -389,8 +404,10 @@ def _backward_block(call: _Call, ops: _Operands, rows_in: _Rows, blk: _Block, *,
     rows, keys = blk.rows, blk.keys
     q_blk, do_blk = _block_rows(ops.qg, blk), _block_rows(ops.dog, blk)
     k_blk, v_blk = _rows_of(ops.kk, 2, blk.c0, keys), _rows_of(ops.vv, 2, blk.c0, keys)
+    # (A block of a longer sequence holds only some of its rows' keys: never its own δ.)
     own_delta = (isinstance(blk.c0, int) and blk.c0 == 0 and keys == seq_k
-                 and (not call.kernel_step or keys <= MAX_ROW_KEYS))
+                 and (not call.kernel_step or keys <= MAX_ROW_KEYS)
+                 and call.positions is None)
     lse_blk = _rows_of(rows_in.lse, 2, blk.r0, rows)
     delta_blk = _rows_of(rows_in.minus_dlse if own_delta else rows_in.delta, 2, blk.r0, rows)
     low = _low_precision(ops.qg.dtype)
@@ -448,10 +465,11 @@ def backward(problem: Problem, config: ChunkConfig, inputs: Inputs, saved: Saved
                                     precision=jax.lax.Precision.HIGHEST) - d_lse, -d_lse)
     ops = _operands(inputs, d_out)
     # A bias constant over the keys has a closed-form gradient (`row_constant_dbias`) unless
-    # the soft cap bends the logits or a sink does not move with them: then it takes dS's
-    # sum over the keys like any other bias.
+    # the soft cap bends the logits, a sink does not move with them, or the keys are a
+    # block of a longer sequence (its share is its own keys' dS): then it takes dS's sum
+    # over the keys like any other bias.
     full_bias = bias is not None and (bias.shape[-1] != 1 or problem.softcap is not None
-                                      or problem.sinks)
+                                      or problem.sinks or problem.positions)
     carry = (jnp.zeros(ops.kk.shape, jnp.float32), jnp.zeros(ops.vv.shape, jnp.float32),
              jnp.zeros(bias.shape, jnp.float32) if full_bias else None)
     call = _call(problem, config, inputs, interpret)
@@ -463,7 +481,7 @@ def backward(problem: Problem, config: ChunkConfig, inputs: Inputs, saved: Saved
         def rows_body(carry, r0, grp=grp):
             dk, dv, dbias = carry
             dq = jnp.zeros((b, hkv, hq // hkv, grp.rows, d), jnp.float32)
-            first = key_start(call.problem, grp, r0)
+            first = key_start(call.problem, grp, r0, _shift(call))
             for keys, starts in _segments(grp.keys, config.block_k):
                 def keys_body(inner, c0, keys=keys):
                     c0 = first + c0

@@ -5,6 +5,11 @@ The workspace of one block is O(B·Hq·rows·keys); `block_sizes` picks the bloc
 stays under a byte budget, never O(T·S) unless the problem itself is that small. Rows that
 see no key (causality, the window) are never planned; with a window narrower than S each
 block reads only the band of keys its rows can see (`visibility`'s static spans).
+
+A block of a longer sequence (`Problem.positions`) sits among its keys by a runtime shift:
+the plan cannot tell which rows see which keys, so every row block runs against all keys
+(the element masks decide), or under a window narrower than S against its band, whose
+width does not depend on the shift and whose start is found at run time (`key_start`).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import os
 
 import jax.numpy as jnp
 
-from pallas_kernels import visibility
+from pallas_kernels import dropout, visibility
 from pallas_kernels.blocked import MAX_ROW_KEYS
 from pallas_kernels.problem import Problem
 
@@ -101,7 +106,8 @@ def block_sizes(problem: Problem, direction: str, budget_bytes: int = DEFAULT_BU
     per_element = problem.batch * problem.heads_q * bytes_per_element(problem.dtype, direction)
     t, s = problem.seq_q, problem.seq_k
     area = max(1, budget_bytes // per_element)  # (query, key) elements per block and head
-    cap = causal_rows_cap(t) if problem.causal else t
+    # (Positions make causality's skipping a runtime matter: no cap then.)
+    cap = causal_rows_cap(t) if problem.causal and not problem.positions else t
     if problem.window is not None:
         cap = min(cap, window_rows_cap(problem.window_band))
     if direction == "forward":
@@ -149,14 +155,23 @@ class Group:
 MAX_CAUSAL_GROUPS = 8
 
 
-def key_start(problem: Problem, group: Group, r0):
+def band_align(problem: Problem) -> int:
+    """The multiple of which a band's first key is (1: any key). A block with dropout
+    draws its keep decisions 32 keys to a Philox chunk from its first key on (the Pallas
+    step's `keep_tile`, the XLA step's `keep_mask_reference` at a traced key), which must
+    then start a chunk."""
+    return dropout.CHUNK if problem.has_dropout else 1
+
+
+def key_start(problem: Problem, group: Group, r0, shift=None):
     """The first key of the block at row `r0` (int or traced): 0, or with a band the left
     end of the window of its first row, moved left where the band would pass S (so that
-    the block's `group.keys` keys stay in range and still hold every key it sees)."""
+    the block's `group.keys` keys stay in range and still hold every key it sees); `shift`:
+    the positions' runtime shift (None: S - T)."""
     if not group.band:
         return 0
     return visibility.band_start(r0, group.keys, seq_q=problem.seq_q, seq_k=problem.seq_k,
-                                 window=problem.window)
+                                 window=problem.window, shift=shift, align=band_align(problem))
 
 
 def groups(problem: Problem, block_q: int) -> list[Group]:
@@ -164,12 +179,16 @@ def groups(problem: Problem, block_q: int) -> list[Group]:
     left out."""
     t, s = problem.seq_q, problem.seq_k
     span = dict(seq_q=t, seq_k=s, causal=problem.causal, window=problem.window)
-    band = dict(seq_k=s, causal=problem.causal, window=problem.window)
+    band = dict(seq_k=s, causal=problem.causal, window=problem.window,
+                align=band_align(problem))
     full, tail = divmod(t, block_q)
     blocks = [(i * block_q, block_q) for i in range(full)] + ([(full * block_q, tail)]
                                                              if tail else [])
-    blocks = [(r0, n, visibility.key_limit(r0 + n, **span)) for r0, n in blocks
-              if visibility.rows_see_a_key(r0, n, **span)]
+    if problem.positions:  # the shift is runtime data: every block, every key (or band)
+        blocks = [(r0, n, s) for r0, n in blocks]
+    else:
+        blocks = [(r0, n, visibility.key_limit(r0 + n, **span)) for r0, n in blocks
+                  if visibility.rows_see_a_key(r0, n, **span)]
     if any(visibility.band_keys(n, **band) < s for _, n, _ in blocks):
         # A window narrower than S: each block reads its own band of keys (equal widths for
         # equal rows), wherever its rows' windows put it.
@@ -177,7 +196,7 @@ def groups(problem: Problem, block_q: int) -> list[Group]:
         return [Group(first=run[0][0], rows=run[0][1], count=len(run),
                       keys=visibility.band_keys(run[0][1], **band), band=True)
                 for run in runs if run]
-    if visibility.right_reach(problem.causal, problem.window) is None:
+    if visibility.right_reach(problem.causal, problem.window) is None or problem.positions:
         runs = [[b for b in blocks if b[1] == block_q], [b for b in blocks if b[1] != block_q]]
     else:
         per = max(1, math.ceil(len(blocks) / MAX_CAUSAL_GROUPS))

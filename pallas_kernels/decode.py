@@ -427,7 +427,12 @@ def decode_fwd_stage2(o_part, lse_part, *, seq_q: int, heads_q: int, dtype,
 def decode_attention(problem: Problem, config: DecodeConfig, inputs: Inputs, *, num_splits: int,
                      interpret: bool = False, out_dtype=None):
     """Both stages: (out [B, T, Hq, Dv] in `out_dtype` (default q's dtype), lse [B, Hq, T]
-    float32), with every feature of `problem` (as in `fwd_generic`)."""
+    float32), with every feature of `problem` (as in `fwd_generic`) but positions (a block
+    of a longer sequence runs `fwd_generic`: `fused.uses_decode`)."""
+    if problem.positions:
+        raise ValueError("decode_attention takes no positions (FeatureArrays.positions): a "
+                         "block of a longer sequence runs fwd_generic; got a problem with "
+                         "positions=True")
     o_part, lse_part = decode_fwd_stage1(problem, config, inputs, num_splits=num_splits,
                                          interpret=interpret)
     q = inputs.q

@@ -42,6 +42,12 @@ _W1 = 0xBB67AE85
 ROUNDS = 10
 CHUNK = 32  # columns served by 4 neighbouring counters: 4 calls x 4 words x 2 halves
 _U16 = 1 << 16
+# A block of a longer sequence (`FeatureArrays.positions`) draws at global keys col0 + j:
+# its key offset col0 must be a multiple of this, so that every tile the kernels draw for
+# (widths up to 128, each starting at a multiple of its width) still starts where
+# `keep_tile` needs it to, and a traced offset suits `keep_mask_reference` (a multiple of
+# CHUNK).
+POSITION_ALIGN = 128
 
 
 def keep_threshold(rate: float) -> int:

@@ -38,16 +38,23 @@ def uses_decode(problem: Problem) -> bool:
     """The decode rule: T <= 16 queries against S >= 128 keys. There the generic forward's
     grid (one program per 64-row query block and head) is a few dozen programs reading all
     of K and V each; the decode kernels split the keys over the GPU and read K/V once per
-    GQA group."""
-    return problem.seq_q <= DECODE_MAX_QUERIES and problem.seq_k >= DECODE_MIN_KEYS
+    GQA group. A block of a longer sequence (`Problem.positions`) takes the generic forward:
+    the decode kernels take no positions."""
+    return (problem.seq_q <= DECODE_MAX_QUERIES and problem.seq_k >= DECODE_MIN_KEYS
+            and not problem.positions)
 
 
 def delta_source(problem: Problem, plan_or_configs) -> str:
     """Where the backward's δ = Σ P·dP − dlse comes from: float32 forms it from the
     kernels' own P and dP in a pass of its own (`bwd_exact_rows`); where every row's keys
     fit one tile of each kernel, each tile forms it (`rows_in_one_tile`); else
-    `bwd_preproc` takes rowsum(dO ∘ O)."""
+    `bwd_preproc` takes rowsum(dO ∘ O). A block of a longer sequence (`Problem.positions`)
+    holds only some of each row's keys, so its own P sums to less than 1 and says nothing of
+    δ: it takes rowsum(dO ∘ O) of the whole sequence's output (given to the backward), and
+    P from the whole sequence's lse."""
     configs = _backward_configs(plan_or_configs)
+    if problem.positions:
+        return DELTA_PREPROC
     if problem.natural:
         return DELTA_EXACT_ROWS
     if rows_in_one_tile(problem.seq_k, configs["dq"], configs["dkdv"], configs["dbias"]):
@@ -58,9 +65,11 @@ def delta_source(problem: Problem, plan_or_configs) -> str:
 def closed_form_dbias(problem: Problem) -> bool:
     """Whether the bias gradient is d_lse summed (`chunked.row_constant_dbias`): a bias
     constant over the keys only shifts lse, unless the soft cap bends it or a sink (which it
-    does not shift) shares the denominator; then the kernels' dS sum (`bwd_dbias`)."""
+    does not shift) shares the denominator, or the keys are a block of a longer sequence
+    (`Problem.positions`: the block's share of the gradient is its keys' dS alone); then
+    the kernels' dS sum (`bwd_dbias`)."""
     return (problem.has_bias and problem.bias_shape[-1] == 1 and problem.softcap is None
-            and not problem.sinks)
+            and not problem.sinks and not problem.positions)
 
 
 def _backward_configs(plan_or_configs) -> dict:

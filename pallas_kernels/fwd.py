@@ -105,7 +105,8 @@ def _fwd_kernel(*refs, st: static.KernelStatic, per_chunk: bool):
     q_start = q_block * bm
     v_start = v_slice * bdv
     rows = q_start + iota(bm)
-    features = static.TileFeatures(st, feature_refs, b, q_start, bm) if st.ranged else None
+    features = (static.TileFeatures(st, feature_refs, b, q_start, bm) if st.tile_features
+                else None)
     qk_scale = problem.scale * st.score_unit
     raw_scale = qk_scale if numerics.folds_scale(st, per_chunk=per_chunk) else None
 
@@ -151,7 +152,9 @@ def _fwd_kernel(*refs, st: static.KernelStatic, per_chunk: bool):
         m_new, p, alpha, l_i = numerics.online_softmax_step(s, m_i, l_i, st, raw_scale=raw_scale)
         if seed_ref is not None:
             # Dropped after the statistics: lse stays the undropped normaliser.
-            p = jnp.where(static.dropout_keep(st, seed_ref, b, h, rows, kv_start, bn), p, 0.0)
+            keep = static.dropout_keep(st, seed_ref, b, h, rows, kv_start, bn,
+                                       None if features is None else features.place)
+            p = jnp.where(keep, p, 0.0)
         if v_tile is None:
             v_tile = v_tile_load()
         p = p if v_tile.dtype == jnp.float32 else p.astype(v_tile.dtype)
@@ -235,7 +238,8 @@ def fwd_generic(problem: Problem, config: FwdConfig, inputs: Inputs, *, interpre
     compat.silence_triton_deprecation()
     mask_args, list_outer = kernel_inputs.mask_inputs(
         mask, block_m=cfg.block_m, block_n=cfg.block_n, seq_q=problem.seq_q,
-        seq_k=problem.seq_k, causal=problem.causal, over_kv=True)
+        seq_k=problem.seq_k, causal=problem.causal, over_kv=True,
+        positions=inputs.features.positions)
     arrays = ([q, k, v] + ([bias] if bias is not None else []) + mask_args
               + kernel_inputs.seed_inputs(problem.dropout_rate, seed)
               + kernel_inputs.feature_inputs(inputs.given_features, block_m=cfg.block_m,

@@ -61,7 +61,7 @@ def seed_inputs(dropout_rate: float, seed) -> list:
 def feature_inputs(features, *, block_m: int, block_n: int, over_kv: bool = True) -> list:
     """The kernel inputs the feature arrays bring, in `KernelStatic`'s order: q ids, kv ids
     and their block ranges (per query block: the key blocks, `over_kv`; else per key block:
-    the query blocks), q lengths, kv lengths, sinks (float32)."""
+    the query blocks), q lengths, kv lengths, sinks (float32), positions (int32[3])."""
     if features is None:
         return []
     out = []
@@ -79,6 +79,8 @@ def feature_inputs(features, *, block_m: int, block_n: int, over_kv: bool = True
         out.append(features.kv_lengths)
     if features.sinks is not None:
         out.append(features.sinks.astype(jnp.float32))
+    if features.positions is not None:
+        out.append(jnp.asarray(features.positions).astype(jnp.int32))
     return out
 
 
@@ -86,7 +88,7 @@ def feature_names(st) -> list[str]:
     """The names of the feature inputs' refs, in `feature_inputs`' order."""
     p = st.problem
     return (["q_ids", "kv_ids", "seg_ranges"] * p.segment_ids + ["q_len"] * p.q_lengths
-            + ["kv_len"] * p.kv_lengths + ["sinks"] * p.sinks)
+            + ["kv_len"] * p.kv_lengths + ["sinks"] * p.sinks + ["positions"] * p.positions)
 
 
 def pop_feature_refs(st, refs: list) -> dict:
@@ -100,15 +102,18 @@ def pop_feature_refs(st, refs: list) -> dict:
         out["kv_len"] = refs.pop(0)
     if st.problem.sinks:
         out["sinks"] = refs.pop(0)
+    if st.problem.positions:
+        out["positions"] = refs.pop(0)
     return out
 
 
 def block_visits(mask4: jax.Array, *, block_m: int, block_n: int, seq_q: int, seq_k: int,
-                 causal: bool) -> jax.Array:
+                 causal: bool, shift=None) -> jax.Array:
     """[mb, mh, nq, nk] bool: does tile (query block i, KV block j) hold a visible key?
 
     nq is 1 when neither the mask's T dim nor causality varies with the query
-    block, nk likewise for the S dim. Reads the mask once; tiny next to it.
+    block, nk likewise for the S dim. Reads the mask once; tiny next to it. `shift`:
+    causality's (None: S - T; the runtime shift of positions, traced, works alike).
     """
     mb, mh, mt, ms = mask4.shape
     n_q, n_kv = cdiv(seq_q, block_m), cdiv(seq_k, block_n)
@@ -120,7 +125,8 @@ def block_visits(mask4: jax.Array, *, block_m: int, block_n: int, seq_q: int, se
         m = jnp.pad(m, ((0, 0), (0, 0), (0, n_q * block_m - mt), (0, 0)))
         m = m.reshape(mb, mh, n_q, block_m, m.shape[-1]).any(axis=3)
     if causal:
-        m = m & visibility.causal_tiles(n_q, n_kv, block_m, block_n, seq_q, seq_k)[None, None]
+        m = m & visibility.causal_tiles(n_q, n_kv, block_m, block_n, seq_q, seq_k,
+                                        shift)[None, None]
     return m
 
 
@@ -140,21 +146,24 @@ def visit_lists(visits: jax.Array, *, over_kv: bool):
 
 
 def mask_inputs(mask4, *, block_m: int, block_n: int, seq_q: int, seq_k: int, causal: bool,
-                over_kv: bool) -> tuple[list, int]:
+                over_kv: bool, positions=None) -> tuple[list, int]:
     """The kernel inputs a boolean mask brings ([mask, counts, indices], or [] without
-    a mask) and the outer extent of its block lists."""
+    a mask) and the outer extent of its block lists; causality's tiles at the runtime shift
+    of `positions` where given (a block of a longer sequence)."""
     if mask4 is None:
         return [], 1
     counts, indices = mask_block_lists(mask4, block_m=block_m, block_n=block_n, seq_q=seq_q,
-                                       seq_k=seq_k, causal=causal, over_kv=over_kv)
+                                       seq_k=seq_k, causal=causal, over_kv=over_kv,
+                                       shift=None if positions is None else positions[2])
     return [mask4, counts, indices], counts.shape[2]
 
 
 def mask_block_lists(mask4: jax.Array, *, block_m: int, block_n: int, seq_q: int, seq_k: int,
-                     causal: bool, over_kv: bool = True):
-    """(counts, indices) of the blocks each query block (over_kv) or KV block must visit."""
+                     causal: bool, over_kv: bool = True, shift=None):
+    """(counts, indices) of the blocks each query block (over_kv) or KV block must visit
+    (`shift` as in `block_visits`)."""
     visits = block_visits(mask4, block_m=block_m, block_n=block_n, seq_q=seq_q, seq_k=seq_k,
-                          causal=causal)
+                          causal=causal, shift=shift)
     n_q, n_kv = cdiv(seq_q, block_m), cdiv(seq_k, block_n)
     mb, mh, vq, vk = visits.shape
     if over_kv:

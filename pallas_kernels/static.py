@@ -49,6 +49,13 @@ class KernelStatic:
         return p.window is not None or p.segment_ids or p.q_lengths or p.kv_lengths
 
     @property
+    def tile_features(self) -> bool:
+        """Whether a query block's rows carry a `TileFeatures`: the range-bounding features,
+        or positions that place the block in a longer sequence (their runtime shift and
+        offsets travel in it)."""
+        return self.ranged or self.problem.positions
+
+    @property
     def score_unit(self) -> float:
         """Score units per natural-log unit: 1, or log2(e) in the log2 domain."""
         return 1.0 if self.problem.natural else LOG2E
@@ -122,7 +129,8 @@ def bias_and_masks(s, st: KernelStatic, bias_ref, mask_ref, b, h, q_start, kv_st
             q_start, bm, kv_start, bn, n_rows=p.seq_q, n_cols=p.seq_k, other=False)
         s = jnp.where(keep, s, -jnp.inf)
     if causal_mask:
-        shift = visibility.default_shift(p.seq_q, p.seq_k)
+        shift = (visibility.default_shift(p.seq_q, p.seq_k) if features is None
+                 else features.shift)
         s = jnp.where(visibility.causal_visible(rows, cols, shift), s, -jnp.inf)
     if features is not None:
         keep = features.keep(kv_start, rows, cols)
@@ -137,12 +145,17 @@ def bias_and_masks(s, st: KernelStatic, bias_ref, mask_ref, b, h, q_start, kv_st
 
 class TileFeatures:
     """The window, segment ids and lengths of one program's query rows (its loaded ids and
-    lengths), for `bias_and_masks` and the block ranges of the kernels' walks."""
+    lengths), and where the rows sit among the keys (`shift`, runtime where positions place
+    the block in a longer sequence; then `place` (row0, col0) too, else None), for
+    `bias_and_masks`, the dropout draws and the block ranges of the kernels' walks."""
 
     def __init__(self, st: KernelStatic, refs: dict, b, q_start, bm: int):
         p = self.problem = st.problem
         self.refs = refs
         self.b = b
+        positions = refs["positions"] if p.positions else None
+        self.shift = visibility.shift_of(p.seq_q, p.seq_k, positions)
+        self.place = (positions[0], positions[1]) if p.positions else None
         self.q_ids = None
         if p.segment_ids:
             rows = q_start + iota(bm)
@@ -160,7 +173,7 @@ class TileFeatures:
                 self.refs["kv_ids"].at[i32(self.b), ds(kv_start, cols.shape[0])],
                 mask=cols < p.seq_k, other=0))
         return visibility.feature_visible(
-            rows, cols, shift=visibility.default_shift(p.seq_q, p.seq_k), window=p.window,
+            rows, cols, shift=self.shift, window=p.window,
             segments=segments, q_len=self.q_len, kv_len=self.kv_len)
 
     def kv_block_range(self, q_block, q_start, bm: int, bn: int, hi):
@@ -173,7 +186,7 @@ class TileFeatures:
             ranges = self.refs["seg_ranges"]
             segment_range = lambda i: ranges[i32(self.b), i32(q_block), i]  # noqa: E731
         return visibility.kv_block_range(
-            q_start, bm, bn, hi, seq_q=p.seq_q, shift=visibility.default_shift(p.seq_q, p.seq_k),
+            q_start, bm, bn, hi, seq_q=p.seq_q, shift=self.shift,
             window=p.window, kv_len=self.kv_len, q_len=self.q_len, segment_range=segment_range)
 
 
@@ -182,17 +195,25 @@ def q_block_range(st: KernelStatic, refs: dict, b, kv_block, kv_start, bm: int, 
     """[lo, hi) of the query blocks that see any of the keys [kv_start, kv_start + bn),
     within the caller's [lo, hi) (causality's, or all query blocks): the transpose of
     `TileFeatures.kv_block_range`, for the kernels that walk query blocks (dK, dV); the
-    segment ranges here are per key block (`kernel_inputs.feature_inputs(over_kv=False)`)."""
+    segment ranges here are per key block (`kernel_inputs.feature_inputs(over_kv=False)`);
+    the shift is `kernel_shift`'s."""
     p = st.problem
     segment_range = None
     if p.segment_ids:
         ranges = refs["seg_ranges"]
         segment_range = lambda i: ranges[i32(b), i32(kv_block), i]  # noqa: E731
     return visibility.q_block_range(
-        kv_start, bm, bn, lo, hi, seq_q=p.seq_q, seq_k=p.seq_k, window=p.window,
+        kv_start, bm, bn, lo, hi, seq_k=p.seq_k, shift=kernel_shift(st, refs), window=p.window,
         q_len=(lambda: refs["q_len"][i32(b)]) if p.q_lengths else None,
         kv_len=(lambda: refs["kv_len"][i32(b)]) if p.kv_lengths else None,
         segment_range=segment_range)
+
+
+def kernel_shift(st: KernelStatic, refs: dict):
+    """Where query row 0 sits among the keys in a kernel: S - T (a Python int), or the
+    runtime shift of the "positions" input where the problem has positions."""
+    p = st.problem
+    return visibility.shift_of(p.seq_q, p.seq_k, refs["positions"] if p.positions else None)
 
 
 def sink_share(st: KernelStatic, refs: dict, h, lse_hi, lse_lo=None):
@@ -206,9 +227,16 @@ def sink_share(st: KernelStatic, refs: dict, h, lse_hi, lse_lo=None):
     return st.exp2(st.exp2_arg(diff))
 
 
-def dropout_keep(st: KernelStatic, seed_ref, b, h, rows, kv_start, n_cols: int) -> jax.Array:
+def dropout_keep(st: KernelStatic, seed_ref, b, h, rows, kv_start, n_cols: int,
+                 place=None) -> jax.Array:
     """The tile's dropout keep-mask, bool [len(rows), n_cols] (see `dropout`). A shard of a
-    partitioned call draws with its global batch and head indices (seed words 2 and 3)."""
+    partitioned call draws with its global batch and head indices (seed words 2 and 3); a
+    block of a longer sequence at its global rows and keys (`place`: (row0, col0), from
+    the positions, or None), so that its keep decisions are the whole sequence's. The
+    draws come 32 keys to a Philox chunk, so a key offset must keep tiles on chunk starts:
+    `FeatureArrays.positions` asks col0 to be a multiple of `dropout.POSITION_ALIGN`."""
+    if place is not None:
+        rows, kv_start = rows + place[0], kv_start + place[1]
     if seed_ref.shape[0] == 4:
         b = b + seed_ref[2]
         h = h + seed_ref[3]
@@ -222,9 +250,12 @@ def walk_kv_blocks(st: KernelStatic, lists, b, h, q_block, q_start, visit, carry
     blocks that query block `q_block` (rows from `q_start`) of head h sees: the mask's block
     list (`lists`: its (counts, indices) refs), or the blocks the window, segments and
     lengths leave (`features`), or causality's limits (unmasked blocks first), or every
-    block. The forward and the kernels of the backward that walk key blocks share it."""
+    block; causality at `features.shift` where positions place the block (runtime), else at
+    S - T. The forward and the kernels of the backward that walk key blocks share it."""
     problem = st.problem
     bm, bn = st.cfg.block_m, st.cfg.block_n
+    # Where the rows sit among the keys: S - T, or the positions' runtime shift.
+    shift = None if features is None else features.shift
     if problem.mask_shape is not None:
         counts, indices = lists
         lb = i32(broadcast_index(b, counts.shape[0]))
@@ -236,14 +267,15 @@ def walk_kv_blocks(st: KernelStatic, lists, b, h, q_block, q_start, visit, carry
     if st.ranged:
         # The window, the segments and the lengths bound the key blocks; every visited
         # block takes their element masks (and causality's).
-        hi = (visibility.causal_kv_blocks(q_start, bm, bn, problem.seq_q, problem.seq_k)[1]
+        hi = (visibility.causal_kv_blocks(q_start, bm, bn, problem.seq_q, problem.seq_k,
+                                          shift)[1]
               if problem.causal else cdiv(problem.seq_k, bn))
         lo, hi = features.kv_block_range(q_block, q_start, bm, bn, hi)
         return jax.lax.fori_loop(lo, hi, functools.partial(visit, causal_mask=problem.causal,
                                                            with_mask=False), carry)
     if problem.causal:
         n_unmasked, n_total = visibility.causal_kv_blocks(q_start, bm, bn, problem.seq_q,
-                                                          problem.seq_k)
+                                                          problem.seq_k, shift)
         carry = jax.lax.fori_loop(i32(0), n_unmasked,
                                   functools.partial(visit, causal_mask=False, with_mask=False),
                                   carry)

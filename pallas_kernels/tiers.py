@@ -14,9 +14,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
-from pallas_kernels import chunked, chunked_plan, dense, fused
+from pallas_kernels import chunked, chunked_plan, dense, dropout, fused
 from pallas_kernels.mosaic import tier as mosaic_tier
 from pallas_kernels.plan import KernelChoice, Plan, Target
 from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
@@ -124,13 +126,50 @@ BY_NAME = {tier.name: tier for tier in TIERS}
 def forward(plan: Plan, inputs: Inputs):
     """(out, lse[, lse_lo]) of the plan's forward tier. Every array of `inputs` has batch as
     dim 0 and heads as dim 2 (q/k/v) or dim 1 (bias/mask): a sharding wrapper partitions
-    this function."""
+    this function.
+
+    A block of a longer sequence (`FeatureArrays.positions`) gives its rows' (out, lse)
+    over its own keys: blocks of keys merge by lse, as `chunked` merges its key blocks."""
+    _check_positions(plan.problem, inputs)
     return BY_NAME[plan.forward_tier].forward(plan, _local_lengths(inputs))
 
 
 def backward(plan: Plan, inputs: Inputs, saved: Saved, cotangents: Cotangents):
-    """(dq, dk, dv, dbias) of the plan's backward tier."""
+    """(dq, dk, dv, dbias) of the plan's backward tier.
+
+    For a block of a longer sequence (`FeatureArrays.positions`), `saved` and `cotangents`
+    are its rows' of the whole sequence (out and lse merged over every key block; in float32
+    lse_lo zeros where no exact pair is at hand): it returns its share, dq of its rows from
+    its keys and dk, dv of its keys from its rows (summed over blocks by the caller)."""
+    _check_positions(plan.problem, inputs)
     return BY_NAME[plan.backward_tier].backward(plan, _local_lengths(inputs), saved, cotangents)
+
+
+def _check_positions(problem: Problem, inputs: Inputs) -> None:
+    """The positions' rules: given iff the problem says so, int32[3], never with sinks (the
+    caller joins them once it has merged the blocks), and with dropout a key offset col0
+    that is a multiple of `dropout.POSITION_ALIGN` (checked where col0 is known at trace
+    time; a traced col0 must keep the rule all the same)."""
+    positions = inputs.features.positions
+    if problem.positions != (positions is not None):
+        raise ValueError(f"Problem.positions is {problem.positions} but FeatureArrays.positions "
+                         f"is {'given' if positions is not None else 'None'}; they go together")
+    if positions is None:
+        return
+    if jnp.shape(positions) != (3,):
+        raise ValueError(f"FeatureArrays.positions must be int32[3] (row0, col0, shift); got "
+                         f"shape {jnp.shape(positions)}")
+    if inputs.features.sinks is not None or problem.sinks:
+        raise ValueError("sinks cannot be given with positions (FeatureArrays.positions): a "
+                         "block holds only some of each row's keys, so the caller joins the "
+                         "sinks once to the merged rows; got both")
+    if problem.has_dropout and not isinstance(positions, jax.core.Tracer):
+        col0 = int(np.asarray(positions)[1])
+        if col0 % dropout.POSITION_ALIGN:
+            raise ValueError(
+                f"dropout with positions needs the key offset col0 (positions[1]) to be a "
+                f"multiple of {dropout.POSITION_ALIGN}, so that the blocks draw the whole "
+                f"sequence's keep decisions; got col0 = {col0}")
 
 
 def _local_lengths(inputs: Inputs) -> Inputs:

@@ -5,7 +5,10 @@ the fused kernels (`fwd.py`, `bwd*.py`) and the decode kernels (`decode.py`) per
 walk over blocks, the chunked tier (`chunked.py`, `blocked.py`) per block of its GEMMs.
 
 Query row i (0 <= i < T) sits at key position i' = i + shift, shift = S - T (bottom-right
-alignment); the paged decode kernels align a sequence to its own length instead. Row i sees
+alignment); the paged decode kernels align a sequence to its own length instead, and a block
+of a longer sequence (`FeatureArrays.positions`: context parallelism) takes the runtime shift
+of its place in the whole (`shift_of`), so every rule and every walk below takes the shift
+as an int32 that may be traced. Row i sees
 key j (0 <= j < S) iff every rule that the call uses holds:
 - the mask: mask[b, h, i, j] (the caller's array; each tier reads it itself);
 - causality: j <= i';
@@ -52,6 +55,13 @@ def _min(a, b):
 def default_shift(seq_q: int, seq_k: int) -> int:
     """Where row 0 sits among the keys: S - T (bottom-right alignment)."""
     return seq_k - seq_q
+
+
+def shift_of(seq_q: int, seq_k: int, positions=None):
+    """Where row 0 sits among the keys: S - T, a Python int (static), or where `positions`
+    (int32[3] (row0, col0, shift), an array or a kernel's ref) place the rows and keys as a
+    block of a longer sequence, its runtime shift."""
+    return default_shift(seq_q, seq_k) if positions is None else positions[2]
 
 
 def causal_visible(rows, cols, shift):
@@ -111,13 +121,13 @@ def causal_kv_blocks(q_start, block_m: int, block_n: int, seq_q: int, seq_k: int
     return n_unmasked, n_total
 
 
-def causal_q_blocks(kv_start, block_m: int, block_n: int, seq_q: int, seq_k: int):
+def causal_q_blocks(kv_start, block_m: int, block_n: int, seq_q: int, seq_k: int, shift=None):
     """For the keys [kv_start, kv_start + block_n): (first, first_unmasked) query blocks.
 
     Query blocks before `first` see none of these keys (skipped); blocks in
     [first, first_unmasked) see some (element-wise causal mask); blocks from
     `first_unmasked` on see all of them."""
-    shift = default_shift(seq_q, seq_k)
+    shift = default_shift(seq_q, seq_k) if shift is None else shift
     n_q = cdiv(seq_q, block_m)
     first = jnp.minimum(jnp.maximum(kv_start - shift, 0) // block_m, n_q)
     all_visible_from = jnp.maximum(kv_start + block_n - 1 - shift, 0)
@@ -154,14 +164,14 @@ def kv_block_range(q_start, block_m: int, block_n: int, hi, *, seq_q: int, shift
     return lo, jnp.maximum(hi, lo)
 
 
-def q_block_range(kv_start, block_m: int, block_n: int, lo, hi, *, seq_q: int, seq_k: int,
+def q_block_range(kv_start, block_m: int, block_n: int, lo, hi, *, seq_k: int, shift,
                   window=None, q_len=None, kv_len=None, segment_range=None):
     """[lo, hi) of the query blocks that see any of the keys [kv_start, kv_start + block_n),
     within the caller's [lo, hi) (causality's, or all query blocks): the transpose of
     `kv_block_range`, for the kernels that walk query blocks (dK, dV); `segment_range` is
-    the key block's range of query blocks."""
+    the key block's range of query blocks; `shift` where row 0 sits among the keys
+    (`shift_of`)."""
     lo, hi = i32(lo), i32(hi)
-    shift = default_shift(seq_q, seq_k)
     if window is not None:
         left, right = window
         # Row i sees key j iff j - shift - right <= i <= j - shift + left.
@@ -179,9 +189,11 @@ def q_block_range(kv_start, block_m: int, block_n: int, lo, hi, *, seq_q: int, s
     return lo, jnp.maximum(hi, lo)
 
 
-def causal_tiles(n_q: int, n_kv: int, block_m: int, block_n: int, seq_q: int, seq_k: int):
+def causal_tiles(n_q: int, n_kv: int, block_m: int, block_n: int, seq_q: int, seq_k: int,
+                 shift=None):
     """bool [n_q, n_kv]: whether tile (query block i, key block j) holds a key that
-    causality lets one of its rows see."""
+    causality lets one of its rows see (`shift` None: S - T)."""
+    shift = default_shift(seq_q, seq_k) if shift is None else shift
     # Tile (i, j) holds a visible key iff its first key j·bn is at most the limit of its
     # last row, i·bm + bm - 1 + S - T. Clamping that row to T - 1 (rows past T are padding)
     # would change nothing, as a tile's first key is below S; and the clamp, `jnp.minimum`,
@@ -189,7 +201,7 @@ def causal_tiles(n_q: int, n_kv: int, block_m: int, block_n: int, seq_q: int, se
     # + S - T` came out inverted at equality, e.g. T=276, S=1, dropping the only visible
     # tile; the HLO after optimization was right, eager and CPU runs too; the repro is in
     # docs/history.md).
-    last_row_limit = jnp.arange(n_q) * block_m + (block_m - 1 + default_shift(seq_q, seq_k))
+    last_row_limit = jnp.arange(n_q) * block_m + (block_m - 1 + shift)
     return (jnp.arange(n_kv) * block_n)[None, :] <= last_row_limit[:, None]
 
 
@@ -218,7 +230,9 @@ def segment_block_ranges(q_ids, kv_ids, *, block_m: int, block_n: int):
 
 
 # ---------------------------------------------------------------- static spans of keys
-# The chunked tier plans its blocks of rows at trace time, in Python integers.
+# The chunked tier plans its blocks of rows at trace time, in Python integers, from the
+# static shift S - T; where positions make the shift runtime data, only the band's width
+# (which does not depend on the shift) is planned, and its start found at run time.
 
 
 def right_reach(causal: bool, window) -> int | None:
@@ -239,19 +253,29 @@ def key_limit(r1: int, *, seq_q: int, seq_k: int, causal: bool, window) -> int:
     return max(0, min(seq_k, r1 + default_shift(seq_q, seq_k) + reach))
 
 
-def band_keys(rows: int, *, seq_k: int, causal: bool, window) -> int:
+def band_keys(rows: int, *, seq_k: int, causal: bool, window, align: int = 1) -> int:
     """How many keys a block of `rows` rows sees under the window: its band's width (all
-    of S when the band is that wide)."""
+    of S when the band is that wide). With `align` > 1 the band starts at a multiple of
+    `align` (`band_start`): it is widened by align - 1 keys to hold the rows' keys from
+    there, and so that S - width is a multiple of `align` too (a band moved left from S
+    then still starts at one)."""
     if window is None:
         return seq_k
-    return min(seq_k, rows + window[0] + right_reach(causal, window))
+    width = rows + window[0] + right_reach(causal, window)
+    if align > 1:
+        width = seq_k - (seq_k - (width + align - 1)) // align * align
+    return min(seq_k, width)
 
 
-def band_start(r0, keys: int, *, seq_q: int, seq_k: int, window):
-    """The first key of the band of `keys` keys that rows from `r0` (int or traced) see:
-    the left end of the window of row r0, moved left where the band would pass S (so that
-    the band stays in range and still holds every key the rows see)."""
-    start = r0 + default_shift(seq_q, seq_k) - window[0]
+def band_start(r0, keys: int, *, seq_q: int, seq_k: int, window, shift=None, align: int = 1):
+    """The first key of the band of `keys` keys (`band_keys`, with the same `align`) that
+    rows from `r0` (int or traced) see: the left end of the window of row r0, rounded down
+    to a multiple of `align`, moved left where the band would pass S (so that the band
+    stays in range and still holds every key the rows see); `shift` None: S - T."""
+    shift = default_shift(seq_q, seq_k) if shift is None else shift
+    start = r0 + shift - window[0]
+    if align > 1:
+        start = start // align * align
     if isinstance(start, int):
         return max(0, min(start, seq_k - keys))
     return jnp.clip(start, 0, seq_k - keys)
