@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything we run on the lent GPU, in one call: environment, GPU tests, benchmark.
 # Results land in $OUT (or ./gpu_out). Stages are chosen by arguments: env multigpu
-# tests fuzz autotune ab resources lsecost bench features largehd (default: env tests
-# bench). On a
+# mosaic tests fuzz autotune ab resources lsecost bench features largehd (default: env
+# tests bench). On a
 # machine of several GPUs, run two lists side by side with CUDA_VISIBLE_DEVICES set
 # per list (each stage sees its GPUs).
 # TEST_PATHS narrows the tests stage (default: tests/; TEST_TAG names its log). Example,
@@ -25,6 +25,11 @@ for stage in $stages; do
     multigpu)
       # The tests that need two GPUs: pmap/sharded training step, sharded calls, --num-gpus 2.
       python3 -m pytest -m gpu -q -p no:cacheprovider -k "two_gpus or pmap_and_sharded or gpu_sharded_calls" tests/ 2>&1 | tee "$OUT/pytest_multigpu.log" | tail -15
+      ;;
+    mosaic)
+      # The shared matrix on the Mosaic tier (a case using a feature it lacks is a skip that
+      # names it) and the API around it.
+      python3 -m pytest -m gpu -q -n ${WORKERS:-4} -p no:cacheprovider -k mosaic tests/test_forward.py tests/test_backward.py tests/test_features.py tests/test_dropout.py tests/test_mosaic.py 2>&1 | tee "$OUT/pytest_mosaic.log" | tail -30
       ;;
     tests)
       python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider --durations=15 -k "not test_fuzz_gpu" ${TEST_PATHS:-tests/} 2>&1 | tee "$OUT/pytest_gpu${TEST_TAG:-}.log" | tail -40
