@@ -4,6 +4,8 @@ other tier is tested against."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from pallas_kernels.dropout import keep_mask_reference
 from pallas_kernels.plan import Plan
 from pallas_kernels.problem import Inputs
@@ -11,8 +13,9 @@ from pallas_kernels.reference import mha_reference
 
 
 def forward(plan: Plan, inputs: Inputs):
-    """(out [B, T, Hq, Dv] in q's dtype, lse [B, Hq, T]) of batched inputs (their lengths
-    the block's own where `positions` place them in a longer sequence: `tiers.forward`)."""
+    """(out [B, T, Hq, Dv] in q's dtype (float32 where `plan.float32_out`), lse [B, Hq, T])
+    of batched inputs (their lengths the block's own where `positions` place them in a
+    longer sequence: `tiers.forward`)."""
     problem = plan.problem
     q, k, v, bias, mask, seed, features = inputs
     row0 = col0 = shift = 0
@@ -29,4 +32,5 @@ def forward(plan: Plan, inputs: Inputs):
                          q_segment_ids=features.q_segment_ids,
                          kv_segment_ids=features.kv_segment_ids, q_lengths=features.q_lengths,
                          kv_lengths=features.kv_lengths, sinks=features.sinks,
-                         shift=None if features.positions is None else shift)
+                         shift=None if features.positions is None else shift,
+                         out_dtype=jnp.float32 if plan.float32_out else None)

@@ -93,18 +93,28 @@ def _chunked_backward(plan: Plan, inputs: Inputs, saved: Saved, cotangents: Cota
                             lse_cotangent=plan.lse_cotangent)
 
 
+def _positions_pending(problem: Problem, direction: str) -> tuple[str, ...]:
+    """What the fused and the chunked tier lack for now: a block of a longer sequence
+    (`Problem.positions`, context parallelism). They name it here, so that the dispatcher
+    gives such a block to a tier that places it (the dense one) and `implementation=` naming
+    them says why not. Remove from a tier's entry once its kernels take the positions."""
+    del direction
+    return ("positions (context parallelism)",) if problem.positions else ()
+
+
 XLA = Tier(
     name="xla", runs_on=ANYWHERE, forward=dense.forward, backward=None,
     summary="the dense plain-JAX path (pallas_kernels.reference), differentiated by JAX; "
             "O(T*S) memory")
 CHUNKED = Tier(
     name="chunked", runs_on=ANYWHERE, forward=_chunked_forward, backward=_chunked_backward,
-    configs=_chunked_configs,
+    configs=_chunked_configs, unsupported=_positions_pending,
     summary="blocks of queries and keys as large GEMMs with a fused step between them; "
             "memory bounded by a budget")
 PALLAS = Tier(
     name="pallas", runs_on=NVIDIA_GPU, interpretable=True, forward=fused.forward,
     backward=fused.backward, configs=fused.configs, describe=fused.describe, runs=fused.runs,
+    unsupported=_positions_pending,
     summary="the fused Pallas kernels lowered to Triton (forward, backward, decode)")
 
 # Every tier, in the order the dispatcher falls back along (the most general last but one:

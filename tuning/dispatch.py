@@ -223,7 +223,11 @@ def explain(problem: Problem, implementation: str | None = None, *, interpret: b
         chosen = {d: (tier, f"implementation={implementation!r}") for d in DIRECTIONS}
     elif not device.nvidia_gpu or interpret:
         tier, why = _off_gpu(problem, interpret)
-        chosen = {d: (tier, why) for d in DIRECTIONS}
+        chosen = {}
+        for direction in DIRECTIONS:
+            served = _serving(tier, direction, problem, device, interpret, passed_over)
+            chosen[direction] = (served, why if served is tier else
+                                 f"{why}; {tier.name} passed over, {served.name} runs it")
     else:
         chosen = {}
         for direction in DIRECTIONS:
