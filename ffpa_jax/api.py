@@ -15,7 +15,7 @@ import functools
 import jax
 
 import tuning
-from ffpa_jax import context_parallel, runtime_autotune, validation, vjp
+from ffpa_jax import context_parallel, partitioning, runtime_autotune, validation, vjp
 from ffpa_jax.context_blocks import ContextCall
 from ffpa_jax.context_local import whole_problem
 from ffpa_jax.layout import CONTIGUOUS
@@ -142,14 +142,21 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
     seed = seed_from_key(dropout_rng) if problem.dropout_rate > 0.0 else None
     inputs = Inputs(q, k, v, validation.as_4d(bias, batched), validation.as_4d(mask, batched),
                     seed, features)
-    if call.context is not None:
-        context = call.context
+    context, plan = call.context, None
+    if context is None:
+        plan = plan_for(problem, implementation, interpret=interpret, autotune=call.autotune)
+        if (tiers.BY_NAME[plan.forward_tier].differentiated_by_jax
+                and partitioning.explicit_sequence(q)):
+            # Sharded along the sequence over an Explicit axis (sharding in types), the dense
+            # tier would shard its logits twice over one axis: split the sequence instead.
+            # (The other tiers' shard-local wrapper splits it itself.)
+            context = validation.Context(None, 1, CONTIGUOUS, None)
+    if context is not None:
         whole = whole_problem(problem, context.parts)
         out, lse = _compute_context(inputs, call=ContextCall(
             problem=whole, axis=context.axis, parts=context.parts, layout=context.layout,
             strategy=context.strategy, implementation=implementation, interpret=interpret))
     else:
-        plan = plan_for(problem, implementation, interpret=interpret, autotune=call.autotune)
         out, lse = _compute(inputs, plan=plan)
     if not batched:
         out, lse = out[0], lse[0]

@@ -44,7 +44,8 @@ class ContextCall:
 
     `problem`: the whole call's (global sequence lengths). `axis`: the mesh axis the sequence
     is split over, `parts` shards (None and 1: one shard, no collectives). `layout`
-    ("contiguous" or "zigzag") and `strategy` ("ring" or "all_gather"). The blocks' tiers:
+    ("contiguous" or "zigzag") and `strategy` ("ring" or "all_gather"; None until the
+    split is known, under jit). The blocks' tiers:
     `tiers` (forward, backward) when the call's plan named them (a sequence-sharded jit of a
     planned call), else the dispatcher's choice under `implementation` and `interpret`.
     `lse_cotangent`: the backward's lse cotangent is not a symbolic zero (`Plan`'s)."""
@@ -53,7 +54,7 @@ class ContextCall:
     axis: str | None
     parts: int
     layout: str
-    strategy: str
+    strategy: str | None
     implementation: str | None = None
     interpret: bool = False
     tiers: tuple[str, str] | None = None

@@ -113,8 +113,10 @@ class _Split:
 
     def __call__(self, call: ContextCall, axis: str, parts: int, inputs: Inputs,
                  saved: Saved | None = None, cotangents: Cotangents | None = None):
-        return _run(self.kind, dataclasses.replace(call, axis=axis, parts=parts), inputs,
-                    saved, cotangents)
+        strategy = context_local.choose_strategy(call.problem, parts, call.layout,
+                                                 call.strategy)
+        call = dataclasses.replace(call, axis=axis, parts=parts, strategy=strategy)
+        return _run(self.kind, call, inputs, saved, cotangents)
 
 
 def _run(kind: str, call: ContextCall, inputs: Inputs, saved=None, cotangents=None):
@@ -129,8 +131,8 @@ def _run(kind: str, call: ContextCall, inputs: Inputs, saved=None, cotangents=No
 def _unsplit(kind: str):
     """The wrappers' kernels: the call on one shard of the sequence (all of it)."""
     def run(call: ContextCall, inputs, saved=None, cotangents=None):
-        return _run(kind, dataclasses.replace(call, axis=None, parts=1), inputs, saved,
-                    cotangents)
+        call = dataclasses.replace(call, axis=None, parts=1, strategy=cb.RING)
+        return _run(kind, call, inputs, saved, cotangents)
     return run
 
 
@@ -168,7 +170,8 @@ _jit_attention.defvjp(_jit_attention_fwd, _jit_attention_bwd, symbolic_zeros=Tru
 
 
 def jit_attention(call: ContextCall, inputs: Inputs):
-    """(out, lse) of the whole call under `jax.jit` (`call.axis` None): where the
-    partitioner finds q sharded along its sequence over one mesh axis, each device runs
-    `call.strategy` over that axis on its shard; elsewhere the call runs unsplit."""
+    """(out, lse) of the whole call under `jax.jit` (`call.axis` None): where q is sharded
+    along its sequence over one mesh axis (the partitioner's, or an Explicit one), each
+    device runs `call.strategy` (None: the rule's) over that axis on its shard; elsewhere
+    the call runs unsplit."""
     return _jit_attention(call, inputs)

@@ -266,6 +266,19 @@ def _explicit_axes(x) -> bool:
     return bool(named & explicit)
 
 
+def explicit_sequence(x) -> bool:
+    """Whether x's type shards its sequence dim (dim 1) over an Explicit mesh axis."""
+    try:
+        sharding = jax.typeof(x).sharding
+        mesh = sharding.mesh
+        explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+                    if kind == jax.sharding.AxisType.Explicit}
+        spec = tuple(sharding.spec)
+    except (AttributeError, TypeError):
+        return False
+    return len(spec) > 1 and bool(set(_axes_tuple(spec[1])) & explicit)
+
+
 class ShardLocal:
     """Wraps a plan's forward or backward (`pallas_kernels.tiers`) so that it runs
     shard-locally.
