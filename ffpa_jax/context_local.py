@@ -65,8 +65,9 @@ def choose_strategy(problem: Problem, parts: int, layout: str,
 def _dropout_message(problem: Problem, parts: int, layout: str) -> str:
     pieces = 2 if layout == ZIGZAG else 1
     piece = problem.seq_k // parts // pieces
-    return (f"context_strategy='ring' with dropout needs each shard's key {'half' if pieces == 2 else 'block'} "
-            f"to be a multiple of {DROPOUT_KEY_ALIGNMENT} keys (the kernels draw the keep "
+    what = "half" if pieces == 2 else "block"
+    return (f"context_strategy='ring' with dropout needs each shard's key {what} to be a "
+            f"multiple of {DROPOUT_KEY_ALIGNMENT} keys (the kernels draw the keep "
             f"decisions in tiles of {DROPOUT_KEY_ALIGNMENT} keys at global positions); it is "
             f"{piece} (S = {problem.seq_k} over {parts} shards, {layout} layout). Make the "
             f"sequence a multiple of {DROPOUT_KEY_ALIGNMENT * parts * pieces}, or pass "

@@ -245,6 +245,15 @@ def shape_str(dtype: str, shape) -> str:
     return f"{name}[{','.join(map(str, shape))}]"
 
 
+def gathers_q(entry: dict) -> list[str]:
+    """The all-gathers of a jit case's report whose result holds as many elements as the
+    whole q (q gathered, in whatever layout the partitioner gave it)."""
+    def size(shape: str) -> int:
+        dims = shape[shape.index("[") + 1:-1]
+        return int(np.prod([int(x) for x in dims.split(",") if x]))
+    return [g for g in entry["gathered"] if size(g) == size(entry["q_shape"])]
+
+
 # ---------------------------------------------------------------- tiers and positions
 
 
