@@ -272,7 +272,9 @@ def hidden_by_data(r0, c0, rows: int, keys: int, features):
 # ---------------------------------------------------------------- varying manual axes
 
 
-def _varying_axes(x) -> frozenset:
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes JAX types `x` as varying over (inside a `shard_map` that
+    checks them; empty elsewhere)."""
     aval = jax.typeof(x)
     vma = getattr(aval, "vma", None)
     if vma is None:
@@ -280,17 +282,13 @@ def _varying_axes(x) -> frozenset:
     return frozenset(vma)
 
 
-def checks_vma(x, axis: str | None) -> bool:
-    """Whether JAX types `x` (a shard's own data) as varying over `axis`: inside a
-    `shard_map` with check_vma=True. Then arrays the same on every shard (a replicated
-    bias, the seed, the lengths) must be cast to varying before they meet per-shard data
-    inside a branch, where the cast's transpose (a psum) would be a collective under a
-    condition that differs between shards."""
-    return axis is not None and axis in _varying_axes(x)
-
-
-def as_varying(x, axis: str | None, active: bool):
-    """`x` cast to varying over `axis` when the types track it (`checks_vma`)."""
-    if x is None or not active or axis in _varying_axes(x):
+def vary_like(x, ref):
+    """`x` typed varying over every manual axis `ref` varies over. Arrays every shard
+    holds alike (a replicated bias, the seed, the lengths, a fresh accumulator) must be
+    before they meet per-shard data inside a branch or a loop: there an implicit cast's
+    transpose (a psum) would be a collective under a condition that differs between
+    shards, and a loop's carry must keep its type."""
+    if x is None:
         return x
-    return jax.lax.pcast(x, axis, to="varying")
+    missing = varying_axes(ref) - varying_axes(x)
+    return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x

@@ -102,12 +102,11 @@ def _strategy_module(call: ContextCall):
 
 
 def _invariants_varying(call: ContextCall, inputs: Inputs) -> Inputs:
-    """The arrays every shard holds alike, typed varying where the types track it (see
-    `context_blocks.checks_vma`)."""
-    active = cb.checks_vma(inputs.q, call.axis)
-    if not active:
+    """The arrays every shard holds alike, typed varying like q where the types track it
+    (see `context_blocks.vary_like`)."""
+    if not cb.varying_axes(inputs.q):
         return inputs
-    vary = lambda x: cb.as_varying(x, call.axis, active)
+    vary = lambda x: cb.vary_like(x, inputs.q)
     f = inputs.features
     return inputs._replace(
         bias=vary(inputs.bias), mask=vary(inputs.mask), seed=vary(inputs.seed),

@@ -31,7 +31,7 @@ import jax
 from ffpa_jax import context_blocks as cb
 from ffpa_jax import context_local, partitioning
 from ffpa_jax.context_blocks import ContextCall
-from ffpa_jax.vjp import _cotangent, _primal_value, sinks_grad
+from ffpa_jax.vjp import _cotangent, _primal_value, _shift_seed as shift_seed, sinks_grad
 from pallas_kernels.problem import Cotangents, Inputs, Saved
 
 
@@ -39,24 +39,32 @@ def _outputs(rows: cb.Rows, dtype):
     return rows.out.astype(dtype), rows.hi
 
 
-def _gradients(inputs: Inputs, saved: Saved, cts, grads, reduce_axis: str | None):
+def _gradients(inputs: Inputs, saved: Saved, cts, grads):
     """The custom_vjp's cotangent of `inputs` from this shard's (dq, dk, dv, dbias): the
-    sinks' closed form, and the sums over the shards of the shared arrays' gradients where
-    `reduce_axis` says so."""
+    sinks' closed form; a shared array's gradient summed over the manual axes q varies over
+    and it does not (where JAX types them: its cotangent must be shared too; without
+    typed axes `shard_map`'s transpose sums what each shard returns)."""
     (d_out, _), (d_lse, _) = map(_cotangent, cts)
     dq, dk, dv, dbias = grads
     features = inputs.features
     d_sinks = None
     if features.sinks is not None:
         d_sinks = sinks_grad(features.sinks, saved.out, saved.lse, d_out, d_lse)
-    if reduce_axis is not None:
-        d_sinks, dbias = (None if x is None else jax.lax.psum(x, reduce_axis)
-                          for x in (d_sinks, dbias))
+    d_sinks, dbias = (_shared_sum(g, x, inputs.q) for g, x in
+                      ((d_sinks, features.sinks), (dbias, inputs.bias)))
     if dbias is not None:
         dbias = dbias.astype(inputs.bias.dtype)
     d_features = features._replace(q_segment_ids=None, kv_segment_ids=None, q_lengths=None,
                                    kv_lengths=None, sinks=d_sinks, positions=None)
     return (Inputs(dq, dk, dv, dbias, None, None, d_features),)
+
+
+def _shared_sum(grad, primal, q):
+    """`grad` summed over the manual axes q varies over and `primal` does not."""
+    if grad is None:
+        return None
+    axes = cb.varying_axes(q) - cb.varying_axes(primal)
+    return jax.lax.psum(grad, tuple(sorted(axes))) if axes else grad
 
 
 # ---------------------------------------------------------------- inside a shard_map
@@ -79,10 +87,7 @@ def _attention_bwd(call: ContextCall, residuals, cts):
     (d_out, _), (d_lse, lse_unused) = map(_cotangent, cts)
     grads = context_local.backward(call, inputs, saved, Cotangents(d_out, d_lse),
                                    lse_cotangent=not lse_unused)
-    # Typed varying axes: a shared array's cotangent must be shared too, so this shard
-    # sums it; without them shard_map's transpose sums what each shard returns.
-    shared = cb.checks_vma(inputs.q, call.axis)
-    return _gradients(inputs, saved, cts, grads, call.axis if shared else None)
+    return _gradients(inputs, saved, cts, grads)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
@@ -137,10 +142,10 @@ def _unsplit(kind: str):
 
 
 _row_outputs = lambda call: 2 if call.problem.lse_pair else 1  # noqa: E731
-_jit_forward = partitioning.ShardLocal(_unsplit("forward"), "forward",
+_jit_forward = partitioning.ShardLocal(_unsplit("forward"), "forward", shift_seed=shift_seed,
                                        row_outputs=_row_outputs, context=_Split("forward"))
 _jit_backward = partitioning.ShardLocal(_unsplit("backward"), "backward",
-                                        context=_Split("backward"))
+                                        shift_seed=shift_seed, context=_Split("backward"))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -163,7 +168,7 @@ def _jit_attention_bwd(call: ContextCall, residuals, cts):
     # the call (the 16-bit kernels' dS split depends on it).
     call = dataclasses.replace(call, lse_cotangent=not lse_unused)
     grads = _jit_backward(call, inputs, saved, Cotangents(d_out, d_lse))
-    return _gradients(inputs, saved, cts, grads, None)
+    return _gradients(inputs, saved, cts, grads)
 
 
 _jit_attention.defvjp(_jit_attention_fwd, _jit_attention_bwd, symbolic_zeros=True)

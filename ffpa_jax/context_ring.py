@@ -91,9 +91,8 @@ def forward(call: ContextCall, inputs: Inputs) -> Rows:
     qp = call.q_pieces
     b, _, hq, _ = inputs.q.shape
     dv = inputs.v.shape[3]
-    active = cb.checks_vma(inputs.q, call.axis)
     start = [cb.empty_rows(b, qp.size, hq, dv, call.problem.lse_pair) for _ in range(qp.count)]
-    start = jax.tree.map(lambda x: cb.as_varying(x, call.axis, active), start)
+    start = jax.tree.map(lambda x: cb.vary_like(x, inputs.q), start)
     kv = (inputs.k, inputs.v, inputs.features.kv_segment_ids)
     me = _shard(call)
 
@@ -124,8 +123,7 @@ def backward(call: ContextCall, inputs: Inputs, saved: Saved, cotangents: Cotang
     float32) from the merged out and lse of its rows (`saved`)."""
     qp, kp = call.q_pieces, call.k_pieces
     q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
-    active = cb.checks_vma(q, call.axis)
-    zeros = lambda x: cb.as_varying(jnp.zeros(x.shape, jnp.float32), call.axis, active)
+    zeros = lambda x: cb.vary_like(jnp.zeros(x.shape, jnp.float32), q)
     dqs = tuple(zeros(qp.local_slice(q, a, 1)) for a in range(qp.count))
     dkv = (zeros(k), zeros(v))
     dbias = None if bias is None else zeros(bias)

@@ -23,9 +23,11 @@ def forward(plan: Plan, inputs: Inputs):
         row0, col0, shift = features.positions[0], features.positions[1], features.positions[2]
     keep = None
     if seed is not None:
-        shape = (q.shape[0], problem.heads_q, problem.seq_q, problem.seq_k)
-        keep = keep_mask_reference(seed, shape, problem.dropout_rate,
-                                   offsets=(0, 0, row0, col0))
+        # A shard's seed carries its global batch and head offsets as words 2 and 3.
+        b0, h0 = (seed[2], seed[3]) if seed.shape[0] == 4 else (0, 0)
+        shape = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+        keep = keep_mask_reference(seed[:2], shape, problem.dropout_rate,
+                                   offsets=(b0, h0, row0, col0))
     return mha_reference(q, k, v, bias, mask, scale=problem.scale, is_causal=problem.causal,
                          keep_mask=keep, dropout_rate=problem.dropout_rate,
                          window=problem.window, softcap=problem.softcap,

@@ -32,7 +32,7 @@ from pallas_kernels.problem import FeatureArrays, Inputs, Problem
 AXIS = "cp"
 SHARD_MAP, JIT_AUTO, JIT_EXPLICIT = "shard_map", "jit_auto", "jit_explicit"
 FEATURES = ("window", "window_both", "segments", "lengths", "sinks", "softcap", "bias",
-            "dropout")
+            "mask", "dropout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,14 @@ class CPCase:
     interpret: bool = False
     check_vma: bool = True
     mode: str = SHARD_MAP
+    # > 1: a mesh ("data", "cp") of data × devices / data, batch split over "data" too
+    # (the case's batch-indexed arrays then must not be closed over: no lengths, no mask).
+    data: int = 1
+
+    @property
+    def parts(self) -> int:
+        """The size of the context axis."""
+        return self.devices // self.data
 
 
 # ---------------------------------------------------------------- inputs and the calls
@@ -86,6 +94,8 @@ def _arrays(case: CPCase) -> dict:
         diff["sinks"] = normal(case.hq, dtype="float32")
     if "bias" in f:
         diff["bias"] = normal(1, case.hq, 1, 1, dtype="float32")
+    if "mask" in f:  # broadcast over both sequence dims: batch 0 sees keys, batch 1 none
+        shared["mask"] = jnp.asarray(np.arange(b) == 0).reshape(b, 1, 1, 1)
     if "dropout" in f:
         shared["dropout_rng"] = jax.random.key(7)
     return dict(x, seq=seq, shared=shared, diff=diff)
@@ -125,8 +135,17 @@ def _unsharded(case: CPCase, a: dict):
 
 def _mesh(case: CPCase, explicit: bool = False):
     kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
-    return jax.sharding.Mesh(np.array(jax.devices()[:case.devices]), (AXIS,),
-                             axis_types=(kind,))
+    devices = np.array(jax.devices()[:case.devices])
+    if case.data == 1:
+        return jax.sharding.Mesh(devices, (AXIS,), axis_types=(kind,))
+    return jax.sharding.Mesh(devices.reshape(case.data, -1), ("data", AXIS),
+                             axis_types=(kind, kind))
+
+
+def _split(case: CPCase, rows: bool = False) -> P:
+    """The spec of a [B, T, ...] array (`rows`: of lse, [B, H, T])."""
+    batch = "data" if case.data > 1 else None
+    return P(batch, None, AXIS) if rows else P(batch, AXIS)
 
 
 def _sharded_shard_map(case: CPCase, a: dict):
@@ -134,7 +153,7 @@ def _sharded_shard_map(case: CPCase, a: dict):
     inputs (and the cotangents) are put in the layout's order on the host first, and the
     results back in the natural order after (the reorder is no part of what is tested)."""
     kw = _statics(case)
-    n, zig = case.devices, case.layout == "zigzag"
+    n, zig = case.parts, case.layout == "zigzag"
     order = (lambda x, axis=1: _reorder(x, n, axis)) if zig else (lambda x, axis=1: x)
     natural = (lambda x, axis=1: _reorder(x, n, axis, inverse=True)) if zig else (
         lambda x, axis=1: x)
@@ -143,9 +162,10 @@ def _sharded_shard_map(case: CPCase, a: dict):
         return ffpa_jax.attention(q, k, v, **seq, **a["shared"], **diff, context_axis=AXIS,
                                   context_layout=case.layout,
                                   context_strategy=case.strategy, **kw)
-    split = P(None, AXIS)
+    split = _split(case)
     mapped = jax.shard_map(local, mesh=_mesh(case), in_specs=(split, split, split, split, P()),
-                           out_specs=(split, P(None, None, AXIS)), check_vma=case.check_vma)
+                           out_specs=(split, _split(case, rows=True)),
+                           check_vma=case.check_vma)
     seq = {name: order(x) for name, x in a["seq"].items()}
     loss = jax.jit(_loss(lambda q, k, v, diff: mapped(q, k, v, seq, diff),
                          order(a["d_out"]), order(a["d_lse"], 2)))
@@ -175,7 +195,7 @@ def _sharded_jit(case: CPCase, a: dict):
     if case.strategy is not None:
         kw["context_strategy"] = case.strategy
     mesh = _mesh(case, explicit=case.mode == JIT_EXPLICIT)
-    split = NamedSharding(mesh, P(None, AXIS))
+    split = NamedSharding(mesh, _split(case))
     seq = {name: jax.device_put(x, split) for name, x in a["seq"].items()}
     attn = lambda q, k, v, diff: ffpa_jax.attention(q, k, v, **seq, **a["shared"], **diff,
                                                     **kw)
