@@ -12,6 +12,7 @@ tier that cannot place blocks of a sequence yet).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import time
@@ -309,6 +310,42 @@ def positioned_block_matches_dense(tier: str, interpret: bool) -> bool:
     except Exception:  # noqa: BLE001  (a tier that rejects positions does not compute them)
         return False
     return _rel(got[:2], want[:2]) <= 1e-5
+
+
+@contextlib.contextmanager
+def standin_tier(name: str = "chunked"):
+    """The tier `name` replaced, while inside, by a stand-in for a tier with a backward of
+    its own that places blocks of a sequence: the dense forward, and a backward that takes
+    the merged out and lse as `Saved` (the contract of a positioned block's backward,
+    docs/context_parallel.md), here through JAX's vjp of the dense forward. It runs the
+    paths that only such tiers take (the ring's `tiers.backward` of a block, the planned
+    call's own sequence split under jit) whatever the kernels support yet."""
+    from ffpa_jax import context_blocks
+    from pallas_kernels import dense
+
+    def forward(plan, inputs):
+        out, lse = dense.forward(plan, inputs)
+        return (out, lse, jnp.zeros_like(lse)) if plan.problem.lse_pair else (out, lse)
+
+    def backward(plan, inputs, saved, cotangents):
+        # `tiers.backward` made the lengths the block's own already: the vjp's forward
+        # must not do it again.
+        real = tiers.forward
+        tiers.forward = lambda plan, inputs: tiers.BY_NAME[plan.forward_tier].forward(
+            plan, inputs)
+        try:
+            return context_blocks._vjp_backward(plan, inputs, saved, cotangents)
+        finally:
+            tiers.forward = real
+    original = tiers.BY_NAME[name]
+    tiers.BY_NAME[name] = dataclasses.replace(original, forward=forward, backward=backward,
+                                              unsupported=lambda problem, direction: ())
+    context_blocks._plan.cache_clear()
+    try:
+        yield
+    finally:
+        tiers.BY_NAME[name] = original
+        context_blocks._plan.cache_clear()
 
 
 # ---------------------------------------------------------------- one case

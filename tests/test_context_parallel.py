@@ -87,17 +87,33 @@ CASES = [
     *_tier_cases("pallas", interpret=True),
     *_tier_cases("chunked", interpret=False),
 ]
-BY_NAME = {case.name: case for case in CASES}
+# On a stand-in for a tier with a backward of its own (`standin_tier`): the ring's block
+# backward through `tiers.backward` with the merged out and lse, and a planned call's own
+# sequence split under jit (Auto and Explicit axes, batch split too).
+STANDIN = "chunked"
+STANDIN_CASES = [
+    CPCase("standin/zigzag-ring-features", layout="zigzag", tier=STANDIN,
+           features=FEATURES, b=2),
+    CPCase("standin/jit-auto-default", strategy=None, mode=JIT_AUTO, tier=STANDIN,
+           features=FEATURES),
+    CPCase("standin/jit-explicit-default-dropout", strategy=None, mode=JIT_EXPLICIT,
+           tier=STANDIN, **DROP),
+    CPCase("standin/jit-auto-data2x2", strategy=None, mode=JIT_AUTO, tier=STANDIN, data=2,
+           b=2, features=("sinks", "bias")),
+]
+BY_NAME = {case.name: case for case in CASES + STANDIN_CASES}
 
 
 # ---------------------------------------------------------------- the subprocess
 
 
 def _worker() -> None:
-    from context_parallel_checks import run_case
+    from context_parallel_checks import run_case, standin_tier
     jnp.zeros(())  # start the backend with the XLA_FLAGS the parent set
     references: dict = {}
     report = {case.name: run_case(case, references) for case in CASES}
+    with standin_tier(STANDIN):
+        report.update({case.name: run_case(case, {}) for case in STANDIN_CASES})
     print(json.dumps(report))
 
 
