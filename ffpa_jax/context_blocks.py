@@ -197,6 +197,21 @@ def _per_row(x):
     return jnp.swapaxes(x, 1, 2)[..., None]
 
 
+def piece_rows(pieces: Pieces, piece: int, saved: Saved, cotangents: Cotangents):
+    """(saved, cotangents) of the rows of query piece `piece` of this shard."""
+    lo = None if saved.lse_lo is None else pieces.local_slice(saved.lse_lo, piece, 2)
+    return (Saved(pieces.local_slice(saved.out, piece, 1),
+                  pieces.local_slice(saved.lse, piece, 2), lo),
+            Cotangents(pieces.local_slice(cotangents.d_out, piece, 1),
+                       pieces.local_slice(cotangents.d_lse, piece, 2)))
+
+
+def joined_rows(pieces: list[Rows]) -> Rows:
+    """The rows of a shard's query pieces, in the shard's order."""
+    return Rows(*(None if parts[0] is None else jnp.concatenate(parts, axis=axis)
+                  for parts, axis in zip(zip(*pieces), (1, 2, 2))))
+
+
 # ---------------------------------------------------------------- merging by lse
 
 

@@ -35,7 +35,7 @@ def _scattered(call: ContextCall, x):
     return jax.lax.psum_scatter(x, call.axis, scatter_dimension=1, tiled=True)
 
 
-def _block(call: ContextCall, a: int) -> Block:
+def whole_block(call: ContextCall, a: int) -> Block:
     """Query piece a against every key: fully visible when it is on every shard, else it
     takes the causal/window mask (its tier skips what is hidden)."""
     qp, s = call.q_pieces, call.problem.seq_k
@@ -61,10 +61,9 @@ def _whole_kv(call: ContextCall, inputs: Inputs):
 def forward(call: ContextCall, inputs: Inputs) -> Rows:
     """This shard's rows of the whole call: out (float32), lse (hi, lo), sinks joined."""
     kv = _whole_kv(call, inputs)
-    rows = [cb.block_forward(call, _block(call, a), _piece_inputs(call, inputs, *kv, a))
+    rows = [cb.block_forward(call, whole_block(call, a), _piece_inputs(call, inputs, *kv, a))
             for a in range(call.q_pieces.count)]
-    return Rows(*(None if parts[0] is None else jnp.concatenate(parts, axis=axis)
-                  for parts, axis in zip(zip(*rows), (1, 2, 2))))
+    return cb.joined_rows(rows)
 
 
 def backward(call: ContextCall, inputs: Inputs, saved: Saved, cotangents: Cotangents,
@@ -74,13 +73,9 @@ def backward(call: ContextCall, inputs: Inputs, saved: Saved, cotangents: Cotang
     kv = _whole_kv(call, inputs)
     dqs, dk, dv, dbias = [], 0.0, 0.0, None
     for a in range(qp.count):
-        lo = None if saved.lse_lo is None else qp.local_slice(saved.lse_lo, a, 2)
-        rows_saved = Saved(qp.local_slice(saved.out, a, 1), qp.local_slice(saved.lse, a, 2), lo)
-        rows_cot = Cotangents(qp.local_slice(cotangents.d_out, a, 1),
-                              qp.local_slice(cotangents.d_lse, a, 2))
         g_dq, g_dk, g_dv, g_dbias = cb.block_backward(
-            call, _block(call, a), _piece_inputs(call, inputs, *kv, a), rows_saved, rows_cot,
-            lse_cotangent)
+            call, whole_block(call, a), _piece_inputs(call, inputs, *kv, a),
+            *cb.piece_rows(qp, a, saved, cotangents), lse_cotangent)
         dqs.append(g_dq)
         dk = dk + g_dk.astype(jnp.float32)
         dv = dv + g_dv.astype(jnp.float32)

@@ -39,7 +39,7 @@ def _shard(call: ContextCall):
     return 0 if call.parts == 1 else jax.lax.axis_index(call.axis)
 
 
-def _relations(call: ContextCall, a: int, b: int) -> set[int]:
+def relations(call: ContextCall, a: int, b: int) -> set[int]:
     """The relations block (query piece a, key piece b) takes over every step and shard."""
     qp, kp = call.q_pieces, call.k_pieces
     return {call.relation(qp.start(i, a), qp.size, kp.start((i - s) % call.parts, b), kp.size)
@@ -74,7 +74,7 @@ class _Pair:
         self.inputs = inputs._replace(q=qp.local_slice(inputs.q, a, 1),
                                       k=kp.local_slice(k, b, 1), v=kp.local_slice(v, b, 1),
                                       features=features)
-        self.present = _relations(call, a, b)
+        self.present = relations(call, a, b)
         relation = call.relation(self.r0, qp.size, self.c0, kp.size)
         hidden = cb.hidden_by_data(self.r0, self.c0, qp.size, kp.size, features)
         if hidden is not None:
@@ -113,8 +113,7 @@ def forward(call: ContextCall, inputs: Inputs) -> Rows:
     (_, accs), _ = jax.lax.scan(step, (kv, tuple(start)), jax.lax.iota(jnp.int32, call.parts))
     sinks = inputs.features.sinks
     accs = [cb.join_sinks(acc, sinks) for acc in accs]
-    return Rows(*(None if parts[0] is None else jnp.concatenate(parts, axis=axis)
-                  for parts, axis in zip(zip(*accs), (1, 2, 2))))
+    return cb.joined_rows(accs)
 
 
 def backward(call: ContextCall, inputs: Inputs, saved: Saved, cotangents: Cotangents,
@@ -130,12 +129,6 @@ def backward(call: ContextCall, inputs: Inputs, saved: Saved, cotangents: Cotang
     kv = (k, v, inputs.features.kv_segment_ids)
     me = _shard(call)
 
-    def rows_of(a):
-        lo = None if saved.lse_lo is None else qp.local_slice(saved.lse_lo, a, 2)
-        return (Saved(qp.local_slice(saved.out, a, 1), qp.local_slice(saved.lse, a, 2), lo),
-                Cotangents(qp.local_slice(cotangents.d_out, a, 1),
-                           qp.local_slice(cotangents.d_lse, a, 2)))
-
     def step(carry, s):
         kv, dkv, dqs, dbias = carry
         following = _send_on(kv, call)
@@ -144,7 +137,7 @@ def backward(call: ContextCall, inputs: Inputs, saved: Saved, cotangents: Cotang
         parts_v = [zeros(kp.local_slice(v, b_, 1)) for b_ in range(kp.count)]
         dqs = list(dqs)
         for a in range(qp.count):
-            rows_saved, rows_cot = rows_of(a)
+            rows_saved, rows_cot = cb.piece_rows(qp, a, saved, cotangents)
             for b_ in range(kp.count):
                 pair = _Pair(call, inputs, kv, a, b_, me, s)
 
