@@ -259,16 +259,18 @@ def test_one_device_shard_map_equals_plain_call():
 
 @pytest.mark.parametrize("tier,interpret", [("pallas", True), ("chunked", False)])
 def test_positions_guard_is_current(tier, interpret):
-    """A tier that says it lacks positions (so that context-parallel blocks go elsewhere)
-    must really lack them: once its kernels place a block of a sequence, the registry's
-    entry must say so, or the context-parallel tests above skip it."""
-    lacking = tier_lacks_positions(tier)
+    """While a tier's registry entry says it lacks positions (`tiers._positions_pending`, so
+    that context-parallel blocks go to the dense tier), its forward must really lack them:
+    once its kernels place a block of a sequence, the entry must change, or the
+    context-parallel cases above keep skipping it. A tier that claims them must compute
+    them."""
+    from pallas_kernels import tiers
     computes = positioned_block_matches_dense(tier, interpret)
-    if lacking is None:
-        assert computes, f"the {tier} tier claims positions but computes them wrong"
-    else:
-        assert not computes, (f"the {tier} tier computes positions: remove "
+    if tiers.BY_NAME[tier].unsupported is tiers._positions_pending:
+        assert not computes, (f"the {tier} tier computes positions: drop "
                               "`_positions_pending` from its entry in pallas_kernels/tiers.py")
+    elif tier_lacks_positions(tier) is None:
+        assert computes, f"the {tier} tier claims positions but computes them wrong"
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
