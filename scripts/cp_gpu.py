@@ -1,12 +1,13 @@
 """Context parallelism on GPUs: the correctness cases on 2 and 4 GPUs, the benchmark, and a
 profiler trace. Results land under $OUT (default ./gpu_out).
 
-    OUT=... python scripts/cp_gpu.py [stages]     stages: tests bench bench1m trace
-                                                  (default: tests bench trace)
+    OUT=... python scripts/cp_gpu.py [stages]     stages: tests (= tests2 tests4), bench,
+                                                  bench1m, trace (default: tests bench trace)
 
-- tests: the cases of tests/context_parallel_checks.py on the GPUs' tiers (pallas, chunked,
-  xla; float32 against the unsharded call, bfloat16 by the tolerance rule against float64),
-  on 2 and 4 GPUs: $OUT/cp_tests.json, one line per case printed.
+- tests2, tests4: the cases of tests/context_parallel_checks.py on the GPUs' tiers (pallas,
+  chunked, xla; float32 against the unsharded call, bfloat16 by the tolerance rule against
+  float64) on 2 or 4 GPUs: $OUT/cp_tests_<n>gpu.json, one line per case printed (a tier
+  that cannot place blocks of a sequence yet says so and is skipped).
 - bench: forward+backward time of the plain call on 1 GPU against the context-parallel
   call on several: D=512, H=8, causal, zigzag, N=131072 on 1 and 4 GPUs; GQA 32/8, D=128,
   causal, N=131072 on 1 and 2 GPUs (the rule's strategy, and the ring forced). Each
@@ -72,24 +73,25 @@ def gpu_cases(gpus: int):
     return cases
 
 
-def run_tests() -> None:
+def run_tests(gpus: int) -> None:
     import jax
-    from context_parallel_checks import run_case
+    from context_parallel_checks import gathers_q, run_case
     n = len(jax.devices())
     report, references = {}, {}
-    for gpus in (2, 4):
-        if gpus > n:
-            print(f"tests on {gpus} GPUs skipped: {n} GPU(s) here")
-            continue
-        for case in gpu_cases(gpus):
-            entry = run_case(case, references)
-            report[case.name] = entry
-            status = ("skip: " + entry["skip"] if "skip" in entry else
-                      "ERROR " + entry["error"][:300] if "error" in entry else
-                      f"rel {entry['rel']:.2e}" if "rel" in entry else
-                      "rule " + ("ok" if entry["rule"] is None else "FAILED " + entry["rule"]))
-            print(f"{case.name}: {status}", flush=True)
-    (OUT / "cp_tests.json").write_text(json.dumps(report, indent=1))
+    if gpus > n:
+        print(f"tests on {gpus} GPUs skipped: {n} GPU(s) here")
+        return
+    for case in gpu_cases(gpus):
+        entry = run_case(case, references)
+        report[case.name] = entry
+        status = ("skip: " + entry["skip"] if "skip" in entry else
+                  "ERROR " + entry["error"][:300] if "error" in entry else
+                  f"rel {entry['rel']:.2e}" if "rel" in entry else
+                  "rule " + ("ok" if entry["rule"] is None else "FAILED " + entry["rule"]))
+        if "gathered" in entry:
+            status += "; q all-gathered: " + ("YES" if gathers_q(entry) else "no")
+        print(f"{case.name}: {status} ({entry.get('seconds', 0)} s)", flush=True)
+    (OUT / f"cp_tests_{gpus}gpu.json").write_text(json.dumps(report, indent=1))
 
 
 # ---------------------------------------------------------------- benchmark
@@ -203,8 +205,10 @@ def main(argv) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     for stage in argv or ["tests", "bench", "trace"]:
         print(f"=== {stage}", flush=True)
-        if stage == "tests":
-            run_tests()
+        if stage in ("tests", "tests2", "tests4"):
+            for gpus in (2, 4):
+                if stage in ("tests", f"tests{gpus}"):
+                    run_tests(gpus)
         elif stage == "bench":
             run_bench(BENCH)
         elif stage == "bench1m":
@@ -212,7 +216,8 @@ def main(argv) -> None:
         elif stage == "trace":
             run_trace()
         else:
-            raise SystemExit(f"unknown stage {stage!r}: tests, bench, bench1m or trace")
+            raise SystemExit(f"unknown stage {stage!r}: tests, tests2, tests4, bench, bench1m "
+                             "or trace")
 
 
 if __name__ == "__main__":
