@@ -3,7 +3,9 @@
 One call is: `validation.validate` (every argument checked; the call's `Problem`), then
 `tuning.dispatch.plan` (each direction's tier and every kernel's config), then the plan's
 tiers (`vjp.attention`, a custom_vjp over `pallas_kernels.tiers`, run shard-locally under
-sharded jit; or the dense tier, which JAX differentiates itself).
+sharded jit; or the dense tier, which JAX differentiates itself). A context-parallel call
+(`context_axis`, or `context_strategy` under jit) runs `context_parallel` instead, whose
+blocks take their plans from the dispatcher themselves.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import functools
 import jax
 
 import tuning
-from ffpa_jax import runtime_autotune, validation, vjp
+from ffpa_jax import context_parallel, partitioning, runtime_autotune, validation, vjp
+from ffpa_jax.context_blocks import ContextCall
+from ffpa_jax.context_local import whole_problem
+from ffpa_jax.layout import CONTIGUOUS
 from ffpa_jax.dropout import seed_from_key
 from pallas_kernels import tiers
 from pallas_kernels.problem import Inputs
@@ -47,7 +52,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
               dropout_rate: float = 0.0,
               dropout_rng: jax.Array | None = None, return_lse: bool = False,
               implementation: str | None = None, interpret: bool = False,
-              autotune: str | None = None):
+              autotune: str | None = None, context_axis: str | None = None,
+              context_layout: str = CONTIGUOUS, context_strategy: str | None = None):
     """Exact scaled dot-product attention, memory-efficient on NVIDIA GPUs.
 
     Args:
@@ -91,7 +97,23 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
         "max": when the call is traced, benchmark each kernel's candidate configs for
         this exact shape on the current GPU and use the fastest correct one (cached
         per process; needs a GPU, else a one-time warning). On the dense tier there is
-        nothing to tune: it is ignored with a one-time warning. See docs/tuning.md.
+        nothing to tune: it is ignored with a one-time warning. See docs/tuning.md. Not
+        applied to context-parallel calls (their blocks take the tuned or built-in configs).
+      context_axis: inside a `jax.shard_map`, the mesh axis the sequence dim of query,
+        key, value (and of the segment ids) is split over: each device passes its shard
+        and gets its shard of out (and of lse, [B, Hq, T_local]); the result is exact
+        attention over the whole sequence, with global positions (causality, windows,
+        lengths and dropout's keep decisions are the whole call's). Sequence lengths are
+        the global ones. A bias or mask must be broadcast over both sequence dims (use
+        segment ids or windows). See docs/context_parallel.md.
+      context_layout: "contiguous" (shard i holds positions [i·T/P, (i+1)·T/P)) or
+        "zigzag" (the sequence was reordered with `ffpa_jax.zigzag(x, P, axis=1)`: shard i
+        holds chunks i and 2P−1−i of 2P, which balances causal work).
+      context_strategy: None (a rule: the all-gather of K/V for few KV heads, else the
+        ring), "ring" (K/V passed around the axis, overlapped with the compute) or
+        "all_gather". Without context_axis, under jax.jit, inputs sharded along the
+        sequence then run that strategy over their mesh axis on any tier (planned calls
+        on the pallas and chunked tiers do so by the rule without it).
 
     Returns:
       out [B, T, Hq, Dv] in query's dtype, or (out, lse) when return_lse is True.
@@ -108,9 +130,12 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
         local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-        sinks=sinks)
-    problem, batched = call.problem, call.batched
-    plan = plan_for(problem, implementation, interpret=interpret, autotune=call.autotune)
+        sinks=sinks, context_axis=context_axis, context_layout=context_layout,
+        context_strategy=context_strategy)
+    problem, batched, context = call.problem, call.batched, call.context
+    # A context-parallel call plans its blocks itself (ffpa_jax.context_parallel).
+    plan = (None if context is not None else
+            plan_for(problem, implementation, interpret=interpret, autotune=call.autotune))
     features = validation.feature_arrays(
         batched, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
@@ -119,7 +144,19 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
     seed = seed_from_key(dropout_rng) if problem.dropout_rate > 0.0 else None
     inputs = Inputs(q, k, v, validation.as_4d(bias, batched), validation.as_4d(mask, batched),
                     seed, features)
-    out, lse = _compute(inputs, plan=plan)
+    if context is None and tiers.BY_NAME[plan.forward_tier].differentiated_by_jax and (
+            partitioning.explicit_sequence(q)):
+        # Sharded along the sequence over an Explicit axis (sharding in types), the dense
+        # tier would shard its logits twice over one axis: split the sequence instead. (The
+        # other tiers' shard-local wrapper splits it itself.)
+        context = validation.Context(None, 1, CONTIGUOUS, None)
+    if context is not None:
+        whole = whole_problem(problem, context.parts)
+        out, lse = _compute_context(inputs, call=ContextCall(
+            problem=whole, axis=context.axis, parts=context.parts, layout=context.layout,
+            strategy=context.strategy, implementation=implementation, interpret=interpret))
+    else:
+        out, lse = _compute(inputs, plan=plan)
     if not batched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out
@@ -139,3 +176,12 @@ def _compute(inputs: Inputs, *, plan):
     if tiers.BY_NAME[plan.forward_tier].differentiated_by_jax:
         return tiers.forward(plan, inputs)
     return vjp.attention(plan, inputs)
+
+
+@functools.partial(jax.jit, static_argnames=("call",), inline=True)
+def _compute_context(inputs: Inputs, *, call: ContextCall):
+    """(out, lse) of a context-parallel call: this shard's rows inside a shard_map over
+    `call.axis`, or the whole call under jit (split where the sequence is sharded)."""
+    if call.axis is not None:
+        return context_parallel.attention(call, inputs)
+    return context_parallel.jit_attention(call, inputs)

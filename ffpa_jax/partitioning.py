@@ -24,6 +24,12 @@ How a call is partitioned, decided from the sharding the partitioner proposes fo
   sees local ones, so the wrapper hands its global offsets to `shift_seed`
   (provided by the caller) to fold them into the seed.
 
+Sequence (dim 1 of q/k/v/out, dim 2 of lse, dim 1 of the segment ids) sharded over one
+mesh axis: where the wrapper is given a `context` (a sequence split, `context_local`) that
+supports the call, every device keeps its shard and runs context parallelism over that axis
+(collectives between the devices of the axis: K/V around a ring, or gathered); q and the
+output are never gathered. Otherwise the sequence is gathered, as above.
+
 Explicit mesh axes (sharding in types) are not the partitioner's: there the
 shardings are known at trace time, and `ShardLocal._explicit_call` runs the same
 shard-local function under a `shard_map` instead.
@@ -131,17 +137,29 @@ def choose_axes(layout: _Layout, q_sharding) -> tuple[tuple[str, ...], tuple[str
     return batch_axes, head_axes
 
 
-def _spec(role: str, shape: tuple[int, ...], batch_axes, head_axes) -> PartitionSpec:
+def seq_axis(q_sharding) -> tuple[str | None, int]:
+    """(the one mesh axis q's sequence dim is sharded over, its size), or (None, 1)."""
+    if not isinstance(q_sharding, NamedSharding):
+        return None, 1
+    spec = tuple(q_sharding.spec) + (None,) * (4 - len(q_sharding.spec))
+    axes = _axes_tuple(spec[1])
+    if len(axes) != 1:
+        return None, 1
+    return axes[0], q_sharding.mesh.shape[axes[0]]
+
+
+def _spec(role: str, shape: tuple[int, ...], batch_axes, head_axes,
+          seq: str | None = None) -> PartitionSpec:
     b, h = _spec_entry(batch_axes), _spec_entry(head_axes)
     if role == QKV:
-        return PartitionSpec(b, None, h, None)
+        return PartitionSpec(b, seq, h, None)
     if role == LSE:
-        return PartitionSpec(b, h, None)
+        return PartitionSpec(b, h, seq)
     if role == BM:
         return PartitionSpec(b if shape[0] != 1 else None, h if shape[1] != 1 else None,
                              None, None)
     if role in (SEQ_Q, SEQ_K):
-        return PartitionSpec(b, None)
+        return PartitionSpec(b, seq)
     if role == PER_BATCH:
         return PartitionSpec(b)
     if role == PER_HEAD:
@@ -149,16 +167,17 @@ def _spec(role: str, shape: tuple[int, ...], batch_axes, head_axes) -> Partition
     return PartitionSpec(*(None,) * len(shape))
 
 
-def _specs(roles, shapes, batch_axes, head_axes) -> tuple[PartitionSpec, ...]:
-    return tuple(_spec(r, s, batch_axes, head_axes) for r, s in zip(roles, shapes, strict=True))
+def _specs(roles, shapes, batch_axes, head_axes, seq=None) -> tuple[PartitionSpec, ...]:
+    return tuple(_spec(r, s, batch_axes, head_axes, seq)
+                 for r, s in zip(roles, shapes, strict=True))
 
 
-def _shardings(mesh, roles, shapes, batch_axes, head_axes):
+def _shardings(mesh, roles, shapes, batch_axes, head_axes, seq=None):
     return tuple(NamedSharding(mesh, spec)
-                 for spec in _specs(roles, shapes, batch_axes, head_axes))
+                 for spec in _specs(roles, shapes, batch_axes, head_axes, seq))
 
 
-def _sharding_rule(layout: _Layout) -> tuple[str, dict]:
+def _sharding_rule(layout: _Layout, split_sequence: bool = False) -> tuple[str, dict]:
     """The Shardy rule: q/k/v/out share the batch factor `b`; query heads are the
     compound (k g) of kv heads k and group g so that only the kv-head part can
     carry a mesh axis; size-1 broadcast dims get factors of their own."""
@@ -223,7 +242,10 @@ def _sharding_rule(layout: _Layout) -> tuple[str, dict]:
     # Shardy wants the special factors in the order in which they first appear.
     order = [w for w in rule.replace("(", " ").replace(")", " ").replace(",", " ").split()
              if w != "->"]
-    special = _NEED_REPLICATION + (("g",) if compound else ())
+    # A wrapper that can split the sequence (`ShardLocal.context`) lets its factors keep
+    # their sharding: the partition callback then sees it and decides.
+    kept = ("t", "s") if split_sequence else ()
+    special = tuple(f for f in _NEED_REPLICATION if f not in kept) + (("g",) if compound else ())
     special = tuple(sorted(special, key=order.index))
     kwargs: dict = {"need_replication_factors": special}
     if compound:
@@ -244,6 +266,19 @@ def _explicit_axes(x) -> bool:
     return bool(named & explicit)
 
 
+def explicit_sequence(x) -> bool:
+    """Whether x's type shards its sequence dim (dim 1) over an Explicit mesh axis."""
+    try:
+        sharding = jax.typeof(x).sharding
+        mesh = sharding.mesh
+        explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+                    if kind == jax.sharding.AxisType.Explicit}
+        spec = tuple(sharding.spec)
+    except (AttributeError, TypeError):
+        return False
+    return len(spec) > 1 and bool(set(_axes_tuple(spec[1])) & explicit)
+
+
 class ShardLocal:
     """Wraps a plan's forward or backward (`pallas_kernels.tiers`) so that it runs
     shard-locally.
@@ -258,18 +293,26 @@ class ShardLocal:
     `shift_seed(seed, batch_offset, head_offset) -> seed` (traced int32 offsets of
     the shard's first batch element and first query head) makes the dropout mask
     of a shard equal to that slice of the unsharded one. Without it, a call with
-    a seed is not split (it runs replicated: correct, not shard-local).
+    a seed is not split over batch or heads (it runs replicated: correct, not
+    shard-local).
+
+    `context`, when given, splits the sequence: `context.supports(plan, parts)` says
+    whether a call can run over `parts` shards of its sequence, and `context(plan, axis,
+    parts, inputs[, saved, cotangents])` is what a shard runs then (like `kernels`, with
+    collectives over the mesh axis `axis`; its dbias is the shard's part of the sum).
     """
 
     def __init__(self, kernels: Callable, kind: str,
                  shift_seed: Callable | None = None,
-                 row_outputs: Callable[[Any], int] = lambda plan: 1):
+                 row_outputs: Callable[[Any], int] = lambda plan: 1,
+                 context: Any = None):
         if kind not in ("forward", "backward"):
             raise ValueError(f"kind must be 'forward' or 'backward'; got {kind!r}")
         self.kernels = kernels
         self.kind = kind
         self.shift_seed = shift_seed
         self.row_outputs = row_outputs
+        self.context = context
         self._cache = functools.lru_cache(maxsize=256)(self._build)
 
     # -- packing: None-free positional arrays <-> the records ------------------
@@ -299,8 +342,9 @@ class ShardLocal:
                        in_shapes=tuple(tuple(x.shape) for x in ins), out_roles=out_roles,
                        out_shapes=out_shapes, features=given), ins
 
-    def _call_kernels(self, layout: _Layout, arrays, seed_offsets=None):
-        """The kernels on (local) arrays, returning a flat tuple of arrays."""
+    def _call_kernels(self, layout: _Layout, arrays, seed_offsets=None, seq=None):
+        """The kernels on (local) arrays, returning a flat tuple of arrays; `seq` (axis,
+        parts): the sequence is split over that mesh axis (`context`)."""
         arrays = list(arrays)
         q, k, v = arrays[:3]
         rest = arrays[3:]
@@ -312,12 +356,15 @@ class ShardLocal:
             seed = self.shift_seed(seed, *seed_offsets)
         features = FeatureArrays(*(rest.pop(0) if g else None for g in layout.features))
         inputs = Inputs(q, k, v, bias, mask, seed, features)
+        run = (self.kernels if seq is None
+               else functools.partial(self.context, layout.plan, *seq))
         if self.kind == "forward":
-            return tuple(self.kernels(layout.plan, inputs))
+            return tuple(run(inputs) if seq else run(layout.plan, inputs))
         # out, the row statistics (lse and, for a pair, its low word), d_out, d_lse
         out, lse, *lo, d_out, d_lse = rest
         saved = Saved(out, lse, lo[0] if lo else None)
-        dq, dk, dv, dbias = self.kernels(layout.plan, inputs, saved, Cotangents(d_out, d_lse))
+        args = (inputs, saved, Cotangents(d_out, d_lse))
+        dq, dk, dv, dbias = run(*args) if seq else run(layout.plan, *args)
         return (dq, dk, dv) + ((dbias,) if layout.present[0] else ())
 
     def __call__(self, plan, inputs: Inputs, saved: Saved | None = None,
@@ -337,11 +384,17 @@ class ShardLocal:
         return tuple(outs)
 
     def _split_axes(self, layout: _Layout, q_sharding):
-        """(batch axes, head axes) to split over; none for a seed that cannot be shifted."""
+        """(batch axes, head axes, (sequence axis, its size) or None) to split over; no
+        batch or head axes for a seed that cannot be shifted; the sequence axis where
+        `context` supports the call over that many shards."""
         batch_axes, head_axes = choose_axes(layout, q_sharding)
         if layout.present[2] and (batch_axes or head_axes) and self.shift_seed is None:
-            return (), ()
-        return batch_axes, head_axes
+            batch_axes, head_axes = (), ()
+        axis, parts = seq_axis(q_sharding)
+        if (self.context is None or axis is None or axis in batch_axes + head_axes
+                or not self.context.supports(layout.plan, parts)):
+            return batch_axes, head_axes, None
+        return batch_axes, head_axes, (axis, parts)
 
     # -- inputs whose types carry Explicit mesh axes (sharding in types) ---------
     def _explicit_call(self, layout: _Layout, arrays):
@@ -356,15 +409,16 @@ class ShardLocal:
         `jax.sharding.reshard` (explicit data movement, visible in the user's
         types, as Explicit mode intends)."""
         q_sharding = jax.typeof(arrays[0]).sharding
-        batch_axes, head_axes = self._split_axes(layout, q_sharding)
-        in_specs = _specs(layout.in_roles, layout.in_shapes, batch_axes, head_axes)
-        out_specs = _specs(layout.out_roles, layout.out_shapes, batch_axes, head_axes)
+        batch_axes, head_axes, seq = self._split_axes(layout, q_sharding)
+        axis = None if seq is None else seq[0]
+        in_specs = _specs(layout.in_roles, layout.in_shapes, batch_axes, head_axes, axis)
+        out_specs = _specs(layout.out_roles, layout.out_shapes, batch_axes, head_axes, axis)
         mesh = q_sharding.mesh
         arrays = [jax.sharding.reshard(x, NamedSharding(mesh, spec))
                   for x, spec in zip(arrays, in_specs, strict=True)]
-        if not (batch_axes or head_axes):
+        if not (batch_axes or head_axes or seq):
             return self._cache(layout)(*arrays)  # all replicated now: nothing to split
-        local = functools.partial(self._local, layout, batch_axes, head_axes)
+        local = functools.partial(self._local, layout, batch_axes, head_axes, seq)
         # check_vma=False: out_specs above are exact, and Pallas' CPU interpreter
         # cannot run under check_vma (see tests/test_sharding.py).
         return jax.shard_map(lambda *xs: tuple(local(*xs)), mesh=mesh,
@@ -377,9 +431,12 @@ class ShardLocal:
         def plain(*arrays):
             return self._call_kernels(layout, arrays)
 
-        def shardings_for(mesh, batch_axes, head_axes):
-            ins = _shardings(mesh, layout.in_roles, layout.in_shapes, batch_axes, head_axes)
-            outs = _shardings(mesh, layout.out_roles, layout.out_shapes, batch_axes, head_axes)
+        def shardings_for(mesh, batch_axes, head_axes, seq):
+            seq = None if seq is None else seq[0]
+            ins = _shardings(mesh, layout.in_roles, layout.in_shapes, batch_axes, head_axes,
+                             seq)
+            outs = _shardings(mesh, layout.out_roles, layout.out_shapes, batch_axes,
+                              head_axes, seq)
             return ins, outs
 
         def decide(arg_shapes):
@@ -389,20 +446,19 @@ class ShardLocal:
             q_sharding = arg_shapes[0].sharding
             if isinstance(q_sharding, NamedSharding):
                 mesh = q_sharding.mesh
-            batch_axes, head_axes = decide(arg_shapes)
-            in_shardings, out_shardings = shardings_for(mesh, batch_axes, head_axes)
-            lower = functools.partial(self._local, layout, batch_axes, head_axes)
+            batch_axes, head_axes, seq = decide(arg_shapes)
+            in_shardings, out_shardings = shardings_for(mesh, batch_axes, head_axes, seq)
+            lower = functools.partial(self._local, layout, batch_axes, head_axes, seq)
             return mesh, lower, out_shardings, in_shardings
 
         def infer(mesh, arg_shapes, result_shape):
             q_sharding = arg_shapes[0].sharding
             if isinstance(q_sharding, NamedSharding):
                 mesh = q_sharding.mesh
-            batch_axes, head_axes = decide(arg_shapes)
-            return shardings_for(mesh, batch_axes, head_axes)[1]
+            return shardings_for(mesh, *decide(arg_shapes))[1]
 
         op = custom_partitioning(plain)
-        rule, rule_kwargs = _sharding_rule(layout)
+        rule, rule_kwargs = _sharding_rule(layout, split_sequence=self.context is not None)
         op.def_partition(partition=partition, infer_sharding_from_operands=infer,
                          sharding_rule=rule, **rule_kwargs)
 
@@ -417,16 +473,17 @@ class ShardLocal:
 
         return batched
 
-    def _local(self, layout: _Layout, batch_axes, head_axes, *arrays):
-        """What one device runs: the kernels on its shard, plus the reductions that
-        a sharded batch/head dim needs for a broadcast bias's gradient."""
+    def _local(self, layout: _Layout, batch_axes, head_axes, seq, *arrays):
+        """What one device runs: the kernels on its shard (context parallelism where `seq`,
+        (mesh axis, size), is given), plus the reductions that a sharded batch, head or
+        sequence dim needs for a broadcast bias's gradient."""
         seed_offsets = None
         if layout.present[2] and (batch_axes or head_axes):
             q = arrays[0]
             b0 = (jax.lax.axis_index(batch_axes) * q.shape[0]) if batch_axes else 0
             h0 = (jax.lax.axis_index(head_axes) * q.shape[2]) if head_axes else 0
             seed_offsets = (jnp.asarray(b0, jnp.int32), jnp.asarray(h0, jnp.int32))
-        outs = self._call_kernels(layout, arrays, seed_offsets)
+        outs = self._call_kernels(layout, arrays, seed_offsets, seq)
         if layout.kind == "backward" and layout.present[0]:
             bias_shape = layout.in_shapes[3]
             reduce_axes = ()
@@ -434,6 +491,8 @@ class ShardLocal:
                 reduce_axes += batch_axes
             if head_axes and bias_shape[1] == 1:
                 reduce_axes += head_axes
+            if seq is not None:  # a bias is broadcast over the sequence under a split
+                reduce_axes += (seq[0],)
             if reduce_axes:  # sum the shards' partial sums in float32
                 partial = outs[3]
                 dbias = jax.lax.psum(partial.astype(jnp.float32), reduce_axes)

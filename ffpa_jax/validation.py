@@ -15,6 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ffpa_jax import context_local
+from ffpa_jax.context_blocks import STRATEGIES
+from ffpa_jax.layout import CONTIGUOUS, LAYOUTS
 from pallas_kernels import tiers
 from pallas_kernels.problem import FeatureArrays, Problem
 from tuning import dispatch
@@ -27,13 +30,27 @@ PAGED_IMPLEMENTATIONS = (None, tiers.PALLAS.name, tiers.XLA.name)
 AUTOTUNE_MODES = (None, "fast", "max")
 
 
+class Context(NamedTuple):
+    """A call's context-parallel options, checked: the mesh axis its sequence is split
+    over (None: the call is not inside a `shard_map`; sequence-sharded inputs under jit
+    then take `strategy`), its size, the layout and the strategy (resolved under an axis;
+    else as given)."""
+
+    axis: str | None
+    parts: int
+    layout: str
+    strategy: str | None
+
+
 class Call(NamedTuple):
-    """A checked call: its problem (batched, bias/mask shapes 4-D), whether the caller's
-    arrays had a batch dim, and the runtime autotune mode (None, "fast" or "max")."""
+    """A checked call: its problem (batched, bias/mask shapes 4-D; a shard's under
+    `context_axis`), whether the caller's arrays had a batch dim, the runtime autotune mode
+    (None, "fast" or "max") and the context-parallel options (None: none given)."""
 
     problem: Problem
     batched: bool
     autotune: str | None
+    context: Context | None = None
 
 
 # Integer dtypes that every id and length converts to int32 without loss (int64 and uint32
@@ -231,10 +248,46 @@ def _check_features(*, batched: bool, b: int, t: int, s: int, hq: int, q_segment
             raise TypeError(f"sinks must have a float dtype; got {_shape_str(sinks)}.")
 
 
+def _check_context(problem: Problem, context_axis: Any, context_layout: Any,
+                   context_strategy: Any) -> Context | None:
+    """The context-parallel options of a call whose (shard's) problem is `problem`."""
+    if context_layout not in LAYOUTS:
+        raise ValueError(f"context_layout must be one of {_names(LAYOUTS)}; got "
+                         f"{context_layout!r}.")
+    if context_strategy not in (None,) + STRATEGIES:
+        raise ValueError(f"context_strategy must be one of {_names((None,) + STRATEGIES)}; "
+                         f"got {context_strategy!r}.")
+    if context_axis is None:
+        if context_layout != CONTIGUOUS:
+            raise ValueError(
+                f"context_layout={context_layout!r} needs context_axis (the mesh axis of the "
+                "enclosing shard_map that splits the sequence). Under jax.jit without a "
+                "shard_map, sequence-sharded inputs are split contiguously.")
+        if context_strategy is None:
+            return None
+        return Context(None, 1, CONTIGUOUS, context_strategy)
+    if not isinstance(context_axis, str):
+        raise TypeError(f"context_axis must be a mesh axis name (str) or None; got "
+                        f"{context_axis!r} ({type(context_axis).__name__}).")
+    try:
+        parts = int(jax.lax.axis_size(context_axis))
+    except NameError:
+        raise ValueError(
+            f"context_axis={context_axis!r} is not an axis of an enclosing shard_map: call "
+            "attention inside jax.shard_map over a mesh with that axis, the sequence dim of "
+            "query/key/value split over it (or, under jax.jit alone, shard the inputs along "
+            "the sequence and pass no context_axis).") from None
+    context_local.check_split(problem, parts, context_layout)
+    whole = context_local.whole_problem(problem, parts)
+    strategy = context_local.choose_strategy(whole, parts, context_layout, context_strategy)
+    return Context(context_axis, parts, context_layout, strategy)
+
+
 def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, dropout_rng,
              return_lse, implementation, interpret, autotune=None, local_window_size=None,
              logits_soft_cap=None, q_segment_ids=None, kv_segment_ids=None,
-             query_seq_lengths=None, key_value_seq_lengths=None, sinks=None) -> Call:
+             query_seq_lengths=None, key_value_seq_lengths=None, sinks=None,
+             context_axis=None, context_layout=CONTIGUOUS, context_strategy=None) -> Call:
     """Check every argument of `attention`; return the checked `Call`."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         _require_array(name, x)
@@ -320,7 +373,8 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, d
                       q_lengths=query_seq_lengths is not None,
                       kv_lengths=key_value_seq_lengths is not None, sinks=sinks is not None,
                       return_lse=bool(return_lse))
-    return Call(problem=problem, batched=batched, autotune=autotune_mode)
+    context = _check_context(problem, context_axis, context_layout, context_strategy)
+    return Call(problem=problem, batched=batched, autotune=autotune_mode, context=context)
 
 
 def as_4d(x, batched: bool):

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from ffpa_jax import partitioning
+from ffpa_jax.context_local import SequenceSplit
 from pallas_kernels import tiers
 from pallas_kernels.plan import Plan, row_outputs
 from pallas_kernels.problem import Cotangents, Inputs, Saved
@@ -33,9 +34,13 @@ def _shift_seed(seed, batch_offset, head_offset):
     return jnp.concatenate([seed[:2].astype(jnp.uint32), offsets])
 
 
+# Sharded along the sequence, they run context parallelism over that mesh axis where the
+# plan's tiers can place a block of the sequence (context_local.SequenceSplit).
 _forward = partitioning.ShardLocal(tiers.forward, "forward", shift_seed=_shift_seed,
-                                   row_outputs=row_outputs)
-_backward = partitioning.ShardLocal(tiers.backward, "backward", shift_seed=_shift_seed)
+                                   row_outputs=row_outputs,
+                                   context=SequenceSplit("forward"))
+_backward = partitioning.ShardLocal(tiers.backward, "backward", shift_seed=_shift_seed,
+                                    context=SequenceSplit("backward"))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -4,6 +4,8 @@ other tier is tested against."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from pallas_kernels.dropout import keep_mask_reference
 from pallas_kernels.plan import Plan
 from pallas_kernels.problem import Inputs
@@ -11,8 +13,9 @@ from pallas_kernels.reference import mha_reference
 
 
 def forward(plan: Plan, inputs: Inputs):
-    """(out [B, T, Hq, Dv] in q's dtype, lse [B, Hq, T]) of batched inputs (their lengths
-    the block's own where `positions` place them in a longer sequence: `tiers.forward`)."""
+    """(out [B, T, Hq, Dv] in q's dtype (float32 where `plan.float32_out`), lse [B, Hq, T])
+    of batched inputs (their lengths the block's own where `positions` place them in a
+    longer sequence: `tiers.forward`)."""
     problem = plan.problem
     q, k, v, bias, mask, seed, features = inputs
     row0 = col0 = shift = 0
@@ -20,13 +23,16 @@ def forward(plan: Plan, inputs: Inputs):
         row0, col0, shift = features.positions[0], features.positions[1], features.positions[2]
     keep = None
     if seed is not None:
-        shape = (q.shape[0], problem.heads_q, problem.seq_q, problem.seq_k)
-        keep = keep_mask_reference(seed, shape, problem.dropout_rate,
-                                   offsets=(0, 0, row0, col0))
+        # A shard's seed carries its global batch and head offsets as words 2 and 3.
+        b0, h0 = (seed[2], seed[3]) if seed.shape[0] == 4 else (0, 0)
+        shape = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+        keep = keep_mask_reference(seed[:2], shape, problem.dropout_rate,
+                                   offsets=(b0, h0, row0, col0))
     return mha_reference(q, k, v, bias, mask, scale=problem.scale, is_causal=problem.causal,
                          keep_mask=keep, dropout_rate=problem.dropout_rate,
                          window=problem.window, softcap=problem.softcap,
                          q_segment_ids=features.q_segment_ids,
                          kv_segment_ids=features.kv_segment_ids, q_lengths=features.q_lengths,
                          kv_lengths=features.kv_lengths, sinks=features.sinks,
-                         shift=None if features.positions is None else shift)
+                         shift=None if features.positions is None else shift,
+                         out_dtype=jnp.float32 if plan.float32_out else None)

@@ -135,8 +135,9 @@ def softmax(scores, visible=None, sink=None) -> tuple[jax.Array, jax.Array]:
 def mha_reference(q, k, v, bias=None, mask=None, *, scale: float, is_causal: bool = False,
                   keep_mask=None, dropout_rate: float = 0.0, window=None, softcap=None,
                   q_segment_ids=None, kv_segment_ids=None, q_lengths=None, kv_lengths=None,
-                  sinks=None, shift=None):
-    """Attention output [B, T, Hq, Dv] (dtype of q) and lse [B, Hq, T] (accumulation dtype).
+                  sinks=None, shift=None, out_dtype=None):
+    """Attention output [B, T, Hq, Dv] (dtype of q, or `out_dtype`) and lse [B, Hq, T]
+    (accumulation dtype).
 
     `keep_mask` (bool, broadcastable to [B, Hq, T, S]) applies dropout with rate
     `dropout_rate` to the normalised probabilities; lse stays undropped.
@@ -173,7 +174,7 @@ def mha_reference(q, k, v, bias=None, mask=None, *, scale: float, is_causal: boo
     pg = probs.reshape(b, hkv, hq // hkv, t, s)
     out = jnp.einsum("bkgts,bskd->btkgd", pg, v, preferred_element_type=acc,
                      precision=jax.lax.Precision.HIGHEST)
-    return out.reshape(b, t, hq, dv).astype(q.dtype), lse
+    return out.reshape(b, t, hq, dv).astype(q.dtype if out_dtype is None else out_dtype), lse
 
 
 # ------------------------------------------------------------------ sampled rows and columns

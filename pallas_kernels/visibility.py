@@ -288,3 +288,33 @@ def rows_see_a_key(r0: int, rows: int, *, seq_q: int, seq_k: int, causal: bool,
     if window is not None:  # the first key of the block's last row's window
         return limit > 0 and r0 + rows - 1 + default_shift(seq_q, seq_k) - window[0] < seq_k
     return limit > 0
+
+
+# ---------------------------------------------------------------- blocks of a longer sequence
+# Context parallelism splits a call into (rows, keys) blocks of the whole problem and asks,
+# per block, whether to skip it, run it without the causal/window mask, or run it masked.
+
+BLOCK_HIDDEN = 0  # no row of the block sees a key of it
+BLOCK_FULL = 1  # every row sees every key (by causality and the window)
+BLOCK_PARTIAL = 2  # some do: the block needs its element mask
+
+
+def block_relation(r0, rows: int, c0, keys: int, *, shift, causal: bool, window):
+    """BLOCK_HIDDEN, BLOCK_FULL or BLOCK_PARTIAL for rows [r0, r0 + rows) against keys
+    [c0, c0 + keys), row i's diagonal at key i + shift, by causality and the window alone
+    (the masks that are data, segments and lengths, are the block's to apply). Python ints
+    give a Python int; traced bounds an int32 scalar."""
+    reach = right_reach(causal, window)
+    first_diag, last_diag = r0 + shift, r0 + rows - 1 + shift
+    last_key = c0 + keys - 1
+    hidden, full = False, True
+    if reach is not None:
+        hidden = hidden | (c0 > last_diag + reach)
+        full = full & (last_key <= first_diag + reach)
+    if window is not None:
+        hidden = hidden | (last_key < first_diag - window[0])
+        full = full & (c0 >= last_diag - window[0])
+    if isinstance(hidden, bool) and isinstance(full, bool):
+        return BLOCK_HIDDEN if hidden else (BLOCK_FULL if full else BLOCK_PARTIAL)
+    return jnp.where(hidden, BLOCK_HIDDEN, jnp.where(full, BLOCK_FULL, BLOCK_PARTIAL)).astype(
+        jnp.int32)

@@ -1,0 +1,177 @@
+"""What one shard runs in a context-parallel call: the strategy (`choose_strategy`), the
+checks that the call can be split (`check_split`), and the shard's forward and backward
+(`forward`, `backward`) by the ring (`context_ring`) or the all-gather (`context_gather`).
+
+`SequenceSplit` offers the same to the shard-local wrapper (`partitioning.ShardLocal`) of a
+planned call: under `jax.jit`, inputs sharded along the sequence run context-parallel over
+that mesh axis instead of being gathered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from ffpa_jax import context_blocks as cb
+from ffpa_jax import context_gather, context_ring
+from ffpa_jax.context_blocks import ALL_GATHER, RING, ContextCall
+from ffpa_jax.layout import CONTIGUOUS, ZIGZAG
+from pallas_kernels.plan import Plan, row_outputs
+from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
+
+# The all-gather holds the whole K and V on every shard and moves them in one collective that
+# the compute waits for; the ring holds two shards of them and overlaps their transfer with
+# the compute. The all-gather is chosen where K/V are a small part of a shard's work and
+# memory: at least ALL_GATHER_MIN_GROUP query heads per KV head, and all of K and V within
+# ALL_GATHER_MAX_BYTES.
+ALL_GATHER_MIN_GROUP = 4
+ALL_GATHER_MAX_BYTES = 2 << 30
+# The fused kernels draw dropout in tiles of 128 keys: a block's first key must be a
+# multiple of it (each ring block starts at a key piece; the all-gather's at key 0).
+DROPOUT_KEY_ALIGNMENT = 128
+
+
+def whole_problem(problem: Problem, parts: int) -> Problem:
+    """The whole call's problem from a shard's (the sequence lengths times `parts`)."""
+    return dataclasses.replace(problem, seq_q=problem.seq_q * parts,
+                               seq_k=problem.seq_k * parts)
+
+
+def ring_dropout_ok(problem: Problem, parts: int, layout: str) -> bool:
+    """Whether the ring's key pieces start at multiples of DROPOUT_KEY_ALIGNMENT."""
+    pieces = 2 if layout == ZIGZAG else 1
+    return (not problem.has_dropout
+            or (problem.seq_k // parts // pieces) % DROPOUT_KEY_ALIGNMENT == 0)
+
+
+def choose_strategy(problem: Problem, parts: int, layout: str,
+                    strategy: str | None = None) -> str:
+    """The strategy of a call over `parts` shards (`problem`: the whole call's): `strategy`
+    when given (a ValueError where the ring cannot keep dropout's keep decisions), else the
+    all-gather for few KV heads and K/V within ALL_GATHER_MAX_BYTES, or where dropout needs
+    it, else the ring."""
+    if strategy is not None:
+        if strategy == RING and not ring_dropout_ok(problem, parts, layout):
+            raise ValueError(_dropout_message(problem, parts, layout))
+        return strategy
+    kv_bytes = (problem.batch * problem.seq_k * problem.heads_kv
+                * (problem.head_dim + problem.head_dim_v) * jnp.dtype(problem.dtype).itemsize)
+    if problem.group >= ALL_GATHER_MIN_GROUP and kv_bytes <= ALL_GATHER_MAX_BYTES:
+        return ALL_GATHER
+    return RING if ring_dropout_ok(problem, parts, layout) else ALL_GATHER
+
+
+def _dropout_message(problem: Problem, parts: int, layout: str) -> str:
+    pieces = 2 if layout == ZIGZAG else 1
+    piece = problem.seq_k // parts // pieces
+    what = "half" if pieces == 2 else "block"
+    return (f"context_strategy='ring' with dropout needs each shard's key {what} to be a "
+            f"multiple of {DROPOUT_KEY_ALIGNMENT} keys (the kernels draw the keep "
+            f"decisions in tiles of {DROPOUT_KEY_ALIGNMENT} keys at global positions); it is "
+            f"{piece} (S = {problem.seq_k} over {parts} shards, {layout} layout). Make the "
+            f"sequence a multiple of {DROPOUT_KEY_ALIGNMENT * parts * pieces}, or pass "
+            "context_strategy='all_gather' (or None).")
+
+
+def sequence_dims_message(name: str, shape) -> str:
+    return (f"{name} with shape {tuple(shape)} has a query or key dim of its own; under "
+            "context_axis the sequence is split over devices and a dense [T, S] mask or bias "
+            "is not. Express it with q_segment_ids/kv_segment_ids, local_window_size, "
+            "is_causal or the sequence lengths, or pass one broadcast over both sequence "
+            "dims ([B|1, Hq|1, 1, 1]).")
+
+
+def check_split(problem: Problem, parts: int, layout: str) -> None:
+    """ValueError unless a shard's `problem` splits as context parallelism needs."""
+    for name, shape in (("bias", problem.bias_shape), ("mask", problem.mask_shape)):
+        if shape is not None and (shape[2] != 1 or shape[3] != 1):
+            raise ValueError(sequence_dims_message(name, shape))
+    if layout == ZIGZAG and (problem.seq_q % 2 or problem.seq_k % 2):
+        raise ValueError(
+            f"context_layout='zigzag' holds two chunks of the sequence per shard: each "
+            f"shard's query and key length must be even; got T = {problem.seq_q} and "
+            f"S = {problem.seq_k} per shard.")
+
+
+# ---------------------------------------------------------------- one shard's two directions
+
+
+def _strategy_module(call: ContextCall):
+    return context_gather if call.strategy == ALL_GATHER else context_ring
+
+
+def _invariants_varying(call: ContextCall, inputs: Inputs) -> Inputs:
+    """The arrays every shard holds alike, typed varying like q where the types track it
+    (see `context_blocks.vary_like`)."""
+    if not cb.varying_axes(inputs.q):
+        return inputs
+    vary = lambda x: cb.vary_like(x, inputs.q)
+    f = inputs.features
+    return inputs._replace(
+        bias=vary(inputs.bias), mask=vary(inputs.mask), seed=vary(inputs.seed),
+        features=f._replace(q_lengths=vary(f.q_lengths), kv_lengths=vary(f.kv_lengths),
+                            sinks=vary(f.sinks)))
+
+
+def forward(call: ContextCall, inputs: Inputs) -> cb.Rows:
+    """This shard's rows of the whole call: out (float32), lse (hi, lo: lo None unless
+    `Problem.lse_pair`), the sinks counted."""
+    return _strategy_module(call).forward(call, _invariants_varying(call, inputs))
+
+
+def backward(call: ContextCall, inputs: Inputs, saved: Saved, cotangents: Cotangents,
+             lse_cotangent: bool):
+    """(dq, dk, dv, dbias) of this shard's inputs; dbias is this shard's part of the sum
+    (float32; the caller reduces it over the axis). The sinks' gradient is the caller's
+    (closed form from out and lse)."""
+    inputs = _invariants_varying(call, inputs)
+    if call.problem.lse_pair and saved.lse_lo is None:
+        saved = saved._replace(lse_lo=jnp.zeros_like(saved.lse))
+    return _strategy_module(call).backward(call, inputs, saved, cotangents, lse_cotangent)
+
+
+# ---------------------------------------------------------------- planned calls under jit
+
+
+class SequenceSplit:
+    """The shard-local wrapper's sequence split (`partitioning.ShardLocal(context=...)`) of
+    a planned call (`Plan`; its problem the whole call's): contiguous layout, the
+    strategy by `choose_strategy`, every block on the plan's tiers. `supports` says whether
+    a split over `parts` shards can run (else the wrapper gathers the sequence, as before)."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    @staticmethod
+    def call(plan: Plan, axis: str | None, parts: int) -> ContextCall:
+        problem = plan.problem
+        return ContextCall(problem=problem, axis=axis, parts=parts, layout=CONTIGUOUS,
+                           strategy=choose_strategy(problem, parts, CONTIGUOUS),
+                           interpret=plan.interpret,
+                           tiers=(plan.forward_tier, plan.backward_tier))
+
+    def supports(self, plan: Plan, parts: int) -> bool:
+        problem = plan.problem
+        if parts < 2 or problem.seq_q % parts or problem.seq_k % parts or problem.positions:
+            return False
+        try:
+            check_split(problem, parts, CONTIGUOUS)
+        except ValueError:
+            return False
+        call = self.call(plan, None, parts)
+        blocks = ([context_gather.whole_block(call, 0)] if call.strategy == ALL_GATHER else
+                  [cb.Block(call.q_pieces.size, call.k_pieces.size, r)
+                   for r in context_ring.relations(call, 0, 0) if r != cb.HIDDEN])
+        return all(not cb.unsupported(call, block) for block in blocks)
+
+    def __call__(self, plan: Plan, axis: str, parts: int, inputs: Inputs,
+                 saved: Saved | None = None, cotangents: Cotangents | None = None):
+        call = self.call(plan, axis, parts)
+        if self.kind == "backward":
+            return backward(call, inputs, saved, cotangents, plan.lse_cotangent)
+        rows = forward(call, inputs)
+        out = rows.out if plan.float32_out else rows.out.astype(inputs.q.dtype)
+        if row_outputs(plan) == 2:
+            return out, rows.hi, jnp.zeros_like(rows.hi) if rows.lo is None else rows.lo
+        return out, rows.hi

@@ -1,0 +1,224 @@
+"""Context parallelism on GPUs: the correctness cases on 2 and 4 GPUs, the benchmark, and a
+profiler trace. Results land under $OUT (default ./gpu_out).
+
+    OUT=... python scripts/cp_gpu.py [stages]     stages: tests (= tests2 tests4), bench,
+                                                  bench1m, trace (default: tests bench trace)
+
+- tests2, tests4: the cases of tests/context_parallel_checks.py on the GPUs' tiers (pallas,
+  chunked, xla; float32 against the unsharded call, bfloat16 by the tolerance rule against
+  float64) on 2 or 4 GPUs: $OUT/cp_tests_<n>gpu.json, one line per case printed (a tier
+  that cannot place blocks of a sequence yet says so and is skipped).
+- bench: forward+backward time of the plain call on 1 GPU against the context-parallel
+  call on several: D=512, H=8, causal, zigzag, N=131072 on 1 and 4 GPUs; GQA 32/8, D=128,
+  causal, N=131072 on 1 and 2 GPUs (the rule's strategy, and the ring forced). Each
+  configuration runs in a process of its own (its peak memory is its own): TF/s per GPU,
+  per-GPU peak memory, and the ratios, in $OUT/cp_bench.json.
+- bench1m: D=512, H=8, causal, zigzag, N=1,048,576 on 4 GPUs (minutes: a stage of its own).
+- trace: a JAX profiler trace of one forward+backward of a small ring (4 GPUs, N=32768,
+  D=128, H=8, zigzag) in $OUT/cp_trace (TensorBoard / Perfetto).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+OUT = pathlib.Path(os.environ.get("OUT", "./gpu_out"))
+
+# (name, dict): one benchmark configuration; "gpus" 1 is the plain call.
+BIG = dict(d=512, hq=8, hkv=8, n=131072, causal=True, layout="zigzag")
+GQA = dict(d=128, hq=32, hkv=8, n=131072, causal=True, layout="zigzag")
+BENCH = [
+    ("d512-h8-n128k-1gpu", dict(BIG, gpus=1)),
+    ("d512-h8-n128k-4gpu", dict(BIG, gpus=4)),
+    ("gqa32.8-d128-n128k-1gpu", dict(GQA, gpus=1)),
+    ("gqa32.8-d128-n128k-2gpu", dict(GQA, gpus=2)),
+    ("gqa32.8-d128-n128k-2gpu-ring", dict(GQA, gpus=2, strategy="ring")),
+]
+BENCH_1M = [("d512-h8-n1m-4gpu", dict(BIG, n=1048576, gpus=4, iters=1))]
+RATIOS = [("d512-h8-n128k", "d512-h8-n128k-1gpu", "d512-h8-n128k-4gpu"),
+          ("gqa32.8-d128-n128k", "gqa32.8-d128-n128k-1gpu", "gqa32.8-d128-n128k-2gpu"),
+          ("gqa32.8-d128-n128k-ring", "gqa32.8-d128-n128k-1gpu",
+           "gqa32.8-d128-n128k-2gpu-ring")]
+
+
+# ---------------------------------------------------------------- tests
+
+
+def gpu_cases(gpus: int):
+    from context_parallel_checks import JIT_AUTO, CPCase
+    features = ("window", "segments", "lengths", "sinks", "softcap", "bias")
+    shape = dict(devices=gpus, t=512 * gpus, hq=8, hkv=2, d=128)
+    cases = []
+    for tier in ("pallas", "chunked", "xla"):
+        kw = dict(shape, tier=tier)
+        cases += [
+            CPCase(f"{gpus}gpu/{tier}/zigzag-ring-causal", layout="zigzag", **kw),
+            CPCase(f"{gpus}gpu/{tier}/zigzag-ring-causal-bf16", layout="zigzag",
+                   dtype="bfloat16", **kw),
+            CPCase(f"{gpus}gpu/{tier}/contiguous-allgather-bf16", strategy="all_gather",
+                   dtype="bfloat16", **kw),
+            CPCase(f"{gpus}gpu/{tier}/zigzag-ring-features", layout="zigzag",
+                   features=features, **kw),
+            CPCase(f"{gpus}gpu/{tier}/contiguous-ring-dropout", features=("dropout",), **kw),
+            CPCase(f"{gpus}gpu/{tier}/jit-auto-default", strategy=None, mode=JIT_AUTO, **kw),
+        ]
+    return cases
+
+
+def run_tests(gpus: int) -> None:
+    import jax
+    from context_parallel_checks import gathers_q, run_case
+    n = len(jax.devices())
+    report, references = {}, {}
+    if gpus > n:
+        print(f"tests on {gpus} GPUs skipped: {n} GPU(s) here")
+        return
+    for case in gpu_cases(gpus):
+        entry = run_case(case, references)
+        report[case.name] = entry
+        status = ("skip: " + entry["skip"] if "skip" in entry else
+                  "ERROR " + entry["error"][:300] if "error" in entry else
+                  f"rel {entry['rel']:.2e}" if "rel" in entry else
+                  "rule " + ("ok" if entry["rule"] is None else "FAILED " + entry["rule"]))
+        if "gathered" in entry:
+            status += "; q all-gathered: " + ("YES" if gathers_q(entry) else "no")
+        print(f"{case.name}: {status} ({entry.get('seconds', 0)} s)", flush=True)
+    (OUT / f"cp_tests_{gpus}gpu.json").write_text(json.dumps(report, indent=1))
+
+
+# ---------------------------------------------------------------- benchmark
+
+
+def flops(config: dict) -> float:
+    """Forward+backward FLOPs: 4·B·Hq·N²·D for the forward (half of it under causality),
+    2.5 times that for the backward."""
+    n, d, hq = config["n"], config["d"], config["hq"]
+    forward = 4.0 * hq * n * n * d * (0.5 if config["causal"] else 1.0)
+    return 3.5 * forward
+
+
+def bench_one(config: dict, trace_dir: str | None = None) -> dict:
+    """Forward+backward time of one configuration on `gpus` GPUs (this process's); with
+    `trace_dir`, one more warm call runs under the JAX profiler."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import ffpa_jax
+    gpus, n = config["gpus"], config["n"]
+    devices = jax.devices()[:gpus]
+    mesh = jax.make_mesh((gpus,), ("cp",), devices=devices,
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    split = NamedSharding(mesh, P(None, "cp"))
+    shapes = [(1, n, config["hq"], config["d"]), (1, n, config["hkv"], config["d"]),
+              (1, n, config["hkv"], config["d"]), (1, n, config["hq"], config["d"])]
+    make = jax.jit(lambda key: [jax.random.normal(k, s, jnp.bfloat16)
+                                for k, s in zip(jax.random.split(key, 4), shapes)],
+                   out_shardings=[split] * 4)
+    q, k, v, d_out = make(jax.random.key(0))  # zigzag order or not: random either way
+    kw = dict(is_causal=config["causal"])
+    if gpus == 1:
+        attn = lambda q, k, v: ffpa_jax.attention(q, k, v, **kw)
+    else:
+        def local(q, k, v):
+            return ffpa_jax.attention(q, k, v, context_axis="cp", context_layout=config["layout"],
+                                      context_strategy=config.get("strategy"), **kw)
+        attn = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "cp"),) * 3,
+                             out_specs=P(None, "cp"))
+
+    def loss(q, k, v, d_out):
+        return jnp.sum(attn(q, k, v).astype(jnp.float32) * d_out)
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    start = time.perf_counter()
+    jax.block_until_ready(step(q, k, v, d_out))
+    compile_s = time.perf_counter() - start
+    times = []
+    for _ in range(config.get("iters", 3)):
+        start = time.perf_counter()
+        jax.block_until_ready(step(q, k, v, d_out))
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    if trace_dir is not None:
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready(step(q, k, v, d_out))
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in devices]
+    return dict(config, seconds=seconds, first_call_s=compile_s, times=times,
+                tflops_per_gpu=flops(config) / seconds / gpus / 1e12,
+                peak_gib_per_gpu=[round(p / 2**30, 2) for p in peaks],
+                device=devices[0].device_kind)
+
+
+def run_bench(configs) -> dict:
+    results = {}
+    path = OUT / "cp_bench.json"
+    if path.exists():
+        results = json.loads(path.read_text())
+    for name, config in configs:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+        proc = subprocess.run([sys.executable, __file__, "--bench-one", json.dumps(config)],
+                              capture_output=True, text=True, env=env, cwd=ROOT)
+        if proc.returncode:
+            results[name] = dict(config, error=proc.stderr[-3000:])
+            print(f"{name}: ERROR\n{proc.stderr[-3000:]}", flush=True)
+        else:
+            results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+            r = results[name]
+            print(f"{name}: {r['seconds'] * 1e3:.1f} ms fwd+bwd, {r['tflops_per_gpu']:.1f} "
+                  f"TF/s per GPU, peak {r['peak_gib_per_gpu']} GiB per GPU", flush=True)
+        path.write_text(json.dumps(results, indent=1))
+    for label, one, many in RATIOS:
+        if one in results and many in results and "seconds" in results[many] \
+                and "seconds" in results[one]:
+            a, b = results[one], results[many]
+            speedup = a["seconds"] / b["seconds"]
+            print(f"{label}: {b['gpus']} GPUs {speedup:.2f}x faster than 1 "
+                  f"(scaling efficiency {speedup / b['gpus']:.0%}; TF/s per GPU "
+                  f"{b['tflops_per_gpu']:.1f} vs {a['tflops_per_gpu']:.1f})")
+    return results
+
+
+def run_trace() -> None:
+    import jax
+    config = dict(d=128, hq=8, hkv=8, n=32768, causal=True, layout="zigzag", gpus=4,
+                  iters=1)
+    if len(jax.devices()) < config["gpus"]:
+        print("trace skipped: needs 4 GPUs")
+        return
+    result = bench_one(config, trace_dir=str(OUT / "cp_trace"))
+    print(f"trace of a 4-GPU zigzag ring (N=32768, D=128, H=8) in {OUT / 'cp_trace'}: "
+          f"{result['seconds'] * 1e3:.1f} ms")
+
+
+def main(argv) -> None:
+    if argv[:1] == ["--bench-one"]:
+        print(json.dumps(bench_one(json.loads(argv[1]))))
+        return
+    OUT.mkdir(parents=True, exist_ok=True)
+    for stage in argv or ["tests", "bench", "trace"]:
+        print(f"=== {stage}", flush=True)
+        if stage in ("tests", "tests2", "tests4"):
+            for gpus in (2, 4):
+                if stage in ("tests", f"tests{gpus}"):
+                    run_tests(gpus)
+        elif stage == "bench":
+            run_bench(BENCH)
+        elif stage == "bench1m":
+            run_bench(BENCH_1M)
+        elif stage == "trace":
+            run_trace()
+        else:
+            raise SystemExit(f"unknown stage {stage!r}: tests, tests2, tests4, bench, bench1m "
+                             "or trace")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

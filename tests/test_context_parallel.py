@@ -1,0 +1,270 @@
+"""Context parallelism (issue 32): attention over a sequence split across devices.
+
+CPU: one subprocess with 8 fake CPU devices (XLA_FLAGS must be set before JAX starts) runs
+every case of `CASES` once (tests/context_parallel_checks.py); each test reads its case's
+report. Each case compares out, lse and the gradients (of q, k, v, and of the sinks and a
+broadcast bias where given) with the unsharded call of the same tier: float32 within 1e-5
+of the values' scale; bfloat16 by the tolerance rule against the float64 reference. The
+cases cover both layouts, both strategies, causal or not, GQA, segments, windows, lengths,
+sinks, the soft cap, dropout, 4 and 8 devices, shard_map with and without check_vma, and
+jit on sequence-sharded inputs (Auto and Explicit mesh axes), whose compiled HLO must not
+all-gather q. Every tier runs them where it places blocks of a sequence
+(`Problem.positions`); a tier that does not yet is skipped, saying so.
+
+In-process: the layouts, the block relation against a brute-force one, the strategy rule,
+the argument checks, a one-device shard_map, and that a tier's positions guard is current.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ffpa_jax
+from context_parallel_checks import (JIT_AUTO, JIT_EXPLICIT, CPCase, gathers_q,
+                                     positioned_block_matches_dense, tier_lacks_positions)
+from ffpa_jax import context_local
+from ffpa_jax.layout import Pieces, zigzag_order
+from pallas_kernels import visibility
+from pallas_kernels.problem import Problem
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FEATURES = ("window", "segments", "lengths", "sinks", "softcap", "bias")
+# Ring blocks start at multiples of 128 keys under dropout: 4 shards of 128.
+DROP = dict(t=512, hq=2, hkv=1, d=8, features=("dropout",))
+
+
+def _tier_cases(tier: str, interpret: bool) -> list[CPCase]:
+    """A tier's cases: Pallas' interpreter compiles slowly, so its ring is contiguous (two
+    kinds of block where zigzag has four pairs)."""
+    kw = dict(tier=tier, interpret=interpret, check_vma=False)
+    layout = "contiguous" if interpret else "zigzag"
+    return [CPCase(f"{tier}/{layout}-ring-causal", layout=layout, **kw),
+            CPCase(f"{tier}/contiguous-allgather-features", strategy="all_gather",
+                   features=FEATURES, **kw),
+            CPCase(f"{tier}/jit-auto-default", strategy=None, mode=JIT_AUTO, **kw)]
+
+
+CASES = [
+    CPCase("contiguous-ring-causal"),
+    CPCase("contiguous-ring-full", causal=False),
+    CPCase("contiguous-allgather-causal", strategy="all_gather"),
+    CPCase("zigzag-ring-causal", layout="zigzag"),
+    CPCase("zigzag-ring-full", layout="zigzag", causal=False),
+    CPCase("zigzag-allgather-causal", layout="zigzag", strategy="all_gather"),
+    CPCase("zigzag-ring-features-novma", layout="zigzag", features=FEATURES,
+           check_vma=False, b=2),
+    CPCase("zigzag-allgather-features", layout="zigzag", strategy="all_gather",
+           features=FEATURES, b=2),
+    CPCase("contiguous-ring-window-both-mask", causal=False, b=2,
+           features=("window_both", "segments", "mask")),
+    CPCase("contiguous-ring-dropout", **DROP),
+    CPCase("zigzag-allgather-dropout", layout="zigzag", strategy="all_gather",
+           features=("dropout",)),
+    CPCase("bf16-contiguous-ring", dtype="bfloat16"),
+    CPCase("bf16-zigzag-allgather", layout="zigzag", strategy="all_gather",
+           dtype="bfloat16"),
+    CPCase("jit-auto-ring", mode=JIT_AUTO),
+    CPCase("jit-auto-allgather", strategy="all_gather", mode=JIT_AUTO),
+    CPCase("jit-explicit-rule", strategy=None, mode=JIT_EXPLICIT),
+    # Control: the dense tier under jit without context_strategy is XLA's to partition, and
+    # its backward gathers q (dK needs every row): the HLO check can fail.
+    CPCase("control-jit-auto-xla", strategy=None, mode=JIT_AUTO),
+    CPCase("8dev-zigzag-ring-causal", devices=8, layout="zigzag"),
+    CPCase("data2x4-zigzag-ring-sinks", devices=8, data=2, b=2, layout="zigzag",
+           features=("sinks", "bias", "window")),
+    CPCase("jit-auto-data2x2-allgather", data=2, b=2, strategy="all_gather", mode=JIT_AUTO,
+           features=("sinks", "dropout")),
+    CPCase("8dev-contiguous-allgather", devices=8, strategy="all_gather", hq=8, hkv=2),
+    *_tier_cases("pallas", interpret=True),
+    *_tier_cases("chunked", interpret=False),
+]
+# On a stand-in for a tier with a backward of its own (`standin_tier`): the ring's block
+# backward through `tiers.backward` with the merged out and lse, and a planned call's own
+# sequence split under jit (Auto and Explicit axes, batch split too).
+STANDIN = "chunked"
+STANDIN_CASES = [
+    CPCase("standin/zigzag-ring-features", layout="zigzag", tier=STANDIN,
+           features=FEATURES, b=2),
+    CPCase("standin/jit-auto-default", strategy=None, mode=JIT_AUTO, tier=STANDIN,
+           features=FEATURES),
+    CPCase("standin/jit-explicit-default-dropout", strategy=None, mode=JIT_EXPLICIT,
+           tier=STANDIN, **DROP),
+    CPCase("standin/jit-auto-data2x2", strategy=None, mode=JIT_AUTO, tier=STANDIN, data=2,
+           b=2, features=("sinks", "bias")),
+]
+BY_NAME = {case.name: case for case in CASES + STANDIN_CASES}
+
+
+# ---------------------------------------------------------------- the subprocess
+
+
+def _worker() -> None:
+    from context_parallel_checks import run_case, standin_tier
+    jnp.zeros(())  # start the backend with the XLA_FLAGS the parent set
+    references: dict = {}
+    report = {case.name: run_case(case, references) for case in CASES}
+    with standin_tier(STANDIN):
+        report.update({case.name: run_case(case, {}) for case in STANDIN_CASES})
+    print(json.dumps(report))
+
+
+@pytest.fixture(scope="module")
+def cpu_report() -> dict:
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+               + " --xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    proc = subprocess.run([sys.executable, str(pathlib.Path(__file__).resolve()), "--worker"],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(BY_NAME))
+def test_matches_unsharded_call(cpu_report, name):
+    case, entry = BY_NAME[name], cpu_report[name]
+    if "skip" in entry:
+        pytest.skip(entry["skip"])
+    assert "error" not in entry, f"{name}: {entry['error']}\n{entry.get('trace', '')}"
+    if case.dtype == "float32":
+        assert entry["rel"] <= 1e-5, f"{name}: {entry}"
+    else:
+        assert entry["rule"] is None, f"{name}: {entry['rule']}"
+    if case.mode in (JIT_AUTO, JIT_EXPLICIT):
+        # q stays split: no all-gather produces an array of q's (global) size, and out
+        # keeps q's sharding.
+        if name.startswith("control"):
+            assert gathers_q(entry), f"{name}: the check cannot see a gathered q: {entry}"
+        else:
+            assert not gathers_q(entry), f"{name}: {entry}"
+        batch = "'data'" if case.data > 1 else "None"
+        assert entry["out_spec"].startswith(f"({batch}, 'cp'"), f"{name}: {entry}"
+
+
+# ---------------------------------------------------------------- in-process
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4])
+def test_zigzag_round_trip_and_pieces(parts):
+    x = jnp.arange(2 * 4 * parts * 3).reshape(2, 4 * parts, 3)
+    z = ffpa_jax.zigzag(x, parts, axis=1)
+    np.testing.assert_array_equal(ffpa_jax.unzigzag(z, parts, axis=1), x)
+    pieces = Pieces("zigzag", parts, 4)
+    for shard in range(parts):
+        local = z[:, 4 * shard:4 * (shard + 1)]
+        for piece in range(2):
+            start = pieces.start(shard, piece)
+            np.testing.assert_array_equal(pieces.local_slice(local, piece, 1),
+                                          x[:, start:start + 2])
+    assert sorted(zigzag_order(parts)) == list(range(2 * parts))
+
+
+def test_zigzag_rejects_uneven_lengths():
+    with pytest.raises(ValueError, match="equal chunks"):
+        ffpa_jax.zigzag(jnp.zeros((1, 6)), 2)
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (False, (3, 5)), (True, (4, 0)),
+                                           (True, (2, 9)), (False, (0, 0))])
+def test_block_relation_matches_brute_force(causal, window):
+    """Blocks of 4 rows and 5 keys, row i's diagonal at key i + 3: the relation with Python
+    ints and traced (one vmapped program) equals the one of the element masks."""
+    shift = 3
+    starts = [(r0, c0) for r0 in range(0, 24, 4) for c0 in range(0, 30, 5)]
+    relation = lambda r0, c0: visibility.block_relation(r0, 4, c0, 5, shift=shift,
+                                                        causal=causal, window=window)
+    r0s, c0s = (jnp.asarray(x) for x in zip(*starts))
+    traced = np.asarray(jax.jit(jax.vmap(relation))(r0s, c0s)) if (causal or window) else None
+    for i, (r0, c0) in enumerate(starts):
+        rows, cols = np.arange(r0, r0 + 4)[:, None] + shift, np.arange(c0, c0 + 5)[None, :]
+        seen = np.ones((4, 5), bool)
+        if causal:
+            seen &= cols <= rows
+        if window is not None:
+            seen &= (cols >= rows - window[0]) & (cols <= rows + window[1])
+        want = (visibility.BLOCK_FULL if seen.all() else
+                visibility.BLOCK_HIDDEN if not seen.any() else visibility.BLOCK_PARTIAL)
+        assert relation(r0, c0) == want, (r0, c0)
+        if traced is not None:
+            assert traced[i] == want, (r0, c0)
+
+
+def _problem(**kw) -> Problem:
+    base = dict(batch=1, seq_q=4096, seq_k=4096, heads_q=8, heads_kv=8, head_dim=64,
+                head_dim_v=64, dtype=jnp.bfloat16, scale=0.125)
+    return Problem(**{**base, **kw})
+
+
+def test_strategy_rule():
+    choose = context_local.choose_strategy
+    assert choose(_problem(), 4, "contiguous") == "ring"
+    assert choose(_problem(heads_kv=2), 4, "contiguous") == "all_gather"  # few KV heads
+    assert choose(_problem(heads_kv=2, seq_q=2**24, seq_k=2**24), 4, "zigzag") == "ring"
+    assert choose(_problem(heads_kv=2), 4, "zigzag", "ring") == "ring"  # forced
+    # dropout: ring blocks must start at multiples of 128 keys, else the all-gather
+    odd = _problem(seq_q=4 * 200, seq_k=4 * 200, dropout_rate=0.1)
+    assert choose(odd, 4, "contiguous") == "all_gather"
+    with pytest.raises(ValueError, match="multiple of 128"):
+        choose(odd, 4, "contiguous", "ring")
+
+
+def _smap(fn, n=1):
+    mesh = jax.make_mesh((n,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
+    spec = jax.sharding.PartitionSpec(None, "cp")
+    return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+
+
+def test_argument_errors():
+    q = jnp.zeros((1, 16, 2, 8))
+    with pytest.raises(ValueError, match="not an axis of an enclosing shard_map"):
+        ffpa_jax.attention(q, q, q, context_axis="cp")
+    with pytest.raises(ValueError, match="context_layout='zigzag' needs context_axis"):
+        ffpa_jax.attention(q, q, q, context_layout="zigzag")
+    with pytest.raises(ValueError, match="context_layout must be one of"):
+        ffpa_jax.attention(q, q, q, context_layout="striped")
+    with pytest.raises(ValueError, match="context_strategy must be one of"):
+        ffpa_jax.attention(q, q, q, context_strategy="tree")
+    with pytest.raises(TypeError, match="context_axis must be a mesh axis name"):
+        ffpa_jax.attention(q, q, q, context_axis=3)
+    bias = jnp.zeros((1, 2, 16, 16))
+    with pytest.raises(ValueError, match="segment_ids"):
+        jax.jit(_smap(lambda q: ffpa_jax.attention(q, q, q, bias, context_axis="cp")))(q)
+    odd = jnp.zeros((1, 15, 2, 8))
+    with pytest.raises(ValueError, match="must be even"):
+        jax.jit(_smap(lambda q: ffpa_jax.attention(q, q, q, context_axis="cp",
+                                                   context_layout="zigzag")))(odd)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        jax.jit(_smap(lambda q: ffpa_jax.attention(
+            q, q, q, context_axis="cp", context_strategy="ring", dropout_rate=0.5,
+            dropout_rng=jax.random.key(0))))(q)
+
+
+def test_one_device_shard_map_equals_plain_call():
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, 32, 4, 8), np.float32))
+    k = jnp.asarray(rng.standard_normal((1, 32, 2, 8), np.float32))
+    got = jax.jit(_smap(lambda q, k: ffpa_jax.attention(
+        q, k, k, is_causal=True, context_axis="cp", context_layout="zigzag")))(q, k)
+    want = ffpa_jax.attention(q, k, k, is_causal=True)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+
+
+@pytest.mark.parametrize("tier,interpret", [("pallas", True), ("chunked", False)])
+def test_every_tier_with_kernels_places_a_block(tier, interpret):
+    """Each tier that serves a block of a sequence (`Problem.positions`) computes it as the
+    dense tier does."""
+    if tier_lacks_positions(tier) is None:
+        assert positioned_block_matches_dense(tier, interpret), (
+            f"the {tier} tier claims positions but computes them wrong")
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _worker()
