@@ -85,12 +85,11 @@ class ContextCall:
 
 class Block(NamedTuple):
     """A block's static shape: `rows` queries against `keys` keys, fully visible (FULL) or
-    partly (PARTIAL), and whether the tier joins the sinks (a block that holds every key)."""
+    partly (PARTIAL)."""
 
     rows: int
     keys: int
     relation: int
-    sinks: bool = False
 
 
 def block_problem(problem: Problem, block: Block) -> Problem:
@@ -101,7 +100,7 @@ def block_problem(problem: Problem, block: Block) -> Problem:
     return dataclasses.replace(
         problem, seq_q=block.rows, seq_k=block.keys, positions=True, return_lse=True,
         causal=problem.causal and partial, window=problem.window if partial else None,
-        sinks=problem.sinks and block.sinks)
+        sinks=False)
 
 
 @functools.lru_cache(maxsize=256)

@@ -5,8 +5,9 @@ block per query piece; the backward reduce-scatters dK and dV back to their owne
 It moves the same K/V bytes as the ring, in one collective that the compute waits for, and
 holds all of K and V on every shard: cheap where the KV heads are few (GQA/MQA), where K/V
 are a small part of what a shard holds. Each block sees every key, so it is a call of its
-own, with positions: its tier applies causality, the window and the sinks itself, its
-forward needs no merge and its backward takes the block's own out and lse.
+own, with positions: its tier applies causality and the window itself. The sinks join
+once, after the pieces' rows (`context_blocks.join_sinks`), as in the ring: a tier takes
+no sinks together with positions.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def whole_block(call: ContextCall, a: int) -> Block:
     takes the causal/window mask (its tier skips what is hidden)."""
     qp, s = call.q_pieces, call.problem.seq_k
     relations = {call.relation(qp.start(i, a), qp.size, 0, s) for i in range(call.parts)}
-    return Block(qp.size, s, FULL if relations == {FULL} else PARTIAL, sinks=True)
+    return Block(qp.size, s, FULL if relations == {FULL} else PARTIAL)
 
 
 def _piece_inputs(call: ContextCall, inputs: Inputs, k, v, kv_ids, a: int) -> Inputs:
@@ -48,7 +49,7 @@ def _piece_inputs(call: ContextCall, inputs: Inputs, k, v, kv_ids, a: int) -> In
     me = 0 if call.parts == 1 else jax.lax.axis_index(call.axis)
     f = inputs.features
     q_ids = None if f.q_segment_ids is None else qp.local_slice(f.q_segment_ids, a, 1)
-    features = f._replace(q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+    features = f._replace(q_segment_ids=q_ids, kv_segment_ids=kv_ids, sinks=None,
                           positions=cb.positions(qp.start(me, a), 0, call.shift))
     return inputs._replace(q=qp.local_slice(inputs.q, a, 1), k=k, v=v, features=features)
 
@@ -63,7 +64,7 @@ def forward(call: ContextCall, inputs: Inputs) -> Rows:
     kv = _whole_kv(call, inputs)
     rows = [cb.block_forward(call, whole_block(call, a), _piece_inputs(call, inputs, *kv, a))
             for a in range(call.q_pieces.count)]
-    return cb.joined_rows(rows)
+    return cb.join_sinks(cb.joined_rows(rows), inputs.features.sinks)
 
 
 def backward(call: ContextCall, inputs: Inputs, saved: Saved, cotangents: Cotangents,
