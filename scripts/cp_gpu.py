@@ -8,6 +8,7 @@ profiler trace. Results land under $OUT (default ./gpu_out).
   chunked, xla; float32 against the unsharded call, bfloat16 by the tolerance rule against
   float64) on 2 or 4 GPUs: $OUT/cp_tests_<n>gpu.json, one line per case printed (a tier
   that cannot place blocks of a sequence yet says so and is skipped).
+  CP_CASES=part,part runs only the cases whose names contain one of the parts.
 - bench: forward+backward time of the plain call on 1 GPU against the context-parallel
   call on several: D=512, H=8, causal, zigzag, N=131072 on 1 and 4 GPUs; GQA 32/8, D=128,
   causal, N=131072 on 1 and 2 GPUs (the rule's strategy, and the ring forced). Each
@@ -81,7 +82,10 @@ def run_tests(gpus: int) -> None:
     if gpus > n:
         print(f"tests on {gpus} GPUs skipped: {n} GPU(s) here")
         return
+    only = os.environ.get("CP_CASES")  # comma-separated parts of case names: run only those
     for case in gpu_cases(gpus):
+        if only and not any(part in case.name for part in only.split(",")):
+            continue
         entry = run_case(case, references)
         report[case.name] = entry
         status = ("skip: " + entry["skip"] if "skip" in entry else
@@ -157,12 +161,26 @@ def bench_one(config: dict, trace_dir: str | None = None) -> dict:
                 device=devices[0].device_kind)
 
 
+def _gpus_here() -> int:
+    """The GPUs of this machine, counted without starting JAX here (each configuration's
+    own process takes its share of GPU memory)."""
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    except FileNotFoundError:
+        return 0
+    return sum(line.startswith("GPU ") for line in listed.stdout.splitlines())
+
+
 def run_bench(configs) -> dict:
     results = {}
     path = OUT / "cp_bench.json"
     if path.exists():
         results = json.loads(path.read_text())
+    here = _gpus_here()
     for name, config in configs:
+        if config["gpus"] > here:
+            print(f"{name}: skipped, needs {config['gpus']} GPUs ({here} here)", flush=True)
+            continue
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
         proc = subprocess.run([sys.executable, __file__, "--bench-one", json.dumps(config)],
                               capture_output=True, text=True, env=env, cwd=ROOT)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from tuning.autotune import measure as am
+from tuning.autotune import runners
 from tuning.autotune import search_space
 from tuning.autotune.sched import ResultStore
 from tuning.autotune.tasks import Task
@@ -69,10 +70,10 @@ def test_every_descriptor_is_registered_defaulted_searched_and_run():
                      "bwd_generic_dkdv", "bwd_generic_dq", "bwd_dbias"]
     # FFPA's fused-backward kernels are valid file entries that we never run.
     assert list(KERNELS) == names + ["bwd_generic", "decode_bwd_stage1"]
-    assert set(am.RUNNERS) == set(names)
+    assert set(runners.RUNNERS) == set(names)
     for d in KERNEL_DESCRIPTORS:
         assert KERNELS[d.name].block_keys == d.block_keys
-        assert am.RUNNERS[d.name].kernel_fn is d.function
+        assert runners.RUNNERS[d.name].kernel_fn is d.function
         for dim in (64, 512):
             assert config_problem(d.name, default_config(d.name, headdim=dim)) is None
     with pytest.raises(KeyError):
@@ -89,18 +90,16 @@ def test_unknown_mode_or_kernel():
 def test_unsupported_kernels_and_dropout_are_reported():
     spec = spec_of(batch=1, seq_q=1, seq_k=512, heads_q=2, heads_kv=2, head_dim=64,
                    head_dim_v=64)
-    assert am.unsupported("fwd_generic", spec) is None
-    assert "no autotune runner" in am.unsupported("no_such_kernel", spec)
-    assert "needs a bias" in am.unsupported("bwd_dbias", spec)
-    missing = dataclasses.replace(am.RUNNERS["fwd_generic"], kernel_fn=None)
+    assert runners.unsupported("fwd_generic", spec) is None
+    assert "no autotune runner" in runners.unsupported("no_such_kernel", spec)
+    assert "needs a bias" in runners.unsupported("bwd_dbias", spec)
+    missing = dataclasses.replace(runners.RUNNERS["fwd_generic"], kernel_fn=None)
     assert "pallas_kernels has no fwd_generic yet" in missing.unsupported(spec)
 
-    def no_dropout_kernel(q, k, v, *, scale, causal, config, interpret=False):
-        raise AssertionError("never launched")
-    old = dataclasses.replace(am.RUNNERS["fwd_generic"], kernel_fn=no_dropout_kernel)
+    no_dropout = dataclasses.replace(runners.RUNNERS["fwd_generic"], dropout=False)
     dropout_spec = dataclasses.replace(spec, dropout_rate=0.1)
-    assert old.unsupported(spec) is None
-    assert "does not take dropout_rate yet" in old.unsupported(dropout_spec)
+    assert no_dropout.unsupported(spec) is None
+    assert "does not apply dropout" in no_dropout.unsupported(dropout_spec)
     caps = am.capabilities()
     assert set(caps) >= set(TUNED_KERNELS) and caps["fwd_generic"]["missing"] is None
 
@@ -113,7 +112,7 @@ def perturbing_runner(kernel: str, *, bad_everywhere_warps: int, bad_row_warps: 
     """RUNNERS[kernel] whose launches under two marked configs return wrong outputs:
     every value off (warps = bad_everywhere_warps), or one query row off, a row the
     sampled reference does not look at (warps = bad_row_warps)."""
-    base = am.RUNNERS[kernel]
+    base = runners.RUNNERS[kernel]
 
     def launcher(cfg, spec, interpret):
         launch = base.launcher(cfg, spec, interpret)
@@ -147,7 +146,7 @@ def test_forward_filter_discards_compile_failures_and_wrong_results(tmp_path):
     spec = spec_of(batch=1, seq_q=40, seq_k=48, heads_q=2, heads_kv=1, head_dim=16,
                           head_dim_v=16, causal=True, bias_shape=(1, 1, 1, 48))
     unsampled = 5
-    assert unsampled not in am._sample_indices(spec.seq_q)
+    assert unsampled not in runners._sample_indices(spec.seq_q)
     runner = perturbing_runner("fwd_generic", bad_everywhere_warps=2, bad_row_warps=8,
                                row=unsampled)
     candidates = [fwd_cfg(2),                          # wrong everywhere: the reference
@@ -209,8 +208,8 @@ def test_backward_filter_discards_wrong_dkdv_and_nothing_passing_gives_none():
 def test_decode_runners_check_both_stages_against_the_reference():
     spec = spec_of(batch=1, seq_q=1, seq_k=64, heads_q=2, heads_kv=1, head_dim=16,
                           head_dim_v=16, causal=True)
-    if am.unsupported("decode_fwd_stage1", spec):
-        pytest.skip(am.unsupported("decode_fwd_stage1", spec))
+    if runners.unsupported("decode_fwd_stage1", spec):
+        pytest.skip(runners.unsupported("decode_fwd_stage1", spec))
     inputs = am.Inputs(spec, interpret=True)
     runner = perturbing_runner("decode_fwd_stage1", bad_everywhere_warps=8, bad_row_warps=-1,
                                row=0)

@@ -105,6 +105,18 @@ def test_float32_and_other_gpus_never_take_mosaic(monkeypatch):
     assert dispatch.explain(_problem(), device=old_jax).forward.tier == "pallas"
 
 
+def test_a_process_with_several_gpus_never_takes_mosaic(monkeypatch):
+    """Its kernels gave wrong rows in a program spread over two GPUs (docs/history.md): the
+    dispatcher passes over it, and an explicit call is refused, saying why."""
+    import dataclasses
+    two = dataclasses.replace(_h100(monkeypatch), device_count=2)
+    explained = dispatch.explain(_problem(), device=two)
+    assert explained.forward.tier == "pallas"
+    assert "sees 2" in dict(explained.passed_over)["mosaic"]
+    with pytest.raises(ValueError, match="one GPU"):
+        dispatch.explain(_problem(), "mosaic", device=two)
+
+
 def test_explicit_mosaic_runs_its_forward_and_the_rules_pick_the_backward(monkeypatch):
     device = _h100(monkeypatch)
     explained = dispatch.explain(_problem(), "mosaic", device=device)

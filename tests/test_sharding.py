@@ -308,8 +308,10 @@ def test_user_shard_map_with_default_check_vma_gpu():
         out, vjp = jax.vjp(fn, q, k, v)
         return (out, *vjp(d_out))
 
-    got = jax.jit(lambda: grads(smap))()
-    want = jax.jit(lambda: grads(attn))()
+    # Explicit axes ask for the mesh in context, as any JAX program over them does.
+    with jax.set_mesh(mesh):
+        got = jax.jit(lambda: grads(smap))()
+        want = jax.jit(lambda: grads(attn))()
     for g, w in zip(got, want):
         assert _rel_diff(g, w) <= 1e-5
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels import chunked_plan, compat, fused, tiers
@@ -60,6 +61,8 @@ class Device:
     name: str | None = None
     compute_capability: str | None = None
     multiprocessors: int = devices.DEFAULT_MULTIPROCESSORS
+    # The devices of the process (jax.device_count()): a program may span them all.
+    device_count: int = 1
 
     @classmethod
     def current(cls) -> "Device":
@@ -67,7 +70,8 @@ class Device:
             return cls(nvidia_gpu=False)
         name, capability = devices.current_device()
         return cls(nvidia_gpu=True, name=name, compute_capability=capability,
-                   multiprocessors=devices.multiprocessor_count())
+                   multiprocessors=devices.multiprocessor_count(),
+                   device_count=jax.device_count())
 
     def lookup_keys(self) -> dict:
         """The tuned lookup's device keywords (None: JAX's own device)."""
@@ -104,7 +108,14 @@ def runs_here(tier: Tier, device: Device, interpret: bool) -> str | None:
         sm90 = (device.nvidia_gpu and not interpret
                 and str(device.compute_capability or "").startswith("9.")
                 and compat.mosaic_gpu_runs())
-        return None if sm90 else f"needs {tier.runs_on}"
+        if not sm90:
+            return f"needs {tier.runs_on}"
+        # Its kernels gave wrong rows in programs spread over several GPUs (a shard_map or
+        # a sharded call), right ones in each GPU's own programs: docs/history.md.
+        if device.device_count > 1:
+            return (f"runs only where the process sees one GPU (it sees "
+                    f"{device.device_count}): its kernels are wrong in multi-GPU programs")
+        return None
     if device.nvidia_gpu and not interpret:
         return None
     if interpret and tier.interpretable:

@@ -134,7 +134,7 @@ def _pallas_paged(case: BenchCase, interpret: bool):
 
 def _tiers_of(implementation: str | None):
     """(case, interpret) -> "forward tier/backward tier" of ffpa_jax's call for the case."""
-    def tiers(case: BenchCase, interpret: bool) -> str:
+    def tiers_that_ran(case: BenchCase, interpret: bool) -> str:
         import tuning
         from pallas_kernels.problem import DTYPES, Problem
         problem = Problem(batch=case.b, seq_q=case.t, seq_k=case.s, heads_q=case.hq,
@@ -148,8 +148,11 @@ def _tiers_of(implementation: str | None):
                           sinks=case.sinks)
         explained = tuning.explain(problem, implementation, interpret=interpret)
         forward, backward = explained.forward.tier, explained.backward.tier
-        return forward if case.mode == "fwd" or forward == backward else f"{forward}/{backward}"
-    return tiers
+        # The dense tier is one computation that JAX differentiates: one name.
+        if case.mode == "fwd" or tiers.BY_NAME[forward].differentiated_by_jax:
+            return forward
+        return f"{forward}/{backward}"
+    return tiers_that_ran
 
 
 def _ffpa_tier(implementation: str):
