@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import sys
 import textwrap
 
@@ -295,6 +296,31 @@ def legend(*, gpu: bool, interpreted_rows: bool = False, width: int = WIDTH) -> 
     return "\n".join(lines)
 
 
+# A number and the unit after it ("10 s", "2.5 ms", "4096 MiB"): never split over two lines.
+_NUMBER_AND_UNIT = re.compile(r"(\d) (s|ms|MiB|GiB)\b")
+_GLUE = "\x00"  # not whitespace to textwrap, so the pair stays one word while wrapping
+
+
+def wrap(text: str, width: int = WIDTH, **kw) -> list[str]:
+    """`textwrap.wrap`, except that a number is never separated from its unit (a line that
+    ends in "10" and a next line that starts with "s target" read badly)."""
+    glued = _NUMBER_AND_UNIT.sub(lambda m: m.group(1) + _GLUE + m.group(2), text)
+    return [line.replace(_GLUE, " ") for line in textwrap.wrap(glued, width, **kw)]
+
+
+def compile_summary(records: list[dict], target_s: float, width: int = WIDTH) -> list[str]:
+    """ffpa's slowest trace+compile of the run and how many cases took longer than
+    `target_s` (no lines when no ffpa record has a compile time)."""
+    compiles = [r for r in records if r["impl"] == "ffpa" and r.get("compile_s") is not None]
+    if not compiles:
+        return []
+    slow = max(compiles, key=lambda r: r["compile_s"])
+    over = sum(r["compile_s"] > target_s for r in compiles)
+    return wrap(f"ffpa trace+compile: at most {slow['compile_s']:.1f} s ({slow['kind']}: "
+                f"{slow['case']}); {over} of {len(compiles)} cases above the "
+                f"{target_s:.0f} s target", width)
+
+
 def dropout_lines(records: list[dict], width: int = WIDTH) -> list[str]:
     """What dropout costs each implementation (the time over the same case's without it);
     never for interpreted times, which say nothing about that cost on a GPU."""
@@ -302,7 +328,7 @@ def dropout_lines(records: list[dict], width: int = WIDTH) -> list[str]:
     for r in records:
         if (r.get("dropout") and is_ok(r) and r.get("dropout_overhead") is not None
                 and not interpreted(r)):
-            out += textwrap.wrap(
+            out += wrap(
                 f"dropout {r['dropout']:g}: {r['impl']} takes {r['dropout_overhead']:.2f}x "
                 f"the time without dropout ({r['case']})", width, subsequent_indent="  ")
     return out
