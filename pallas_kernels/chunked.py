@@ -325,7 +325,7 @@ def _visible(plan: ChunkPlan, mask, blk: _Block, *, seq_q: int, seq_k: int,
     rows = blk.r0 + jnp.arange(blk.rows, dtype=jnp.int32)
     cols = blk.c0 + jnp.arange(blk.keys, dtype=jnp.int32)
     if plan.causal:
-        keep = causal_keep(seq_q, seq_k, rows, cols)
+        keep = causal_keep(seq_q, seq_k, rows, cols)[None, None]  # [1, 1, rows, keys]
         visible = keep if visible is None else visible & keep
     f = FeatureArrays() if features is None else features
     if plan.window is not None or any(x is not None for x in f[:4]):

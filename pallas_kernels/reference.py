@@ -150,7 +150,8 @@ def mha_reference(q, k, v, bias=None, mask=None, *, scale: float, is_causal: boo
     logits = soft_cap(attention_logits(q, k, bias, scale=scale), softcap)
     visible = mask
     if is_causal:
-        visible = causal_keep(t, s) if visible is None else visible & causal_keep(t, s)
+        causal = causal_keep(t, s)[None, None]  # explicit ranks: rank promotion may raise
+        visible = causal if visible is None else visible & causal
     keep = feature_keep(t, s, jnp.arange(t), jnp.arange(s), window=window,
                         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                         q_lengths=q_lengths, kv_lengths=kv_lengths)
