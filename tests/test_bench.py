@@ -577,6 +577,17 @@ def test_compile_summary_keeps_numbers_with_their_units(slow_s):
     assert report.compile_summary([{"impl": "ffpa", "compile_s": None}], 10.0) == []
 
 
+def test_wrap_keeps_comparisons_units_and_note_numbers_on_one_line():
+    text = ("[2] pallas-mha declined: its fused backward needs T and S split into the same "
+            "number of blocks (T == S), not run: pallas-mha [4], 4096 MiB, 10 s target")
+    for width in range(30, 101):
+        lines = report.wrap(text, width, subsequent_indent="    ")
+        assert " ".join(line.strip() for line in lines) == text
+        breaks = {(a.split()[-1], b.split()[0]) for a, b in zip(lines, lines[1:])}
+        assert not breaks & {("(T", "=="), ("==", "S),"), ("pallas-mha", "[4],"),
+                             ("4096", "MiB,"), ("10", "s")}, (width, lines)
+
+
 # ---------------------------------------------------------------- language-model features
 def test_feature_kinds_count_their_visible_pairs():
     packed = make_case("packed", d=128, n=4096, b=4, h=32)

@@ -240,17 +240,17 @@ def text_table(records: list[dict], *, gpu: bool = True, width: int = WIDTH) -> 
                 row = f"{row}  {tail}"
             lines.append(row)
         if declined:
-            lines += textwrap.wrap("not run: " + ", ".join(declined), width,
+            lines += wrap("not run: " + ", ".join(declined), width,
                                    initial_indent="  ", subsequent_indent="    ")
     if skipped:
         lines.append("Not run in any case of this run:")
         for impl, why in skipped.items():
-            lines += textwrap.wrap(f"{impl}: {why}", width, initial_indent="  ",
+            lines += wrap(f"{impl}: {why}", width, initial_indent="  ",
                                    subsequent_indent="    ")
     if notes:
         lines.append("Notes:")
         for text, n in notes.items():
-            lines += textwrap.wrap(f"[{n}] {text}", width, initial_indent="  ",
+            lines += wrap(f"[{n}] {text}", width, initial_indent="  ",
                                    subsequent_indent="      ")
     return "\n".join(lines)
 
@@ -287,24 +287,28 @@ def legend(*, gpu: bool, interpreted_rows: bool = False, width: int = WIDTH) -> 
                             "chunked (blocked GEMMs) or xla (dense)")]
     lines = ["Columns:"]
     for name, text in items:
-        lines += textwrap.wrap(f"{name:<10} {text}", width, initial_indent="  ",
+        lines += wrap(f"{name:<10} {text}", width, initial_indent="  ",
                                subsequent_indent=" " * 13)
     if not gpu:
-        lines += textwrap.wrap(
+        lines += wrap(
             "No GPU: TF/s, GB/s and ffpa's time against each peer's are left out, as CPU "
             "times, interpreted or not, say nothing about them on a GPU.", width)
     return "\n".join(lines)
 
 
-# A number and the unit after it ("10 s", "2.5 ms", "4096 MiB"): never split over two lines.
-_NUMBER_AND_UNIT = re.compile(r"(\d) (s|ms|MiB|GiB)\b")
-_GLUE = "\x00"  # not whitespace to textwrap, so the pair stays one word while wrapping
+# The spaces a line must not break at: between a number and its unit ("10 s", "4096 MiB"),
+# around "==" ("T == S") and before a note's number ("pallas-mha [3]").
+_KEEP_TOGETHER = re.compile(r"(?<=\d) (?=(?:s|ms|MiB|GiB)\b)| (?===)|(?<===) | (?=\[\d+\])")
+_GLUE = "\x00"  # not whitespace to textwrap, so the glued words stay one while wrapping
 
 
 def wrap(text: str, width: int = WIDTH, **kw) -> list[str]:
-    """`textwrap.wrap`, except that a number is never separated from its unit (a line that
-    ends in "10" and a next line that starts with "s target" read badly)."""
-    glued = _NUMBER_AND_UNIT.sub(lambda m: m.group(1) + _GLUE + m.group(2), text)
+    """`textwrap.wrap`, except that a number is never separated from its unit, nor a
+    comparison or a note's number from what it belongs to (a line that ends in "10" and a
+    next line that starts with "s target" read badly), and names are not broken at their
+    hyphens ("pallas-mha")."""
+    glued = _KEEP_TOGETHER.sub(_GLUE, text)
+    kw.setdefault("break_on_hyphens", False)
     return [line.replace(_GLUE, " ") for line in textwrap.wrap(glued, width, **kw)]
 
 
