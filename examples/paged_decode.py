@@ -164,24 +164,40 @@ def run(setup: DecodeSetup, *, steps: int, prompt_lengths: list[int], seed: int 
     return worst
 
 
+def implementation_name(implementation: str | None, interpret: bool) -> str:
+    """What `ffpa_jax.paged_attention(..., implementation=, interpret=)` runs, in words:
+    the rule it applies itself (`ffpa_jax.api.resolve_implementation`)."""
+    from ffpa_jax.api import resolve_implementation
+    if resolve_implementation(implementation, interpret) == "xla":
+        return "xla (the pages gathered into a contiguous cache, then plain JAX)"
+    where = "in Pallas' interpreter" if interpret else f"on {jax.devices()[0].device_kind}"
+    return f"pallas (the split-KV decode kernels reading the pages by index, {where})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python examples/paged_decode.py",
         description="A decode loop over a paged KV cache (ffpa_jax.update_kv_pages and "
                     "ffpa_jax.paged_attention), checked against contiguous attention.")
-    parser.add_argument("--steps", type=int, default=24, help="tokens to decode")
-    parser.add_argument("--batch", type=int, default=4, help="sequences")
-    parser.add_argument("--page-size", type=int, default=16, help="keys per page")
+    parser.add_argument("--steps", type=int, default=24,
+                        help="tokens to decode (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=4,
+                        help="sequences (default: %(default)s)")
+    parser.add_argument("--page-size", type=int, default=16,
+                        help="keys per page (default: %(default)s)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                        default="float32")
-    parser.add_argument("--implementation", choices=["pallas", "xla"], default=None,
-                        help="default: the decode kernels on an NVIDIA GPU, XLA elsewhere")
+                        default="float32", help="K, V and query dtype (default: %(default)s)")
+    parser.add_argument("--implementation", choices=["auto", "pallas", "xla"], default="auto",
+                        help="auto: the Pallas decode kernels on an NVIDIA GPU (or with "
+                             "--interpret), XLA elsewhere (default: %(default)s)")
     parser.add_argument("--interpret", action="store_true",
                         help="run the Pallas kernels in Pallas' interpreter (CPU; slow)")
     parser.add_argument("--no-check", action="store_true",
                         help="skip the comparison with contiguous attention")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the weights and prompts (default: %(default)s)")
     args = parser.parse_args(argv)
+    implementation = None if args.implementation == "auto" else args.implementation
     for name in ("steps", "batch", "page_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
@@ -191,8 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     setup = DecodeSetup(batch=args.batch, page_size=args.page_size,
                         max_pages_per_seq=per_seq, pool_pages=args.batch * per_seq + 2,
                         dtype=args.dtype)
+    try:
+        ran = implementation_name(implementation, args.interpret)
+    except ValueError as exc:  # e.g. --implementation pallas without a GPU or --interpret
+        parser.error(str(exc))
+    print(f"paged_attention runs on: {ran}", flush=True)
     worst = run(setup, steps=args.steps, prompt_lengths=prompt_lengths, seed=args.seed,
-                check=not args.no_check, implementation=args.implementation,
+                check=not args.no_check, implementation=implementation,
                 interpret=args.interpret)
     if not args.no_check:
         tolerance = 1e-5 if args.dtype == "float32" else 2e-2

@@ -65,6 +65,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ffpa_jax import validation
 from ffpa_jax.api import attention
 from ffpa_jax.reference import attention_logits, causal_keep, feature_keep, soft_cap, softmax
 
@@ -93,7 +94,7 @@ def _attention_weights(q, k, bias, mask, *, scale: float, is_causal: bool,
     if mask is not None:
         keep = keep & mask
     if is_causal:
-        keep = keep & causal_keep(q.shape[1], k.shape[1])
+        keep = keep & causal_keep(q.shape[1], k.shape[1])[None, None]
     window = f.get("local_window_size")
     visible = feature_keep(q.shape[1], k.shape[1], jnp.arange(q.shape[1]),
                            jnp.arange(k.shape[1]),
@@ -158,18 +159,6 @@ def flax_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout
         target = jnp.dtype(dtype) if dtype is not None else jnp.result_type(query, key, value)
         query, key, value = (jnp.asarray(x, target) for x in (query, key, value))
 
-    dropping = (not bool(deterministic)) and float(dropout_rate) > 0.0
-    if dropping:
-        if dropout_rng is None:
-            raise ValueError(f"dropout_rate={dropout_rate} with deterministic=False needs "
-                             "dropout_rng (Flax passes the module's 'dropout' rng); got None.")
-        if broadcast_dropout:
-            raise ValueError(
-                "broadcast_dropout=True (Flax's default) shares one dropout mask across batch "
-                "and heads; ffpa_jax draws an independent mask per (batch, head) inside the "
-                "kernel and cannot broadcast it. Construct the attention module with "
-                "broadcast_dropout=False (or deterministic=True / dropout_rate=0).")
-
     if query.ndim < 3:
         raise ValueError(f"query must be [batch..., T, Hq, D]; got shape {tuple(query.shape)}.")
     for name, x in (("key", key), ("value", value)):
@@ -203,6 +192,23 @@ def flax_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout
         q4, k4, v4, bias4, mask4 = query, key, value, bias, mask
     features = dict(per_batch, local_window_size=local_window_size,
                     logits_soft_cap=logits_soft_cap, sinks=sinks)
+
+    # Every shape (and the other arguments) is checked before the dropout mode, so that a
+    # call with wrong shapes is told about its shapes first, whatever its dropout settings.
+    validation.validate(q4, k4, v4, bias4, mask4, scale=scale, is_causal=kernel_causal,
+                        dropout_rate=0.0, dropout_rng=None, return_lse=False,
+                        implementation=implementation, interpret=interpret, **features)
+    dropping = (not bool(deterministic)) and float(dropout_rate) > 0.0
+    if dropping:
+        if dropout_rng is None:
+            raise ValueError(f"dropout_rate={dropout_rate} with deterministic=False needs "
+                             "dropout_rng (Flax passes the module's 'dropout' rng); got None.")
+        if broadcast_dropout:
+            raise ValueError(
+                "broadcast_dropout=True (Flax's default) shares one dropout mask across batch "
+                "and heads; ffpa_jax draws an independent mask per (batch, head) inside the "
+                "kernel and cannot broadcast it. Construct the attention module with "
+                "broadcast_dropout=False (or deterministic=True / dropout_rate=0).")
 
     out = attention(q4, k4, v4, bias4, mask4, scale=scale, is_causal=kernel_causal,
                     dropout_rate=float(dropout_rate) if dropping else 0.0,

@@ -10,6 +10,8 @@ kernels read the pages by index, and the query heads of a GQA group share each p
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -88,6 +90,8 @@ def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
     return picked.transpose(1, 2, 3, 0, 4).reshape(batch, per_seq * page, hkv, d)
 
 
+# Jitted: called eagerly, its dozen small ops would each compile on the first call.
+@functools.partial(jax.jit, static_argnames=("problem",))
 def _paged_reference(q, k_pages, v_pages, tables, lengths, problem, sinks):
     """The XLA path: the pages gathered into a contiguous cache, then the reference with
     each sequence's keys [lengths - 1 - left, lengths) visible (O(B·S), no [T, S] mask)."""

@@ -155,6 +155,7 @@ def mha_reference(q, k, v, bias=None, mask=None, *, scale: float, is_causal: boo
     logits = soft_cap(attention_logits(q, k, bias, scale=scale), softcap)
     visible = None if mask is None else jnp.reshape(mask, (1,) * (4 - mask.ndim) + mask.shape)
     if is_causal:
+        # explicit ranks: rank promotion may raise
         causal = causal_keep(t, s, shift=shift)[None, None]
         visible = causal if visible is None else visible & causal
     keep = feature_keep(t, s, jnp.arange(t), jnp.arange(s), window=window,

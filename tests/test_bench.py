@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import json
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -519,6 +520,72 @@ def test_bench_help_fits_100_columns(monkeypatch):
     monkeypatch.setenv("COLUMNS", "100")  # argparse wraps what it may; the rest is ours
     text = cli.build_parser().format_help()
     assert "--case" in text and max(map(len, text.splitlines())) <= 100
+
+
+def _outside_parentheses(text: str) -> str:
+    depth, kept = 0, []
+    for ch in text:
+        depth += ch == "("
+        if depth == 0:
+            kept.append(ch)
+        depth -= ch == ")"
+    return "".join(kept)
+
+
+def test_bench_help_describes_every_case_kind():
+    """--help's paragraph of case kinds names each kind of `cases.KINDS`, in that order."""
+    text = cli.build_parser().format_help()
+    start = text.index("Case kinds (--case): ") + len("Case kinds (--case): ")
+    paragraph = " ".join(text[start:text.index(" With no shape option", start)].split())
+    named = [name.strip() for name in _outside_parentheses(paragraph).rstrip(".").split(",")]
+    assert named == list(cases.KINDS)
+
+
+def test_decline_reasons_read_as_english():
+    """Every reason a peer gives for not running a case (the run's footnotes): no "no a
+    sliding window"."""
+    reasons = set()
+    for kind in cases.KINDS:
+        case = make_case(kind, d=64, n=128, b=1, h=4)
+        for impl in peers.PEERS.values():
+            for interpret in (False, True):
+                try:
+                    impl.make(case, interpret)
+                except peers.Unsupported as exc:
+                    reasons.add(str(exc))
+    assert any("sliding window" in r for r in reasons)  # the features' reasons are here
+    bad = [r for r in reasons if re.search(r"\bno an? ", r)]
+    assert not bad
+
+
+@pytest.mark.parametrize("slow_s", [9.0, 12.3, 123.4])
+def test_compile_summary_keeps_numbers_with_their_units(slow_s):
+    """Whatever the length of the slowest case's label, no line of the summary starts with
+    the unit of a number that ended the line before ("s target" alone on a line)."""
+    unit_first = re.compile(r"^(s|ms|MiB|GiB)\b")
+    for n in range(120):  # labels of every length modulo the width's
+        label = " ".join(["D64"] * (n // 4) + ["x" * (n % 4 + 1)])
+        records = [{"impl": "ffpa", "kind": "self", "case": label, "compile_s": slow_s},
+                   {"impl": "ffpa", "kind": "causal", "case": "short", "compile_s": 1.0},
+                   {"impl": "xla", "kind": "self", "case": "x", "compile_s": 99.0}]
+        lines = report.compile_summary(records, 10.0)
+        assert max(map(len, lines)) <= report.WIDTH
+        assert " ".join(lines) == (
+            f"ffpa trace+compile: at most {slow_s:.1f} s (self: {label}); "
+            f"{int(slow_s > 10)} of 2 cases above the 10 s target")
+        assert not any(unit_first.match(line) for line in lines[1:]), (n, lines)
+    assert report.compile_summary([{"impl": "ffpa", "compile_s": None}], 10.0) == []
+
+
+def test_wrap_keeps_comparisons_units_and_note_numbers_on_one_line():
+    text = ("[2] pallas-mha declined: its fused backward needs T and S split into the same "
+            "number of blocks (T == S), not run: pallas-mha [4], 4096 MiB, 10 s target")
+    for width in range(30, 101):
+        lines = report.wrap(text, width, subsequent_indent="    ")
+        assert " ".join(line.strip() for line in lines) == text
+        breaks = {(a.split()[-1], b.split()[0]) for a, b in zip(lines, lines[1:])}
+        assert not breaks & {("(T", "=="), ("==", "S),"), ("pallas-mha", "[4],"),
+                             ("4096", "MiB,"), ("10", "s")}, (width, lines)
 
 
 # ---------------------------------------------------------------- language-model features

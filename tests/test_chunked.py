@@ -260,6 +260,7 @@ BLOCKED_CASES = [
     Case(b=1, t=37, s=300, hq=2, hkv=1, d=320, dv=111, bias_shape=(1, 2, 1, 300),
          dtype="float32"),
 ]
+BLOCKED_RATES = (0.0, 0.3, 0.3, 0.0)  # each case's dropout rate in the end-to-end test
 SMALL_BUDGET_MIB = "0.25"
 
 
@@ -292,7 +293,7 @@ def _end_to_end(case: Case, *, interpret: bool, rate: float = 0.0):
             assert_matches_reference(name, g, r, x, q.dtype, factor=3.0)
 
 
-@pytest.mark.parametrize("case,rate", zip(BLOCKED_CASES, (0.0, 0.3, 0.3, 0.0)),
+@pytest.mark.parametrize("case,rate", list(zip(BLOCKED_CASES, BLOCKED_RATES, strict=True)),
                          ids=lambda x: x if isinstance(x, float) else
                          f"T{x.t}-S{x.s}-D{x.d}-{x.dtype}")
 def test_blocked_paths_end_to_end(case, rate, monkeypatch):

@@ -4,6 +4,7 @@ and exits 1 otherwise)."""
 
 from __future__ import annotations
 
+from conftest import HAS_GPU
 from example_runner import run_example
 
 
@@ -17,6 +18,12 @@ def test_help_lists_the_options():
     assert run.stdout.startswith("usage: python examples/paged_decode.py")
     for option in ("--steps", "--batch", "--page-size", "--implementation", "--interpret"):
         assert option in run.stdout
+    # every option with a value says its default
+    text = " ".join(run.stdout.split())
+    for default in ("tokens to decode (default: 24)", "sequences (default: 4)",
+                    "keys per page (default: 16)", "(default: float32)", "(default: auto)",
+                    "(default: 0)"):
+        assert default in text, default
 
 
 def test_a_short_loop_matches_contiguous_attention():
@@ -26,6 +33,16 @@ def test_a_short_loop_matches_contiguous_attention():
     steps = [line for line in run.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 3 and "lengths [8, 19]" in steps[-1]
     assert "largest difference from contiguous attention" in run.stdout
+    # it says which implementation ran: the decode kernels on a GPU, else XLA's
+    ran = "pallas" if HAS_GPU else "xla"
+    assert run.stdout.splitlines()[0].startswith(f"paged_attention runs on: {ran} ")
+
+
+def test_the_interpreted_kernels_say_so():
+    run = _run("--steps", "1", "--batch", "1", "--page-size", "4", "--interpret")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    first = run.stdout.splitlines()[0]
+    assert first.startswith("paged_attention runs on: pallas ") and "interpreter" in first
 
 
 def test_bad_option_is_refused():

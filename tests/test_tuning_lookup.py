@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from test_tuning_schema import FFPA_FORMAT_FILES
 from tuning import device as device_mod
 from tuning import lookup as lookup_mod
 from tuning.lookup import clear_cache, lookup_config
 from tuning.lookup import user_config_dir as real_user_config_dir
-
-FFPA_L20 = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "ffpa_NVIDIA_L20.json"
 
 DEVICE = "Test GPU 80GB"  # file name: Test_GPU_80GB.json
 CC = "42.7"  # a capability no real packaged file will ever claim
@@ -571,20 +570,25 @@ def test_no_lookup_logs_without_debug_level(env_dir, caplog):
     assert _lookup_records(caplog, "hit") == []
 
 
-# ---------------------------------------------------------------- FFPA's own file (NVIDIA L20)
+# ------------------------------------------------------------ a file in FFPA's format (NVIDIA L20)
+# Ours (tests/ffpa_format.py) and, where the checkout has it, FFPA's own: the expected
+# configs are read from the file by hand (`by_hand`), so the same cases hold for both.
+
+
+@pytest.fixture(scope="module", params=FFPA_FORMAT_FILES)
+def l20_file(request) -> Path:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def l20_entries():
-    if not FFPA_L20.is_file():
-        pytest.skip(f"{FFPA_L20} not present")
-    return json.loads(FFPA_L20.read_text())["entries"]
+def l20_entries(l20_file):
+    return json.loads(l20_file.read_text())["entries"]
 
 
 @pytest.fixture
-def l20_dir(l20_entries, env_dir):
+def l20_dir(l20_file, env_dir):
     env_dir.mkdir()
-    shutil.copyfile(FFPA_L20, env_dir / "NVIDIA_L20.json")
+    shutil.copyfile(l20_file, env_dir / "NVIDIA_L20.json")
     return env_dir
 
 

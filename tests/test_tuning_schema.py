@@ -9,10 +9,14 @@ from pathlib import Path
 
 import pytest
 
+import ffpa_format
 from tuning.device import sanitize_device_name
 from tuning.schema import load_config_file, write_config_file
 
-FFPA_L20 = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "ffpa_NVIDIA_L20.json"
+# Files in FFPA's format: ours (tests/data, always), and FFPA's own where the checkout has it.
+FFPA_FORMAT_FILES = [pytest.param(ffpa_format.PATH, id="ours")] + (
+    [pytest.param(ffpa_format.FFPA_OWN, id="ffpa-own")] if ffpa_format.FFPA_OWN.is_file()
+    else [])
 
 
 def fwd_entry(**overrides):
@@ -308,31 +312,42 @@ def test_write_creates_missing_directory(tmp_path):
     assert load_config_file(path).entries[0]["headdim"] == 512
 
 
-# ---------------------------------------------------------------- FFPA's own file
+# ---------------------------------------------------------------- files in FFPA's format
 
 
-@pytest.fixture(scope="module")
-def ffpa_l20_raw():
-    if not FFPA_L20.is_file():
-        pytest.skip(f"{FFPA_L20} not present")
-    return json.loads(FFPA_L20.read_text())
+@pytest.fixture(scope="module", params=FFPA_FORMAT_FILES)
+def ffpa_file(request):
+    """(path, parsed JSON) of a file in FFPA's format (an NVIDIA L20, max mode)."""
+    return request.param, json.loads(request.param.read_text())
 
 
-def test_ffpa_l20_file_loads_every_entry(ffpa_l20_raw):
-    loaded = load_config_file(FFPA_L20)
+def test_committed_ffpa_format_file_is_what_its_module_builds():
+    assert ffpa_format.PATH.read_text() == ffpa_format.text()
+    assert json.loads(ffpa_format.text()) == ffpa_format.document()
+
+
+def test_ffpa_format_file_loads_every_entry(ffpa_file):
+    path, raw = ffpa_file
+    loaded = load_config_file(path)
     assert loaded is not None
-    assert len(ffpa_l20_raw["entries"]) == 3100
+    if path == ffpa_format.FFPA_OWN:
+        assert len(raw["entries"]) == 3100
     assert loaded.skipped == 0
-    assert [dict(e) for e in loaded.entries] == ffpa_l20_raw["entries"]
+    assert [dict(e) for e in loaded.entries] == raw["entries"]
     # FFPA's own version fields are unknown to us and must be kept.
     for key in ("ffpa_version", "torch_version", "triton_version", "hardware_desc", "tune_grid"):
-        assert loaded.header[key] == ffpa_l20_raw[key]
+        assert loaded.header[key] == raw[key]
+    # every kernel FFPA persists, its decode and FFPA-only backward kernels included
+    assert {e["kernel"] for e in raw["entries"]} == {
+        "fwd_generic", "decode_fwd_stage1", "bwd_preproc", "bwd_generic_dq",
+        "bwd_generic_dkdv", "bwd_generic", "decode_bwd_stage1"}
 
 
-def test_ffpa_l20_file_round_trips(ffpa_l20_raw, tmp_path):
-    loaded = load_config_file(FFPA_L20)
+def test_ffpa_format_file_round_trips(ffpa_file, tmp_path):
+    source, raw = ffpa_file
+    loaded = load_config_file(source)
     path = write_config_file(tmp_path / "NVIDIA_L20.json", loaded.header, loaded.entries)
     written = json.loads(path.read_text())
-    assert written["entries"] == ffpa_l20_raw["entries"]
-    for key, value in ffpa_l20_raw.items():
+    assert written["entries"] == raw["entries"]
+    for key, value in raw.items():
         assert written[key] == value, key

@@ -3,8 +3,9 @@
 Case kinds (--case): self, cross (T != S), decode (T = 1), gqa, mqa, causal, attn-mask
 (90%-sparse block mask), bias-grad (a [1, H, T, S] bias, differentiated), dropout (p=0.1),
 non-aligned (N = 8191), packed (causal, 8 documents per row as segment ids), window
-(causal, a left window of min(1024, N/4)), softcap (cap 50), paged-decode (decode over a
-KV cache in shuffled pages of --page-size keys, forward only). With no shape option a GPU
+(causal, a left window of min(1024, N/4)), softcap (cap 50), sinks (attention sinks: one
+logit per query head), paged-decode (decode over a KV cache in shuffled pages of
+--page-size keys, forward only). With no shape option a GPU
 runs the issue's target shapes (see `cases.gpu_preset`, or `--list`); any shape option
 runs a grid instead.
 

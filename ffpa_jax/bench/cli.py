@@ -9,7 +9,6 @@ import json
 import os
 import platform
 import sys
-import textwrap
 
 import jax
 
@@ -168,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         reps = min(reps, 3)
     if not on_gpu:
-        print(textwrap.fill(CPU_NOTE, report.WIDTH), flush=True)
+        print("\n".join(report.wrap(CPU_NOTE)), flush=True)
         reps, min_rep_s = min(reps, 2), 0.0
     header = device_header(argv)
     header.update(cpu_fallback=not on_gpu, reps=reps, min_rep_s=min_rep_s,
@@ -207,14 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     if on_gpu:  # CPU times (interpreted, or XLA on a CPU) say nothing of dropout's cost
         for line in report.dropout_lines(records):
             print(line)
-    compiles = [r for r in records if r["impl"] == "ffpa" and r.get("compile_s") is not None]
-    if compiles:
-        slow = max(compiles, key=lambda r: r["compile_s"])
-        over = sum(r["compile_s"] > COMPILE_TARGET_S for r in compiles)
-        print(textwrap.fill(
-            f"ffpa trace+compile: at most {slow['compile_s']:.1f} s ({slow['kind']}: "
-            f"{slow['case']}); {over} of {len(compiles)} cases above the "
-            f"{COMPILE_TARGET_S:.0f} s target", report.WIDTH))
+    for line in report.compile_summary(records, COMPILE_TARGET_S):
+        print(line)
     if args.plot:
         title = f"{header['device']}, {header['date'][:10]}: TF/s against seqlen"
         if not on_gpu:

@@ -70,9 +70,11 @@ def _ffpa_run(case: BenchCase, implementation: str | None, interpret: bool):
 
 def _features_of(case: BenchCase) -> list[str]:
     """The case's language-model features, by the names the peers decline them with."""
+    # Without articles: the reasons read "has no sliding window, logit soft cap" and
+    # "no segment ids (the plain composition)".
     return [name for name, used in (("segment ids", case.segments),
-                                    ("a sliding window", case.window),
-                                    ("a logit soft cap", case.softcap),
+                                    ("sliding window", case.window),
+                                    ("logit soft cap", case.softcap),
                                     ("attention sinks", case.sinks)) if used]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import sys
 import textwrap
 
@@ -239,17 +240,17 @@ def text_table(records: list[dict], *, gpu: bool = True, width: int = WIDTH) -> 
                 row = f"{row}  {tail}"
             lines.append(row)
         if declined:
-            lines += textwrap.wrap("not run: " + ", ".join(declined), width,
+            lines += wrap("not run: " + ", ".join(declined), width,
                                    initial_indent="  ", subsequent_indent="    ")
     if skipped:
         lines.append("Not run in any case of this run:")
         for impl, why in skipped.items():
-            lines += textwrap.wrap(f"{impl}: {why}", width, initial_indent="  ",
+            lines += wrap(f"{impl}: {why}", width, initial_indent="  ",
                                    subsequent_indent="    ")
     if notes:
         lines.append("Notes:")
         for text, n in notes.items():
-            lines += textwrap.wrap(f"[{n}] {text}", width, initial_indent="  ",
+            lines += wrap(f"[{n}] {text}", width, initial_indent="  ",
                                    subsequent_indent="      ")
     return "\n".join(lines)
 
@@ -286,13 +287,42 @@ def legend(*, gpu: bool, interpreted_rows: bool = False, width: int = WIDTH) -> 
                             "chunked (blocked GEMMs) or xla (dense)")]
     lines = ["Columns:"]
     for name, text in items:
-        lines += textwrap.wrap(f"{name:<10} {text}", width, initial_indent="  ",
+        lines += wrap(f"{name:<10} {text}", width, initial_indent="  ",
                                subsequent_indent=" " * 13)
     if not gpu:
-        lines += textwrap.wrap(
+        lines += wrap(
             "No GPU: TF/s, GB/s and ffpa's time against each peer's are left out, as CPU "
             "times, interpreted or not, say nothing about them on a GPU.", width)
     return "\n".join(lines)
+
+
+# The spaces a line must not break at: between a number and its unit ("10 s", "4096 MiB"),
+# around "==" ("T == S") and before a note's number ("pallas-mha [3]").
+_KEEP_TOGETHER = re.compile(r"(?<=\d) (?=(?:s|ms|MiB|GiB)\b)| (?===)|(?<===) | (?=\[\d+\])")
+_GLUE = "\x00"  # not whitespace to textwrap, so the glued words stay one while wrapping
+
+
+def wrap(text: str, width: int = WIDTH, **kw) -> list[str]:
+    """`textwrap.wrap`, except that a number is never separated from its unit, nor a
+    comparison or a note's number from what it belongs to (a line that ends in "10" and a
+    next line that starts with "s target" read badly), and names are not broken at their
+    hyphens ("pallas-mha")."""
+    glued = _KEEP_TOGETHER.sub(_GLUE, text)
+    kw.setdefault("break_on_hyphens", False)
+    return [line.replace(_GLUE, " ") for line in textwrap.wrap(glued, width, **kw)]
+
+
+def compile_summary(records: list[dict], target_s: float, width: int = WIDTH) -> list[str]:
+    """ffpa's slowest trace+compile of the run and how many cases took longer than
+    `target_s` (no lines when no ffpa record has a compile time)."""
+    compiles = [r for r in records if r["impl"] == "ffpa" and r.get("compile_s") is not None]
+    if not compiles:
+        return []
+    slow = max(compiles, key=lambda r: r["compile_s"])
+    over = sum(r["compile_s"] > target_s for r in compiles)
+    return wrap(f"ffpa trace+compile: at most {slow['compile_s']:.1f} s ({slow['kind']}: "
+                f"{slow['case']}); {over} of {len(compiles)} cases above the "
+                f"{target_s:.0f} s target", width)
 
 
 def dropout_lines(records: list[dict], width: int = WIDTH) -> list[str]:
@@ -302,7 +332,7 @@ def dropout_lines(records: list[dict], width: int = WIDTH) -> list[str]:
     for r in records:
         if (r.get("dropout") and is_ok(r) and r.get("dropout_overhead") is not None
                 and not interpreted(r)):
-            out += textwrap.wrap(
+            out += wrap(
                 f"dropout {r['dropout']:g}: {r['impl']} takes {r['dropout_overhead']:.2f}x "
                 f"the time without dropout ({r['case']})", width, subsequent_indent="  ")
     return out
