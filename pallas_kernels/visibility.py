@@ -35,8 +35,26 @@ def _value(x):
     return x() if callable(x) else x
 
 
+def _ranked(a, b):
+    """a and b at one rank, the lower given leading axes: callers may run under
+    jax_numpy_rank_promotion='raise' (a window's [R, C] meets batched segments' [B, R, C],
+    rows [R] meet lengths [B, 1])."""
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    rank = max(a.ndim, b.ndim)
+    return tuple(x.reshape((1,) * (rank - x.ndim) + x.shape) for x in (a, b))
+
+
 def _both(a, b):
-    return b if a is None else a & b
+    if a is None:
+        return b
+    a, b = _ranked(a, b)
+    return a & b
+
+
+def _below(x, bound):
+    """x < bound, ranks aligned (`_ranked`)."""
+    x, bound = _ranked(x, bound)
+    return x < bound
 
 
 def _max(a, b):
@@ -94,9 +112,9 @@ def feature_visible(rows, cols, *, shift, window=None, segments=None, q_len=None
     if segments is not None:
         keep = _both(keep, same_segment(*_value(segments)))
     if q_len is not None:
-        keep = _both(keep, (rows < _value(q_len))[..., :, None])
+        keep = _both(keep, _below(rows, _value(q_len))[..., :, None])
     if kv_len is not None:
-        keep = _both(keep, (cols < _value(kv_len))[..., None, :])
+        keep = _both(keep, _below(cols, _value(kv_len))[..., None, :])
     return keep
 
 
