@@ -38,9 +38,18 @@ def test_readme_python_snippets_run_in_order():
     snippets = code_blocks(README, "python")
     assert len(snippets) >= 4  # attention, dropout, language-model features, paged decode
     namespace = run_snippets(snippets)
-    out = namespace["out"]  # the paged decode's, the last snippet's result
-    assert out.shape == (namespace["B"], namespace["Hq"], namespace["D"])
-    assert bool(namespace["jnp"].all(namespace["jnp"].isfinite(out)))
+    jnp, ffpa_jax = namespace["jnp"], namespace["ffpa_jax"]
+    decoded = namespace["decoded"]  # the paged decode's result
+    assert decoded.shape == (namespace["B"], namespace["Hq"], namespace["D"])
+    assert bool(jnp.all(jnp.isfinite(decoded)))
+    # Context parallelism's two snippets (shard_map with zigzag, sharded inputs under jit)
+    # give the plain call's result.
+    q, k, v = (namespace[name] for name in "qkv")
+    plain = ffpa_jax.attention(q, k, v, is_causal=True).astype(jnp.float32)
+    for name in ("out", "out_jit"):
+        got = namespace[name].astype(jnp.float32)
+        assert got.shape == plain.shape
+        assert float(jnp.max(jnp.abs(got - plain))) <= 1e-6 * float(jnp.max(jnp.abs(plain))), name
 
 
 def test_a_snippet_that_raises_fails_the_test():

@@ -283,8 +283,9 @@ def legend(*, gpu: bool, interpreted_rows: bool = False, width: int = WIDTH) -> 
         items.append(("ffpa is", "ffpa's time against this row's: '2.00x faster' = ffpa takes "
                                  "half this row's time, '2.00x slower' = twice"))
     items += [("WRONG?", "an error above 5e-2, or NaN: a wrong result"),
-              ("ffpa tier", "the tier that ran ffpa's forward/backward: pallas (fused kernels), "
-                            "chunked (blocked GEMMs) or xla (dense)")]
+              ("ffpa tier", "the tier that ran ffpa's forward/backward: mosaic (Mosaic GPU "
+                            "kernels, sm90), pallas (fused Triton kernels), chunked (blocked "
+                            "GEMMs) or xla (dense)")]
     lines = ["Columns:"]
     for name, text in items:
         lines += wrap(f"{name:<10} {text}", width, initial_indent="  ",
