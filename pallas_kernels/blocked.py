@@ -240,9 +240,10 @@ def softmax_rows(problem: Problem, logits, offsets, inputs: Inputs, *, out_dtype
     )(logits, offsets.astype(jnp.int32), *_inputs(problem, inputs))
 
 
-def _softmax_grad_kernel(logits_ref, dp_ref, lse_ref, delta_ref, offsets_ref, *refs,
-                         st: BlockStatic, n_rows: int, n_keys: int, split: bool,
+def _softmax_grad_kernel(*refs, st: BlockStatic, n_rows: int, n_keys: int, split: bool,
                          with_ds32: bool, own_delta: bool):
+    logits_ref, dp_ref, lse_ref, delta_ref, offsets_ref = refs[:5]
+    refs = refs[5:]
     problem = st.problem
     bias_ref, mask_ref, seed_ref, outs = _refs(st, refs)
     fr = _feature_refs(st, outs)

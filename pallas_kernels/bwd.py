@@ -28,8 +28,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import compat, kernel_inputs, numerics, static, tiles, visibility
-from pallas_kernels.bwd_tile import (BackwardRows, BwdConfig, Tile, fitted, input_names, n_chunks,
-                                     n_slices, prepare, ref_dict)
+from pallas_kernels.bwd_tile import (BackwardRows, BwdConfig, Tile, TileOperands, fitted,
+                                     input_names, n_chunks, n_slices, prepare, ref_dict)
 from pallas_kernels.numerics import LN2, dot
 from pallas_kernels.problem import Inputs, Problem
 from pallas_kernels.tiles import cdiv, fit_block, i32, iota
@@ -70,7 +70,7 @@ def bwd_preproc(o, do, dlse, *, config: BwdConfig, interpret: bool = False) -> j
         kernel, out_shape=compat.output_struct((batch, heads_q, seq_q), jnp.float32, do),
         grid=(cdiv(seq_q, bm), batch * heads_q),
         compiler_params=compat.compiler_params(config.num_warps, config.num_stages),
-        interpret=interpret, name="bwd_preproc")(o, do, dlse)
+        interpret=interpret, name=bwd_preproc.__name__)(o, do, dlse)
 
 
 # ----------------------------------------------------------------------------- exact rows
@@ -92,9 +92,9 @@ def _exact_rows_kernel(*refs, st: static.KernelStatic):
     def visit(kv_block, sums, *, causal_mask, with_mask):
         p_dp_sum, p_sum = sums
         kv_start = kv_block * bn
-        p, _, dp = tile.probs_and_dp(h, q_start, kv_start, row_lse, q_chunk=q_chunk,
-                                     k_chunk=tile.kv_chunks("k", kv_start), do_chunk=do_chunk,
-                                     v_chunk=tile.kv_chunks("v", kv_start),
+        p, _, dp = tile.probs_and_dp(h, q_start, kv_start, row_lse, operands=TileOperands(
+                                         q_chunk, tile.kv_chunks("k", kv_start), do_chunk,
+                                         tile.kv_chunks("v", kv_start)),
                                      causal_mask=causal_mask, with_mask=with_mask,
                                      features=features)
         return p_dp_sum + jnp.sum(p * dp, axis=1), p_sum + jnp.sum(p, axis=1)
@@ -141,7 +141,7 @@ def bwd_exact_rows(problem: Problem, config: BwdConfig, inputs: Inputs, rows: Ba
         functools.partial(_exact_rows_kernel, st=st), out_shape=(out, out),
         grid=(cdiv(p.seq_q, st.cfg.block_m), p.batch * p.heads_q),
         compiler_params=compat.compiler_params(st.cfg.num_warps, st.cfg.num_stages),
-        interpret=interpret, name="bwd_exact_rows")(*arrays)
+        interpret=interpret, name=bwd_exact_rows.__name__)(*arrays)
 
 
 # ----------------------------------------------------------------------------- dq
@@ -165,9 +165,9 @@ def _dq_kernel(*refs, st: static.KernelStatic):
 
     def visit(kv_block, acc, *, causal_mask, with_mask):
         kv_start = kv_block * bn
-        _, ds = tile.probs_and_ds(h, q_start, kv_start, row_lse, delta, q_chunk=q_chunk,
-                                  k_chunk=tile.kv_chunks("k", kv_start), do_chunk=do_chunk,
-                                  v_chunk=tile.kv_chunks("v", kv_start),
+        _, ds = tile.probs_and_ds(h, q_start, kv_start, row_lse, delta, operands=TileOperands(
+                                      q_chunk, tile.kv_chunks("k", kv_start), do_chunk,
+                                      tile.kv_chunks("v", kv_start)),
                                   causal_mask=causal_mask, with_mask=with_mask,
                                   features=features)
         k_slice = tiles.load_tile(r["k"], b, kv_start, bn, hk, sl * width, width,
@@ -194,7 +194,7 @@ def bwd_generic_dq(problem: Problem, config: BwdConfig, inputs: Inputs, rows: Ba
     return pl.pallas_call(
         functools.partial(_dq_kernel, st=st), out_shape=compat.output_struct(q.shape, q.dtype, q),
         grid=grid, compiler_params=compat.compiler_params(cfg.num_warps, cfg.num_stages),
-        interpret=interpret, name="bwd_generic_dq")(*arrays)
+        interpret=interpret, name=bwd_generic_dq.__name__)(*arrays)
 
 
 # ----------------------------------------------------------------------------- dk, dv
@@ -212,18 +212,21 @@ def _dkdv_kernel(*refs, st: static.KernelStatic, tasks: tuple[tuple[str, int], .
 
     if len(tasks) == 1:
         (kind, sl), = tasks
-        _dkdv_program(st, r, dk_ref, dv_ref, b, hk, kv_block, kv_start,
+        _dkdv_program(st, r, (dk_ref, dv_ref), b, hk, kv_block, kv_start,
                       with_dk=kind in ("dkdv", "dk"), with_dv=kind in ("dkdv", "dv"), sl=sl)
         return
     # Each task is its own branch; a program runs exactly one.
     for task_id, (kind, sl) in enumerate(tasks):
         @pl.when(task == task_id)
         def _run(kind=kind, sl=sl):
-            _dkdv_program(st, r, dk_ref, dv_ref, b, hk, kv_block, kv_start,
+            _dkdv_program(st, r, (dk_ref, dv_ref), b, hk, kv_block, kv_start,
                           with_dk=kind in ("dkdv", "dk"), with_dv=kind in ("dkdv", "dv"), sl=sl)
 
 
-def _dkdv_program(st, r, dk_ref, dv_ref, b, hk, kv_block, kv_start, *, with_dk, with_dv, sl):
+def _dkdv_program(st, r, out_refs, b, hk, kv_block, kv_start, *, with_dk, with_dv, sl):
+    """dK and/or dV (`with_dk`, `with_dv`) of slice `sl` of one key block of KV head `hk`
+    into `out_refs` (dk_ref, dv_ref)."""
+    dk_ref, dv_ref = out_refs
     problem = st.problem
     cfg = st.cfg
     bm, bn, width = cfg.block_m, cfg.block_n, cfg.block_slice
@@ -239,8 +242,8 @@ def _dkdv_program(st, r, dk_ref, dv_ref, b, hk, kv_block, kv_start, *, with_dk, 
         q_start = q_block * bm
         row_lse, delta = tile.row_stats(h, q_start)
         p, ds = tile.probs_and_ds(h, q_start, kv_start, row_lse, delta,
-                                  q_chunk=tile.q_chunks("q", q_start, h), k_chunk=k_chunk,
-                                  do_chunk=tile.q_chunks("do", q_start, h), v_chunk=v_chunk,
+                                  operands=TileOperands(tile.q_chunks("q", q_start, h), k_chunk,
+                                                        tile.q_chunks("do", q_start, h), v_chunk),
                                   causal_mask=causal_mask, with_mask=with_mask, need_ds=with_dk,
                                   features=tile.features(q_start))
         if with_dv:
@@ -324,7 +327,7 @@ def bwd_generic_dkdv(problem: Problem, config: BwdConfig, inputs: Inputs, rows: 
         out_shape=(compat.output_struct(k.shape, k.dtype, q),
                    compat.output_struct(v.shape, v.dtype, q)),
         grid=grid, compiler_params=compat.compiler_params(cfg.num_warps, cfg.num_stages),
-        interpret=interpret, name="bwd_generic_dkdv")(*arrays)
+        interpret=interpret, name=bwd_generic_dkdv.__name__)(*arrays)
 
 
 # ----------------------------------------------------------------------------- dbias
@@ -361,10 +364,10 @@ def _dbias_kernel(*refs, st: static.KernelStatic):
         tile = Tile(st, r, b, h // problem.group)
         row_lse, delta = tile.row_stats(h, q_start)
         _, ds = tile.probs_and_ds(h, q_start, kv_start, row_lse, delta,
-                                  q_chunk=tile.q_chunks("q", q_start, h),
-                                  k_chunk=tile.kv_chunks("k", kv_start),
-                                  do_chunk=tile.q_chunks("do", q_start, h),
-                                  v_chunk=tile.kv_chunks("v", kv_start),
+                                  operands=TileOperands(tile.q_chunks("q", q_start, h),
+                                                        tile.kv_chunks("k", kv_start),
+                                                        tile.q_chunks("do", q_start, h),
+                                                        tile.kv_chunks("v", kv_start)),
                                   causal_mask=problem.causal, with_mask=problem.mask_shape is not None,
                                   features=tile.features(q_start))
         if bt == 1:
@@ -411,4 +414,4 @@ def bwd_dbias(problem: Problem, config: BwdConfig, inputs: Inputs, rows: Backwar
         out_shape=compat.output_struct(bias.shape, jnp.float32, q),
         grid=(n_tq * n_tk, bb * bh),
         compiler_params=compat.compiler_params(cfg.num_warps, cfg.num_stages),
-        interpret=interpret, name="bwd_dbias")(*arrays)
+        interpret=interpret, name=bwd_dbias.__name__)(*arrays)

@@ -117,23 +117,23 @@ _OPTIONAL = ("BLOCK_HEADDIM_QK", "DYNAMIC_D")
 _BLOCKS = ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM")
 
 BWD_PREPROC = KernelDescriptor(
-    name="bwd_preproc", direction="backward", config=BwdConfig, role="delta",
+    name=bwd_preproc.__name__, direction="backward", config=BwdConfig, role="delta",
     function=bwd_preproc, block_keys=("BLOCK_M", "BLOCK_HEADDIM"),
     optional_keys=("D_CHUNK",), defaults=_PREPROC_DEFAULTS, moves=_preproc_moves,
     grid=_preproc_grid)
 BWD_GENERIC_DKDV = KernelDescriptor(
-    name="bwd_generic_dkdv", direction="backward", config=BwdConfig, role="dkdv",
+    name=bwd_generic_dkdv.__name__, direction="backward", config=BwdConfig, role="dkdv",
     function=bwd_generic_dkdv, block_keys=_BLOCKS, optional_keys=_OPTIONAL + ("SPLIT_DKDV",),
     defaults=_DKDV_DEFAULTS, fp32_overrides=_DKDV_FP32, dropout_overrides=_DKDV_DROPOUT,
     moves=functools.partial(_moves, split_dkdv=True),
     grid=functools.partial(_grid, split_dkdv=True))
 BWD_GENERIC_DQ = KernelDescriptor(
-    name="bwd_generic_dq", direction="backward", config=BwdConfig, role="dq",
+    name=bwd_generic_dq.__name__, direction="backward", config=BwdConfig, role="dq",
     function=bwd_generic_dq, block_keys=_BLOCKS, optional_keys=_OPTIONAL,
     defaults=_DQ_DEFAULTS, fp32_overrides=_DQ_FP32, dropout_overrides=_DQ_DROPOUT,
     moves=_moves, grid=_grid)
 # Ours: the bias gradient, summed over the bias's broadcast dims in-kernel.
 BWD_DBIAS = KernelDescriptor(
-    name="bwd_dbias", direction="backward", config=BwdConfig, role="dbias",
+    name=bwd_dbias.__name__, direction="backward", config=BwdConfig, role="dbias",
     function=bwd_dbias, block_keys=_BLOCKS, optional_keys=_OPTIONAL,
     defaults=_DBIAS_DEFAULTS, fp32_overrides=_DBIAS_FP32, moves=_moves, grid=_grid)

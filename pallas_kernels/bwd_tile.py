@@ -132,6 +132,16 @@ def prepare(problem: Problem, config: BwdConfig, inputs: Inputs, rows: BackwardR
     return arrays, st
 
 
+class TileOperands(NamedTuple):
+    """The chunk readers of a [bm, bn] tile's four operands (`Tile.q_chunks`,
+    `Tile.kv_chunks`, or their resident forms): S = Q·Kᵀ and dP = dO·Vᵀ."""
+
+    q: Any
+    k: Any
+    do: Any
+    v: Any
+
+
 class Tile:
     """Loads and recomputation for one (query block, KV block) tile of one head.
 
@@ -191,10 +201,10 @@ class Tile:
         not needed)."""
         return self._probs(h, q_start, kv_start, row_lse, **tile_args)[:3]
 
-    def _probs(self, h, q_start, kv_start, row_lse, *, q_chunk, k_chunk, do_chunk,
-               v_chunk, causal_mask: bool, with_mask: bool, need_dp: bool = True,
-               features=None):
+    def _probs(self, h, q_start, kv_start, row_lse, *, operands: "TileOperands",
+               causal_mask: bool, with_mask: bool, need_dp: bool = True, features=None):
         """`probs_and_dp`'s three, and the soft cap's derivative (None without a cap)."""
+        q_chunk, k_chunk, do_chunk, v_chunk = operands
         st, cfg = self.st, self.cfg
         problem = st.problem
         bm, bn = cfg.block_m, cfg.block_n
@@ -209,8 +219,8 @@ class Tile:
                                    scale=None if fold else qk_scale,
                                    round_per_chunk=per_chunk, compensated=problem.natural)
         s, cap_grad = static.bias_and_masks(
-            s, st, self.refs.get("bias"), self.refs.get("mask"), self.b, h, q_start, kv_start,
-            rows, cols, causal_mask=causal_mask, with_mask=with_mask, mask_rows=True,
+            s, st, self.refs.get("bias"), self.refs.get("mask"),
+            static.TileAt(self.b, h, q_start, kv_start, rows, cols), causal_mask=causal_mask, with_mask=with_mask, mask_rows=True,
             features=features, with_cap_grad=True)
         hi, lo = row_lse
         if fold:

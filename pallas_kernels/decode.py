@@ -264,7 +264,7 @@ def _stage1_kernel(*refs, lay: _Layout, per_chunk: bool):
             ranges = feature_refs["seg_ranges"]
             segment_range = lambda i: ranges[i32(b), i32(0), i]  # noqa: E731
         first, last = visibility.kv_block_range(
-            0, problem.seq_q, bn, last, seq_q=problem.seq_q, shift=shift, window=problem.window,
+            0, (problem.seq_q, bn), last, seq_q=problem.seq_q, shift=shift, window=problem.window,
             kv_len=kv_len, q_len=q_len, segment_range=segment_range, lo=first)
     carry = (jnp.full((bm,), -jnp.inf, jnp.float32), jnp.zeros((bm,), jnp.float32),
              jnp.zeros((bm, bdv), jnp.float32))
@@ -364,7 +364,7 @@ def _launch_stage1(problem: Problem, config: DecodeConfig, inputs: Inputs, *, nu
                    compat.output_struct((batch, n_splits, rows), jnp.float32, q)),
         grid=(n_splits * lay.n_mblocks * lay.n_vslices, batch * problem.heads_kv),
         compiler_params=compat.compiler_params(cfg.num_warps, cfg.num_stages),
-        interpret=interpret, name="decode_fwd_stage1")(*arrays)
+        interpret=interpret, name=decode_fwd_stage1.__name__)(*arrays)
 
 
 def _stage2_kernel(o_part_ref, lse_part_ref, *refs, n_splits: int, seq_q: int,
@@ -420,7 +420,7 @@ def decode_fwd_stage2(o_part, lse_part, *, seq_q: int, heads_q: int, dtype,
                    compat.output_struct((batch, rows), jnp.float32, o_part)),
         grid=(rows, batch, cdiv(head_dim_v, bdv)),
         compiler_params=compat.compiler_params(config.stage2_num_warps, 1),
-        interpret=interpret, name="decode_fwd_stage2")(*inputs)
+        interpret=interpret, name=decode_fwd_stage2.__name__)(*inputs)
     return out, lse.reshape(batch, heads_q, seq_q)
 
 
@@ -508,12 +508,12 @@ def _stage2_grid(headdim: int) -> Iterable[dict]:
 # Stage 1 is tuned with stage 2 at its default and timed together with it (what a decode
 # call costs); stage 2 on stage 1's partials. NUM_SPLITS, DYNAMIC_D: ours (DecodeConfig).
 DECODE_FWD_STAGE1 = KernelDescriptor(
-    name="decode_fwd_stage1", direction="forward", config=DecodeConfig, role="decode_stage1",
+    name=decode_fwd_stage1.__name__, direction="forward", config=DecodeConfig, role="decode_stage1",
     function=decode_fwd_stage1,
     block_keys=("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM_QK", "BLOCK_HEADDIM_V"),
     optional_keys=("NUM_SPLITS", "DYNAMIC_D"), defaults=_STAGE1_DEFAULTS,
     fp32_overrides=_STAGE1_FP32, moves=_stage1_moves, grid=_stage1_grid)
 DECODE_FWD_STAGE2 = KernelDescriptor(
-    name="decode_fwd_stage2", direction="forward", config=DecodeConfig, role="decode_stage2",
+    name=decode_fwd_stage2.__name__, direction="forward", config=DecodeConfig, role="decode_stage2",
     function=decode_fwd_stage2, block_keys=("BLOCK_HEADDIM_V",), defaults=_STAGE2_DEFAULTS,
     moves=_stage2_moves, grid=_stage2_grid)

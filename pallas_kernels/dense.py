@@ -1,4 +1,4 @@
-"""The dense tier: the plain-JAX reference (`reference.mha_reference`) as the computation,
+"""The dense tier: the plain-JAX reference (`reference.attention`) as the computation,
 differentiated by JAX itself. O(T·S) memory; it runs anywhere, and it is the semantics every
 other tier is tested against."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels import reference
 from pallas_kernels.dropout import keep_mask_reference
 from pallas_kernels.plan import Plan
 from pallas_kernels.problem import Inputs
-from pallas_kernels.reference import mha_reference
 
 
 def forward(plan: Plan, inputs: Inputs):
@@ -17,10 +17,10 @@ def forward(plan: Plan, inputs: Inputs):
     of batched inputs (their lengths the block's own where `positions` place them in a
     longer sequence: `tiers.forward`)."""
     problem = plan.problem
-    q, k, v, bias, mask, seed, features = inputs
-    row0 = col0 = shift = 0
-    if features.positions is not None:
-        row0, col0, shift = features.positions[0], features.positions[1], features.positions[2]
+    q, k, seed, positions = inputs.q, inputs.k, inputs.seed, inputs.features.positions
+    row0 = col0 = 0
+    if positions is not None:
+        row0, col0 = positions[0], positions[1]
     keep = None
     if seed is not None:
         # A shard's seed carries its global batch and head offsets as words 2 and 3.
@@ -28,11 +28,5 @@ def forward(plan: Plan, inputs: Inputs):
         shape = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
         keep = keep_mask_reference(seed[:2], shape, problem.dropout_rate,
                                    offsets=(b0, h0, row0, col0))
-    return mha_reference(q, k, v, bias, mask, scale=problem.scale, is_causal=problem.causal,
-                         keep_mask=keep, dropout_rate=problem.dropout_rate,
-                         window=problem.window, softcap=problem.softcap,
-                         q_segment_ids=features.q_segment_ids,
-                         kv_segment_ids=features.kv_segment_ids, q_lengths=features.q_lengths,
-                         kv_lengths=features.kv_lengths, sinks=features.sinks,
-                         shift=None if features.positions is None else shift,
-                         out_dtype=jnp.float32 if plan.float32_out else None)
+    return reference.attention(problem, inputs, keep,
+                               out_dtype=jnp.float32 if plan.float32_out else None)

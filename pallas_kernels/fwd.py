@@ -145,9 +145,10 @@ def _fwd_kernel(*refs, st: static.KernelStatic, per_chunk: bool):
                                     n_rows=problem.seq_k, n_cols=problem.head_dim_v)
 
         v_tile = v_tile_load() if cfg.prefetch_v else None
-        s = static.bias_and_masks(scores(kv_start), st, bias_ref, mask_ref, b, h, q_start,
-                                  kv_start, rows, cols, causal_mask=causal_mask,
-                                  with_mask=with_mask, features=features)
+        s = static.bias_and_masks(scores(kv_start), st, bias_ref, mask_ref,
+                                  static.TileAt(b, h, q_start, kv_start, rows, cols),
+                                  causal_mask=causal_mask, with_mask=with_mask,
+                                  features=features)
 
         m_new, p, alpha, l_i = numerics.online_softmax_step(s, m_i, l_i, st, raw_scale=raw_scale)
         if seed_ref is not None:
@@ -258,7 +259,7 @@ def fwd_generic(problem: Problem, config: FwdConfig, inputs: Inputs, *, interpre
         grid=grid,
         compiler_params=compat.compiler_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
-        name="fwd_generic",
+        name=fwd_generic.__name__,
     )(*arrays)
 
 
@@ -326,7 +327,7 @@ def _grid(headdim: int) -> Iterable[dict]:
 
 
 FWD_GENERIC = KernelDescriptor(
-    name="fwd_generic", direction="forward", config=FwdConfig, role="attention",
+    name=fwd_generic.__name__, direction="forward", config=FwdConfig, role="attention",
     function=fwd_generic,
     block_keys=("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM_QK", "BLOCK_HEADDIM_V"),
     # Q_MODE: how the QKᵀ chunks are walked (our extension of FFPA's keys; absent means

@@ -4,8 +4,9 @@ logits = scale · q·kᵀ + bias, then the logit soft cap c·tanh(logits / c), t
 causality (bottom-right aligned), the sliding window (bottom-right aligned), the packed
 segments and the padding lengths, softmax over keys (with the head's sink logit in the
 denominator), dropout on the probabilities, then · v. One implementation, several uses:
-- `mha_reference`, dense: the dense tier's computation (`dense.py`), and the
-  tests' reference (in float64: any float dtype works here).
+- `attention`, dense: the dense tier's computation (`dense.py`), and the tests' reference
+  (in float64: any float dtype works here; `ffpa_jax.reference.mha_reference` takes it
+  with keyword arguments).
 - `rows_reference`: the same at some query rows of one head, with the visibility written
   out ([rows, S] at most): the bench's float64 check and the autotuner's forward check.
 - `sampled_forward`, `sampled_dq`, `sampled_dkdv`, `sampled_dbias`: the autotuner's float32
@@ -14,7 +15,7 @@ denominator), dropout on the probabilities, then · v. One implementation, sever
   slices, so they are cheap at any problem size.
 - `softmax`: the masked softmax of all of them, also the chunked tier's XLA step.
 
-Inputs of `mha_reference` are batched ([B, T, Hq, D] etc.) with bias/mask broadcastable to
+Inputs of `attention` are batched ([B, T, Hq, D] etc.) with bias/mask broadcastable to
 [B, Hq, T, S]; `ffpa_jax.attention` does that normalisation. No infinity is formed unless a
 row has no visible key (its lse is -inf), so `jax.debug_infs` does not trip on attention
 that masks nothing, nor on a mask that leaves every row a key.
@@ -23,13 +24,14 @@ that masks nothing, nor on a mask that leaves every row a key.
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import visibility
-from pallas_kernels.problem import Problem
+from pallas_kernels.problem import FeatureArrays, Inputs, Problem
 
 
 def accumulation_dtype(dtype) -> jnp.dtype:
@@ -132,42 +134,44 @@ def softmax(scores, visible=None, sink=None) -> tuple[jax.Array, jax.Array]:
     return probs, lse[..., 0]
 
 
-def mha_reference(q, k, v, bias=None, mask=None, *, scale: float, is_causal: bool = False,
-                  keep_mask=None, dropout_rate: float = 0.0, window=None, softcap=None,
-                  q_segment_ids=None, kv_segment_ids=None, q_lengths=None, kv_lengths=None,
-                  sinks=None, shift=None, out_dtype=None):
+def attention(problem: Problem, inputs: Inputs, keep_mask=None, *, out_dtype=None):
     """Attention output [B, T, Hq, Dv] (dtype of q, or `out_dtype`) and lse [B, Hq, T]
-    (accumulation dtype).
+    (accumulation dtype) of `inputs` under `problem`'s options (scale, causal, dropout
+    rate, window, soft cap; its shapes are not read: any float dtype works, float64 for the
+    tests' reference).
 
-    `keep_mask` (bool, broadcastable to [B, Hq, T, S]) applies dropout with rate
-    `dropout_rate` to the normalised probabilities; lse stays undropped.
-    `window` (left, right), `softcap` c, `q_segment_ids` [B, T] with `kv_segment_ids`
-    [B, S], `q_lengths` / `kv_lengths` [B] and `sinks` [Hq]: the features of
-    `ffpa_jax.attention` (docs/design.md); lse counts the sink. `shift` (may be traced)
-    places row i's diagonal at key i + shift instead of i + S - T: the rows and keys are
-    a block of a longer sequence (`FeatureArrays.positions`; the lengths are then the
-    block's own).
+    `keep_mask` (bool, broadcastable to [B, Hq, T, S]) applies dropout with the problem's
+    rate to the normalised probabilities; lse stays undropped. The feature arrays
+    (`inputs.features`: segment ids, lengths, sinks) are those of `ffpa_jax.attention`
+    (docs/design.md); lse counts the sink. With `positions`, its shift places row i's
+    diagonal at key i + shift instead of i + S - T: the rows and keys are a block of a
+    longer sequence (the lengths are then the block's own).
     Rows with no key left give output 0 and lse -inf (lse = the sink with sinks).
+    `ffpa_jax.reference.mha_reference` is this with keyword arguments.
     """
+    q, k, v, bias, mask, _, f = inputs
+    scale, softcap, window = problem.scale, problem.softcap, problem.window
+    shift = None if f.positions is None else f.positions[2]
     b, t, hq, _ = q.shape
     s, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     acc = accumulation_dtype(q.dtype)
     logits = soft_cap(attention_logits(q, k, bias, scale=scale), softcap)
     visible = None if mask is None else jnp.reshape(mask, (1,) * (4 - mask.ndim) + mask.shape)
-    if is_causal:
+    if problem.causal:
         # explicit ranks: rank promotion may raise
         causal = causal_keep(t, s, shift=shift)[None, None]
         visible = causal if visible is None else visible & causal
     keep = feature_keep(t, s, jnp.arange(t), jnp.arange(s), window=window,
-                        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                        q_lengths=q_lengths, kv_lengths=kv_lengths, shift=shift)
+                        q_segment_ids=f.q_segment_ids, kv_segment_ids=f.kv_segment_ids,
+                        q_lengths=f.q_lengths, kv_lengths=f.kv_lengths, shift=shift)
     if keep is not None:
         visible = keep if visible is None else visible & keep
-    sink = None if sinks is None else jnp.asarray(sinks).astype(acc)[None, :, None]
+    sink = None if f.sinks is None else jnp.asarray(f.sinks).astype(acc)[None, :, None]
     probs, lse = softmax(logits, visible, sink)
 
-    if keep_mask is not None and dropout_rate > 0.0:
-        probs = jnp.where(keep_mask, probs / (1.0 - dropout_rate), jnp.zeros_like(probs))
+    rate = problem.dropout_rate
+    if keep_mask is not None and rate > 0.0:
+        probs = jnp.where(keep_mask, probs / (1.0 - rate), jnp.zeros_like(probs))
 
     # Like every mixed-precision attention (and jax.nn's), the probabilities
     # meet V in V's dtype with a float32 accumulator.
@@ -184,17 +188,19 @@ def mha_reference(q, k, v, bias=None, mask=None, *, scale: float, is_causal: boo
 def rows_reference(q, k, v, bias=None, visible=None, keep=None, *, scale: float,
                    dropout_rate: float = 0.0, softcap: float | None = None,
                    sink=None) -> tuple[jax.Array, jax.Array]:
-    """(out [R, Dv], lse [R]) of one head at R of its query rows: `mha_reference` of those rows.
+    """(out [R, Dv], lse [R]) of one head at R of its query rows: `attention` of those rows.
 
     q [R, D] (the rows), k [S, D], v [S, Dv]; bias, visible (the mask, causality, window,
     segments and lengths of those rows, written out) and keep (the dropout keep-mask)
-    [R, S] or None; `softcap` and the head's `sink` (a scalar) as in `mha_reference`."""
+    [R, S] or None; `softcap` and the head's `sink` (a scalar) as in `attention`."""
     def as4(x):
         return None if x is None else x[None, None]
-    out, lse = mha_reference(q[None, :, None], k[None, :, None], v[None, :, None], as4(bias),
-                             as4(visible), scale=scale, keep_mask=as4(keep),
-                             dropout_rate=dropout_rate, softcap=softcap,
-                             sinks=None if sink is None else jnp.reshape(sink, (1,)))
+    arrays = Inputs(q[None, :, None], k[None, :, None], v[None, :, None], as4(bias),
+                    as4(visible), features=FeatureArrays(
+                        sinks=None if sink is None else jnp.reshape(sink, (1,))))
+    problem = Problem.of(*arrays[:5], features=arrays.features, scale=scale,
+                         dropout_rate=dropout_rate, softcap=softcap)
+    out, lse = attention(problem, arrays, as4(keep))
     return out[0, :, 0], lse[0, 0]
 
 
@@ -244,10 +250,20 @@ def _indices(ix):
     return jnp.asarray(np.asarray(ix), jnp.int32)
 
 
+class Upstream(NamedTuple):
+    """What the sampled gradients are given: dO [B, T, Hq, Dv] and the forward's row
+    statistics lse and δ = rowsum(dO · O) [B, Hq, T]."""
+
+    d_out: Any
+    lse: Any
+    delta: Any
+
+
 @functools.partial(jax.jit, static_argnames=("s", "pairs", "rows"))
-def sampled_forward(q, k, v, bias, mask, *, s: Problem, pairs, rows):
+def sampled_forward(inputs: Inputs, *, s: Problem, pairs, rows):
     """(o [P, R, Dv], lse [P, R]) in float32 at query rows `rows` of the (batch, head)
     `pairs`: `rows_reference` of each pair."""
+    q, k, v, bias, mask = inputs[:5]
     outs, lses = [], []
     r, cols = _indices(rows), _indices(np.arange(s.seq_k))
     for b, h in pairs:
@@ -261,9 +277,11 @@ def sampled_forward(q, k, v, bias, mask, *, s: Problem, pairs, rows):
 
 
 @functools.partial(jax.jit, static_argnames=("s", "pairs", "rows"))
-def sampled_dq(q, k, v, do, lse, delta, bias, mask, *, s: Problem, pairs, rows):
+def sampled_dq(inputs: Inputs, given: "Upstream", *, s: Problem, pairs, rows):
     """dQ [P, R, D] in float32 at query rows `rows` of the (batch, head) `pairs`, given the
     forward's lse and δ [B, Hq, T]."""
+    q, k, v, bias, mask = inputs[:5]
+    do, lse, delta = given
     out = []
     r, cols = _indices(rows), _indices(np.arange(s.seq_k))
     for b, h in pairs:
@@ -277,9 +295,11 @@ def sampled_dq(q, k, v, do, lse, delta, bias, mask, *, s: Problem, pairs, rows):
 
 
 @functools.partial(jax.jit, static_argnames=("s", "pairs", "cols"))
-def sampled_dkdv(q, k, v, do, lse, delta, bias, mask, *, s: Problem, pairs, cols):
+def sampled_dkdv(inputs: Inputs, given: "Upstream", *, s: Problem, pairs, cols):
     """(dK [P, C, D], dV [P, C, Dv]) in float32 at key columns `cols` of the (batch, KV head)
     `pairs`, summed over the KV head's query heads, given the forward's lse and δ."""
+    q, k, v, bias, mask = inputs[:5]
+    do, lse, delta = given
     dks, dvs = [], []
     rows, c = _indices(np.arange(s.seq_q)), _indices(cols)
     for b, hk in pairs:
@@ -297,10 +317,12 @@ def sampled_dkdv(q, k, v, do, lse, delta, bias, mask, *, s: Problem, pairs, cols
 
 
 @functools.partial(jax.jit, static_argnames=("s", "rows", "cols"))
-def sampled_dbias(q, k, v, do, lse, delta, bias, mask, *, s: Problem, rows, cols):
+def sampled_dbias(inputs: Inputs, given: "Upstream", *, s: Problem, rows, cols):
     """dbias [Bb, Bh, R', C'] in float32 of a bias [Bb, Bh, T|1, S|1]: at rows `rows`
     (columns `cols`) where the bias has a full T (S) dim, else summed over all of them,
     like the kernel's broadcast sum; given the forward's lse and δ."""
+    q, k, v, bias, mask = inputs[:5]
+    do, lse, delta = given
     bshape = bias.shape
     rows_full, cols_full = bshape[2] > 1, bshape[3] > 1
     r = _indices(rows if rows_full else np.arange(s.seq_q))

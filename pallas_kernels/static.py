@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -98,20 +98,33 @@ class KernelStatic:
                 and self.problem.headdim <= 256)
 
 
-def bias_and_masks(s, st: KernelStatic, bias_ref, mask_ref, b, h, q_start, kv_start, rows,
-                   cols, *, causal_mask: bool, with_mask: bool, mask_rows: bool = False,
+class TileAt(NamedTuple):
+    """Where a [bm, bn] score tile sits: batch b, query head h, its first query row and
+    key, and its rows' and keys' indices ([bm] and [bn])."""
+
+    b: Any
+    h: Any
+    q_start: Any
+    kv_start: Any
+    rows: Any
+    cols: Any
+
+
+def bias_and_masks(s, st: KernelStatic, bias_ref, mask_ref, at: TileAt, *, causal_mask: bool,
+                   with_mask: bool, mask_rows: bool = False,
                    features: "TileFeatures | None" = None, with_cap_grad: bool = False):
     """Scores [bm, bn] (in `st.score_unit`s) + bias, soft-capped, then mask, causal, the
     window, segments and lengths (`features`), and bounds as -inf.
 
     The order is the semantics' own (bias, then the cap, then the masks); forward and
     backward both call this, so they can never disagree on which scores exist.
-    `rows`/`cols` are the tile's query/key indices; `mask_rows` also hides rows
-    past T, for kernels that sum over query rows. `with_cap_grad` returns (scores, the
+    `at` places the tile; `mask_rows` also hides rows past T, for kernels that sum over
+    query rows. `with_cap_grad` returns (scores, the
     soft cap's derivative at every element, finite even where a key is hidden; None
     without a cap).
     """
     p = st.problem
+    b, h, q_start, kv_start, rows, cols = at
     cap_grad = None
     bm, bn = s.shape
     if p.bias_shape is not None:
@@ -186,7 +199,7 @@ class TileFeatures:
             ranges = self.refs["seg_ranges"]
             segment_range = lambda i: ranges[i32(self.b), i32(q_block), i]  # noqa: E731
         return visibility.kv_block_range(
-            q_start, bm, bn, hi, seq_q=p.seq_q, shift=self.shift,
+            q_start, (bm, bn), hi, seq_q=p.seq_q, shift=self.shift,
             window=p.window, kv_len=self.kv_len, q_len=self.q_len, segment_range=segment_range)
 
 
@@ -203,7 +216,8 @@ def q_block_range(st: KernelStatic, refs: dict, b, kv_block, kv_start, bm: int, 
         ranges = refs["seg_ranges"]
         segment_range = lambda i: ranges[i32(b), i32(kv_block), i]  # noqa: E731
     return visibility.q_block_range(
-        kv_start, bm, bn, lo, hi, seq_k=p.seq_k, shift=kernel_shift(st, refs), window=p.window,
+        kv_start, (bm, bn), lo, hi, seq_k=p.seq_k, shift=kernel_shift(st, refs),
+        window=p.window,
         q_len=(lambda: refs["q_len"][i32(b)]) if p.q_lengths else None,
         kv_len=(lambda: refs["kv_len"][i32(b)]) if p.kv_lengths else None,
         segment_range=segment_range)

@@ -77,13 +77,11 @@ def load_tile(ref, b, rows_start, rows, h, cols_start, cols, *, n_rows: int, n_c
 
 
 def store_tile(ref, value, b, rows_start, rows, h, cols_start, cols, *, n_rows: int,
-               n_cols: int, extra_mask=None):
+               n_cols: int):
     """Store a [rows, cols] tile into a [B, N, H, D] ref, skipping out-of-bounds elements."""
     row_ok = (rows_start + iota(rows)) < n_rows
     col_ok = (cols_start + iota(cols)) < n_cols
     mask = row_ok[:, None] & col_ok[None, :]
-    if extra_mask is not None:
-        mask = mask & extra_mask
     plgpu.store(ref.at[i32(b), ds(rows_start, rows), i32(h), ds(cols_start, cols)],
                 value.astype(ref.dtype), mask=mask)
 

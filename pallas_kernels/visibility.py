@@ -36,12 +36,15 @@ def _value(x):
 
 
 def _ranked(a, b):
-    """a and b at one rank, the lower given leading axes: callers may run under
-    jax_numpy_rank_promotion='raise' (a window's [R, C] meets batched segments' [B, R, C],
-    rows [R] meet lengths [B, 1])."""
-    a, b = jnp.asarray(a), jnp.asarray(b)
-    rank = max(a.ndim, b.ndim)
-    return tuple(x.reshape((1,) * (rank - x.ndim) + x.shape) for x in (a, b))
+    """a and b at one rank, the lower given leading axes, where both are arrays of different
+    ranks: callers may run under jax_numpy_rank_promotion='raise' (a window's [R, C] meets
+    batched segments' [B, R, C], rows [R] meet lengths [B, 1]). A scalar broadcasts as it
+    is (the kernels' per-program lengths)."""
+    ra, rb = jnp.ndim(a), jnp.ndim(b)
+    if ra == rb or ra == 0 or rb == 0:
+        return a, b
+    rank = max(ra, rb)
+    return tuple(jnp.reshape(x, (1,) * (rank - jnp.ndim(x)) + jnp.shape(x)) for x in (a, b))
 
 
 def _both(a, b):
@@ -153,12 +156,14 @@ def causal_q_blocks(kv_start, block_m: int, block_n: int, seq_q: int, seq_k: int
     return first, first_unmasked
 
 
-def kv_block_range(q_start, block_m: int, block_n: int, hi, *, seq_q: int, shift,
-                   window=None, kv_len=None, q_len=None, segment_range=None, lo=None):
-    """[lo, hi) of the key blocks that rows [q_start, q_start + block_m) can see, within
+def kv_block_range(q_start, blocks: tuple[int, int], hi, *, seq_q: int, shift, window=None,
+                   kv_len=None, q_len=None, segment_range=None, lo=None):
+    """[lo, hi) of the key blocks (`blocks`: (block_m, block_n), the tile's rows and keys)
+    that rows [q_start, q_start + block_m) can see, within
     the caller's [lo, hi) (`lo` None: from 0): the window's band, the kv length, the
     q length (a block past it sees nothing) and the block's segment range (`segment_range(i)`
     reads its first (i = 0) or end (i = 1) key block, from `segment_block_ranges`)."""
+    block_m, block_n = blocks
     lo_in = lo
     lo = i32(0) if lo is None else i32(lo)
     hi = i32(hi)
@@ -182,13 +187,14 @@ def kv_block_range(q_start, block_m: int, block_n: int, hi, *, seq_q: int, shift
     return lo, jnp.maximum(hi, lo)
 
 
-def q_block_range(kv_start, block_m: int, block_n: int, lo, hi, *, seq_k: int, shift,
+def q_block_range(kv_start, blocks: tuple[int, int], lo, hi, *, seq_k: int, shift,
                   window=None, q_len=None, kv_len=None, segment_range=None):
     """[lo, hi) of the query blocks that see any of the keys [kv_start, kv_start + block_n),
     within the caller's [lo, hi) (causality's, or all query blocks): the transpose of
     `kv_block_range`, for the kernels that walk query blocks (dK, dV); `segment_range` is
     the key block's range of query blocks; `shift` where row 0 sits among the keys
-    (`shift_of`)."""
+    (`shift_of`); `blocks` is (block_m, block_n)."""
+    block_m, block_n = blocks
     lo, hi = i32(lo), i32(hi)
     if window is not None:
         left, right = window

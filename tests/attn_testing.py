@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.reference import mha_reference
+from ffpa_jax.reference import mha_reference
 from ffpa_jax.validation import as_4d
 
 ULP_FLOOR = 4  # "a few ulps" of the output's magnitude

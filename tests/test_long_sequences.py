@@ -24,7 +24,7 @@ import pytest
 
 import ffpa_jax
 from attn_testing import assert_lse_matches, assert_matches_reference
-from pallas_kernels.reference import mha_reference
+from ffpa_jax.reference import mha_reference
 
 GIB = 1024 ** 3
 

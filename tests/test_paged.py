@@ -18,7 +18,7 @@ import pytest
 import ffpa_jax
 from attn_testing import assert_lse_matches, assert_matches_reference
 from conftest import interpret_flag
-from pallas_kernels.reference import mha_reference
+from ffpa_jax.reference import mha_reference
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 import ffpa_jax
+from ffpa_jax.reference import mha_reference
 from pallas_kernels import reference
+from pallas_kernels.problem import Inputs
 from pallas_kernels.problem import Problem
 
 B, T, S, HQ, HKV, D = 2, 24, 40, 4, 2, 16
@@ -50,15 +52,15 @@ def test_xla_path_runs_eagerly_under_debug_infs(kw):
 def test_rows_without_keys_still_give_zero_and_minus_inf():
     q, k, v, _, _, mask = inputs()
     mask = mask.at[:, :, 3].set(False)  # row 3 sees no key
-    out, lse = reference.mha_reference(q, k, v, None, mask, scale=0.25, is_causal=True)
+    out, lse = mha_reference(q, k, v, None, mask, scale=0.25, is_causal=True)
     assert np.all(np.asarray(out)[:, 3] == 0.0) and np.all(np.asarray(lse)[:, :, 3] == -np.inf)
     # Causal with more queries (S of them) than keys (T): the first S - T rows see no key.
     short = q[:, :, :HKV]
-    out, lse = reference.mha_reference(k, short, short, scale=0.25, is_causal=True)
+    out, lse = mha_reference(k, short, short, scale=0.25, is_causal=True)
     assert np.all(np.asarray(out)[:, :S - T] == 0.0)
     assert np.all(np.asarray(lse)[:, :, :S - T] == -np.inf)
     assert np.isfinite(np.asarray(lse)[:, :, S - T:]).all()
-    g = jax.grad(lambda q: reference.mha_reference(q, k, v, None, mask, scale=0.25)[0].sum())(q)
+    g = jax.grad(lambda q: mha_reference(q, k, v, None, mask, scale=0.25)[0].sum())(q)
     assert np.all(np.asarray(g)[:, 3] == 0.0)
 
 
@@ -94,29 +96,32 @@ def test_sampled_references_match_the_dense_reference_and_its_autodiff(causal):
     s = problem(causal=causal, bias=bias, mask=mask)
 
     def dense(q, k, v, bias):
-        return reference.mha_reference(q, k, v, bias, mask, scale=s.scale, is_causal=causal)
+        return mha_reference(q, k, v, bias, mask, scale=s.scale, is_causal=causal)
 
     (out, lse), vjp = jax.vjp(dense, q, k, v, bias)
     dq, dk, dv, dbias = vjp((do, jnp.zeros_like(lse)))
     delta = jnp.einsum("bthd,bthd->bht", out, do)
     pairs, rows, cols = ((0, 0), (1, 3)), (0, 5, 17, 23), (1, 8, 39)
 
-    o_s, lse_s = reference.sampled_forward(q, k, v, bias, mask, s=s, pairs=pairs, rows=rows)
+    o_s, lse_s = reference.sampled_forward(Inputs(q, k, v, bias, mask), s=s, pairs=pairs, rows=rows)
     r = np.array(rows)
     for p, (b, h) in enumerate(pairs):
         np.testing.assert_allclose(o_s[p], out[b, r, h], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(lse_s[p], lse[b, h, r], rtol=1e-6)
-    dq_s = reference.sampled_dq(q, k, v, do, lse, delta, bias, mask, s=s, pairs=pairs,
+    dq_s = reference.sampled_dq(Inputs(q, k, v, bias, mask),
+                                reference.Upstream(do, lse, delta), s=s, pairs=pairs,
                                 rows=rows)
     for p, (b, h) in enumerate(pairs):
         np.testing.assert_allclose(dq_s[p], dq[b, r, h], rtol=1e-4, atol=1e-5)
     kv_pairs, c = ((0, 0), (1, 1)), np.array(cols)
-    dk_s, dv_s = reference.sampled_dkdv(q, k, v, do, lse, delta, bias, mask, s=s,
+    dk_s, dv_s = reference.sampled_dkdv(Inputs(q, k, v, bias, mask),
+                                        reference.Upstream(do, lse, delta), s=s,
                                         pairs=kv_pairs, cols=cols)
     for p, (b, hk) in enumerate(kv_pairs):
         np.testing.assert_allclose(dk_s[p], dk[b, c, hk], rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(dv_s[p], dv[b, c, hk], rtol=1e-4, atol=1e-5)
-    dbias_s = reference.sampled_dbias(q, k, v, do, lse, delta, bias, mask, s=s, rows=rows,
+    dbias_s = reference.sampled_dbias(Inputs(q, k, v, bias, mask),
+                                      reference.Upstream(do, lse, delta), s=s, rows=rows,
                                       cols=cols)
     np.testing.assert_allclose(dbias_s, dbias[:, :, r][:, :, :, c], rtol=1e-4, atol=1e-5)
 
@@ -127,19 +132,19 @@ def test_sampled_dbias_sums_over_broadcast_dims():
     s = problem(causal=True, bias=bias, mask=None)
 
     def dense(bias):
-        return reference.mha_reference(q, k, v, bias, None, scale=s.scale, is_causal=True)
+        return mha_reference(q, k, v, bias, None, scale=s.scale, is_causal=True)
 
     (out, lse), vjp = jax.vjp(dense, bias)
     (dbias,) = vjp((do, jnp.zeros_like(lse)))
     delta = jnp.einsum("bthd,bthd->bht", out, do)
-    got = reference.sampled_dbias(q, k, v, do, lse, delta, bias, None, s=s, rows=(0, 3),
-                                  cols=(2, 30))
+    got = reference.sampled_dbias(Inputs(q, k, v, bias), reference.Upstream(do, lse, delta),
+                                  s=s, rows=(0, 3), cols=(2, 30))
     np.testing.assert_allclose(got, dbias[:, :, :, np.array([2, 30])], rtol=1e-4, atol=1e-5)
 
 
 def test_rows_reference_is_the_dense_reference_at_those_rows():
     q, k, v, _, bias, mask = inputs(3)
-    out, lse = reference.mha_reference(q, k, v, bias, mask, scale=0.3, is_causal=True)
+    out, lse = mha_reference(q, k, v, bias, mask, scale=0.3, is_causal=True)
     rows = np.array([2, 9, 20])
     visible = np.asarray(mask[1, 0][rows]) & np.asarray(reference.causal_keep(T, S, rows=rows))
     o, l = reference.rows_reference(q[1, rows, 2], k[1, :, 1], v[1, :, 1], bias[0, 2, rows],

@@ -11,8 +11,10 @@ decides which key blocks a group of rows walks (a window or segment bounds would
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -169,6 +171,14 @@ class Grid:
     grid_order: str
     reverse: bool
 
+    @classmethod
+    def of(cls, config: Config, *, n_q: int, Hq: int, B: int, group: int, causal: bool):
+        """The grid of `n_q` query tiles of every (query head, batch), with `config`'s
+        clusters, order and (causal) heaviest-first walk."""
+        return cls(n_q=n_q, Hq=Hq, B=B, group=group, ncl=config.cluster,
+                   cluster_axis=config.cluster_axis, grid_order=config.grid_order,
+                   reverse=causal and config.reverse_causal)
+
     def __post_init__(self):
         if self.ncl > 1 and self.cluster_axis == "heads" and self.group % self.ncl:
             raise ValueError(
@@ -218,6 +228,31 @@ class Grid:
         if self.ncl > 1:
             h = h * self.ncl + lax.axis_index("cl")
         return t, h, b, t, 1
+
+
+def walk_kv(step, carry, lo, full_hi, hi):
+    """`step(j, carry, masked=...)` over the key blocks [lo, full_hi) without the element
+    masks, then over [full_hi, hi) with them (`kv_range`'s split)."""
+    carry = lax.fori_loop(lo, full_hi, functools.partial(step, masked=False), carry)
+    return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+
+
+def launch(entry, grid: Grid, config: Config, q, k, v, *, out_dtype, lse_rows: int):
+    """`entry` run by a producer and two consumer warpgroups over `grid`: (out
+    [B, Tq, Hq, Dv] in `out_dtype`, lse [B, Hq, lse_rows] float32)."""
+    B, Tq, Hq, _ = q.shape
+    Dv = v.shape[3]
+    return plgpu.kernel(
+        entry,
+        out_type=(
+            jax.ShapeDtypeStruct((B, Tq, Hq, Dv), out_dtype),
+            jax.ShapeDtypeStruct((B, Hq, lse_rows), jnp.float32),
+        ),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=compiler_params(config),
+        **grid.kernel_kwargs(),
+    )(q, k, v)
 
 
 def compiler_params(config: Config):

@@ -10,18 +10,14 @@ cores.
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mosaic.common import (LOG2E, NEG_INF, ROW, WGMMA, Grid, Walk, cdiv,
-                                          compiler_params, finalize, imin, iota, kv_order,
-                                          kv_range, score_mod, softmax_update,
-                                          tiled_smem)
+from pallas_kernels.mosaic.common import (LOG2E, NEG_INF, ROW, WGMMA, Grid, Walk, cdiv, finalize,
+                                          imin, iota, kv_order, kv_range, launch, score_mod,
+                                          softmax_update, tiled_smem, walk_kv)
 from pallas_kernels.mosaic.config import Config
 
 
@@ -39,16 +35,7 @@ def rows_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
     ncl = config.cluster
     prob = Walk(T=T, S=S, causal=causal, block_kv=bkv)
     c_exp = float(scale) * LOG2E
-    grid = Grid(
-        n_q=cdiv(T, rows_cta),
-        Hq=Hq,
-        B=B,
-        group=group,
-        ncl=ncl,
-        cluster_axis=config.cluster_axis,
-        grid_order=config.grid_order,
-        reverse=causal and config.reverse_causal,
-    )
+    grid = Grid.of(config, n_q=cdiv(T, rows_cta), Hq=Hq, B=B, group=group, causal=causal)
     Tp = grid.q_extent * rows_cta
     out_itemsize = jnp.dtype(out_dtype).itemsize
     oc = config.out_chunk or (Dv if out_itemsize == 2 else min(Dv, 128))
@@ -156,10 +143,7 @@ def rows_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i
 
-            carry = (acc, m_i, l_i)
-            carry = lax.fori_loop(lo, full_hi, functools.partial(step, masked=False), carry)
-            carry = lax.fori_loop(full_hi, my_hi, functools.partial(step, masked=True), carry)
-            acc, m_i, l_i = carry
+            acc, m_i, l_i = walk_kv(step, (acc, m_i, l_i), lo, full_hi, my_hi)
 
             # Blocks loaded for the other warpgroup / the cluster but hidden for us:
             # release them (only once they have landed, so that no warpgroup can
@@ -255,16 +239,5 @@ def rows_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
             collective_axes="wg",
         )
 
-    out, lse = plgpu.kernel(
-        entry,
-        out_type=(
-            jax.ShapeDtypeStruct((B, Tq, Hq, Dv), out_dtype),
-            jax.ShapeDtypeStruct((B, Hq, Tp), jnp.float32),
-        ),
-        num_threads=nwg + 1,
-        thread_name="wg",
-        compiler_params=compiler_params(config),
-        **grid.kernel_kwargs(),
-    )(q, k, v)
-    return out, lse
+    return launch(entry, grid, config, q, k, v, out_dtype=out_dtype, lse_rows=Tp)
 

@@ -11,17 +11,14 @@ of each Dv half).
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mosaic.common import (LOG2E, NEG_INF, ROW, WGMMA, Grid, Walk, cdiv,
-                                          compiler_params, finalize, imin, iota, kv_order,
-                                          kv_range, load_rows, score_mod, tiled_smem)
+from pallas_kernels.mosaic.common import (LOG2E, NEG_INF, ROW, WGMMA, Grid, Walk, cdiv, finalize,
+                                          imin, iota, kv_order, kv_range, launch, load_rows,
+                                          score_mod, tiled_smem, walk_kv)
 from pallas_kernels.mosaic.config import Config
 
 
@@ -45,16 +42,7 @@ def wide_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
     dvh = Dv // 2  # Dv per warpgroup
     nV = dvh // _W  # V tiles per step (each: 128 columns of each half)
     tiles = nK + nV
-    grid = Grid(
-        n_q=cdiv(T, bq),
-        Hq=Hq,
-        B=B,
-        group=group,
-        ncl=ncl,
-        cluster_axis=config.cluster_axis,
-        grid_order=config.grid_order,
-        reverse=causal and config.reverse_causal,
-    )
+    grid = Grid.of(config, n_q=cdiv(T, bq), Hq=Hq, B=B, group=group, causal=causal)
     Tp = grid.q_extent * bq
     oc = min(config.out_chunk or _W, _W)
     assert dvh % oc == 0
@@ -181,10 +169,7 @@ def wide_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
                     plgpu.barrier_arrive(free.at[lax.rem(base + tiles - 1, ns)])
                 return accs, m_new, l_i
 
-            carry = (accs, m_i, l_i)
-            carry = lax.fori_loop(lo, full_hi, functools.partial(step, masked=False), carry)
-            carry = lax.fori_loop(full_hi, my_hi, functools.partial(step, masked=True), carry)
-            accs, m_i, l_i = carry
+            accs, m_i, l_i = walk_kv(step, (accs, m_i, l_i), lo, full_hi, my_hi)
 
             # Tiles loaded for the rest of the cluster but hidden for our rows.
             @pl.loop(my_hi, hi)
@@ -273,16 +258,5 @@ def wide_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
             collective_axes="wg",
         )
 
-    out, lse = plgpu.kernel(
-        entry,
-        out_type=(
-            jax.ShapeDtypeStruct((B, Tq, Hq, Dv), out_dtype),
-            jax.ShapeDtypeStruct((B, Hq, Tp), jnp.float32),
-        ),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=compiler_params(config),
-        **grid.kernel_kwargs(),
-    )(q, k, v)
-    return out, lse
+    return launch(entry, grid, config, q, k, v, out_dtype=out_dtype, lse_rows=Tp)
 

@@ -172,15 +172,19 @@ def _fwd_reference_err(out, inp: Inputs) -> float | None:
         return None
     o, lse = out[:2]
     pairs, rows = _head_pairs(s.batch, s.heads_q), _sample_indices(s.seq_q)
-    ref_o, ref_lse = reference.sampled_forward(inp.q, inp.k, inp.v, inp.bias, inp.mask, s=s,
-                                               pairs=pairs, rows=rows)
+    ref_o, ref_lse = reference.sampled_forward(_arrays(inp), s=s, pairs=pairs, rows=rows)
     return max(rel_err(_take(o, pairs=pairs, rows=rows, heads_axis=2), ref_o),
                _lse_err(_take(lse, pairs=pairs, rows=rows, heads_axis=1), ref_lse))
 
 
+def _arrays(inp: Inputs) -> problem_arrays.Inputs:
+    return problem_arrays.Inputs(inp.q, inp.k, inp.v, inp.bias, inp.mask)
+
+
 def _bwd_arrays(inp: Inputs) -> tuple:
+    """(inputs, upstream) of the sampled gradients."""
     lse = inp.forward_outputs()[1]
-    return (inp.q, inp.k, inp.v, inp.do, lse, inp.delta(), inp.bias, inp.mask)
+    return _arrays(inp), reference.Upstream(inp.do, lse, inp.delta())
 
 
 def _dq_reference_err(dq, inp: Inputs) -> float | None:

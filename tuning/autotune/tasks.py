@@ -18,15 +18,22 @@ import dataclasses
 import json
 from typing import Any, Iterable, Mapping
 
+from pallas_kernels import fused
+
 HEADDIMS = (64, 128, 256, 320, 512, 640, 768, 1024)
 SEQLENS = (1, 512, 1024, 2048, 4096, 8192)
 LARGE_SEQLEN = 16384
 LARGE_SEQLEN_MIN_GIB = 48
 DROPOUT_RATE = 0.1
 
-FORWARD_KERNELS = ("fwd_generic",)
-BACKWARD_KERNELS = ("bwd_preproc", "bwd_generic_dq", "bwd_generic_dkdv")
-DECODE_KERNELS = ("decode_fwd_stage1", "decode_fwd_stage2")
+FORWARD_KERNELS = (fused.FWD_GENERIC.name,)
+BACKWARD_KERNELS = (fused.BWD_PREPROC.name, fused.BWD_GENERIC_DQ.name,
+                    fused.BWD_GENERIC_DKDV.name)
+DECODE_KERNELS = (fused.DECODE_FWD_STAGE1.name, fused.DECODE_FWD_STAGE2.name)
+# The relative cost of a kernel's task per unit of work (`Task.cost`).
+_COST_FACTORS = {fused.FWD_GENERIC.name: 4, fused.BWD_GENERIC_DQ.name: 6,
+                 fused.BWD_GENERIC_DKDV.name: 8, fused.BWD_DBIAS.name: 6,
+                 fused.BWD_PREPROC.name: 0.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +84,7 @@ class Task:
     def cost(self) -> float:
         """A rough relative cost (seconds-like) for time-left estimates and ordering."""
         work = self.batch * self.nheads_q * self.seqlen_q * self.seqlen_k * self.headdim
-        factor = {"fwd_generic": 4, "bwd_generic_dq": 6, "bwd_generic_dkdv": 8,
-                  "bwd_dbias": 6, "bwd_preproc": 0.0}.get(self.kernel, 2)
+        factor = _COST_FACTORS.get(self.kernel, 2)
         if self.causal:
             factor /= 2
         # ~1 s of compiling and checking per task, plus ~a dozen timed calls at ~250 TF/s.
@@ -144,7 +150,7 @@ def build_tasks(*, directions: Iterable[str], dtypes: Iterable[str], batch: int,
                     # A float32 backward computes δ in bwd_exact_rows (it borrows dq's
                     # config), so bwd_preproc is not run there.
                     add("backward", tuple(k for k in BACKWARD_KERNELS
-                                          if not (dtype == "fp32" and k == "bwd_preproc")),
+                                          if not (dtype == "fp32" and k == fused.BWD_PREPROC.name)),
                         **fields)
                 if not full_tasks:
                     continue
@@ -157,7 +163,7 @@ def build_tasks(*, directions: Iterable[str], dtypes: Iterable[str], batch: int,
                     fields = dict(case_name=case, causal=False, nheads_kv=kv,
                                   has_attn_bias=bias, has_dropout=dropout, **sq)
                     add("forward", FORWARD_KERNELS, **fields)
-                    add("backward", BACKWARD_KERNELS[1:] + (("bwd_dbias",) if bias else ()),
+                    add("backward", BACKWARD_KERNELS[1:] + ((fused.BWD_DBIAS.name,) if bias else ()),
                         **fields)
     return tasks
 
