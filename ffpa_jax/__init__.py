@@ -1,4 +1,5 @@
-"""ffpa_jax: exact, fast, memory-efficient attention for JAX on NVIDIA GPUs, any head dim up to 1024."""
+"""ffpa_jax: exact, fast, memory-efficient attention for JAX on NVIDIA GPUs, any head dim up
+to 1024."""
 
 from ffpa_jax import backend as _backend
 from ffpa_jax.api import attention

@@ -1,7 +1,7 @@
 """What ffpa_jax says about JAX's backend: whether it is an NVIDIA GPU (decided in
-`tuning.device`, where the dispatcher reads it), and what to install when the machine has an NVIDIA GPU but the
-installed jaxlib cannot use it (`missing_cuda_message`), and where its warnings find
-the caller's line (`caller_stacklevel`).
+`tuning.device`, where the dispatcher reads it), and what to install when the machine has
+an NVIDIA GPU but the installed jaxlib cannot use it (`missing_cuda_message`), and where
+its warnings find the caller's line (`caller_stacklevel`).
 """
 
 from __future__ import annotations

@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         path = _tuned_file(args.device_name, args.compute_capability)
         lines += [line.replace(path, "the tuned file") if path else line for line in calls]
     elif any(v is not None for v in (args.kv_heads, args.kv_len, args.dv, args.bias,
-                                      args.mask, args.implementation)):
+                                     args.mask, args.implementation)):
         parser.error("--kv-heads, --kv-len, --dv, --bias, --mask and --implementation "
                      "describe a call: give its --shape too")
     for line in lines:

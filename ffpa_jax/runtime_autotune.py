@@ -110,7 +110,7 @@ def autotuned_config(kernel: str, problem: Problem, *, mode: str | None,
             if _inputs.get("key") != problem:
                 _inputs.clear()
                 _inputs.update(key=problem, value=runners.Inputs(problem,
-                                                                         interpret=interpret))
+                                                                 interpret=interpret))
             result = autotune_measure.tune(kernel, problem, mode=mode, interpret=interpret,
                                            inputs=_inputs["value"])
         _stats["tuned"] += 1

@@ -71,7 +71,8 @@ def _shape_str(x) -> str:
 
 def _require_array(name: str, x: Any) -> None:
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-        raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray); got {type(x).__name__}.")
+        raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray); got "
+                        f"{type(x).__name__}.")
 
 
 def _check_broadcastable(name: str, shape: tuple[int, ...], target: tuple[int, ...],
@@ -154,7 +155,8 @@ def _check_prng_key(rng: Any) -> None:
         raise TypeError(f"dropout_rng must be a jax PRNG key; got {type(rng).__name__}.")
     if jnp.issubdtype(dtype, jax.dtypes.prng_key):
         if rng.shape != ():
-            raise ValueError(f"dropout_rng must be a single PRNG key (shape ()); got shape {rng.shape}.")
+            raise ValueError("dropout_rng must be a single PRNG key (shape ()); got shape "
+                             f"{rng.shape}.")
         return
     if dtype == jnp.uint32 and rng.shape == (2,):  # legacy raw key from jax.random.PRNGKey
         return
@@ -329,7 +331,8 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, d
     if hq % hkv != 0:
         raise ValueError(f"query heads Hq={hq} must be a multiple of key/value heads Hkv={hkv} "
                          f"(GQA/MQA) {shapes}.")
-    for name, size in (("head dim D (query/key last dim)", d), ("head dim Dv (value last dim)", dv)):
+    for name, size in (("head dim D (query/key last dim)", d),
+                       ("head dim Dv (value last dim)", dv)):
         if not 1 <= size <= MAX_HEAD_DIM:
             raise ValueError(f"{name} must be in 1..{MAX_HEAD_DIM}; got {size} {shapes}.")
 

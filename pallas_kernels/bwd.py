@@ -50,7 +50,7 @@ def _preproc_kernel(o_ref, do_ref, dlse_ref, delta_ref, *, seq_q, heads_q, head_
     for c in range(cdiv(head_dim_v, bd)):
         o = tiles.load_tile(o_ref, b, q_start, bm, h, c * bd, bd, n_rows=seq_q, n_cols=head_dim_v)
         do = tiles.load_tile(do_ref, b, q_start, bm, h, c * bd, bd, n_rows=seq_q,
-                              n_cols=head_dim_v)
+                             n_cols=head_dim_v)
         acc += jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=1)
     rows_ok = (q_start + iota(bm)) < seq_q
     view = lambda ref: ref.at[b, h, tiles.ds(q_start, bm)]
@@ -100,8 +100,8 @@ def _exact_rows_kernel(*refs, st: static.KernelStatic):
         return p_dp_sum + jnp.sum(p * dp, axis=1), p_sum + jnp.sum(p, axis=1)
 
     zero = jnp.zeros((bm,), jnp.float32)
-    p_dp_sum, p_sum = static.walk_kv_blocks(st, _lists(r), b, h, q_block, q_start, visit, (zero, zero),
-                                      features)
+    p_dp_sum, p_sum = static.walk_kv_blocks(st, _lists(r), b, h, q_block, q_start, visit,
+                                            (zero, zero), features)
     sink = static.sink_share(st, r, h, *row_lse)
     if sink is not None:  # the sink's share completes the row's sum to 1
         p_sum = p_sum + sink
@@ -171,13 +171,13 @@ def _dq_kernel(*refs, st: static.KernelStatic):
                                   causal_mask=causal_mask, with_mask=with_mask,
                                   features=features)
         k_slice = tiles.load_tile(r["k"], b, kv_start, bn, hk, sl * width, width,
-                                   n_rows=problem.seq_k, n_cols=problem.head_dim)
+                                  n_rows=problem.seq_k, n_cols=problem.head_dim)
         return numerics.accumulate_ds(acc, ds, k_slice, split=st.split_ds)
 
     acc = static.walk_kv_blocks(st, _lists(r), b, h, q_block, q_start, visit,
-                          jnp.zeros((bm, width), jnp.float32), features)
+                                jnp.zeros((bm, width), jnp.float32), features)
     tiles.store_tile(dq_ref, acc * problem.scale, b, q_start, bm, h, sl * width, width,
-                      n_rows=problem.seq_q, n_cols=problem.head_dim)
+                     n_rows=problem.seq_q, n_cols=problem.head_dim)
 
 
 def bwd_generic_dq(problem: Problem, config: BwdConfig, inputs: Inputs, rows: BackwardRows, *,
@@ -248,13 +248,13 @@ def _dkdv_program(st, r, out_refs, b, hk, kv_block, kv_start, *, with_dk, with_d
                                   features=tile.features(q_start))
         if with_dv:
             do_slice = tiles.load_tile(r["do"], b, q_start, bm, h, sl * width, width,
-                                        n_rows=problem.seq_q, n_cols=problem.head_dim_v)
+                                       n_rows=problem.seq_q, n_cols=problem.head_dim_v)
             dv_acc = dv_acc + dot(p.astype(do_slice.dtype), do_slice, trans_a=True)
         if with_dk:
             q_slice = tiles.load_tile(r["q"], b, q_start, bm, h, sl * width, width,
-                                       n_rows=problem.seq_q, n_cols=problem.head_dim)
+                                      n_rows=problem.seq_q, n_cols=problem.head_dim)
             dk_acc = numerics.accumulate_ds(dk_acc, ds, q_slice, trans_a=True,
-                                          split=st.split_ds)
+                                            split=st.split_ds)
         return dk_acc, dv_acc
 
     def over_q_blocks(h, accs):
@@ -279,7 +279,7 @@ def _dkdv_program(st, r, out_refs, b, hk, kv_block, kv_start, *, with_dk, with_d
                                      accs)
         if problem.causal:
             first, first_unmasked = visibility.causal_q_blocks(kv_start, bm, bn, problem.seq_q,
-                                                                 problem.seq_k, shift)
+                                                               problem.seq_k, shift)
             accs = jax.lax.fori_loop(first, first_unmasked,
                                      partial(causal_mask=True, with_mask=False), accs)
             return jax.lax.fori_loop(first_unmasked, n_q,
@@ -297,10 +297,10 @@ def _dkdv_program(st, r, out_refs, b, hk, kv_block, kv_start, *, with_dk, with_d
     dk_acc, dv_acc = accs
     if with_dk:
         tiles.store_tile(dk_ref, dk_acc * problem.scale, b, kv_start, bn, hk, sl * width, width,
-                          n_rows=problem.seq_k, n_cols=problem.head_dim)
+                         n_rows=problem.seq_k, n_cols=problem.head_dim)
     if with_dv:
         tiles.store_tile(dv_ref, dv_acc, b, kv_start, bn, hk, sl * width, width,
-                          n_rows=problem.seq_k, n_cols=problem.head_dim_v)
+                         n_rows=problem.seq_k, n_cols=problem.head_dim_v)
 
 
 def dkdv_tasks(head_dim: int, head_dim_v: int, width: int, split: bool):
@@ -368,7 +368,8 @@ def _dbias_kernel(*refs, st: static.KernelStatic):
                                                         tile.kv_chunks("k", kv_start),
                                                         tile.q_chunks("do", q_start, h),
                                                         tile.kv_chunks("v", kv_start)),
-                                  causal_mask=problem.causal, with_mask=problem.mask_shape is not None,
+                                  causal_mask=problem.causal,
+                                  with_mask=problem.mask_shape is not None,
                                   features=tile.features(q_start))
         if bt == 1:
             ds = jnp.sum(ds, axis=0, keepdims=True)

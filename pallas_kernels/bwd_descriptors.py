@@ -88,7 +88,7 @@ def _grid(headdim: int, *, split_dkdv: bool = False) -> Iterable[dict]:
     splits = (True, False) if split_dkdv else (False,)
     slices = (256, 128) if headdim <= 256 else (512, 256)
     for bm, bn, sl, bd, st, split in itertools.product((64, 128), (64, 128, 32), slices,
-                                                        (64, 128), (3, 2), splits):
+                                                       (64, 128), (3, 2), splits):
         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_HEADDIM=sl, BLOCK_HEADDIM_QK=bd,
                    DYNAMIC_D=True, num_warps=8, num_stages=st)
         if split_dkdv:

@@ -50,7 +50,8 @@ class BwdConfig:
         widest = max(head_dim, head_dim_v)
         return dataclasses.replace(
             self, block_m=fit_block(self.block_m, seq_q), block_n=fit_block(self.block_n, seq_k),
-            block_d=fit_block(self.block_d, widest), block_slice=fit_block(self.block_slice, widest))
+            block_d=fit_block(self.block_d, widest),
+            block_slice=fit_block(self.block_slice, widest))
 
 
 class BackwardRows(NamedTuple):
@@ -157,8 +158,8 @@ class Tile:
     def chunk(self, name: str, start_row, rows: int, c, head, n_rows: int, n_cols: int):
         cfg = self.cfg
         return tiles.load_tile(self.refs[name], self.b, start_row, rows, head,
-                                tiles.chunk_start(c, cfg.block_d), cfg.block_d,
-                                n_rows=n_rows, n_cols=n_cols)
+                               tiles.chunk_start(c, cfg.block_d), cfg.block_d,
+                               n_rows=n_rows, n_cols=n_cols)
 
     def q_chunks(self, name: str, q_start, h):
         st = self.st
@@ -170,7 +171,8 @@ class Tile:
         st = self.st
         problem = st.problem
         dim = problem.head_dim if name == "k" else problem.head_dim_v
-        return lambda c: self.chunk(name, kv_start, self.cfg.block_n, c, self.hk, problem.seq_k, dim)
+        block_n = self.cfg.block_n
+        return lambda c: self.chunk(name, kv_start, block_n, c, self.hk, problem.seq_k, dim)
 
     @staticmethod
     def resident(loader, n_chunks: int):
@@ -215,13 +217,13 @@ class Tile:
         # As in the forward: unscaled scores, and one fused s·scale - lse per element.
         fold = numerics.folds_scale(st, per_chunk=per_chunk)
         s = numerics.contract_chunks(q_chunk, k_chunk, n_chunks(st, problem.head_dim),
-                                   dynamic=cfg.dynamic, shape=(bm, bn),
-                                   scale=None if fold else qk_scale,
-                                   round_per_chunk=per_chunk, compensated=problem.natural)
+                                     dynamic=cfg.dynamic, shape=(bm, bn),
+                                     scale=None if fold else qk_scale,
+                                     round_per_chunk=per_chunk, compensated=problem.natural)
         s, cap_grad = static.bias_and_masks(
             s, st, self.refs.get("bias"), self.refs.get("mask"),
-            static.TileAt(self.b, h, q_start, kv_start, rows, cols), causal_mask=causal_mask, with_mask=with_mask, mask_rows=True,
-            features=features, with_cap_grad=True)
+            static.TileAt(self.b, h, q_start, kv_start, rows, cols), causal_mask=causal_mask,
+            with_mask=with_mask, mask_rows=True, features=features, with_cap_grad=True)
         hi, lo = row_lse
         if fold:
             p = st.exp2(numerics.fma(s, qk_scale, -hi[:, None]))
@@ -247,7 +249,8 @@ class Tile:
         if not need_dp:
             return p, p_out, None, cap_grad
         dp = numerics.contract_chunks(do_chunk, v_chunk, n_chunks(st, problem.head_dim_v),
-                                    dynamic=cfg.dynamic, shape=(bm, bn), compensated=problem.natural)
+                                      dynamic=cfg.dynamic, shape=(bm, bn),
+                                      compensated=problem.natural)
         if keep is not None:
             dp = jnp.where(keep, dp * inv_keep, 0.0)
         return p, p_out, dp, cap_grad

@@ -183,7 +183,7 @@ def groups(problem: Problem, block_q: int) -> list[Group]:
                 align=band_align(problem))
     full, tail = divmod(t, block_q)
     blocks = [(i * block_q, block_q) for i in range(full)] + ([(full * block_q, tail)]
-                                                             if tail else [])
+                                                              if tail else [])
     if problem.positions:  # the shift is runtime data: every block, every key (or band)
         blocks = [(r0, n, s) for r0, n in blocks]
     else:
@@ -202,7 +202,7 @@ def groups(problem: Problem, block_q: int) -> list[Group]:
         per = max(1, math.ceil(len(blocks) / MAX_CAUSAL_GROUPS))
         runs = [blocks[i:i + per] for i in range(0, len(blocks), per)]
         runs = [r for run in runs for r in ([run[:-1], run[-1:]] if run[-1][1] != block_q
-                                              else [run])]
+                                            else [run])]
     return [Group(first=run[0][0], rows=run[0][1], count=len(run),
                   keys=max(limit for _, _, limit in run)) for run in runs if run]
 

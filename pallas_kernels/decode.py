@@ -217,11 +217,11 @@ def _stage1_kernel(*refs, lay: _Layout, per_chunk: bool):
                                             n_cols=problem.head_dim)
         else:
             k_chunk = lambda c: tiles.load_tile(k_ref, b, kv_start, bn, hk,
-                                                 tiles.chunk_start(c, bd), bd,
-                                                 n_rows=problem.seq_k, n_cols=problem.head_dim)
+                                                tiles.chunk_start(c, bd), bd,
+                                                n_rows=problem.seq_k, n_cols=problem.head_dim)
         s = numerics.contract_chunks(q_chunk, k_chunk, n_dchunks, dynamic=cfg.dynamic,
-                                   shape=(bm, bn), scale=qk_scale, round_per_chunk=per_chunk,
-                                   compensated=problem.natural)
+                                     shape=(bm, bn), scale=qk_scale, round_per_chunk=per_chunk,
+                                     compensated=problem.natural)
         if bias_ref is not None:
             bias = _gather_tile(bias_ref, b, h_rows, t_rows, cols, rows_ok=rows_ok,
                                 seq_k=problem.seq_k, other=0)
@@ -249,7 +249,7 @@ def _stage1_kernel(*refs, lay: _Layout, per_chunk: bool):
             v_tile = _load_paged(v_ref, hk, rows, v_start, bdv, n_cols=problem.head_dim_v)
         else:
             v_tile = tiles.load_tile(v_ref, b, kv_start, bn, hk, v_start, bdv,
-                                      n_rows=problem.seq_k, n_cols=problem.head_dim_v)
+                                     n_rows=problem.seq_k, n_cols=problem.head_dim_v)
         p = p if v_tile.dtype == jnp.float32 else p.astype(v_tile.dtype)
         acc = acc * alpha[:, None] + dot(p, v_tile)
         return m_new, l_i, acc
@@ -272,7 +272,8 @@ def _stage1_kernel(*refs, lay: _Layout, per_chunk: bool):
 
     has_keys = l_i > 0.0
     l_safe = jnp.where(has_keys, l_i, 1.0)
-    out = acc / (l_safe if problem.dropout_rate == 0 else l_safe * (1.0 - problem.dropout_rate))[:, None]
+    norm = l_safe if problem.dropout_rate == 0 else l_safe * (1.0 - problem.dropout_rate)
+    out = acc / norm[:, None]
     # Output rows h·T + t = hk·G·T + r: one contiguous slab per KV head.
     row0 = hk * lay.packed + m_block * bm
     out_cols = v_start + iota(bdv)

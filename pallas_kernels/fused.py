@@ -14,7 +14,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels import chunked
-from pallas_kernels.bwd import bwd_dbias, bwd_exact_rows, bwd_generic_dkdv, bwd_generic_dq, bwd_preproc
+from pallas_kernels.bwd import (bwd_dbias, bwd_exact_rows, bwd_generic_dkdv, bwd_generic_dq,
+                                bwd_preproc)
 from pallas_kernels.bwd_descriptors import BWD_DBIAS, BWD_GENERIC_DKDV, BWD_GENERIC_DQ, BWD_PREPROC
 from pallas_kernels.bwd_tile import BackwardRows, BwdConfig, rows_in_one_tile
 from pallas_kernels.decode import (DECODE_FWD_STAGE1, DECODE_FWD_STAGE2, DecodeConfig,

@@ -113,7 +113,7 @@ def _fwd_kernel(*refs, st: static.KernelStatic, per_chunk: bool):
     resident_q = None
     if cfg.q_mode == "resident":
         resident_q = [tiles.load_tile(q_ref, b, q_start, bm, h, c * bd, bd,
-                                       n_rows=problem.seq_q, n_cols=problem.head_dim)
+                                      n_rows=problem.seq_q, n_cols=problem.head_dim)
                       for c in range(_n_dchunks(st))]
 
     def scores(kv_start):
@@ -123,17 +123,17 @@ def _fwd_kernel(*refs, st: static.KernelStatic, per_chunk: bool):
             if resident_q is not None:
                 return resident_q[c]
             return tiles.load_tile(q_ref, b, q_start, bm, h, tiles.chunk_start(c, bd), bd,
-                                    n_rows=problem.seq_q, n_cols=problem.head_dim)
+                                   n_rows=problem.seq_q, n_cols=problem.head_dim)
 
         def k_chunk_at(c):
             return tiles.load_tile(k_ref, b, kv_start, bn, hk, tiles.chunk_start(c, bd), bd,
-                                    n_rows=problem.seq_k, n_cols=problem.head_dim)
+                                   n_rows=problem.seq_k, n_cols=problem.head_dim)
 
         return numerics.contract_chunks(q_chunk_at, k_chunk_at, _n_dchunks(st),
-                                      dynamic=cfg.q_mode == "dynamic", shape=(bm, bn),
-                                      scale=qk_scale if raw_scale is None else None,
-                                      round_per_chunk=per_chunk,
-                                      compensated=problem.natural)
+                                        dynamic=cfg.q_mode == "dynamic", shape=(bm, bn),
+                                        scale=qk_scale if raw_scale is None else None,
+                                        round_per_chunk=per_chunk,
+                                        compensated=problem.natural)
 
     def visit(kv_block, carry, *, causal_mask: bool, with_mask: bool):
         m_i, l_i, acc = carry
@@ -142,7 +142,7 @@ def _fwd_kernel(*refs, st: static.KernelStatic, per_chunk: bool):
 
         def v_tile_load():
             return tiles.load_tile(v_ref, b, kv_start, bn, hk, v_start, bdv,
-                                    n_rows=problem.seq_k, n_cols=problem.head_dim_v)
+                                   n_rows=problem.seq_k, n_cols=problem.head_dim_v)
 
         v_tile = v_tile_load() if cfg.prefetch_v else None
         s = static.bias_and_masks(scores(kv_start), st, bias_ref, mask_ref,
@@ -179,7 +179,7 @@ def _fwd_kernel(*refs, st: static.KernelStatic, per_chunk: bool):
     kept = 1.0 - problem.dropout_rate
     out = acc / (l_safe if problem.dropout_rate == 0 else l_safe * kept)[:, None]
     tiles.store_tile(o_ref, out, b, q_start, bm, h, v_start, bdv,
-                      n_rows=problem.seq_q, n_cols=problem.head_dim_v)
+                     n_rows=problem.seq_q, n_cols=problem.head_dim_v)
     lse, lo = numerics.row_lse(m_i, l_safe, has_keys, st)
     lse_mask = rows < problem.seq_q
     if _n_vslices(st) > 1:
@@ -321,7 +321,7 @@ def _grid(headdim: int) -> Iterable[dict]:
                        num_warps=8, num_stages=st, Q_MODE=mode)
     else:
         for bm, bn, bd, bdv, st in itertools.product((64, 128), (64, 128, 32), (64, 128),
-                                                      (256, 128), (3, 2, 4)):
+                                                     (256, 128), (3, 2, 4)):
             yield dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_HEADDIM_QK=bd, BLOCK_HEADDIM_V=bdv,
                        num_warps=8, num_stages=st, Q_MODE="dynamic")
 

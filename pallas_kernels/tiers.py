@@ -42,8 +42,8 @@ class Tier:
       kernels also run in Pallas' interpreter elsewhere, for tests).
     - `forward(plan, inputs)` -> (out, lse[, lse_lo]); `backward(plan, inputs, saved,
       cotangents)` -> (dq, dk, dv, dbias), or None: JAX differentiates `forward` itself
-      (`differentiated_by_jax`), or the tier has no backward (`directions` without it: another tier's
-      runs the backward).
+      (`differentiated_by_jax`), or the tier has no backward (`directions` without it:
+      another tier's runs the backward).
     - `configs(problem, direction, lookup, target)` -> the `KernelChoice`s it runs a
       direction with (`lookup(kernel)` gives a tuned or built-in config dict, and why).
     - `unsupported(problem, direction)` -> the features of `problem` it cannot compute, by

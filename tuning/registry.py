@@ -74,7 +74,8 @@ def config_problem(kernel: str, config: Any) -> str | None:
     if warps not in _VALID_WARPS or isinstance(warps, bool):
         return f"num_warps={warps!r} not in {_VALID_WARPS}"
     stages = config.get("num_stages")
-    if not (isinstance(stages, int) and not isinstance(stages, bool) and 1 <= stages <= _MAX_STAGES):
+    if not (isinstance(stages, int) and not isinstance(stages, bool)
+            and 1 <= stages <= _MAX_STAGES):
         return f"num_stages={stages!r} not in 1..{_MAX_STAGES}"
     ctas = config.get("num_ctas", 1)
     if ctas != 1:

@@ -241,17 +241,17 @@ def text_table(records: list[dict], *, gpu: bool = True, width: int = WIDTH) -> 
             lines.append(row)
         if declined:
             lines += wrap("not run: " + ", ".join(declined), width,
-                                   initial_indent="  ", subsequent_indent="    ")
+                          initial_indent="  ", subsequent_indent="    ")
     if skipped:
         lines.append("Not run in any case of this run:")
         for impl, why in skipped.items():
             lines += wrap(f"{impl}: {why}", width, initial_indent="  ",
-                                   subsequent_indent="    ")
+                          subsequent_indent="    ")
     if notes:
         lines.append("Notes:")
         for text, n in notes.items():
             lines += wrap(f"[{n}] {text}", width, initial_indent="  ",
-                                   subsequent_indent="      ")
+                          subsequent_indent="      ")
     return "\n".join(lines)
 
 
@@ -289,7 +289,7 @@ def legend(*, gpu: bool, interpreted_rows: bool = False, width: int = WIDTH) -> 
     lines = ["Columns:"]
     for name, text in items:
         lines += wrap(f"{name:<10} {text}", width, initial_indent="  ",
-                               subsequent_indent=" " * 13)
+                      subsequent_indent=" " * 13)
     if not gpu:
         lines += wrap(
             "No GPU: TF/s, GB/s and ffpa's time against each peer's are left out, as CPU "

@@ -241,8 +241,8 @@ def _measure_one(compiled, cfg, args, runner: KernelRunner, inputs: Inputs, base
     if baseline is not None:
         diff = _max_rel_diff(outputs, baseline)
         if not diff <= tol:
-            return CandidateRecord(cfg, "wrong result", error=diff,
-                                   detail=f"differs from the baseline by {diff:.3g} > {tol:g}"), None
+            detail = f"differs from the baseline by {diff:.3g} > {tol:g}"
+            return CandidateRecord(cfg, "wrong result", error=diff, detail=detail), None
         outputs = None  # only the baseline's outputs are kept
     try:
         if best_ms is None:  # the first candidate timed: warm the device up first

@@ -163,8 +163,8 @@ def build_tasks(*, directions: Iterable[str], dtypes: Iterable[str], batch: int,
                     fields = dict(case_name=case, causal=False, nheads_kv=kv,
                                   has_attn_bias=bias, has_dropout=dropout, **sq)
                     add("forward", FORWARD_KERNELS, **fields)
-                    add("backward", BACKWARD_KERNELS[1:] + ((fused.BWD_DBIAS.name,) if bias else ()),
-                        **fields)
+                    dbias = (fused.BWD_DBIAS.name,) if bias else ()
+                    add("backward", BACKWARD_KERNELS[1:] + dbias, **fields)
     return tasks
 
 
