@@ -39,7 +39,7 @@ def test_a_short_loop_matches_contiguous_attention():
 
 
 def test_the_interpreted_kernels_say_so():
-    run = _run("--steps", "1", "--batch", "1", "--page-size", "4", "--interpret")
+    run = _run("--steps", "1", "--batch", "1", "--page-size", "4", "--interpret", "--no-check")
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     first = run.stdout.splitlines()[0]
     assert first.startswith("paged_attention runs on: pallas ") and "interpreter" in first

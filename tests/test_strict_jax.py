@@ -75,13 +75,13 @@ def _tier_kwargs(tier: str) -> dict:
 
 DROPOUT = dict(dropout_rate=0.25, dropout_rng=jax.random.key(3))
 TIERS = ("xla", "chunked", "chunked-step", "pallas")
-# (T, S): several query and key tiles, and a short query block (T <= 16, S >= 128: the
-# split-KV decode kernels on the Pallas tier).
-SHAPES = ((24, 40), (3, 160))
+SHAPE = (24, 40)  # (T, S): several query and key tiles of the fused kernels
+# A short query block (T <= 16, S >= 128): the split-KV decode kernels on the Pallas tier.
+DECODE_SHAPE = (3, 160)
 
 
-@pytest.mark.parametrize("t,s", SHAPES)
-@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("tier, t, s", [(tier, *SHAPE) for tier in TIERS]
+                         + [("pallas", *DECODE_SHAPE)])
 def test_attention_traces_under_strict_rank_promotion(tier, t, s):
     kw = _tier_kwargs(tier)
     q, k, v = _qkv(t, s)
@@ -106,7 +106,7 @@ def test_attention_runs_under_strict_rank_promotion(tier, monkeypatch):
     kw = _tier_kwargs(tier)
     if tier.startswith("chunked"):  # several query and key blocks: the blocked paths
         monkeypatch.setenv("FFPA_CHUNKED_BUDGET_MIB", SMALL_CHUNK_BUDGET_MIB)
-    t, s = SHAPES[0]
+    t, s = SHAPE
     q, k, v = _qkv(t, s, seed=1)
     a = _arrays(t, s)
     fn = jax.value_and_grad(functools.partial(
