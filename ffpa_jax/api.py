@@ -25,18 +25,20 @@ from pallas_kernels.problem import Inputs
 
 
 def plan_for(problem, implementation: str | None, *, interpret: bool,
-             autotune: str | None = None):
+             autotune: str | None = None, deterministic: bool | None = None):
     """The `Plan` of a call: the dispatcher's, with the runtime autotune's configs when
     `autotune` asks for them and the plan has kernels to tune (the dense tier has none:
     one warning says so)."""
-    plan = tuning.plan(problem, implementation, interpret=interpret)
+    plan = tuning.plan(problem, implementation, interpret=interpret,
+                       deterministic=deterministic)
     if autotune is None:
         return plan
     if tiers.BY_NAME[plan.forward_tier].differentiated_by_jax:
         runtime_autotune.warn_ignored_on_xla(autotune, implementation)
         return plan
     plan = tuning.plan(problem, implementation, interpret=interpret,
-                       override=runtime_autotune.override(autotune, interpret))
+                       override=runtime_autotune.override(autotune, interpret),
+                       deterministic=deterministic)
     runtime_autotune.release_inputs()  # the benchmark's own inputs
     return plan
 
@@ -53,7 +55,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
               dropout_rng: jax.Array | None = None, return_lse: bool = False,
               implementation: str | None = None, interpret: bool = False,
               autotune: str | None = None, context_axis: str | None = None,
-              context_layout: str = CONTIGUOUS, context_strategy: str | None = None):
+              context_layout: str = CONTIGUOUS, context_strategy: str | None = None,
+              deterministic: bool | None = None):
     """Exact scaled dot-product attention, memory-efficient on NVIDIA GPUs.
 
     Args:
@@ -114,6 +117,13 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
         "all_gather". Without context_axis, under jax.jit, inputs sharded along the
         sequence then run that strategy over their mesh axis on any tier (planned calls
         on the pallas and chunked tiers do so by the rule without it).
+      deterministic: True: a bitwise-reproducible backward (the same gradients on every
+        rerun: no floating-point atomics or reduce-adds whose order varies); False: the
+        fastest backward, which may add in a varying order; None (default): True when
+        XLA_FLAGS sets --xla_gpu_deterministic_ops, else False. Every backward tier today
+        adds in one order, so both settings run the same kernels (`python -m
+        ffpa_jax.info` says which ran and why). The chunked tier's GEMMs and the dense
+        tier are XLA's operations, as deterministic as XLA makes them.
 
     Returns:
       out [B, T, Hq, Dv] in query's dtype, or (out, lse) when return_lse is True.
@@ -131,11 +141,12 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         sinks=sinks, context_axis=context_axis, context_layout=context_layout,
-        context_strategy=context_strategy)
+        context_strategy=context_strategy, deterministic=deterministic)
     problem, batched, context = call.problem, call.batched, call.context
     # A context-parallel call plans its blocks itself (ffpa_jax.context_parallel).
     plan = (None if context is not None else
-            plan_for(problem, implementation, interpret=interpret, autotune=call.autotune))
+            plan_for(problem, implementation, interpret=interpret, autotune=call.autotune,
+                     deterministic=deterministic))
     features = validation.feature_arrays(
         batched, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
@@ -154,7 +165,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
         whole = whole_problem(problem, context.parts)
         out, lse = _compute_context(inputs, call=ContextCall(
             problem=whole, axis=context.axis, parts=context.parts, layout=context.layout,
-            strategy=context.strategy, implementation=implementation, interpret=interpret))
+            strategy=context.strategy, implementation=implementation, interpret=interpret,
+            deterministic=deterministic))
     else:
         out, lse = _compute(inputs, plan=plan)
     if not batched:

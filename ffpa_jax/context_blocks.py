@@ -48,7 +48,8 @@ class ContextCall:
     split is known, under jit). The blocks' tiers:
     `tiers` (forward, backward) when the call's plan named them (a sequence-sharded jit of a
     planned call), else the dispatcher's choice under `implementation` and `interpret`.
-    `lse_cotangent`: the backward's lse cotangent is not a symbolic zero (`Plan`'s)."""
+    `lse_cotangent`: the backward's lse cotangent is not a symbolic zero (`Plan`'s).
+    `deterministic`: `attention`'s (the blocks' backward tiers add in one order if True)."""
 
     problem: Problem
     axis: str | None
@@ -59,6 +60,7 @@ class ContextCall:
     interpret: bool = False
     tiers: tuple[str, str] | None = None
     lse_cotangent: bool = False
+    deterministic: bool | None = None
 
     @property
     def q_pieces(self) -> Pieces:
@@ -108,7 +110,8 @@ def _plan(call: ContextCall, block: Block) -> Plan:
     problem = block_problem(call.problem, block)
     if call.tiers is not None:
         return tuning.plan_for_tiers(problem, *call.tiers, interpret=call.interpret)
-    return tuning.plan(problem, call.implementation, interpret=call.interpret)
+    return tuning.plan(problem, call.implementation, interpret=call.interpret,
+                       deterministic=call.deterministic)
 
 
 def unsupported(call: ContextCall, block: Block) -> list[str]:

@@ -148,7 +148,7 @@ class SequenceSplit:
         problem = plan.problem
         return ContextCall(problem=problem, axis=axis, parts=parts, layout=CONTIGUOUS,
                            strategy=choose_strategy(problem, parts, CONTIGUOUS),
-                           interpret=plan.interpret,
+                           interpret=plan.interpret, deterministic=plan.deterministic,
                            tiers=(plan.forward_tier, plan.backward_tier))
 
     def supports(self, plan: Plan, parts: int) -> bool:

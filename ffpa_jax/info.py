@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compute-capability", default=None, metavar="CC",
                         help="with --device-name: its compute capability (e.g. 9.0), for the "
                              "lookup's same-capability fallback")
+    parser.add_argument("--deterministic", choices=("true", "false"), default=None,
+                        help="as attention()'s argument (default None: XLA_FLAGS decides)")
     return parser
 
 
@@ -169,12 +171,13 @@ def _settings_text(settings) -> str:
 
 
 def call_lines(problem: Problem, implementation: str | None, device_name: str | None,
-               capability: str | None) -> list[str]:
+               capability: str | None, deterministic: bool | None = None) -> list[str]:
     """What a call of `problem` runs (`tuning.dispatch.explain`): each direction's tier with
-    why, its kernels' configs with why, and the tiers passed over."""
+    why, its kernels' configs with why, the tiers passed over, and the backward's order."""
     device = (dispatch.Device.current() if device_name is None else
               dispatch.Device(nvidia_gpu=True, name=device_name, compute_capability=capability))
-    explained = dispatch.explain(problem, implementation, device=device)
+    explained = dispatch.explain(problem, implementation, device=device,
+                                 deterministic=deterministic)
     plan = explained.plan
     where = (f"on an NVIDIA GPU ({device.name})" if device.nvidia_gpu else
              "without an NVIDIA GPU")
@@ -193,6 +196,13 @@ def call_lines(problem: Problem, implementation: str | None, device_name: str | 
         lines += [f"    {line}" for line in tier.describe(plan, direction)]
     for name, why in explained.passed_over:
         lines.append(f"  passed over: {name} ({why})")
+    backward = tiers.BY_NAME[explained.backward.tier]
+    order = ("may add in a varying order" if not backward.ordered_backward else
+             "runs XLA's operations, bitwise reproducible as XLA makes them "
+             "(--xla_gpu_deterministic_ops)" if backward.xla_backward else
+             "adds in one order: reruns are bitwise equal")
+    lines.append(f"  backward order: {backward.name} {order} ({explained.determinism}; "
+                 f"{'required' if plan.deterministic else 'not required'})")
     if not device.nvidia_gpu:
         lines.append("  (pass --device-name to see what a given GPU would run)")
     return lines
@@ -235,14 +245,15 @@ def main(argv: list[str] | None = None) -> int:
             problem = problem_of(args)
         except (TypeError, ValueError) as err:
             parser.error(str(err))
+        deterministic = None if args.deterministic is None else args.deterministic == "true"
         calls = call_lines(problem, args.implementation, args.device_name,
-                           args.compute_capability)
+                           args.compute_capability, deterministic)
         path = _tuned_file(args.device_name, args.compute_capability)
         lines += [line.replace(path, "the tuned file") if path else line for line in calls]
     elif any(v is not None for v in (args.kv_heads, args.kv_len, args.dv, args.bias,
-                                     args.mask, args.implementation)):
-        parser.error("--kv-heads, --kv-len, --dv, --bias, --mask and --implementation "
-                     "describe a call: give its --shape too")
+                                     args.mask, args.implementation, args.deterministic)):
+        parser.error("--kv-heads, --kv-len, --dv, --bias, --mask, --implementation and "
+                     "--deterministic describe a call: give its --shape too")
     for line in lines:
         print("\n".join(_wrap(line)))
     return 0

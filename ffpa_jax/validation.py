@@ -137,6 +137,13 @@ def _check_dropout(rate: Any, rng: Any) -> float:
     return rate
 
 
+def check_deterministic(deterministic: Any) -> None:
+    """A TypeError unless `deterministic` is None, True or False."""
+    if deterministic is not None and not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be None, True or False; got {deterministic!r} "
+                        f"({type(deterministic).__name__}).")
+
+
 def check_autotune(autotune: Any) -> str | None:
     """`autotune` normalised: None (off), "fast" or "max"; TypeError/ValueError otherwise."""
     if autotune is None:
@@ -289,7 +296,8 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, d
              return_lse, implementation, interpret, autotune=None, local_window_size=None,
              logits_soft_cap=None, q_segment_ids=None, kv_segment_ids=None,
              query_seq_lengths=None, key_value_seq_lengths=None, sinks=None,
-             context_axis=None, context_layout=CONTIGUOUS, context_strategy=None) -> Call:
+             context_axis=None, context_layout=CONTIGUOUS, context_strategy=None,
+             deterministic=None) -> Call:
     """Check every argument of `attention`; return the checked `Call`."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         _require_array(name, x)
@@ -362,6 +370,7 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, d
     scale_value = _check_scale(scale, d)
     rate = _check_dropout(dropout_rate, dropout_rng)
     autotune_mode = check_autotune(autotune)
+    check_deterministic(deterministic)
     window = _check_window(local_window_size)
     cap = _check_soft_cap(logits_soft_cap)
     _check_features(batched=batched, b=b, t=t, s=s, hq=hq, q_segment_ids=q_segment_ids,

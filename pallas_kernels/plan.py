@@ -68,6 +68,9 @@ class Plan:
     # float32, so 16-bit kernels feed dS to dQ's and dK's matmuls as two words
     # (`numerics.accumulate_ds`: two more of the backward's 7 matmuls). Without it, no cost.
     lse_cotangent: bool = False
+    # The caller asked for a bitwise-reproducible backward (`deterministic=True`): the
+    # dispatcher then picks only tiers whose backward adds in one order.
+    deterministic: bool = False
 
     def config(self, kernel: str):
         """The launch config of `kernel` in this plan (KeyError if the plan has none)."""

@@ -51,6 +51,11 @@ class Tier:
     - `runs(plan, direction)` -> the kernels of the plan that direction launches (default:
       every config the tier filled in for it).
     - `describe(plan, direction)` -> lines for `python -m ffpa_jax.info` beyond the configs.
+    - `ordered_backward`: whether its backward adds every sum in one order, so that reruns
+      are bitwise equal (no floating-point atomics or reduce-adds whose order varies): what
+      `deterministic=True` asks for. `xla_backward`: its backward is, in part or whole,
+      XLA's own operations (the chunked tier's GEMMs, the dense tier), as reproducible as
+      XLA makes them (bitwise under `--xla_gpu_deterministic_ops`).
     """
 
     name: str
@@ -66,6 +71,8 @@ class Tier:
     interpretable: bool = False
     directions: tuple[str, ...] = ("forward", "backward")
     differentiated_by_jax: bool = False
+    ordered_backward: bool = True
+    xla_backward: bool = False
 
 
 def _chunked_configs(problem: Problem, direction: str, lookup, target: Target):
@@ -98,12 +105,13 @@ def _chunked_backward(plan: Plan, inputs: Inputs, saved: Saved, cotangents: Cota
 
 
 XLA = Tier(
-    name="xla", runs_on=ANYWHERE, forward=dense.forward, backward=None, differentiated_by_jax=True,
+    name="xla", runs_on=ANYWHERE, forward=dense.forward, backward=None,
+    differentiated_by_jax=True, xla_backward=True,
     summary="the dense plain-JAX path (pallas_kernels.reference), differentiated by JAX; "
             "O(T*S) memory")
 CHUNKED = Tier(
     name="chunked", runs_on=ANYWHERE, forward=_chunked_forward, backward=_chunked_backward,
-    configs=_chunked_configs,
+    configs=_chunked_configs, xla_backward=True,
     summary="blocks of queries and keys as large GEMMs with a fused step between them; "
             "memory bounded by a budget")
 PALLAS = Tier(

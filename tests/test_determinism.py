@@ -10,6 +10,7 @@ cross-process check is GPU only).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -23,6 +24,10 @@ import pytest
 
 import ffpa_jax
 from conftest import interpret_flag
+from ffpa_jax import info
+from pallas_kernels import tiers
+from pallas_kernels.problem import Problem
+from tuning import dispatch
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
@@ -72,7 +77,8 @@ def make_step(case, interpret: bool):
         def f(q, k, v, bias):
             return ffpa_jax.attention(q, k, v, bias, mask, is_causal=causal, dropout_rate=rate,
                                       dropout_rng=rng if rate > 0 else None, return_lse=True,
-                                      implementation="pallas", interpret=interpret)
+                                      implementation="pallas", interpret=interpret,
+                                      deterministic=True)
         if not grads:
             out, lse = f(q, k, v, bias)
             return {"out": out, "lse": lse}
@@ -176,3 +182,70 @@ def test_two_processes_agree_bitwise(tmp_path, name):
     here = compute(GPU_CASES[name], interpret=False)[0]
     _assert_bitwise_equal(here, child, f"{name}: this process vs a child process")
     print(json.dumps({k: v.shape for k, v in here.items()}, default=str))
+
+
+# ---------------------------------------------------------------- deterministic=
+
+
+@pytest.mark.parametrize("flags,want", [
+    ("", False),
+    ("--xla_gpu_deterministic_ops", True),
+    ("--xla_force_host_platform_device_count=2 --xla_gpu_deterministic_ops=true", True),
+    ("--xla_gpu_deterministic_ops=1", True),
+    ("--xla_gpu_deterministic_ops=false", False),
+    ("--xla_gpu_deterministic_ops=true --xla_gpu_deterministic_ops=false", False),
+    ("--xla_gpu_deterministic_ops_extra=true", False),
+])
+def test_deterministic_none_follows_xla_flags(monkeypatch, flags, want):
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    got, why = dispatch.resolve_deterministic(None)
+    assert got is want and "XLA_FLAGS" in why
+    # An explicit setting wins over the flag.
+    assert dispatch.resolve_deterministic(not want)[0] is (not want)
+
+
+def test_deterministic_must_be_a_bool():
+    q = jnp.ones((1, 8, 2, 16), jnp.float32)
+    with pytest.raises(TypeError, match=r"deterministic must be None, True or False; got 'yes'"):
+        ffpa_jax.attention(q, q, q, deterministic="yes")
+
+
+def _problem():
+    sd = jax.ShapeDtypeStruct
+    q = sd((2, 256, 8, 64), jnp.bfloat16)
+    kv = sd((2, 256, 2, 64), jnp.bfloat16)
+    return Problem.of(q, kv, kv, causal=True)
+
+
+def test_a_backward_in_varying_order_is_passed_over_when_asked(monkeypatch):
+    """The rule the fast (unordered) Mosaic backward will be held to: with deterministic on,
+    a tier whose backward adds in a varying order never runs the backward, named or picked;
+    with it off it runs. (No such tier exists yet: one stands in for it here.)"""
+    unordered = dataclasses.replace(tiers.PALLAS, ordered_backward=False)
+    monkeypatch.setattr(tiers, "PALLAS", unordered)
+    monkeypatch.setattr(dispatch, "TIERS", tuple(unordered if t.name == "pallas" else t
+                                                 for t in tiers.TIERS))
+    monkeypatch.setitem(tiers.BY_NAME, "pallas", unordered)
+    gpu = dispatch.Device(nvidia_gpu=True, name="Simulated A100", compute_capability="8.0")
+    monkeypatch.setenv("FFPA_SKIP_PERSIST_TUNED_CONFIG", "1")
+    fast = dispatch.explain(_problem(), device=gpu, deterministic=False)
+    assert fast.backward.tier == "pallas" and not fast.plan.deterministic
+    ordered = dispatch.explain(_problem(), device=gpu, deterministic=True)
+    assert ordered.backward.tier == "chunked" and ordered.plan.deterministic
+    assert "varying order" in dict(ordered.passed_over)["pallas"]
+    named = dispatch.explain(_problem(), "pallas", device=gpu, deterministic=True)
+    assert (named.forward.tier, named.backward.tier) == ("pallas", "chunked")
+    assert "varying order" in named.backward.why
+
+
+def test_every_backward_tier_today_adds_in_one_order():
+    """What the docs say of both settings (they run the same kernels): no tier's backward
+    is unordered yet. When one is added, this fails and the README's semantics change."""
+    assert all(t.ordered_backward for t in tiers.TIERS if "backward" in t.directions)
+
+
+def test_info_says_the_backward_order(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops")
+    text = "\n".join(info.call_lines(_problem(), None, "NVIDIA H200", "9.0"))
+    assert "backward order: pallas adds in one order" in text
+    assert "XLA_FLAGS sets --xla_gpu_deterministic_ops; required" in text

@@ -14,6 +14,9 @@ One place decides, for the run (`plan`) and for `python -m ffpa_jax.info` (`expl
    - the built-in rule (`built_in_tier`).
    A tier that cannot serve the problem (`Tier.unsupported`) or does not run here passes
    the direction to the next tier of the registry that can; the explanation says why.
+4. `deterministic=True` (or None with XLA's `--xla_gpu_deterministic_ops` in `XLA_FLAGS`:
+   `resolve_deterministic`) passes over, for the backward, a tier whose backward does not
+   add in one order (`Tier.ordered_backward`), whether named or picked by a rule.
 Then each chosen tier fills the plan with its kernels' configs (`Tier.configs`): the runtime
 autotune's winner, else the tuned entry, else the built-in default (`select.kernel_config`).
 """
@@ -21,6 +24,7 @@ autotune's winner, else the tuned entry, else the built-in default (`select.kern
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Callable
 
 import jax
@@ -89,15 +93,42 @@ class TierChoice:
 @dataclasses.dataclass(frozen=True)
 class Explanation:
     """What a call runs and why: the tier of each direction, the tiers passed over (by
-    name, with the reason), and the plan, whose kernels carry their configs' reasons."""
+    name, with the reason), the plan, whose kernels carry their configs' reasons, and
+    whether the backward was asked to be bitwise reproducible (and why)."""
 
     forward: TierChoice
     backward: TierChoice
     passed_over: tuple[tuple[str, str], ...]
     plan: Plan
+    determinism: str = ""
 
     def choice(self, direction: str) -> TierChoice:
         return self.forward if direction == "forward" else self.backward
+
+
+DETERMINISTIC_OPS_FLAG = "--xla_gpu_deterministic_ops"
+
+
+def resolve_deterministic(deterministic: bool | None) -> tuple[bool, str]:
+    """(whether the backward must be bitwise reproducible, why): `deterministic` itself when
+    given, else XLA's own setting, `--xla_gpu_deterministic_ops` in `XLA_FLAGS` (its last
+    occurrence; bare or `=true`/`=1` is on)."""
+    if deterministic is not None:
+        return bool(deterministic), f"deterministic={bool(deterministic)}"
+    on = False
+    for token in os.environ.get("XLA_FLAGS", "").split():
+        name, _, value = token.partition("=")
+        if name == DETERMINISTIC_OPS_FLAG:
+            on = value.lower() in ("", "true", "1")
+    return on, (f"deterministic=None: XLA_FLAGS {'sets' if on else 'does not set'} "
+                f"{DETERMINISTIC_OPS_FLAG}")
+
+
+def _unordered(tier: Tier, direction: str, deterministic: bool) -> str | None:
+    """Why `tier` may not run `direction` under `deterministic` (None: it may)."""
+    if deterministic and direction == "backward" and not tier.ordered_backward:
+        return "its backward adds in a varying order, and the call asks for deterministic"
+    return None
 
 
 def runs_here(tier: Tier, device: Device, interpret: bool) -> str | None:
@@ -198,12 +229,13 @@ def _off_gpu(problem: Problem, interpret: bool) -> tuple[Tier, str]:
 
 
 def _serving(tier: Tier, direction: str, problem: Problem, device: Device, interpret: bool,
-             passed_over: list) -> Tier:
+             passed_over: list, deterministic: bool = False) -> Tier:
     """`tier`, or the first tier after it in the registry that runs here and serves
     `direction` of `problem` (each one passed over noted with why)."""
     order = TIERS[TIERS.index(tier):]
     for candidate in order:
-        reason = runs_here(candidate, device, interpret)
+        reason = (runs_here(candidate, device, interpret)
+                  or _unordered(candidate, direction, deterministic))
         missing = candidate.unsupported(problem, direction)
         if direction not in candidate.directions:
             reason = reason or f"has no {direction} of its own"
@@ -243,50 +275,59 @@ def _explicit(name: str, problem: Problem, device: Device, interpret: bool) -> T
 
 
 def explain(problem: Problem, implementation: str | None = None, *, interpret: bool = False,
-            device: Device | None = None, override: Override | None = None) -> Explanation:
+            device: Device | None = None, override: Override | None = None,
+            deterministic: bool | None = None) -> Explanation:
     """What a call of `problem` with `implementation` runs on `device` (default: JAX's), and
     why; its `plan` is what the call runs. `override` (runtime autotune) may replace any
-    kernel's config."""
+    kernel's config; `deterministic` (`resolve_deterministic`) may pass over a backward."""
     device = Device.current() if device is None else device
+    ordered, determinism = resolve_deterministic(deterministic)
     passed_over: list[tuple[str, str]] = []
+
+    def by_rules(direction: str) -> tuple[Tier, str]:
+        if device.nvidia_gpu and not interpret:
+            tier, why = _rule(direction, problem, device)
+        else:
+            tier, why = _off_gpu(problem, interpret)
+        served = _serving(tier, direction, problem, device, interpret, passed_over, ordered)
+        if served is not tier:
+            why = f"{why}; {tier.name} passed over, {served.name} runs it"
+        return served, why
+
+    chosen = {}
     if implementation is not None:
         if implementation not in tiers.BY_NAME:
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}; got "
                              f"{implementation!r}")
         tier = _explicit(implementation, problem, device, interpret)
-        chosen = {d: (tier, f"implementation={implementation!r}") for d in tier.directions}
         for direction in DIRECTIONS:
-            if direction not in chosen:  # a tier without it: the rules pick that direction's
-                rule, why = (_rule(direction, problem, device) if device.nvidia_gpu
-                             else _off_gpu(problem, interpret))
-                served = _serving(rule, direction, problem, device, interpret, passed_over)
-                chosen[direction] = (served, f"{why} ({implementation!r} has no {direction})")
+            unordered = _unordered(tier, direction, ordered)
+            if direction in tier.directions and unordered is None:
+                chosen[direction] = (tier, f"implementation={implementation!r}")
+                continue
+            # The rules pick the direction the named tier has not, or may not run.
+            served, why = by_rules(direction)
+            missing = unordered or f"has no {direction}"
+            chosen[direction] = (served, f"{why} ({implementation!r} {missing})")
     else:
-        chosen = {}
-        for direction in DIRECTIONS:
-            if device.nvidia_gpu and not interpret:
-                tier, why = _rule(direction, problem, device)
-            else:
-                tier, why = _off_gpu(problem, interpret)
-            served = _serving(tier, direction, problem, device, interpret, passed_over)
-            if served is not tier:
-                why = f"{why}; {tier.name} passed over, {served.name} runs it"
-            chosen[direction] = (served, why)
+        chosen = {direction: by_rules(direction) for direction in DIRECTIONS}
     dense = [(tier, why) for tier, why in chosen.values() if tier.differentiated_by_jax]
     if dense:
         # JAX differentiates that tier's forward itself: both directions are that tier's.
         chosen = {d: dense[0] for d in DIRECTIONS}
     plan = _configured(problem, {d: tier for d, (tier, _) in chosen.items()}, interpret,
                        device, override)
+    plan = dataclasses.replace(plan, deterministic=ordered)
     return Explanation(forward=TierChoice(chosen["forward"][0].name, chosen["forward"][1]),
                        backward=TierChoice(chosen["backward"][0].name, chosen["backward"][1]),
-                       passed_over=tuple(passed_over), plan=plan)
+                       passed_over=tuple(passed_over), plan=plan, determinism=determinism)
 
 
 def plan(problem: Problem, implementation: str | None = None, *, interpret: bool = False,
-         override: Override | None = None) -> Plan:
+         override: Override | None = None, deterministic: bool | None = None) -> Plan:
     """The plan of a call on JAX's device (`explain`'s)."""
-    return explain(problem, implementation, interpret=interpret, override=override).plan
+    return explain(problem, implementation, interpret=interpret, override=override,
+                   deterministic=deterministic).plan
 
 
 def _configured(problem: Problem, chosen, interpret: bool, device: Device,
