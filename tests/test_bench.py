@@ -112,11 +112,23 @@ def test_case_filter_quick_and_the_first_cli_flags():
     ("pallas-mgpu", "attn-mask", False, "mask"),
     ("pallas-mgpu", "self", False, "float16 only"),
     ("pallas-decode", "self", False, "T must be 1"),
+    ("tokamax-mosaic", "self", True, "NVIDIA GPU"),
+    ("tokamax-triton", "dropout", False, "no dropout"),
+    ("tokamax-mosaic", "packed", False, "segment ids"),
 ])
 def test_peers_say_why_they_decline(peer, kind, interpret, why):
     case = make_case(kind, d=64, n=128, b=1, h=4)
     with pytest.raises(peers.Unsupported, match=why):
         peers.PEERS[peer].make(case, interpret)
+
+
+def test_tokamax_rows_say_when_it_is_not_installed():
+    if importlib.util.find_spec("tokamax") is not None:
+        pytest.skip("tokamax is installed here")
+    case = make_case("self", d=64, n=128, b=1, h=4)
+    for name in peers.TOKAMAX_IMPLEMENTATIONS:
+        with pytest.raises(peers.Unsupported, match="not installed"):
+            peers.PEERS[f"tokamax-{name}"].make(case, False)
 
 
 def test_pallas_mha_declines_a_cross_backward():

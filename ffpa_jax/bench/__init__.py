@@ -12,7 +12,8 @@ runs a grid instead.
 Peers: cudnn (jax.nn.dot_product_attention(implementation="cudnn")), xla (jax.nn's XLA
 path, or ffpa_jax's own where jax.nn has no equivalent: dropout, causal with T != S),
 pallas-mha (JAX's Pallas attention, Triton), pallas-mgpu (JAX's Mosaic GPU attention,
-Hopper), pallas-decode (JAX's Pallas decode kernel; decode rows only), naive-chunked (queries
+Hopper), tokamax-mosaic / tokamax-triton (tokamax's attention, where it is installed),
+pallas-decode (JAX's Pallas decode kernel; decode rows only), naive-chunked (queries
 in chunks of 2048, einsums), ffpa-pallas / ffpa-chunked (one tier forced), and in the
 paged-decode rows only ffpa-contiguous (ffpa_jax on the same cache, contiguous) and
 pallas-paged (JAX's Pallas paged attention). A peer that cannot

@@ -290,6 +290,37 @@ def _pallas_mgpu(case: BenchCase, interpret: bool):
     return run
 
 
+# tokamax's attention implementations a peer row runs, by the names tokamax gives them.
+TOKAMAX_IMPLEMENTATIONS = ("mosaic", "triton")
+
+
+def _tokamax(implementation: str):
+    """tokamax.dot_product_attention(implementation=...): jax.nn's arguments, so the same
+    features as the cuDNN row (a window and the soft cap besides)."""
+    def make(case: BenchCase, interpret: bool):
+        if interpret:
+            raise Unsupported("tokamax's kernels need an NVIDIA GPU (no interpreter here)")
+        if case.dropout or case.segments or case.sinks:
+            raise Unsupported("tokamax's attention has no dropout, segment ids or sinks")
+        if case.causal and case.t != case.s:
+            raise Unsupported("its causal mask is top-left aligned, as jax.nn's; ours "
+                              "(bottom-right) differs when T != S")
+        try:
+            import tokamax
+        except ImportError:
+            raise Unsupported("tokamax is not installed (pip install tokamax)") from None
+        window = (case.window, 0) if case.window else None
+
+        def run(q, k, v, bias, mask, rng):
+            del rng
+            return tokamax.dot_product_attention(
+                q, k, v, bias=bias, mask=None if mask is None else mask[None, None],
+                scale=_scale(case), is_causal=case.causal, local_window_size=window,
+                logits_soft_cap=case.softcap or None, implementation=implementation)
+        return run
+    return make
+
+
 def _pallas_decode(case: BenchCase, interpret: bool):
     """jax.experimental.pallas.ops.gpu.decode_attention.gqa: one query token, split keys."""
     if case.t != 1:
@@ -372,6 +403,10 @@ PEERS: dict[str, Impl] = {
                        doc="jax.experimental.pallas.ops.gpu.attention.mha (Triton)"),
     "pallas-mgpu": Impl("pallas-mgpu", _pallas_mgpu, pallas=True,
                         doc="jax.experimental.pallas.ops.gpu.attention_mgpu (Mosaic GPU, Hopper)"),
+    **{f"tokamax-{name}": Impl(f"tokamax-{name}", _tokamax(name),
+                               doc=f"tokamax.dot_product_attention(implementation={name!r}) "
+                                   "where tokamax is installed")
+       for name in TOKAMAX_IMPLEMENTATIONS},
     "naive-chunked": Impl("naive-chunked", _naive_chunked,
                           doc="queries in chunks of 2048 under lax.map, einsum + softmax + "
                           "einsum per chunk, jax.checkpoint (the chunked tier's floor)"),
