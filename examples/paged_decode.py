@@ -165,10 +165,10 @@ def run(setup: DecodeSetup, *, steps: int, prompt_lengths: list[int], seed: int 
 
 
 def implementation_name(implementation: str | None, interpret: bool) -> str:
-    """What `ffpa_jax.paged_attention(..., implementation=, interpret=)` runs, in words:
-    the rule it applies itself (`ffpa_jax.api.resolve_implementation`)."""
-    from ffpa_jax.api import resolve_implementation
-    if resolve_implementation(implementation, interpret) == "xla":
+    """What `ffpa_jax.paged_attention(..., implementation=, interpret=)` runs, in words: the
+    dispatcher's rule it applies itself (`tuning.dispatch.paged_decode_kernels`)."""
+    from tuning import dispatch
+    if not dispatch.paged_decode_kernels(implementation, interpret=interpret):
         return "xla (the pages gathered into a contiguous cache, then plain JAX)"
     where = "in Pallas' interpreter" if interpret else f"on {jax.devices()[0].device_kind}"
     return f"pallas (the split-KV decode kernels reading the pages by index, {where})"

@@ -26,6 +26,7 @@ from attn_testing import (Case, assert_forward_matches, assert_matches_reference
                           reference_vjp, scale_of, xla_same_precision)
 from conftest import call_kwargs
 from ffpa_jax.validation import as_4d
+from pallas_kernels import fused, tiers
 from pallas_kernels.problem import Problem
 from pallas_kernels.reference import window_keep
 
@@ -440,7 +441,8 @@ def test_auto_plans_a_feature_like_any_call(name, monkeypatch):
         plan = _plan_of(monkeypatch, q_shape, kv_shape,
                         **FEATURE_CALLS[name](b, t, kv_shape[1], h))
         assert (plan.forward_tier, plan.backward_tier) == ("pallas", "pallas")
-        assert (plan.decode is not None) == decode
+        launched = tiers.PALLAS.runs(plan, "forward")
+        assert (fused.DECODE_FWD_STAGE1.name in launched) == decode, launched
 
 
 # Decode shapes (T <= 16 against S >= 128): the split-KV kernels with the features; the
@@ -692,7 +694,8 @@ def test_a_feature_a_kernel_lacks_is_routed_or_refused(monkeypatch):
         return ("logits_soft_cap",) if direction == "backward" and problem.softcap else ()
     lacking = dataclasses.replace(tiers.PALLAS, unsupported=lacks)
     monkeypatch.setattr(tiers, "PALLAS", lacking)
-    monkeypatch.setattr(tiers, "TIERS", (lacking,) + tiers.TIERS[1:])
+    monkeypatch.setattr(tiers, "TIERS", tuple(lacking if t.name == lacking.name else t
+                                              for t in tiers.TIERS))
     monkeypatch.setattr(tiers, "BY_NAME", {**tiers.BY_NAME, lacking.name: lacking})
     monkeypatch.setattr(dispatch, "TIERS", tiers.TIERS)
     monkeypatch.setenv("FFPA_SKIP_PERSIST_TUNED_CONFIG", "1")
