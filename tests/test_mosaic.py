@@ -141,8 +141,9 @@ def test_float32_and_other_gpus_never_take_mosaic(monkeypatch):
 
 
 def test_a_process_with_several_gpus_never_takes_mosaic(monkeypatch):
-    """Its kernels gave wrong rows in a program spread over two GPUs (docs/history.md): the
-    dispatcher passes over it, and an explicit call is refused, saying why."""
+    """Its kernels gave wrong rows in a program spread over two GPUs (docs/history.md; the
+    cause is fixed, the 2-GPU check pending): the dispatcher passes over it, and an explicit
+    call is refused, saying why."""
     import dataclasses
     two = dataclasses.replace(_h100(monkeypatch), device_count=2)
     explained = dispatch.explain(_problem(), device=two)
