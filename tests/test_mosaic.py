@@ -46,6 +46,41 @@ def test_kernels_lower_for_cuda(case):
     assert "mosaic_gpu" in text
 
 
+def _mosaic_modules(fn, *args) -> list[str]:
+    """The Mosaic GPU modules (without debug locations) that lowering `fn` for CUDA makes."""
+    core = pytest.importorskip("jax.experimental.mosaic.gpu.core")
+    if not hasattr(core, "_has_communication"):
+        pytest.skip("this jax's Mosaic GPU lowering has no hook to read its modules from")
+    seen, hook = [], core._has_communication
+
+    def spy(module, **kw):
+        seen.append(module.operation.get_asm(enable_debug_info=False))
+        return hook(module, **kw)
+    core._has_communication = spy
+    try:
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        core._has_communication = hook
+    return seen
+
+
+@pytest.mark.parametrize("axis", ["b", "h", "qt", "cl", "wg", "batch"])
+def test_kernels_in_a_shard_map_are_the_single_device_kernels(axis):
+    """Inside a shard_map whose mesh axis has the name of a kernel axis, Mosaic GPU took the
+    mesh axis for the grid's: on 2 GPUs each device computed one batch row for all of its
+    own (docs/history.md, session 18). The kernels' axes have names of their own: the
+    module under any mesh is the one without."""
+    q = sd((2, 96, 4, 64), jnp.bfloat16)
+
+    def local(q, k, v):
+        return mosaic_attention_forward(q, k, v, scale=0.125, causal=True, config=None,
+                                        out_dtype=jnp.bfloat16)[0]
+    mesh = jax.make_mesh((1,), (axis,), axis_types=(jax.sharding.AxisType.Auto,))
+    spec = jax.sharding.PartitionSpec(axis)
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec)
+    assert _mosaic_modules(sharded, q, q, q) == _mosaic_modules(local, q, q, q)
+
+
 def test_default_configs_by_head_size():
     """The rows kernel up to D = 256 (its blocks as measured), the wide one above, with
     clusters along the heads of an even GQA group."""
@@ -106,8 +141,9 @@ def test_float32_and_other_gpus_never_take_mosaic(monkeypatch):
 
 
 def test_a_process_with_several_gpus_never_takes_mosaic(monkeypatch):
-    """Its kernels gave wrong rows in a program spread over two GPUs (docs/history.md): the
-    dispatcher passes over it, and an explicit call is refused, saying why."""
+    """Its kernels gave wrong rows in a program spread over two GPUs (docs/history.md; the
+    cause is fixed, the 2-GPU check pending): the dispatcher passes over it, and an explicit
+    call is refused, saying why."""
     import dataclasses
     two = dataclasses.replace(_h100(monkeypatch), device_count=2)
     explained = dispatch.explain(_problem(), device=two)
@@ -135,3 +171,30 @@ def test_explicit_mosaic_without_an_sm90_gpu_is_refused():
         ffpa_jax.attention(q, q, q, implementation="mosaic")
     # implementation=None never picks it here.
     assert dispatch.explain(_problem()).forward.tier != "mosaic"
+
+
+@pytest.mark.gpu
+def test_kernels_in_a_shard_map_over_two_gpus_match_each_gpu_alone():
+    """The multi-GPU run behind `test_kernels_in_a_shard_map_are_the_single_device_kernels`:
+    the batch split over 2 sm90 GPUs along a mesh axis named "b" gives each GPU's own
+    single-device result, bitwise. (The dispatcher passes the tier over in multi-GPU
+    processes until this has passed: `tuning.dispatch.runs_here`.)"""
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if len(gpus) < 2 or not compat.mosaic_gpu_runs() or not str(
+            getattr(gpus[0], "compute_capability", "")).startswith("9"):
+        pytest.skip("needs 2 sm90 GPUs and jax >= 0.11")
+    mesh = jax.make_mesh((2,), ("b",), devices=gpus[:2],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    spec = jax.sharding.PartitionSpec("b")
+    keys = jax.random.split(jax.random.key(7), 3)
+    q, k, v = (jax.random.normal(key, (4, 203, 8, 64), jnp.bfloat16) for key in keys)
+
+    def local(q, k, v):
+        return mosaic_attention_forward(q, k, v, scale=0.125, causal=True, config=None,
+                                        out_dtype=jnp.float32)[0]
+    split = jax.device_put((q, k, v), jax.sharding.NamedSharding(mesh, spec))
+    got = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec))(*split)
+    for i, device in enumerate(gpus[:2]):
+        rows = slice(2 * i, 2 * i + 2)
+        alone = jax.jit(local)(*(jax.device_put(x[rows], device) for x in (q, k, v)))
+        assert bool(jnp.all(jax.device_get(got)[rows] == jax.device_get(alone))), i

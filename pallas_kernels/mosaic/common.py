@@ -26,6 +26,13 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 NEG_INF = float("-inf")
 
+# The kernels' own axis names (grid, cluster, warpgroups). Mosaic GPU resolves a JAX mesh
+# axis of the same name first, inside a shard_map: the index would then be the device's, and
+# every device would compute one batch row for all of its own. So they carry a prefix no
+# user's mesh axis is likely to have.
+Q_TILES, HEADS, BATCH = "ffpa_mosaic_q", "ffpa_mosaic_h", "ffpa_mosaic_b"
+CLUSTER, WARPGROUPS = "ffpa_mosaic_cl", "ffpa_mosaic_wg"
+
 WGMMA = plgpu.Layout.WGMMA
 ROW = plgpu.Layout.WGMMA.reduce(1)
 
@@ -203,30 +210,31 @@ class Grid:
                 nq //= self.ncl
             else:
                 nh //= self.ncl
-        dims = {"qt": nq, "h": nh, "b": self.B}
-        order = ("qt", "h", "b") if self.grid_order == "q" else ("h", "qt", "b")
+        dims = {Q_TILES: nq, HEADS: nh, BATCH: self.B}
+        order = ((Q_TILES, HEADS, BATCH) if self.grid_order == "q" else
+                 (HEADS, Q_TILES, BATCH))
         kw = dict(grid=tuple(dims[n] for n in order), grid_names=order)
         if self.ncl > 1:
-            ax = "qt" if self.cluster_axis == "q" else "h"
+            ax = Q_TILES if self.cluster_axis == "q" else HEADS
             pos = order.index(ax)
             cluster = [1] * (pos + 1)
             cluster[pos] = self.ncl
-            names = [f"_c{i}" for i in range(pos)] + ["cl"]
+            names = [f"{CLUSTER}{i}" for i in range(pos)] + [CLUSTER]
             kw.update(cluster=tuple(cluster), cluster_names=tuple(names))
         return kw
 
     def indices(self):
         """(q tile, q head, batch, first q tile of the cluster, #q tiles in it)."""
-        t = lax.axis_index("qt")
-        h = lax.axis_index("h")
-        b = lax.axis_index("b")
+        t = lax.axis_index(Q_TILES)
+        h = lax.axis_index(HEADS)
+        b = lax.axis_index(BATCH)
         nq = self.q_extent // (self.ncl if (self.ncl > 1 and self.cluster_axis == "q") else 1)
         if self.reverse:
             t = (nq - 1) - t
         if self.ncl > 1 and self.cluster_axis == "q":
-            return t * self.ncl + lax.axis_index("cl"), h, b, t * self.ncl, self.ncl
+            return t * self.ncl + lax.axis_index(CLUSTER), h, b, t * self.ncl, self.ncl
         if self.ncl > 1:
-            h = h * self.ncl + lax.axis_index("cl")
+            h = h * self.ncl + lax.axis_index(CLUSTER)
         return t, h, b, t, 1
 
 
@@ -249,7 +257,7 @@ def launch(entry, grid: Grid, config: Config, q, k, v, *, out_dtype, lse_rows: i
             jax.ShapeDtypeStruct((B, Hq, lse_rows), jnp.float32),
         ),
         num_threads=3,
-        thread_name="wg",
+        thread_name=WARPGROUPS,
         compiler_params=compiler_params(config),
         **grid.kernel_kwargs(),
     )(q, k, v)

@@ -15,9 +15,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mosaic.common import (LOG2E, NEG_INF, ROW, WGMMA, Grid, Walk, cdiv, finalize,
-                                          imin, iota, kv_order, kv_range, launch, score_mod,
-                                          softmax_update, tiled_smem, walk_kv)
+from pallas_kernels.mosaic.common import (CLUSTER, LOG2E, NEG_INF, ROW, WARPGROUPS, WGMMA, Grid,
+                                          Walk, cdiv, finalize, imin, iota, kv_order, kv_range,
+                                          launch, score_mod, softmax_update, tiled_smem, walk_kv)
 from pallas_kernels.mosaic.config import Config
 
 
@@ -55,7 +55,7 @@ def rows_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
             sched,
             exit_bar,
         ) = scoped
-        wg = lax.axis_index("wg")
+        wg = lax.axis_index(WARPGROUPS)
         t, h, b, t_first, t_count = grid.indices()
         hk = lax.div(h, jnp.int32(group))
         # Key-block range shared by the whole cluster (multicast needs every CTA to
@@ -66,7 +66,7 @@ def rows_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
         kv_of = kv_order(
             lo, cl_full, lax.div(t_first, jnp.int32(t_count)), grid.n_q_clusters, config.kv_rotate
         )
-        collective = "cl" if ncl > 1 else None
+        collective = CLUSTER if ncl > 1 else None
 
         def sched_sync():
             if config.schedule_barrier:
@@ -217,9 +217,9 @@ def rows_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
     def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
         if ncl > 1:
             free = lambda: plgpu.ClusterBarrier(
-                collective_axes=("cl",), num_arrivals=nwg, num_barriers=ns
+                collective_axes=(CLUSTER,), num_arrivals=nwg, num_barriers=ns
             )
-            exit_bar = plgpu.ClusterBarrier(collective_axes=("cl",), num_arrivals=nwg)
+            exit_bar = plgpu.ClusterBarrier(collective_axes=(CLUSTER,), num_arrivals=nwg)
         else:
             free = lambda: plgpu.Barrier(num_arrivals=nwg, num_barriers=ns)
             exit_bar = None
@@ -236,7 +236,7 @@ def rows_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
             free(),
             plgpu.Barrier(num_arrivals=nwg),  # schedule (ping-pong) barrier
             exit_bar,
-            collective_axes="wg",
+            collective_axes=WARPGROUPS,
         )
 
     return launch(entry, grid, config, q, k, v, out_dtype=out_dtype, lse_rows=Tp)

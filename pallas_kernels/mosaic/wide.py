@@ -16,9 +16,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mosaic.common import (LOG2E, NEG_INF, ROW, WGMMA, Grid, Walk, cdiv, finalize,
-                                          imin, iota, kv_order, kv_range, launch, load_rows,
-                                          score_mod, tiled_smem, walk_kv)
+from pallas_kernels.mosaic.common import (CLUSTER, LOG2E, NEG_INF, ROW, WARPGROUPS, WGMMA, Grid,
+                                          Walk, cdiv, finalize, imin, iota, kv_order, kv_range,
+                                          launch, load_rows, score_mod, tiled_smem, walk_kv)
 from pallas_kernels.mosaic.config import Config
 
 
@@ -61,7 +61,7 @@ def wide_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
             p_ready,
             exit_bar,
         ) = scoped
-        wg = lax.axis_index("wg")
+        wg = lax.axis_index(WARPGROUPS)
         other = 1 - wg
         t, h, b, t_first, t_count = grid.indices()
         hk = lax.div(h, jnp.int32(group))
@@ -72,7 +72,7 @@ def wide_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
             lo, cl_full, lax.div(t_first, jnp.int32(t_count)), grid.n_q_clusters, config.kv_rotate
         )
         q0 = t * bq
-        collective = "cl" if ncl > 1 else None
+        collective = CLUSTER if ncl > 1 else None
 
         @pl.when(wg < 2)
         def _consumer():
@@ -237,8 +237,8 @@ def wide_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
 
     def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
         if ncl > 1:
-            free = plgpu.ClusterBarrier(collective_axes=("cl",), num_arrivals=2, num_barriers=ns)
-            exit_bar = plgpu.ClusterBarrier(collective_axes=("cl",), num_arrivals=2)
+            free = plgpu.ClusterBarrier(collective_axes=(CLUSTER,), num_arrivals=2, num_barriers=ns)
+            exit_bar = plgpu.ClusterBarrier(collective_axes=(CLUSTER,), num_arrivals=2)
         else:
             free = plgpu.Barrier(num_arrivals=2, num_barriers=ns)
             exit_bar = None
@@ -255,7 +255,7 @@ def wide_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
             plgpu.Barrier(num_barriers=2),
             plgpu.Barrier(num_barriers=2),
             exit_bar,
-            collective_axes="wg",
+            collective_axes=WARPGROUPS,
         )
 
     return launch(entry, grid, config, q, k, v, out_dtype=out_dtype, lse_rows=Tp)
