@@ -8,8 +8,9 @@ of the values' scale; bfloat16 by the tolerance rule against the float64 referen
 cases cover both layouts, both strategies, causal or not, GQA, segments, windows, lengths,
 sinks, the soft cap, dropout (a mask per batch row and head, or one shared by all), 4 and 8
 devices, shard_map with and without check_vma, and jit on sequence-sharded inputs (Auto and
-Explicit mesh axes), whose compiled HLO must not all-gather q. Every tier runs them where it places blocks of a sequence
-(`Problem.positions`); a tier that does not yet is skipped, saying so.
+Explicit mesh axes), whose compiled HLO must not all-gather q. Every tier runs them where it
+places blocks of a sequence (`Problem.positions`); a tier that does not yet is skipped,
+saying so.
 
 In-process: the layouts, the block relation against a brute-force one, the strategy rule,
 the argument checks, a one-device shard_map, and that a tier's positions guard is current.
