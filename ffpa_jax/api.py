@@ -52,7 +52,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
               q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
               logits_soft_cap: float | None = None, sinks: jax.Array | None = None,
               dropout_rate: float = 0.0,
-              dropout_rng: jax.Array | None = None, return_lse: bool = False,
+              dropout_rng: jax.Array | None = None, dropout_broadcast: bool = False,
+              return_lse: bool = False,
               implementation: str | None = None, interpret: bool = False,
               autotune: str | None = None, context_axis: str | None = None,
               context_layout: str = CONTIGUOUS, context_strategy: str | None = None,
@@ -85,6 +86,10 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
         Not soft-capped. Differentiable. lse includes it.
       dropout_rate: dropout on the attention probabilities (needs dropout_rng).
       dropout_rng: a JAX PRNG key.
+      dropout_broadcast: one keep-mask shared by every batch row and head, as Flax's
+        broadcast_dropout: element (b, h, i, j) is kept iff element (0, 0, i, j) of the
+        unshared mask is (`ffpa_jax.dropout_mask(..., broadcast=True)` gives it). No effect
+        without dropout.
       return_lse: also return the log-sum-exp of the logits, [B, Hq, T] float32. On
         the Pallas path the forward then sums q·kᵀ over head-dim chunks in float32,
         which keeps lse as accurate as XLA's at large D and is slower there (up to
@@ -135,7 +140,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
     """
     call = validation.validate(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-        dropout_rate=dropout_rate, dropout_rng=dropout_rng, return_lse=return_lse,
+        dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+        dropout_broadcast=dropout_broadcast, return_lse=return_lse,
         implementation=implementation, interpret=interpret, autotune=autotune,
         local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,

@@ -16,10 +16,12 @@ It takes every argument `flax.linen.dot_product_attention` and
   Flax. A non-bool mask counts its non-zero entries as True (like Flax).
 - `dropout_rate`, `dropout_rng`, `deterministic`: dropout runs only when
   `deterministic` is False and `dropout_rate > 0`, with `dropout_rng` (required then).
-- `broadcast_dropout=True` (Flax's default) shares one dropout mask across batch
-  and heads. The kernels draw an independent mask per (batch, head) and cannot
-  share one, so dropout with `broadcast_dropout=True` raises `ValueError`; build
-  the module with `broadcast_dropout=False`. Without dropout the flag is ignored.
+- `broadcast_dropout=True` (Flax's default) shares one dropout mask across every
+  batch dim and head, as Flax does: it is `ffpa_jax.attention`'s
+  `dropout_broadcast=True`, drawn inside the kernels and replayed in the backward
+  (`ffpa_jax.dropout_mask(..., broadcast=True)` gives the mask). With
+  `broadcast_dropout=False` each (batch, head) draws its own. The masks are
+  ffpa_jax's Philox draws, not the ones Flax's `jax.random.bernoulli` would make.
 - `dtype`: q, k and v are promoted to it (or to their common dtype), as Flax does.
 - `is_causal` (nnx passes it; for linen set it with functools.partial): with
   q_length == kv_length it is the kernels' causal mode (fully masked key blocks
@@ -199,20 +201,16 @@ def flax_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout
                         dropout_rate=0.0, dropout_rng=None, return_lse=False,
                         implementation=implementation, interpret=interpret, **features)
     dropping = (not bool(deterministic)) and float(dropout_rate) > 0.0
-    if dropping:
-        if dropout_rng is None:
-            raise ValueError(f"dropout_rate={dropout_rate} with deterministic=False needs "
-                             "dropout_rng (Flax passes the module's 'dropout' rng); got None.")
-        if broadcast_dropout:
-            raise ValueError(
-                "broadcast_dropout=True (Flax's default) shares one dropout mask across batch "
-                "and heads; ffpa_jax draws an independent mask per (batch, head) inside the "
-                "kernel and cannot broadcast it. Construct the attention module with "
-                "broadcast_dropout=False (or deterministic=True / dropout_rate=0).")
+    if dropping and dropout_rng is None:
+        raise ValueError(f"dropout_rate={dropout_rate} with deterministic=False needs "
+                         "dropout_rng (Flax passes the module's 'dropout' rng); got None.")
 
+    # One batch dim (the flattened lead dims) and the heads share the mask: Flax's mask
+    # [1, ..., 1, T, S] is shared over all of them too.
     out = attention(q4, k4, v4, bias4, mask4, scale=scale, is_causal=kernel_causal,
                     dropout_rate=float(dropout_rate) if dropping else 0.0,
                     dropout_rng=dropout_rng if dropping else None,
+                    dropout_broadcast=bool(broadcast_dropout) and dropping,
                     implementation=implementation, interpret=interpret, **features)
 
     if module is not None:

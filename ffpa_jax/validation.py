@@ -293,7 +293,8 @@ def _check_context(problem: Problem, context_axis: Any, context_layout: Any,
 
 
 def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, dropout_rng,
-             return_lse, implementation, interpret, autotune=None, local_window_size=None,
+             return_lse, implementation, interpret, dropout_broadcast=False,
+             autotune=None, local_window_size=None,
              logits_soft_cap=None, q_segment_ids=None, kv_segment_ids=None,
              query_seq_lengths=None, key_value_seq_lengths=None, sinks=None,
              context_axis=None, context_layout=CONTIGUOUS, context_strategy=None,
@@ -361,6 +362,9 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, d
         raise TypeError(f"is_causal must be a bool; got {is_causal!r}.")
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool; got {return_lse!r}.")
+    if not isinstance(dropout_broadcast, (bool, np.bool_)):
+        raise TypeError("dropout_broadcast must be a static Python bool (whether one keep-mask "
+                        f"is shared by every batch row and head); got {dropout_broadcast!r}.")
     if not isinstance(interpret, (bool, np.bool_)):
         raise TypeError(f"interpret must be a bool; got {interpret!r}.")
     if implementation not in IMPLEMENTATIONS:
@@ -380,7 +384,8 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, d
     shape4 = lambda x: None if x is None else (1,) * (4 - x.ndim) + tuple(x.shape)
     problem = Problem(batch=b, seq_q=t, seq_k=s, heads_q=hq, heads_kv=hkv, head_dim=d,
                       head_dim_v=dv, dtype=dtype, scale=scale_value, causal=bool(is_causal),
-                      dropout_rate=rate, bias_shape=shape4(bias), mask_shape=shape4(mask),
+                      dropout_rate=rate, dropout_broadcast=bool(dropout_broadcast),
+                      bias_shape=shape4(bias), mask_shape=shape4(mask),
                       window=window, softcap=cap, segment_ids=q_segment_ids is not None,
                       q_lengths=query_seq_lengths is not None,
                       kv_lengths=key_value_seq_lengths is not None, sinks=sinks is not None,

@@ -8,7 +8,7 @@ steps that XLA compiles to library GEMMs and fusions:
   2. one elementwise/row step: scale, bias, the soft cap, mask, causality, window, segment
      ids and lengths (each from the block's own rows and keys: O(block), never [T, S]),
      softmax, lse, dropout (the same Philox keep decisions as the kernels:
-     `pallas_kernels.dropout.keep_mask_reference`);
+     `pallas_kernels.dropout.keep_block`);
   3. P·V by GEMM, accumulated in float32.
 Key blocks of one query block merge by their lse; the sinks join last, as one more "block"
 with lse = the sink and no value. Blocks that causality or the window hide entirely are
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from pallas_kernels import visibility
 from pallas_kernels.blocked import MAX_ROW_KEYS, GradBlock, softmax_grad, softmax_rows
 from pallas_kernels.chunked_plan import STEP_KERNEL, ChunkConfig, groups, key_start
-from pallas_kernels.dropout import keep_mask_reference
+from pallas_kernels.dropout import keep_block
 from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
 from pallas_kernels.reference import soft_cap, softmax
 
@@ -195,16 +195,16 @@ def _scores_xla(call: _Call, logits, blk: _Block):
 
 
 def _keep(call: _Call, blk: _Block, *, batch: int, heads_q: int):
-    """The dropout keep-mask of the block, [B, Hq, rows, keys]. A shard's seed carries its
-    global batch and head offsets as words 2 and 3; a block of a longer sequence draws at
-    its global rows and keys (the positions' row0 and col0 added)."""
-    seed = call.inputs.seed
-    b0, h0 = (seed[2], seed[3]) if seed.shape[0] == 4 else (0, 0)
+    """The dropout keep-mask of the block, [B, Hq, rows, keys] ([1, 1, rows, keys] where
+    one mask is shared: `dropout.keep_block`, which reads a shard's offsets from the seed);
+    a block of a longer sequence draws at its global rows and keys (the positions' row0 and
+    col0 added)."""
     r0, c0 = blk.r0, blk.c0
     if call.positions is not None:
         r0, c0 = r0 + call.positions[0], c0 + call.positions[1]
-    return keep_mask_reference(seed[:2], (batch, heads_q, blk.rows, blk.keys),
-                               call.problem.dropout_rate, offsets=(b0, h0, r0, c0))
+    return keep_block(call.inputs.seed, (batch, heads_q, blk.rows, blk.keys),
+                      call.problem.dropout_rate, broadcast=call.problem.dropout_broadcast,
+                      rows=r0, cols=c0)
 
 
 def _shift(call: _Call):

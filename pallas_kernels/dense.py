@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels import reference
-from pallas_kernels.dropout import keep_mask_reference
+from pallas_kernels.dropout import keep_block
 from pallas_kernels.plan import Plan
 from pallas_kernels.problem import Inputs
 
@@ -23,10 +23,8 @@ def forward(plan: Plan, inputs: Inputs):
         row0, col0 = positions[0], positions[1]
     keep = None
     if seed is not None:
-        # A shard's seed carries its global batch and head offsets as words 2 and 3.
-        b0, h0 = (seed[2], seed[3]) if seed.shape[0] == 4 else (0, 0)
         shape = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
-        keep = keep_mask_reference(seed[:2], shape, problem.dropout_rate,
-                                   offsets=(b0, h0, row0, col0))
+        keep = keep_block(seed, shape, problem.dropout_rate,
+                          broadcast=problem.dropout_broadcast, rows=row0, cols=col0)
     return reference.attention(problem, inputs, keep,
                                out_dtype=jnp.float32 if plan.float32_out else None)

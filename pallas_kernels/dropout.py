@@ -20,6 +20,10 @@ docs/history.md, "Numbers behind choices in the code".)
 Nothing here depends on block sizes or the grid, so every kernel (and
 `keep_mask_reference`) that asks about (b, h, i, j) gets the same answer.
 
+A call may share one keep-mask among every batch row and head (`Problem.dropout_broadcast`,
+Flax's broadcast_dropout): element (b, h, i, j) then takes the decision drawn at
+(0, 0, i, j), in every tier (`static.dropout_keep` in the kernels, `keep_block` in XLA).
+
 All arithmetic is on int32 holding the uint32 bit patterns (products and sums
 wrap identically; right shifts are logical), because Triton's lowering wants
 one signless integer type throughout. The high half of a 32×32-bit product is
@@ -182,3 +186,19 @@ def keep_mask_reference(seed: jax.Array, shape: tuple[int, int, int, int], rate:
     halves = halves.reshape(batch, heads, seq_q, chunks, 4, 4, 2)  # [.., c, q, a, p]
     draws = jnp.swapaxes(halves, -3, -2).reshape(batch, heads, seq_q, chunks * CHUNK)
     return draws[..., skip:skip + seq_k] >= jnp.int32(keep_threshold(rate))
+
+
+def keep_block(seed: jax.Array, shape: tuple[int, int, int, int], rate: float, *,
+               broadcast: bool = False, rows=0, cols=0) -> jax.Array:
+    """XLA's side of the tiers' draws: the keep-mask bool[B, H, T, S] of a block of scores
+    whose rows and keys start at `rows` and `cols` of the whole call's (a traced `cols` a
+    multiple of 32), from the tiers' runtime seed: uint32[2], or [4] whose words 2 and 3
+    are a shard's global batch and head offsets (`problem.Inputs`). With `broadcast`, the
+    one mask [1, 1, T, S] every batch row and head shares, drawn at batch 0 and head 0
+    wherever the shard is. The kernels' side is `static.dropout_keep`."""
+    batch, heads, seq_q, seq_k = shape
+    if broadcast:
+        return keep_mask_reference(seed[:2], (1, 1, seq_q, seq_k), rate,
+                                   offsets=(0, 0, rows, cols))
+    b0, h0 = (seed[2], seed[3]) if seed.shape[0] == 4 else (0, 0)
+    return keep_mask_reference(seed[:2], shape, rate, offsets=(b0, h0, rows, cols))

@@ -2,10 +2,11 @@
 `Inputs`, `Saved`, `Cotangents`: the arrays that travel with it.
 
 q [B, T, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] (batched), a bias and a mask of 4-D
-shapes [B|1, Hq|1, T|1, S|1] (or None), causal, dropout, whether the caller returns lse,
-and the LLM features: a sliding window and a logit soft cap (static: they change the code),
-packed-sequence segment ids, padding lengths and attention sinks (runtime data: the problem
-records only that they are given; the arrays travel in `FeatureArrays`).
+shapes [B|1, Hq|1, T|1, S|1] (or None), causal, dropout (and whether one keep-mask is shared
+by every batch row and head), whether the caller returns lse, and the LLM features: a
+sliding window and a logit soft cap (static: they change the code), packed-sequence segment
+ids, padding lengths and attention sinks (runtime data: the problem records only that they
+are given; the arrays travel in `FeatureArrays`).
 
 It is the one record of those options: validation builds it from the caller's arrays, a
 plan holds it (`plan.Plan`), the tuning lookup and the dispatcher read it, and each kernel's
@@ -40,6 +41,9 @@ class Problem:
     scale: float
     causal: bool = False
     dropout_rate: float = 0.0
+    # One keep-mask shared by every batch row and head (Flax's broadcast_dropout): element
+    # (b, h, i, j) keeps what the unshared mask keeps at (0, 0, i, j). False without dropout.
+    dropout_broadcast: bool = False
     bias_shape: tuple[int, ...] | None = None  # 4-D, each dim 1 or full
     mask_shape: tuple[int, ...] | None = None
     # (left, right): query i sees keys [i' - left, i' + right], i' = i + (S - T).
@@ -58,13 +62,17 @@ class Problem:
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        # One spelling per meaning: without dropout there is no mask to share.
+        object.__setattr__(self, "dropout_broadcast",
+                           bool(self.dropout_broadcast) and self.dropout_rate > 0.0)
 
     @classmethod
     def of(cls, q, k, v, bias=None, mask=None, *, features: "FeatureArrays | None" = None,
            **options) -> "Problem":
         """The problem of batched q/k/v and 4-D bias/mask (arrays or anything with .shape and
         .dtype) and the feature arrays `features`; `options` are the static fields (`scale`,
-        default 1/sqrt(D); `causal`, `dropout_rate`, `window`, `softcap`, `return_lse`)."""
+        default 1/sqrt(D); `causal`, `dropout_rate`, `dropout_broadcast`, `window`, `softcap`,
+        `return_lse`)."""
         f = FeatureArrays() if features is None else features
         unknown = sorted(set(options) - set(_OPTIONS))
         if unknown:
@@ -73,6 +81,7 @@ class Problem:
         scale = 1.0 / math.sqrt(q.shape[3]) if o["scale"] is None else float(o["scale"])
         return cls(**_shapes(q, k, v, bias, mask), dtype=q.dtype, scale=scale,
                    causal=bool(o["causal"]), dropout_rate=float(o["dropout_rate"]),
+                   dropout_broadcast=bool(o["dropout_broadcast"]),
                    window=None if o["window"] is None else tuple(o["window"]),
                    softcap=None if o["softcap"] is None else float(o["softcap"]),
                    segment_ids=f.q_segment_ids is not None,
@@ -142,8 +151,8 @@ class Problem:
 
 
 # `Problem.of`'s options and their defaults.
-_OPTIONS = dict(scale=None, causal=False, dropout_rate=0.0, window=None, softcap=None,
-                return_lse=False)
+_OPTIONS = dict(scale=None, causal=False, dropout_rate=0.0, dropout_broadcast=False,
+                window=None, softcap=None, return_lse=False)
 
 
 def _shapes(q, k, v, bias, mask) -> dict:

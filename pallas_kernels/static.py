@@ -248,10 +248,14 @@ def dropout_keep(st: KernelStatic, seed_ref, b, h, rows, kv_start, n_cols: int,
     block of a longer sequence at its global rows and keys (`place`: (row0, col0), from
     the positions, or None), so that its keep decisions are the whole sequence's. The
     draws come 32 keys to a Philox chunk, so a key offset must keep tiles on chunk starts:
-    `FeatureArrays.positions` asks col0 to be a multiple of `dropout.POSITION_ALIGN`."""
+    `FeatureArrays.positions` asks col0 to be a multiple of `dropout.POSITION_ALIGN`.
+    Under `Problem.dropout_broadcast` every batch row and head (of every shard) draws at
+    batch 0 and head 0: the one mask they share."""
     if place is not None:
         rows, kv_start = rows + place[0], kv_start + place[1]
-    if seed_ref.shape[0] == 4:
+    if st.problem.dropout_broadcast:
+        b = h = jnp.int32(0)
+    elif seed_ref.shape[0] == 4:
         b = b + seed_ref[2]
         h = h + seed_ref[3]
     return dropout.keep_tile(seed_ref, b, h, rows, kv_start, n_cols,

@@ -116,6 +116,7 @@ API_VARIANTS = {
     "mqa": dict(hkv=1),
     "dv": dict(dv=40),
     "dropout": dict(dropout_rate=0.1),
+    "dropout-broadcast": dict(dropout_rate=0.1, dropout_broadcast=True, is_causal=True),
     "window": dict(local_window_size=(64, 8), is_causal=True),
     "softcap": dict(logits_soft_cap=20.0),
     "segments": dict(segments=True),

@@ -32,8 +32,9 @@ from pallas_kernels.problem import FeatureArrays, Inputs, Problem
 
 AXIS = "cp"
 SHARD_MAP, JIT_AUTO, JIT_EXPLICIT = "shard_map", "jit_auto", "jit_explicit"
+# "shared_dropout": dropout with one mask shared by every batch row and head.
 FEATURES = ("window", "window_both", "segments", "lengths", "sinks", "softcap", "bias",
-            "mask", "dropout")
+            "mask", "dropout", "shared_dropout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +98,7 @@ def _arrays(case: CPCase) -> dict:
         diff["bias"] = normal(1, case.hq, 1, 1, dtype="float32")
     if "mask" in f:  # broadcast over both sequence dims: batch 0 sees keys, batch 1 none
         shared["mask"] = jnp.asarray(np.arange(b) == 0).reshape(b, 1, 1, 1)
-    if "dropout" in f:
+    if f & {"dropout", "shared_dropout"}:
         shared["dropout_rng"] = jax.random.key(7)
     return dict(x, seq=seq, shared=shared, diff=diff)
 
@@ -114,6 +115,8 @@ def _statics(case: CPCase) -> dict:
         kw["logits_soft_cap"] = 3.0
     if "dropout" in f:
         kw["dropout_rate"] = 0.25
+    if "shared_dropout" in f:
+        kw.update(dropout_rate=0.25, dropout_broadcast=True)
     return kw
 
 

@@ -130,7 +130,8 @@ class Step:
     """One step case: the block's logits, the problem and arrays the step reads, and the
     same as the XLA twin's `chunked._Call`."""
 
-    def __init__(self, case, seed=0, *, window=None, softcap=None, features=None):
+    def __init__(self, case, seed=0, *, window=None, softcap=None, features=None,
+                 broadcast=False):
         b, hq, rows, keys, offsets, causal, bias_shape, mask_shape, rate = case
         kl, kb, km, self.kd, self.kx = jax.random.split(jax.random.key(seed), 5)
         self.logits = 3.0 * jax.random.normal(kl, (b, hq, rows, keys), jnp.float32)
@@ -143,8 +144,8 @@ class Step:
         kv = sd((b, STEP_S, hq, 8), jnp.float32)
         self.inputs = Inputs(q, kv, kv, bias, mask, seed_words, features)
         self.problem = Problem.of(q, kv, kv, bias, mask, scale=0.3, causal=causal,
-                                  dropout_rate=rate, features=features, window=window,
-                                  softcap=softcap)
+                                  dropout_rate=rate, dropout_broadcast=broadcast,
+                                  features=features, window=window, softcap=softcap)
         self.blk = _Block(offsets[0], rows, offsets[1], keys)
         config = chunked_plan.ChunkConfig(block_q=rows, block_k=keys)
         self.call = chunked_tier._Call(self.problem, config, True, self.inputs)
@@ -244,6 +245,21 @@ def test_step_seed_with_shard_offsets_draws_the_global_mask():
     full = keep_mask_reference(jnp.asarray([7, 11], jnp.uint32), (2, 4, 90, 64), 0.4)
     np.testing.assert_array_equal(np.asarray(xla_p) != 0, np.asarray(full)[1:2, 2:4, 8:24])
     np.testing.assert_allclose(np.asarray(pallas_p), np.asarray(xla_p), rtol=2e-6, atol=1e-7)
+
+
+def test_step_shared_mask_is_drawn_at_batch_0_and_head_0_on_every_shard():
+    """Under `dropout_broadcast` both steps (and both directions) draw the one shared mask,
+    whatever the shard's offsets in the seed's words 2 and 3."""
+    step = Step((2, 3, 16, 64, (8, 64), False, None, None, 0.4), broadcast=True)
+    step.inputs = step.inputs._replace(seed=jnp.asarray([7, 11, 1, 2], jnp.uint32))
+    step.call = dataclasses.replace(step.call, inputs=step.inputs)
+    xla_p, _ = step.rows_xla()
+    pallas_p, _ = step.rows()
+    shared = keep_mask_reference(jnp.asarray([7, 11], jnp.uint32), (1, 1, 90, 200), 0.4)
+    np.testing.assert_array_equal(np.asarray(xla_p) != 0, np.broadcast_to(
+        np.asarray(shared)[:, :, 8:24, 64:128], xla_p.shape))
+    np.testing.assert_allclose(np.asarray(pallas_p), np.asarray(xla_p), rtol=2e-6, atol=1e-7)
+    _grads_match(step, own_delta=False, split=False)
 
 
 # ---------------------------------------------------------------- end to end, Pallas step

@@ -6,10 +6,11 @@ report. Each case compares out, lse and the gradients (of q, k, v, and of the si
 broadcast bias where given) with the unsharded call of the same tier: float32 within 1e-5
 of the values' scale; bfloat16 by the tolerance rule against the float64 reference. The
 cases cover both layouts, both strategies, causal or not, GQA, segments, windows, lengths,
-sinks, the soft cap, dropout, 4 and 8 devices, shard_map with and without check_vma, and
-jit on sequence-sharded inputs (Auto and Explicit mesh axes), whose compiled HLO must not
-all-gather q. Every tier runs them where it places blocks of a sequence
-(`Problem.positions`); a tier that does not yet is skipped, saying so.
+sinks, the soft cap, dropout (a mask per batch row and head, or one shared by all), 4 and 8
+devices, shard_map with and without check_vma, and jit on sequence-sharded inputs (Auto and
+Explicit mesh axes), whose compiled HLO must not all-gather q. Every tier runs them where it
+places blocks of a sequence (`Problem.positions`); a tier that does not yet is skipped,
+saying so.
 
 In-process: the layouts, the block relation against a brute-force one, the strategy rule,
 the argument checks, a one-device shard_map, and that a tier's positions guard is current.
@@ -83,6 +84,10 @@ CASES = [
            features=("sinks", "bias", "window")),
     CPCase("jit-auto-data2x2-allgather", data=2, b=2, strategy="all_gather", mode=JIT_AUTO,
            features=("sinks", "dropout")),
+    # One dropout mask for every batch row and head, the batch split over "data" too (inside
+    # the user's shard_map, where a shard's batch offset is not known: none is needed).
+    CPCase("data2x2-allgather-shared-dropout", data=2, b=2, strategy="all_gather",
+           features=("shared_dropout",)),
     CPCase("8dev-contiguous-allgather", devices=8, strategy="all_gather", hq=8, hkv=2),
     *_tier_cases("pallas", interpret=True),
     *_tier_cases("chunked", interpret=False),
@@ -100,6 +105,8 @@ STANDIN_CASES = [
            tier=STANDIN, **DROP),
     CPCase("standin/jit-auto-data2x2", strategy=None, mode=JIT_AUTO, tier=STANDIN, data=2,
            b=2, features=("sinks", "bias")),
+    CPCase("standin/jit-auto-data2x2-shared-dropout", strategy=None, mode=JIT_AUTO,
+           tier=STANDIN, data=2, b=2, features=("shared_dropout",)),
 ]
 BY_NAME = {case.name: case for case in CASES + STANDIN_CASES}
 

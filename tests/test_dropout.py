@@ -14,7 +14,7 @@ import pytest
 import ffpa_jax
 from attn_testing import (Case, assert_forward_matches, assert_matches_reference, cotangents,
                           make_inputs, reference64, reference_grads, xla_same_precision)
-from conftest import call_kwargs, interpret_flag
+from conftest import TIERS, call_kwargs, interpret_flag
 from ffpa_jax.dropout import seed_from_key
 from pallas_kernels import (BackwardRows, BwdConfig, FwdConfig, Inputs, Problem, bwd_generic_dkdv,
                             bwd_preproc, fwd_generic)
@@ -23,8 +23,10 @@ from pallas_kernels.dropout import keep_threshold, philox4x32
 RATE = 0.3
 
 
-def _keep(case: Case, key, rate=RATE):
-    return ffpa_jax.dropout_mask(key, (case.b, case.hq, case.t, case.s), rate)
+def _keep(case: Case, key, rate=RATE, broadcast: bool = False):
+    """The keep-mask [B, Hq, T, S] (the shared one broadcast to it with `broadcast`)."""
+    shape = (case.b, case.hq, case.t, case.s)
+    return jnp.broadcast_to(ffpa_jax.dropout_mask(key, shape, rate, broadcast=broadcast), shape)
 
 
 def _identity_probe(case: Case):
@@ -98,12 +100,14 @@ def test_backward_kernel_replays_the_mask(case, block_m, block_n, kernel_mode):
     np.testing.assert_array_equal(kept, np.asarray(_keep(case, key)) & _visible(case))
 
 
-def _dropout_outputs(case: Case, mode: str, key, rate=RATE, tier: str = "pallas"):
+def _dropout_outputs(case: Case, mode: str, key, rate=RATE, tier: str = "pallas",
+                     broadcast: bool = False):
     q, k, v, bias, mask = make_inputs(case)
-    keep = _keep(case, key, rate)
+    keep = _keep(case, key, rate, broadcast)
     got_out, got_lse = ffpa_jax.attention(
         q, k, v, bias, mask, scale=case.scale, is_causal=case.causal, return_lse=True,
-        dropout_rate=rate, dropout_rng=key, **call_kwargs(tier, mode))
+        dropout_rate=rate, dropout_rng=key, dropout_broadcast=broadcast,
+        **call_kwargs(tier, mode))
     ref_out, ref_lse = reference64(case, q, k, v, bias, mask, keep=keep, rate=rate)
     xla_out, xla_lse = xla_same_precision(case, q, k, v, bias, mask, keep=keep, rate=rate)
     return (got_out, got_lse), (ref_out, ref_lse), (xla_out, xla_lse)
@@ -140,9 +144,9 @@ def test_xla_and_pallas_agree_for_the_same_key(kernel_mode):
                                rtol=1e-5, atol=1e-6)
 
 
-def _grads(case: Case, mode: str, key, tier: str):
+def _grads(case: Case, mode: str, key, tier: str, broadcast: bool = False):
     """Gradients of <out, d_out> + <lse, d_lse>: (the tier's, the float64 reference's, the
-    same-precision reference's)."""
+    same-precision reference's); `broadcast`: one mask shared by batch and heads."""
     q, k, v, bias, mask = make_inputs(case)
     d_out, d_lse = cotangents(case)
     d_out = d_out.astype(q.dtype).astype(jnp.float32)
@@ -151,10 +155,11 @@ def _grads(case: Case, mode: str, key, tier: str):
     def grads(q, k, v, bias, key, d_out, d_lse):
         f = lambda q, k, v, bias: ffpa_jax.attention(
             q, k, v, bias, mask, scale=case.scale, is_causal=case.causal, return_lse=True,
-            dropout_rate=RATE, dropout_rng=key, **call_kwargs(tier, mode))
+            dropout_rate=RATE, dropout_rng=key, dropout_broadcast=broadcast,
+            **call_kwargs(tier, mode))
         (out, lse), vjp = jax.vjp(f, q, k, v, bias)
         return vjp((d_out.astype(out.dtype), d_lse))
-    keep = _keep(case, key)
+    keep = _keep(case, key, broadcast=broadcast)
     ref, xla = (reference_grads(case, q, k, v, bias, mask, d_out, d_lse, float64=float64,
                                 keep=keep, rate=RATE) for float64 in (True, False))
     return grads(q, k, v, bias, key, d_out, d_lse), ref, xla
@@ -181,6 +186,90 @@ def test_gradients_match_reference(case, kernel_mode, tier):
             assert g is None
             continue
         assert_matches_reference(name, g, r, x, q_dtype, factor=3.0)
+
+
+# ------------------------------------------------------------------ one mask, shared
+# `dropout_broadcast=True` (Flax's broadcast_dropout): element (b, h, i, j) takes the decision
+# of the unshared mask at (0, 0, i, j). The dense tier ("xla") draws the mask itself here.
+BROADCAST_TIERS = ["xla", *TIERS]
+
+
+def test_shared_mask_is_the_first_slice_of_the_unshared_one():
+    shape, rate = (3, 4, 37, 203), RATE
+    key = jax.random.key(31)
+    full = np.asarray(ffpa_jax.dropout_mask(key, shape, rate))
+    shared = np.asarray(ffpa_jax.dropout_mask(key, shape, rate, broadcast=True))
+    assert shared.shape == (1, 1, 37, 203)
+    np.testing.assert_array_equal(shared, full[:1, :1])
+    # The unshared mask differs between batch rows and heads (independent draws disagree
+    # on 2·rate·(1 - rate) of the elements), so sharing it changes what is kept.
+    disagree = float(np.mean(full[1:, 1:] != shared))
+    assert abs(disagree - 2 * rate * (1 - rate)) <= 0.01, disagree
+
+
+@pytest.mark.parametrize("tier", BROADCAST_TIERS, indirect=True)
+@pytest.mark.parametrize("case", [PROBE_CASES[0], Case(b=2, t=1, s=300, hq=8, hkv=2)],
+                         ids=lambda c: f"T{c.t}-S{c.s}-H{c.hq}.{c.hkv}")
+def test_shared_mask_is_what_every_batch_row_and_head_keeps(case, tier, kernel_mode):
+    """The identity probe (out = the dropped P) through `attention`: every (b, h) keeps
+    exactly the shared mask (T = 1 runs the fused tier's decode kernels)."""
+    q, k, v = _identity_probe(case)
+    key = jax.random.key(case.seed() + 2)
+    out = ffpa_jax.attention(q, k, v, scale=0.3, is_causal=case.causal, dropout_rate=RATE,
+                             dropout_rng=key, dropout_broadcast=True,
+                             **call_kwargs(tier, kernel_mode))
+    kept = np.asarray(out).transpose(0, 2, 1, 3) != 0  # [B, Hq, T, S]
+    shared = np.asarray(ffpa_jax.dropout_mask(key, kept.shape, RATE, broadcast=True))
+    np.testing.assert_array_equal(kept, np.broadcast_to(shared & _visible(case), kept.shape))
+
+
+BROADCAST_CASES = [
+    Case(b=2, t=113, s=203, hq=4, hkv=2, d=40),
+    Case(b=2, t=37, s=70, hq=4, hkv=2, d=59, causal=True, dtype="float16",
+         bias_shape=(1, 4, 37, 70), mask_shape=(2, 1, 1, 70)),
+]
+
+
+@pytest.mark.parametrize("tier", BROADCAST_TIERS, indirect=True)
+@pytest.mark.parametrize("case", BROADCAST_CASES,
+                         ids=lambda c: f"T{c.t}-S{c.s}-H{c.hq}.{c.hkv}-D{c.d}-{c.dtype}")
+def test_shared_mask_forward_matches_reference(case, kernel_mode, tier):
+    key = jax.random.key(case.seed() + 13)
+    (out, lse), reference, xla = _dropout_outputs(case, kernel_mode, key, tier=tier,
+                                                  broadcast=True)
+    assert_forward_matches(out, lse, reference, xla, case.dtype)
+
+
+@pytest.mark.parametrize("tier", BROADCAST_TIERS, indirect=True)
+def test_shared_mask_gradients_match_reference(kernel_mode, tier):
+    """The backward replays the shared mask (dbias of a bias broadcast over the batch sums
+    the batch rows' shares)."""
+    case = Case(b=2, t=45, s=113, hq=4, hkv=2, d=59, causal=True, bias_shape=(1, 4, 45, 113))
+    got, ref, xla = _grads(case, kernel_mode, jax.random.key(case.seed() + 17), tier,
+                           broadcast=True)
+    for name, g, r, x in zip(["dq", "dk", "dv", "dbias"], got, ref, xla):
+        assert_matches_reference(name, g, r, x, jnp.dtype(case.dtype), factor=3.0)
+
+
+def test_dropout_broadcast_must_be_a_bool():
+    q = jnp.ones((1, 8, 1, 16), jnp.bfloat16)
+    with pytest.raises(TypeError, match="dropout_broadcast"):
+        ffpa_jax.attention(q, q, q, dropout_rate=0.1, dropout_rng=jax.random.key(0),
+                           dropout_broadcast="yes")
+    with pytest.raises(TypeError, match="broadcast"):
+        ffpa_jax.dropout_mask(jax.random.key(0), (1, 1, 4, 4), 0.1, broadcast=1)
+
+
+def test_dropout_broadcast_without_dropout_is_the_plain_problem():
+    """No mask, nothing to share: the call's problem (and so its compiled program) is the
+    one without the flag."""
+    from ffpa_jax import validation
+    q = jax.ShapeDtypeStruct((1, 8, 2, 16), jnp.bfloat16)
+    problems = [validation.validate(q, q, q, None, None, scale=None, is_causal=False,
+                                    dropout_rate=0.0, dropout_rng=None, return_lse=False,
+                                    implementation=None, interpret=False,
+                                    dropout_broadcast=flag).problem for flag in (False, True)]
+    assert problems[0] == problems[1] and not problems[1].dropout_broadcast
 
 
 # ----------------------------------------------------------------------------- statistics

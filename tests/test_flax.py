@@ -3,9 +3,9 @@
 Flax linen and nnx attention modules with our `attention_fn` are compared with the
 same modules (same parameters, same inputs) using Flax's own attention: both are
 measured against the float64 run of Flax's attention, and ours must be within the
-tolerance rule (attn_testing.py) of it, for outputs and gradients. Dropout,
-broadcast_dropout, sown weights, extra batch dims and rectangular causal masks are
-checked against plain-JAX constructions.
+tolerance rule (attn_testing.py) of it, for outputs and gradients. Dropout (with
+broadcast_dropout's shared mask or one per batch row and head), sown weights, extra batch
+dims and rectangular causal masks are checked against plain-JAX constructions.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from flax import nnx
 
 import ffpa_jax
 from ffpa_jax.flax_attention import flax_attention_fn
+from ffpa_jax.reference import mha_reference
 
 
 @pytest.fixture(autouse=True)
@@ -232,25 +233,29 @@ def test_sown_weights_dtype_follows_force_fp32_for_softmax(kernel_mode, force_fp
 # ------------------------------------------------------------------------ dropout
 def _dropout_reference(query, key, value, bias=None, mask=None, *, dropout_rng, dropout_rate,
                        broadcast_dropout, deterministic, **_):
-    """Plain JAX with ffpa_jax's keep-mask for the same key: what the adapter must compute."""
-    del broadcast_dropout
+    """The plain-JAX reference (`mha_reference`) with ffpa_jax's keep-mask for the same key:
+    what the adapter must compute. With `broadcast_dropout` the one mask shared by batch and
+    heads (Flax's meaning), built here by broadcasting `dropout_mask(broadcast=True)`."""
     b, t, h, d = query.shape
-    s = key.shape[1]
-    logits = jnp.einsum("bthd,bshd->bhts", query, key) / np.sqrt(d)
-    if mask is not None:
-        logits = jnp.where(mask, logits, -jnp.inf)
-    probs = jax.nn.softmax(logits, axis=-1)
+    keep, rate = None, 0.0
     if not deterministic and dropout_rate > 0:
-        keep = ffpa_jax.dropout_mask(dropout_rng, (b, h, t, s), dropout_rate)
-        probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
-    return jnp.einsum("bhts,bshd->bthd", probs, value)
+        shape = (b, h, t, key.shape[1])
+        keep = jnp.broadcast_to(ffpa_jax.dropout_mask(dropout_rng, shape, dropout_rate,
+                                                      broadcast=bool(broadcast_dropout)), shape)
+        rate = dropout_rate
+    if mask is not None:
+        mask = mask.astype(bool)
+    return mha_reference(query, key, value, bias, mask, scale=1 / np.sqrt(d), keep_mask=keep,
+                         dropout_rate=rate)[0]
 
 
-def test_linen_dropout_passes_rng_and_rate(kernel_mode):
+@pytest.mark.parametrize("broadcast", [True, False], ids=["broadcast", "per-head"])
+def test_linen_dropout_passes_rng_rate_and_broadcast(kernel_mode, broadcast):
+    """Flax's default broadcast_dropout=True shares one mask over batch and heads."""
     kx, km = jax.random.split(jax.random.key(9))
     x = jax.random.normal(kx, (2, 16, 16))
     mask = padding_mask(km, 2, 16)
-    kw = dict(num_heads=2, dropout_rate=0.25, broadcast_dropout=False)
+    kw = dict(num_heads=2, dropout_rate=0.25, broadcast_dropout=broadcast)
     mod = nn.MultiHeadDotProductAttention(attention_fn=ours_mapping(kernel_mode), **kw)
     ref_mod = nn.MultiHeadDotProductAttention(attention_fn=_dropout_reference, **kw)
     params = mod.init(jax.random.key(0), x, deterministic=True)
@@ -258,6 +263,11 @@ def test_linen_dropout_passes_rng_and_rate(kernel_mode):
     got = mod.apply(params, x, mask=mask, deterministic=False, rngs=rngs)
     ref = ref_mod.apply(params, x, mask=mask, deterministic=False, rngs=rngs)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-4, atol=1e-5)
+    # The other mode draws other masks: the flag reached the call.
+    other = nn.MultiHeadDotProductAttention(
+        attention_fn=ours_mapping(kernel_mode), **dict(kw, broadcast_dropout=not broadcast))
+    assert np.max(np.abs(np.asarray(other.apply(params, x, mask=mask, deterministic=False,
+                                                rngs=rngs)) - np.asarray(got))) > 1e-2
     # Deterministic: no dropout at all, so it differs from the dropped run.
     det = mod.apply(params, x, mask=mask, deterministic=True)
     det_ref = nn.MultiHeadDotProductAttention(**kw).apply(params, x, mask=mask,
@@ -266,14 +276,42 @@ def test_linen_dropout_passes_rng_and_rate(kernel_mode):
     assert np.max(np.abs(np.asarray(det) - np.asarray(got))) > 1e-2
 
 
-def test_broadcast_dropout_is_rejected_only_when_dropping():
+def test_nnx_default_broadcast_dropout_shares_one_mask(kernel_mode):
+    """nnx.MultiHeadAttention (GQA 4/2) with dropout and its default broadcast_dropout=True:
+    the output and the gradients are the reference's with the shared mask."""
+    kx, km = jax.random.split(jax.random.key(12))
+    x = jax.random.normal(kx, (2, 12, 20))
+    mask = padding_mask(km, 2, 12).astype(bool)
+
+    def build(attention_fn):
+        return nnx.MultiHeadAttention(num_heads=4, in_features=20, qkv_features=32,
+                                      num_kv_heads=2, dropout_rate=0.3, decode=False,
+                                      keep_rngs=False, attention_fn=attention_fn,
+                                      rngs=nnx.Rngs(3))
+
+    def run(attention_fn):
+        module = build(attention_fn)
+        assert module.broadcast_dropout  # Flax's default
+        graphdef, params = nnx.split(module)
+
+        def loss(params, x):
+            out = nnx.merge(graphdef, params)(x, mask=mask, deterministic=False,
+                                              rngs=nnx.Rngs(77))
+            return jnp.sum(out * jnp.cos(out)), out
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+
+    (_, got), got_g = run(ours_mapping(kernel_mode))
+    (_, ref), ref_g = run(_dropout_reference)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-4, atol=1e-5)
+    for g, r in zip(jax.tree.leaves(got_g), jax.tree.leaves(ref_g), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5)
+
+
+def test_broadcast_dropout_without_dropout_changes_nothing():
     q = jax.random.normal(jax.random.key(0), (1, 8, 2, 16))
     fn = functools.partial(flax_attention_fn, implementation="xla")
-    with pytest.raises(ValueError, match="broadcast_dropout"):
-        fn(q, q, q, dropout_rate=0.1, dropout_rng=jax.random.key(1), broadcast_dropout=True)
     with pytest.raises(ValueError, match="dropout_rng"):
-        fn(q, q, q, dropout_rate=0.1, broadcast_dropout=False)
-    # Flax's default broadcast_dropout=True is fine without dropout.
+        fn(q, q, q, dropout_rate=0.1, broadcast_dropout=True)
     plain = ffpa_jax.attention(q, q, q, implementation="xla")
     for kw in (dict(dropout_rate=0.1, deterministic=True), dict(dropout_rate=0.0)):
         np.testing.assert_array_equal(np.asarray(fn(q, q, q, broadcast_dropout=True, **kw)),
@@ -301,10 +339,10 @@ def test_shape_errors_come_before_the_dropout_mode_error(bad, match):
     fn = functools.partial(flax_attention_fn, implementation="xla")
     good = {name: jax.random.normal(jax.random.key(2), (1, 8, 2, 16))
             for name in ("query", "key", "value")}
-    for dropout, its_error in [
-            (dict(dropout_rate=0.1, dropout_rng=jax.random.key(1), broadcast_dropout=True),
-             "broadcast_dropout"),
-            (dict(dropout_rate=0.1, broadcast_dropout=False), "needs dropout_rng")]:
+    for dropout, its_error in [(dict(dropout_rate=0.1, broadcast_dropout=True),
+                                "needs dropout_rng"),
+                               (dict(dropout_rate=0.1, broadcast_dropout=False),
+                                "needs dropout_rng")]:
         with pytest.raises(ValueError, match=match):
             fn(**args, **dropout)
         # right shapes get the dropout mode's error

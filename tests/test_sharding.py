@@ -14,7 +14,8 @@ What is checked, for forward + backward (jit of value_and_grad):
 - fallbacks stay correct: a sequence-sharded input, and MQA (Hkv = 1) sharded over
   heads (not divisible: replicated) give the unsharded result;
 - the XLA path (GSPMD partitions plain jnp) has no all-gather either;
-- dropout under batch/head sharding gives the unsharded result (same mask);
+- dropout under batch/head sharding gives the unsharded result (same mask), also with one
+  mask shared by every batch row and head (dropout_broadcast);
 - inside a user's `shard_map` (check_vma=False) the result equals the unsharded one.
 """
 
@@ -176,6 +177,22 @@ def run_checks(interpret: bool) -> dict:
         report[f"dropout/{name}"] = dict(rel_diff=_rel_diff(got, reference),
                                          collectives=_collectives(compiled))
 
+    # One mask shared by every batch row and head (dropout_broadcast): each shard draws the
+    # unsharded call's mask, not its slice of an unshared one; forward and backward.
+    def shared_loss(q, k, v, rng):
+        out = ffpa_jax.attention(q, k, v, dropout_rate=0.3, dropout_rng=rng,
+                                 dropout_broadcast=True, **pallas)
+        return jnp.sum(out * jnp.cos(out)), out
+    shared = jax.value_and_grad(shared_loss, argnums=(0, 1, 2), has_aux=True)
+    reference = jax.jit(shared)(q, k, v, rng)
+    report["dropout_broadcast/unshared"] = dict(
+        rel_diff=_rel_diff(reference[0][1], jax.jit(drop)(q, k, v, rng)))
+    for name in ("batch", "batch_and_heads"):  # a head split's offsets: in the second
+        if name in cases:
+            compiled, got = sharded_run(shared, *cases[name], q, k, v, rng)
+            report[f"dropout_broadcast/{name}"] = dict(rel_diff=_rel_diff(got, reference),
+                                                       collectives=_collectives(compiled))
+
     # Inside a user's shard_map (batch split by the user).
     from jax import shard_map
     smap = shard_map(lambda q, k, v: ffpa_jax.attention(q, k, v, is_causal=True, **pallas),
@@ -240,6 +257,18 @@ def test_dropout_sharded_call_runs_shard_local(cpu_report, case):
     assert entry["rel_diff"] <= 1e-5, entry
 
 
+@pytest.mark.parametrize("case", ["batch", "batch_and_heads"])
+def test_shared_dropout_mask_sharded_call_matches_unsharded(cpu_report, case):
+    """dropout_broadcast: every shard draws the one mask of the unsharded call (its
+    batch and head offsets are not added), forward and gradients, without a gather."""
+    entry = cpu_report[f"dropout_broadcast/{case}"]
+    gathered = [c for c in entry["collectives"] if c in GATHERS]
+    assert not gathered, f"dropout_broadcast/{case}: compiled HLO contains {gathered}"
+    assert entry["rel_diff"] <= 1e-5, entry
+    # The unshared masks differ: sharing is visible in the output.
+    assert cpu_report["dropout_broadcast/unshared"]["rel_diff"] > 1e-2
+
+
 def test_bare_kernels_gather_so_the_hlo_check_can_fail(cpu_report):
     assert "all-gather" in cpu_report["control/bare_kernels"]["collectives"]
 
@@ -280,7 +309,8 @@ def test_gpu_sharded_calls():
         if f"features/{case}" in report:
             _check_shard_local(report[f"features/{case}"], case)
     assert "all-gather" in report["control/bare_kernels"]["collectives"]
-    for case in ("fallback/sequence", "fallback/mqa_heads", "shard_map", "dropout/batch"):
+    for case in ("fallback/sequence", "fallback/mqa_heads", "shard_map", "dropout/batch",
+                 "dropout_broadcast/batch"):
         entry = report[case]
         assert entry["rel_diff"] <= 1e-5, f"{case}: {entry}"
 
