@@ -55,6 +55,9 @@ functools.partial, or a lambda for per-batch data): `local_window_size`,
 [batch..., S]) and `query_seq_lengths` / `key_value_seq_lengths` ([batch...]), with
 ffpa_jax's meaning (the window is aligned bottom-right when q_length != kv_length, as
 causality is in ffpa_jax; Flax has no window of its own). Sown weights include them.
+`deterministic_backward` is `ffpa_jax.attention`'s `deterministic` (a bitwise-reproducible
+backward; None follows XLA_FLAGS): Flax's own `deterministic` means "no dropout", and keeps
+that meaning here.
 
 Flax itself is imported only when `module` is given (to sow weights), so this
 file does not make Flax a dependency of `ffpa_jax`.
@@ -137,7 +140,8 @@ def flax_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout
                       interpret: bool = False, local_window_size=None,
                       logits_soft_cap: float | None = None, sinks=None, q_segment_ids=None,
                       kv_segment_ids=None, query_seq_lengths=None,
-                      key_value_seq_lengths=None) -> jax.Array:
+                      key_value_seq_lengths=None,
+                      deterministic_backward: bool | None = None) -> jax.Array:
     """Drop-in `attention_fn` for `flax.linen.MultiHeadDotProductAttention` and
     `flax.nnx.MultiHeadAttention`, computed by `ffpa_jax.attention`.
 
@@ -199,7 +203,8 @@ def flax_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout
     # call with wrong shapes is told about its shapes first, whatever its dropout settings.
     validation.validate(q4, k4, v4, bias4, mask4, scale=scale, is_causal=kernel_causal,
                         dropout_rate=0.0, dropout_rng=None, return_lse=False,
-                        implementation=implementation, interpret=interpret, **features)
+                        implementation=implementation, interpret=interpret,
+                        deterministic=deterministic_backward, **features)
     dropping = (not bool(deterministic)) and float(dropout_rate) > 0.0
     if dropping and dropout_rng is None:
         raise ValueError(f"dropout_rate={dropout_rate} with deterministic=False needs "
@@ -211,7 +216,8 @@ def flax_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout
                     dropout_rate=float(dropout_rate) if dropping else 0.0,
                     dropout_rng=dropout_rng if dropping else None,
                     dropout_broadcast=bool(broadcast_dropout) and dropping,
-                    implementation=implementation, interpret=interpret, **features)
+                    implementation=implementation, interpret=interpret,
+                    deterministic=deterministic_backward, **features)
 
     if module is not None:
         # Flax sows float32 weights under force_fp32_for_softmax, else the computation dtype.

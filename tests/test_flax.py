@@ -408,3 +408,23 @@ def test_features_pass_through_with_two_batch_dims_and_sown_weights():
     assert weights.shape == (2, 2, 10, 10)
     assert float(weights[0, :, :4, 4:].max()) == 0.0  # segment 0 does not see segment 1
     assert np.all(np.asarray(weights.sum(-1)) < 1.0)  # the sink takes a share
+
+
+def test_deterministic_backward_reaches_attention(monkeypatch):
+    """The adapter's `deterministic_backward` is attention()'s `deterministic` (Flax's own
+    `deterministic` keeps its meaning, no dropout): a bad value is attention()'s error, and
+    the dispatcher sees True where XLA_FLAGS would say False."""
+    from tuning import dispatch
+    x = jnp.ones((1, 8, 2, 16), jnp.float32)
+    with pytest.raises(TypeError, match="deterministic must be None, True or False"):
+        flax_attention_fn(x, x, x, deterministic_backward="yes")
+    monkeypatch.setenv("XLA_FLAGS", "")
+    seen = []
+    real = dispatch.explain
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("deterministic"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(dispatch, "explain", spy)
+    flax_attention_fn(x, x, x, deterministic=True, deterministic_backward=True)
+    assert seen == [True]
