@@ -56,7 +56,6 @@ def _tier_cases(tier: str, interpret: bool) -> list[CPCase]:
 
 CASES = [
     CPCase("contiguous-ring-causal"),
-    CPCase("contiguous-ring-full", causal=False),
     CPCase("contiguous-allgather-causal", strategy="all_gather"),
     CPCase("zigzag-ring-causal", layout="zigzag"),
     CPCase("zigzag-ring-full", layout="zigzag", causal=False),
@@ -70,7 +69,6 @@ CASES = [
     CPCase("contiguous-ring-dropout", **DROP),
     CPCase("zigzag-allgather-dropout", layout="zigzag", strategy="all_gather",
            features=("dropout",)),
-    CPCase("bf16-contiguous-ring", dtype="bfloat16"),
     CPCase("bf16-zigzag-allgather", layout="zigzag", strategy="all_gather",
            dtype="bfloat16"),
     CPCase("jit-auto-ring", mode=JIT_AUTO),
@@ -88,7 +86,6 @@ CASES = [
     # the user's shard_map, where a shard's batch offset is not known: none is needed).
     CPCase("data2x2-allgather-shared-dropout", data=2, b=2, strategy="all_gather",
            features=("shared_dropout",)),
-    CPCase("8dev-contiguous-allgather", devices=8, strategy="all_gather", hq=8, hkv=2),
     *_tier_cases("pallas", interpret=True),
     *_tier_cases("chunked", interpret=False),
 ]

@@ -5,6 +5,8 @@ numerics run in the shared matrix on the GPU (the `tier` fixture, `-m gpu`)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -64,21 +66,29 @@ def _mosaic_modules(fn, *args) -> list[str]:
     return seen
 
 
+_SHARD_INPUTS = (sd((2, 96, 4, 64), jnp.bfloat16),) * 3
+
+
+def _shard_local(q, k, v):
+    return mosaic_attention_forward(q, k, v, scale=0.125, causal=True, config=None,
+                                    out_dtype=jnp.bfloat16)[0]
+
+
+@functools.cache
+def _alone_modules() -> list[str]:
+    return _mosaic_modules(_shard_local, *_SHARD_INPUTS)
+
+
 @pytest.mark.parametrize("axis", ["b", "h", "qt", "cl", "wg", "batch"])
 def test_kernels_in_a_shard_map_are_the_single_device_kernels(axis):
     """Inside a shard_map whose mesh axis has the name of a kernel axis, Mosaic GPU took the
     mesh axis for the grid's: on 2 GPUs each device computed one batch row for all of its
     own (docs/history.md, session 18). The kernels' axes have names of their own: the
     module under any mesh is the one without."""
-    q = sd((2, 96, 4, 64), jnp.bfloat16)
-
-    def local(q, k, v):
-        return mosaic_attention_forward(q, k, v, scale=0.125, causal=True, config=None,
-                                        out_dtype=jnp.bfloat16)[0]
     mesh = jax.make_mesh((1,), (axis,), axis_types=(jax.sharding.AxisType.Auto,))
     spec = jax.sharding.PartitionSpec(axis)
-    sharded = jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec)
-    assert _mosaic_modules(sharded, q, q, q) == _mosaic_modules(local, q, q, q)
+    sharded = jax.shard_map(_shard_local, mesh=mesh, in_specs=spec, out_specs=spec)
+    assert _mosaic_modules(sharded, *_SHARD_INPUTS) == _alone_modules()
 
 
 def test_default_configs_by_head_size():
