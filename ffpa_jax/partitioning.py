@@ -253,30 +253,28 @@ def _sharding_rule(layout: _Layout, split_sequence: bool = False) -> tuple[str, 
     return rule, kwargs
 
 
-def _explicit_axes(x) -> bool:
-    """Does x's type name an Explicit mesh axis in its sharding spec?"""
+def _explicit_spec(x) -> list[set]:
+    """For each dim of x's sharding spec, the Explicit mesh axes it is split over (empty
+    when x's type carries no sharding)."""
     try:
         sharding = jax.typeof(x).sharding
         mesh = sharding.mesh
         explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
                     if kind == jax.sharding.AxisType.Explicit}
-        named = {a for entry in sharding.spec for a in _axes_tuple(entry)}
+        return [set(_axes_tuple(entry)) & explicit for entry in sharding.spec]
     except (AttributeError, TypeError):
-        return False
-    return bool(named & explicit)
+        return []
+
+
+def _explicit_axes(x) -> bool:
+    """Does x's type name an Explicit mesh axis in its sharding spec?"""
+    return any(_explicit_spec(x))
 
 
 def explicit_sequence(x) -> bool:
     """Whether x's type shards its sequence dim (dim 1) over an Explicit mesh axis."""
-    try:
-        sharding = jax.typeof(x).sharding
-        mesh = sharding.mesh
-        explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
-                    if kind == jax.sharding.AxisType.Explicit}
-        spec = tuple(sharding.spec)
-    except (AttributeError, TypeError):
-        return False
-    return len(spec) > 1 and bool(set(_axes_tuple(spec[1])) & explicit)
+    spec = _explicit_spec(x)
+    return len(spec) > 1 and bool(spec[1])
 
 
 class ShardLocal:

@@ -19,9 +19,6 @@ the argument checks, a one-device shard_map, and that a tier's positions guard i
 from __future__ import annotations
 
 import json
-import os
-import pathlib
-import subprocess
 import sys
 
 import jax
@@ -32,12 +29,12 @@ import pytest
 import ffpa_jax
 from context_parallel_checks import (JIT_AUTO, JIT_EXPLICIT, CPCase, gathers_q,
                                      positioned_block_matches_dense, tier_lacks_positions)
+from fake_devices import worker_report
 from ffpa_jax import context_local
 from ffpa_jax.layout import Pieces, zigzag_order
 from pallas_kernels import visibility
 from pallas_kernels.problem import Problem
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 FEATURES = ("window", "segments", "lengths", "sinks", "softcap", "bias")
 # Ring blocks start at multiples of 128 keys under dropout: 4 shards of 128.
 DROP = dict(t=512, hq=2, hkv=1, d=8, features=("dropout",))
@@ -123,13 +120,7 @@ def _worker() -> None:
 
 @pytest.fixture(scope="module")
 def cpu_report() -> dict:
-    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
-               + " --xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
-    proc = subprocess.run([sys.executable, str(pathlib.Path(__file__).resolve()), "--worker"],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
-    assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return worker_report(__file__, devices=8, timeout=900)
 
 
 @pytest.mark.parametrize("name", list(BY_NAME))

@@ -9,11 +9,12 @@ shards of out, lse and the gradients against the unsharded call it computes alon
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import socket
 import subprocess
 import sys
+
+from fake_devices import fake_devices_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROCESSES = 2
@@ -95,9 +96,7 @@ def _free_port() -> int:
 
 def test_two_processes_match_the_unsharded_call():
     port = _free_port()
-    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
-               + f" --xla_force_host_platform_device_count={LOCAL_DEVICES}",
-               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env = fake_devices_env(LOCAL_DEVICES)
     procs = [subprocess.Popen([sys.executable, str(pathlib.Path(__file__).resolve()), "--worker",
                                str(i), str(port)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)

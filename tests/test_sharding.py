@@ -22,9 +22,6 @@ What is checked, for forward + backward (jit of value_and_grad):
 from __future__ import annotations
 
 import json
-import os
-import pathlib
-import subprocess
 import sys
 
 import jax
@@ -33,8 +30,8 @@ import numpy as np
 import pytest
 
 import ffpa_jax
+from fake_devices import worker_report
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 GATHERS = ("all-gather", "all-to-all")
 COLLECTIVES = GATHERS + ("all-reduce", "collective-permute", "reduce-scatter")
 
@@ -214,13 +211,7 @@ def run_checks(interpret: bool) -> dict:
 # ------------------------------------------------------------ CPU: subprocess
 @pytest.fixture(scope="module")
 def cpu_report() -> dict:
-    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
-               + " --xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
-    proc = subprocess.run([sys.executable, str(pathlib.Path(__file__).resolve()), "--worker"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
-    assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return worker_report(__file__, devices=4, timeout=600)
 
 
 def _check_shard_local(entry: dict, name: str) -> None:

@@ -12,9 +12,6 @@ batch-sharded step match one GPU.
 from __future__ import annotations
 
 import json
-import os
-import pathlib
-import subprocess
 import sys
 
 import jax
@@ -25,8 +22,7 @@ pytest.importorskip("flax")
 pytest.importorskip("optax")
 
 from examples import tiny_lm
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from fake_devices import worker_report
 
 
 def _check_decreases(losses: np.ndarray) -> None:
@@ -62,13 +58,7 @@ def _multi_device_losses(interpret: bool, n_steps: int, modes=("jit", "pmap", "s
 def test_pmap_matches_single_device_on_4_cpu_devices():
     """(The batch-sharded attention itself is checked on 4 CPU devices in test_sharding.py;
     the sharded training step runs in the GPU test below and in the notebook.)"""
-    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
-               + " --xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
-    proc = subprocess.run([sys.executable, str(pathlib.Path(__file__).resolve()), "--worker"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
-    assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = worker_report(__file__, devices=4, timeout=600)
     assert result["devices"] == 4
     single = np.asarray(result["jit"])
     assert single[-1] < single[0]

@@ -38,13 +38,13 @@ of one head (cluster_axis="q"; they walk the union of their key ranges) or
 sibling query heads of one GQA group on the same query tile
 (cluster_axis="heads").
 
-The launch grid is (heads, q tiles, batch) with heads fastest by default:
-measured +50% at D=128 over q-tiles-fastest on H100 (CTAs that run together
-then read different K/V instead of all hammering the same tile).
+The launch grid is (heads, q tiles, batch) with heads fastest by default: CTAs that
+run together then read different K/V instead of all the same tile (the measurements
+are in docs/history.md, session 18).
 
-Where more semantics go (see NOTES.md): `_score_mod` is the single element-wise
+Where more semantics go: `common.score_mod` is the single element-wise
 hook applied to raw scores of blocks that need masking (bias, soft cap, window,
-segment ids would be applied there); `_kv_range` is the single place that
+segment ids would be applied there); `common.kv_range` is the single place that
 decides which key blocks a group of query rows walks (a window or segment
 bounds would narrow `lo`/`hi` there); both producer and consumers call it.
 """

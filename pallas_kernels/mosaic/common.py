@@ -238,6 +238,18 @@ class Grid:
         return t, h, b, t, 1
 
 
+def cluster_walk(p: Walk, grid: "Grid", t_first, t_count, rows: int, kv_rotate: bool):
+    """(lo, full_hi, hi, kv_of) of the key blocks a cluster walks: `kv_range` over the rows
+    of all its CTAs (query tiles t_first.. of `rows` rows; multicast needs every CTA to load
+    the same tiles), and the walk's order (`kv_order`)."""
+    first = t_first * rows
+    last = jnp.minimum(first + t_count * rows - 1, p.T - 1)
+    lo, full_hi, hi = kv_range(p, first, last)
+    kv_of = kv_order(lo, full_hi, lax.div(t_first, jnp.int32(t_count)), grid.n_q_clusters,
+                     kv_rotate)
+    return lo, full_hi, hi, kv_of
+
+
 def walk_kv(step, carry, lo, full_hi, hi):
     """`step(j, carry, masked=...)` over the key blocks [lo, full_hi) without the element
     masks, then over [full_hi, hi) with them (`kv_range`'s split)."""

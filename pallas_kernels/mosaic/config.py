@@ -39,8 +39,8 @@ class Config:
                     not all read the same K/V tile at the same moment
                     (measured neutral with grid_order="heads"; off by default).
     wide_eager_release: wide kernel: wait for each tile's wgmmas and release its
-                    ring slot immediately (instead of one tile later); +5% at
-                    D=512 on H100.
+                    ring slot immediately (instead of one tile later): faster
+                    at D=512 (docs/history.md, session 18).
     """
 
     block_kv: int = 128
@@ -85,7 +85,7 @@ def default_config(
     causal: bool = False,
     gqa_group: int = 1,
 ) -> Config:
-    """Best measured configuration for a head size (see NOTES.md for the data).
+    """Best measured configuration for a head size (docs/history.md, session 18).
 
     gqa_group = Hq // Hkv (optional): with groups of 2+ query heads per KV head,
     CTAs of sibling query heads are paired in a cluster and share K/V tiles by

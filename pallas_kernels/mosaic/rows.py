@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic.common import (CLUSTER, LOG2E, NEG_INF, ROW, WARPGROUPS, WGMMA, Grid,
-                                          Walk, cdiv, finalize, imin, iota, kv_order, kv_range,
+                                          Walk, cdiv, cluster_walk, finalize, imin, iota, kv_range,
                                           launch, score_mod, softmax_update, tiled_smem, walk_kv)
 from pallas_kernels.mosaic.config import Config
 
@@ -58,14 +58,8 @@ def rows_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
         wg = lax.axis_index(WARPGROUPS)
         t, h, b, t_first, t_count = grid.indices()
         hk = lax.div(h, jnp.int32(group))
-        # Key-block range shared by the whole cluster (multicast needs every CTA to
-        # load the same tiles): rows of all CTAs in the cluster.
-        cl_first = t_first * rows_cta
-        cl_last = jnp.minimum(cl_first + t_count * rows_cta - 1, T - 1)
-        lo, cl_full, hi = kv_range(prob, cl_first, cl_last)
-        kv_of = kv_order(
-            lo, cl_full, lax.div(t_first, jnp.int32(t_count)), grid.n_q_clusters, config.kv_rotate
-        )
+        lo, cl_full, hi, kv_of = cluster_walk(prob, grid, t_first, t_count, rows_cta,
+                                              config.kv_rotate)
         collective = CLUSTER if ncl > 1 else None
 
         def sched_sync():
@@ -191,28 +185,16 @@ def rows_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
                 i = j - lo
                 slot = lax.rem(i, ns)
                 kv_rows = pl.ds(kv_of(j) * bkv, bkv)
+                # K first, then V: each waits for its slot to be released, from the
+                # second turn of the ring on.
+                for ref, smem, free, bar in ((k_ref, k_smem, k_free, k_bar),
+                                             (v_ref, v_smem, v_free, v_bar)):
+                    @pl.when(i >= ns)
+                    def _(free=free):
+                        plgpu.barrier_wait(free.at[slot])
 
-                @pl.when(i >= ns)
-                def _():
-                    plgpu.barrier_wait(k_free.at[slot])
-
-                plgpu.copy_gmem_to_smem(
-                    k_ref.at[b, kv_rows, hk],
-                    k_smem.at[slot],
-                    k_bar.at[slot],
-                    collective_axes=collective,
-                )
-
-                @pl.when(i >= ns)
-                def _():
-                    plgpu.barrier_wait(v_free.at[slot])
-
-                plgpu.copy_gmem_to_smem(
-                    v_ref.at[b, kv_rows, hk],
-                    v_smem.at[slot],
-                    v_bar.at[slot],
-                    collective_axes=collective,
-                )
+                    plgpu.copy_gmem_to_smem(ref.at[b, kv_rows, hk], smem.at[slot], bar.at[slot],
+                                            collective_axes=collective)
 
     def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
         if ncl > 1:

@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic.common import (CLUSTER, LOG2E, NEG_INF, ROW, WARPGROUPS, WGMMA, Grid,
-                                          Walk, cdiv, finalize, imin, iota, kv_order, kv_range,
+                                          Walk, cdiv, cluster_walk, finalize, imin, iota, kv_range,
                                           launch, load_rows, score_mod, tiled_smem, walk_kv)
 from pallas_kernels.mosaic.config import Config
 
@@ -65,12 +65,8 @@ def wide_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
         other = 1 - wg
         t, h, b, t_first, t_count = grid.indices()
         hk = lax.div(h, jnp.int32(group))
-        cl_first = t_first * bq
-        cl_last = jnp.minimum(cl_first + t_count * bq - 1, T - 1)
-        lo, cl_full, hi = kv_range(prob, cl_first, cl_last)
-        kv_of = kv_order(
-            lo, cl_full, lax.div(t_first, jnp.int32(t_count)), grid.n_q_clusters, config.kv_rotate
-        )
+        lo, cl_full, hi, kv_of = cluster_walk(prob, grid, t_first, t_count, bq,
+                                              config.kv_rotate)
         q0 = t * bq
         collective = CLUSTER if ncl > 1 else None
 
