@@ -27,7 +27,6 @@ import dataclasses
 import os
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels import chunked_plan, compat, fused, tiers
@@ -65,8 +64,6 @@ class Device:
     name: str | None = None
     compute_capability: str | None = None
     multiprocessors: int = devices.DEFAULT_MULTIPROCESSORS
-    # The devices of the process (jax.device_count()): a program may span them all.
-    device_count: int = 1
 
     @classmethod
     def current(cls) -> "Device":
@@ -74,8 +71,7 @@ class Device:
             return cls(nvidia_gpu=False)
         name, capability = devices.current_device()
         return cls(nvidia_gpu=True, name=name, compute_capability=capability,
-                   multiprocessors=devices.multiprocessor_count(),
-                   device_count=jax.device_count())
+                   multiprocessors=devices.multiprocessor_count())
 
     def lookup_keys(self) -> dict:
         """The tuned lookup's device keywords (None: JAX's own device)."""
@@ -141,13 +137,6 @@ def runs_here(tier: Tier, device: Device, interpret: bool) -> str | None:
                 and compat.mosaic_gpu_runs())
         if not sm90:
             return f"needs {tier.runs_on}"
-        # Its kernels gave wrong rows in programs spread over several GPUs, where a mesh
-        # axis shadowed a kernel axis of the same name (fixed: the kernels' axes have names
-        # of their own). Until the 2-GPU test (test_mosaic.py) has passed on GPUs, a
-        # process with several keeps the other tiers: docs/history.md, session 18.
-        if device.device_count > 1:
-            return (f"runs only where the process sees one GPU (it sees "
-                    f"{device.device_count}): its multi-GPU check is pending")
         return None
     if device.nvidia_gpu and not interpret:
         return None
