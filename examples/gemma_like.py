@@ -59,6 +59,17 @@ layers, every layer on a CPU). The run prints what each layer kind ran, the comp
 and the first step apart, the median and mean time of the other steps, tokens/s and the
 device's peak memory (`memory_stats()`; n/a on a CPU).
 
+`--devices N` trains with each sequence split along its length over the first N devices (a
+1-D mesh "seq"; --seq-len a multiple of N), the parameters and optimizer state replicated:
+context parallelism, with nothing changed in the model, since ffpa_jax's attention, given
+query, key and value sharded along the sequence under jit, runs over the devices by itself
+(the model's other layers work token by token, so they follow the tokens' sharding). The
+batches and the initial values are those of one device, so the losses agree with a
+one-device run's to rounding; the peak memory is printed per device. The loss check runs on
+one device. `--json PATH` writes the run's record as one JSON object (also when the device
+runs out of memory: "out_of_memory" true, with the error's first line), for a measurement
+that collects several runs.
+
 The loss check (`--check`, on by default) then trains `--check-steps` steps three times from
 the same initial parameters on the same batches: with ffpa_jax and with jax.nn in the run's
 dtype, and a reference, jax.nn's dense XLA attention in float64 (on a CPU, or for a float32
@@ -99,14 +110,18 @@ loss check runs after the measurement, at --check-seq-len 2048 whatever --seq-le
     python examples/gemma_like.py --attention jax.nn --seq-len 32768 --steps 10 --no-check
 
 (jax.nn at 32768 tokens may run out of memory in its XLA global layers: exit status 3, with
-the reason printed.)
+the reason printed.) Context parallelism over 2 and 4 GPUs:
+
+    python examples/gemma_like.py --seq-len 32768 --steps 10 --no-check --devices 2
+    python examples/gemma_like.py --seq-len 32768 --steps 10 --no-check --devices 4
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-import functools
+import json
 import math
 import pathlib
 import sys
@@ -122,6 +137,8 @@ if __name__ == "__main__":
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 try:
     import optax
@@ -387,16 +404,18 @@ def initial_params(cfg: GemmaLikeConfig, init) -> tuple:
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation) -> Callable:
-    """step((params, opt_state), tokens [B, T + 1]) -> ((params, opt_state), loss,
-    per-token losses [B, T]); jitted, the state donated."""
-    def losses(params, tokens):
-        logits = nnx.merge(graphdef, params)(tokens[:, :-1])
-        per_token = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    """step((params, opt_state), inputs [B, T], targets [B, T]) -> ((params, opt_state),
+    loss, per-token losses [B, T]); jitted, the state donated. Inputs and targets come
+    apart (not one [B, T + 1] array) so that both split evenly over a sequence mesh."""
+    def losses(params, inputs, targets):
+        logits = nnx.merge(graphdef, params)(inputs)
+        per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
         return per_token.mean(), per_token
 
-    def step(state, tokens):
+    def step(state, inputs, targets):
         params, opt_state = state
-        (loss, per_token), grads = jax.value_and_grad(losses, has_aux=True)(params, tokens)
+        (loss, per_token), grads = jax.value_and_grad(losses, has_aux=True)(params, inputs,
+                                                                          targets)
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss, per_token
 
@@ -440,34 +459,55 @@ class Timings:
     losses: list[float]
 
 
+def sequence_mesh(devices: int) -> jax.sharding.Mesh:
+    """A 1-D mesh "seq" over the first `devices` devices."""
+    return jax.make_mesh((devices,), ("seq",), devices=jax.devices()[:devices],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+
+
 def run_steps(cfg: GemmaLikeConfig, init, data_key: jax.Array, tx: optax.GradientTransformation,
-              *, steps: int, batch: int, seq_len: int,
-              progress: bool = False) -> tuple[Timings, np.ndarray]:
+              *, steps: int, batch: int, seq_len: int, progress: bool = False,
+              mesh: jax.sharding.Mesh | None = None) -> tuple[Timings, np.ndarray]:
     """Train `steps` steps from `init` with `tx`; returns the timings and the per-token
-    losses of every step [steps, batch, seq_len] (float64)."""
+    losses of every step [steps, batch, seq_len] (float64). With a `mesh` (see
+    `sequence_mesh`) the tokens are split along the sequence over its devices and the
+    parameters and optimizer state replicated: the model's sharding follows the tokens',
+    and ffpa_jax's attention, given sequence-sharded q, k, v under jit, runs context-parallel
+    by itself. The same batches and initial values either way, so the losses agree to
+    rounding."""
     graphdef, params = initial_params(cfg, init)
     state = (params, tx.init(params))
     keys = jax.random.split(data_key, steps)
-    batch_of = jax.jit(functools.partial(synthetic_tokens, batch=batch, length=seq_len + 1,
-                                         vocab=cfg.vocab))
+
+    def split_batch(key):
+        tokens = synthetic_tokens(key, batch=batch, length=seq_len + 1, vocab=cfg.vocab)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    if mesh is None:
+        batch_of = jax.jit(split_batch)
+    else:
+        state = jax.device_put(state, NamedSharding(mesh, P()))
+        along_seq = NamedSharding(mesh, P(None, "seq"))
+        batch_of = jax.jit(split_batch, out_shardings=(along_seq, along_seq))
     step = make_train_step(graphdef, tx)
-    start = time.perf_counter()
-    compiled = step.lower(state, batch_of(keys[0])).compile()
-    compile_s = time.perf_counter() - start
-    bar = ProgressBar(steps) if progress else None
-    seconds, losses, per_token = [], [], []
-    for i in range(steps):
-        tokens = batch_of(keys[i]).block_until_ready()
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         start = time.perf_counter()
-        state, loss, token_losses = compiled(state, tokens)
-        loss = float(loss)  # waits for the step
-        seconds.append(time.perf_counter() - start)
-        losses.append(loss)
-        per_token.append(np.asarray(token_losses, np.float64))
+        compiled = step.lower(state, *batch_of(keys[0])).compile()
+        compile_s = time.perf_counter() - start
+        bar = ProgressBar(steps) if progress else None
+        seconds, losses, per_token = [], [], []
+        for i in range(steps):
+            inputs, targets = jax.block_until_ready(batch_of(keys[i]))
+            start = time.perf_counter()
+            state, loss, token_losses = compiled(state, inputs, targets)
+            loss = float(loss)  # waits for the step
+            seconds.append(time.perf_counter() - start)
+            losses.append(loss)
+            per_token.append(np.asarray(token_losses, np.float64))
+            if bar:
+                bar.update(i + 1, f"loss {loss:.4f}  {1e3 * seconds[-1]:.1f} ms/step")
         if bar:
-            bar.update(i + 1, f"loss {loss:.4f}  {1e3 * seconds[-1]:.1f} ms/step")
-    if bar:
-        bar.close()
+            bar.close()
     return Timings(compile_s, seconds[0], seconds[1:], losses), np.stack(per_token)
 
 
@@ -574,25 +614,56 @@ def implementation_line(cfg: GemmaLikeConfig, kind: LayerKind, batch: int,
     return f"jax.nn implementation={implementation!r} ({why})"
 
 
-def peak_memory_text() -> str:
-    stats = jax.local_devices()[0].memory_stats()
-    if not stats or "peak_bytes_in_use" not in stats:
+def peak_memory_bytes(devices: int) -> list[int] | None:
+    """Each of the first `devices` devices' peak bytes in use, or None where the device
+    keeps no such count (a CPU)."""
+    peaks = []
+    for device in jax.devices()[:devices]:
+        stats = device.memory_stats()
+        if not stats or "peak_bytes_in_use" not in stats:
+            return None
+        peaks.append(int(stats["peak_bytes_in_use"]))
+    return peaks
+
+
+def peak_memory_text(devices: int = 1) -> str:
+    peaks = peak_memory_bytes(devices)
+    if peaks is None:
         return "n/a on CPU" if jax.default_backend() == "cpu" else "n/a on this device"
-    return f"{stats['peak_bytes_in_use'] / 2**30:.2f} GiB"
+    if devices == 1:
+        return f"{peaks[0] / 2**30:.2f} GiB"
+    each = ", ".join(f"{peak / 2**30:.2f}" for peak in peaks)
+    return f"{max(peaks) / 2**30:.2f} GiB per device at most (each: {each} GiB)"
 
 
-def out_of_memory_exit(error: Exception, what: str) -> int:
-    """EXIT_OUT_OF_MEMORY, said in one line, if `error` is the device running out of
-    memory; any other error goes on up."""
+def write_record(path: str | None, record: dict) -> None:
+    """The run's record as one JSON object in `path` (nothing without a path)."""
+    if path is not None:
+        pathlib.Path(path).write_text(json.dumps(record, indent=1) + "\n")
+        print(f"record written to {path}")
+
+
+def out_of_memory_exit(error: Exception, what: str, json_path: str | None = None,
+                       record: dict | None = None) -> int:
+    """EXIT_OUT_OF_MEMORY, said in one line (and in the --json record, so that a run that
+    runs out of memory is recorded too), if `error` is the device running out of memory;
+    any other error goes on up."""
     text = str(error)
     if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
         raise error
-    print(f"out of device memory: {what} ({text.splitlines()[0][:200]})")
+    first_line = text.splitlines()[0][:200]
+    print(f"out of device memory: {what} ({first_line})")
+    write_record(json_path, {**(record or {}), "out_of_memory": True,
+                             "exit_reason": f"out of device memory: {what}",
+                             "error": first_line})
     return EXIT_OUT_OF_MEMORY
 
 
-def print_model(cfg: GemmaLikeConfig, init, batch: int, seq_len: int) -> None:
+def print_model(cfg: GemmaLikeConfig, init, batch: int, seq_len: int) -> dict[str, str]:
+    """Prints the model and what each layer kind's attention runs; returns the latter by
+    layer kind."""
     kinds = layer_kinds(cfg)
+    ran = {}
     pattern = "".join("G" if kind.name == "global" else "L" for kind in kinds)
     print(f"model: {cfg.layers} layers {pattern} (L local, G global), d_model {cfg.d_model}, "
           f"MLP {cfg.mlp_dim}, vocab {cfg.vocab}, {parameter_count(init) / 1e6:.2f}M "
@@ -601,10 +672,13 @@ def print_model(cfg: GemmaLikeConfig, init, batch: int, seq_len: int) -> None:
         count = sum(k is kind for k in kinds)
         if count:
             print(f"  {kind.name} layers x{count}: {kind.describe(cfg.heads_q)}")
-            print(f"    attention: {implementation_line(cfg, kind, batch, seq_len)}")
+            ran[kind.name] = implementation_line(cfg, kind, batch, seq_len)
+            print(f"    attention: {ran[kind.name]}")
+    return ran
 
 
-def print_timings(timings: Timings, batch: int, seq_len: int, vocab: int) -> None:
+def print_timings(timings: Timings, batch: int, seq_len: int, vocab: int,
+                  devices: int = 1) -> None:
     print(f"trace and compile: {timings.compile_s:.2f} s; first step: "
           f"{timings.first_step_s:.3f} s (both left out of the step time)")
     if timings.step_s:
@@ -614,7 +688,7 @@ def print_timings(timings: Timings, batch: int, seq_len: int, vocab: int) -> Non
         print(f"tokens/s: {batch * seq_len / median:,.0f}")
     else:
         print("step time: n/a (a single step: the first, reported above)")
-    print(f"peak device memory: {peak_memory_text()}")
+    print(f"peak device memory: {peak_memory_text(devices)}")
     print(f"loss: first {timings.losses[0]:.4f}, last {timings.losses[-1]:.4f} "
           f"(uniform guessing: log(vocab) = {math.log(vocab):.4f})")
 
@@ -658,6 +732,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
     run.add_argument("--seed", type=int, default=0,
                      help="seed of the initial parameters and of the tokens")
+    run.add_argument("--devices", type=_positive, default=1, metavar="N",
+                     help="train with each sequence split along its length over the first N "
+                          "devices (context parallelism; parameters replicated); --seq-len "
+                          "must be a multiple of N. The loss check stays on one device")
+    run.add_argument("--json", metavar="PATH",
+                     help="also write the run's record (devices, attention, timings, tokens/s, "
+                          "peak memory per device, losses, the check's verdict; or that it "
+                          "ran out of memory) as one JSON object to PATH")
     model = parser.add_argument_group("model")
     model.add_argument("--layers", type=_positive,
                        help="decoder layers" + _preset_defaults("layers"))
@@ -743,10 +825,15 @@ def config_from_args(args, parser: argparse.ArgumentParser) -> tuple[GemmaLikeCo
         ffpa_implementation=implementation, interpret=args.interpret,
         jaxnn_implementation=args.jaxnn_implementation)
     seq_len = _given_or(args.seq_len, preset.seq_len)
+    if seq_len % args.devices:
+        parser.error(f"--seq-len {seq_len} is not a multiple of --devices {args.devices} (the "
+                     "sequence is split evenly over the devices)")
+    if args.devices > jax.device_count():
+        parser.error(f"--devices {args.devices}: there are {jax.device_count()} devices")
     run = dict(seq_len=seq_len, steps=_given_or(args.steps, preset.steps),
                batch=_given_or(args.batch, preset.batch), lr=args.lr, seed=args.seed,
                check_steps=_given_or(args.check_steps, preset.check_steps),
-               check_seq_len=min(args.check_seq_len, seq_len))
+               check_seq_len=min(args.check_seq_len, seq_len), devices=args.devices)
     return cfg, run
 
 
@@ -754,39 +841,61 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     cfg, run = config_from_args(args, parser)
-    device = jax.devices()[0]
-    print(f"device: {device.device_kind} ({jax.default_backend()}); attention {cfg.attention}; "
-          f"{run['steps']} steps of {run['batch']} x {run['seq_len']} tokens, Adam lr "
-          f"{run['lr']:g}")
+    device, devices = jax.devices()[0], run["devices"]
+    where = (f"{device.device_kind} ({jax.default_backend()})" if devices == 1 else
+             f"{devices} x {device.device_kind} ({jax.default_backend()}), the sequence "
+             f"sharded over the {devices} devices")
+    print(f"device: {where}; attention {cfg.attention}; {run['steps']} steps of "
+          f"{run['batch']} x {run['seq_len']} tokens, Adam lr {run['lr']:g}")
     init = float32_init(cfg, run["seed"])
-    print_model(cfg, init, run["batch"], run["seq_len"])
+    ran = print_model(cfg, init, run["batch"], run["seq_len"])
+    record = {"device_kind": device.device_kind, "backend": jax.default_backend(),
+              "devices": devices, "attention": cfg.attention, "layer_attention": ran,
+              "dtype": cfg.dtype, "batch": run["batch"], "seq_len": run["seq_len"],
+              "steps": run["steps"], "out_of_memory": False}
     data_key = jax.random.key(run["seed"])
+    mesh = sequence_mesh(devices) if devices > 1 else None
     try:
         timings, _ = run_steps(cfg, init, data_key, optax.adam(run["lr"]), steps=run["steps"],
-                               batch=run["batch"], seq_len=run["seq_len"], progress=True)
+                               batch=run["batch"], seq_len=run["seq_len"], progress=True,
+                               mesh=mesh)
     except jax.errors.JaxRuntimeError as error:
         return out_of_memory_exit(error, f"{cfg.attention} at {run['batch']} x "
-                                         f"{run['seq_len']} tokens")
-    print_timings(timings, run["batch"], run["seq_len"], cfg.vocab)
+                                         f"{run['seq_len']} tokens", args.json, record)
+    print_timings(timings, run["batch"], run["seq_len"], cfg.vocab, devices)
+    median = float(np.median(timings.step_s)) if timings.step_s else None
+    record.update(compile_s=timings.compile_s, first_step_s=timings.first_step_s,
+                  step_s=timings.step_s, median_step_s=median,
+                  tokens_per_s=None if median is None else run["batch"] * run["seq_len"]
+                  / median,
+                  peak_memory_bytes=peak_memory_bytes(devices), losses=timings.losses,
+                  loss_check=None)
     if not np.all(np.isfinite(timings.losses)):
         print("non-finite loss")
+        write_record(args.json, {**record, "exit_reason": "non-finite loss"})
         return EXIT_CHECK_FAILED
     if not args.check:
+        write_record(args.json, record)
         return 0
     steps, seq_len = run["check_steps"], run["check_seq_len"]
     print(f"loss check: {steps} step(s) of {run['batch']} x {seq_len} tokens from the same "
           f"initialisation, gradient descent by steps of norm {CHECK_STEP:g}; ffpa and jax.nn "
-          f"in {cfg.dtype}, reference jax.nn xla in {reference_dtype(cfg.dtype)}")
+          f"in {cfg.dtype}, reference jax.nn xla in {reference_dtype(cfg.dtype)}"
+          + (", on one device" if devices > 1 else ""))
     print("  rule: max per-token |loss - ref| of ffpa <= 2 x jax.nn's + 4 ulp(the loss)")
     try:
         verdicts = check_losses(cfg, init, data_key, steps=steps, batch=run["batch"],
                                 seq_len=seq_len)
     except jax.errors.JaxRuntimeError as error:
         return out_of_memory_exit(error, f"the loss check at {run['batch']} x {seq_len} "
-                                         "tokens (a smaller --check-seq-len needs less)")
+                                         "tokens (a smaller --check-seq-len needs less)",
+                                  args.json, record)
     print_verdicts(verdicts)
     passed = all(v.ok for v in verdicts)
     print(f"loss check: {'passed' if passed else 'FAILED'}")
+    record["loss_check"] = {"passed": passed, "seq_len": seq_len,
+                            "steps": [dataclasses.asdict(v) | {"ok": v.ok} for v in verdicts]}
+    write_record(args.json, record)
     return 0 if passed else EXIT_CHECK_FAILED
 
 

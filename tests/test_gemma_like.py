@@ -2,13 +2,18 @@
 lists the options with their defaults; a short run with ffpa_jax's Pallas kernels
 (interpreted) prints its timings and what each layer kind ran, and passes the loss check,
 which trains both attention choices and the float64 reference (the script exits 1 when the
-check fails); a short run with jax.nn's attention. In process: the check fails for an
+check fails); a short run with jax.nn's attention; the sequence split over 4 (fake CPU)
+devices gives one device's losses, and --json records the run. In process: the check fails for an
 attention whose window is one token too wide; the tolerance rule on given losses; the
 layer pattern and the partial RoPE."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -17,8 +22,9 @@ import pytest
 pytest.importorskip("flax")
 pytest.importorskip("optax")
 
-from example_runner import run_example
+from example_runner import ROOT, run_example
 from examples import gemma_like
+from fake_devices import fake_devices_env
 
 
 def _run(*args: str):
@@ -35,7 +41,7 @@ def test_help_lists_the_options_and_their_defaults():
     assert run.stdout.startswith("usage: python examples/gemma_like.py")
     for option in ("--attention", "--seq-len", "--steps", "--layers", "--check",
                    "--check-steps", "--ffpa-implementation", "--interpret",
-                   "--jaxnn-implementation"):
+                   "--jaxnn-implementation", "--devices", "--json"):
         assert option in run.stdout
     text = " ".join(run.stdout.split())  # argparse wraps the help at the terminal's width
     assert "(default: ffpa)" in text
@@ -63,6 +69,45 @@ def test_jaxnn_trains():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.stdout.count("attention: jax.nn implementation='xla' (no GPU)") == 2
     assert "step time: median " in run.stdout and "loss check" not in run.stdout
+
+
+def test_the_sequence_split_over_four_devices_gives_one_devices_losses(tmp_path):
+    """The ci preset at 64 tokens, 2 steps, on 4 fake CPU devices and on 1: the same losses
+    (float32 rounding), and each run's --json record. The 4-device run also runs the loss
+    check, on one device."""
+    records = {}
+    for devices in (1, 4):
+        path = tmp_path / f"run{devices}.json"
+        extra = () if devices == 4 else ("--no-check",)
+        run = subprocess.run([sys.executable, str(ROOT / "examples" / "gemma_like.py"),
+                              "--devices", str(devices), "--seq-len", "64", "--steps", "2",
+                              "--json", str(path), *extra],
+                             capture_output=True, text=True, cwd=ROOT, timeout=300, check=False,
+                             env=fake_devices_env(4))
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        records[devices] = json.loads(path.read_text())
+    assert "4 x cpu (cpu), the sequence sharded over the 4 devices" in run.stdout
+    one, four = records[1], records[4]
+    assert (one["devices"], four["devices"]) == (1, 4)
+    np.testing.assert_allclose(four["losses"], one["losses"], rtol=1e-5)
+    for record in (one, four):
+        assert record["tokens_per_s"] > 0 and len(record["step_s"]) == 1
+        assert all(math.isfinite(loss) for loss in record["losses"])
+        assert record["peak_memory_bytes"] is None and record["out_of_memory"] is False
+        assert record["layer_attention"] == {"local": "ffpa_jax xla in both directions",
+                                             "global": "ffpa_jax xla in both directions"}
+    assert one["loss_check"] is None and four["loss_check"]["passed"] is True
+
+
+def test_an_out_of_memory_run_is_recorded(tmp_path):
+    path = tmp_path / "oom.json"
+    error = RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1 bytes\nmore")
+    code = gemma_like.out_of_memory_exit(error, "ffpa at 1 x 8 tokens", str(path),
+                                         {"devices": 2})
+    assert code == gemma_like.EXIT_OUT_OF_MEMORY
+    record = json.loads(path.read_text())
+    assert record["out_of_memory"] is True and record["devices"] == 2
+    assert record["error"] == "RESOURCE_EXHAUSTED: Out of memory allocating 1 bytes"
 
 
 def _tiny_config() -> gemma_like.GemmaLikeConfig:
@@ -127,6 +172,8 @@ def test_the_global_layers_rotate_a_quarter_of_the_frequency_pairs():
     (["--heads", "5"], "--heads 5 is not a multiple of the local layers' 2 KV heads"),
     (["--lr", "0"], "--lr must be positive; got 0.0"),
     (["--attention", "flash"], "invalid choice: 'flash'"),
+    (["--devices", "2", "--seq-len", "63"], "--seq-len 63 is not a multiple of --devices 2"),
+    (["--devices", "64"], "--devices 64: there are "),
 ])
 def test_bad_options_are_refused_with_the_reason(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
