@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import tuning
 from ffpa_jax.layout import Pieces
 from pallas_kernels import tiers, visibility
+from pallas_kernels.compat import vary_like, varying_axes  # noqa: F401 (cb.vary_like)
 from pallas_kernels.plan import Plan
 from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
 
@@ -284,28 +285,3 @@ def hidden_by_data(r0, c0, rows: int, keys: int, features):
     if features.kv_lengths is not None:
         per_batch = either(c0 >= features.kv_lengths)
     return None if per_batch is None else jnp.all(per_batch)
-
-
-# ---------------------------------------------------------------- varying manual axes
-
-
-def varying_axes(x) -> frozenset:
-    """The manual mesh axes JAX types `x` as varying over (inside a `shard_map` that
-    checks them; empty elsewhere)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
-    return frozenset(vma)
-
-
-def vary_like(x, ref):
-    """`x` typed varying over every manual axis `ref` varies over. Arrays every shard
-    holds alike (a replicated bias, the seed, the lengths, a fresh accumulator) must be
-    before they meet per-shard data inside a branch or a loop: there an implicit cast's
-    transpose (a psum) would be a collective under a condition that differs between
-    shards, and a loop's carry must keep its type."""
-    if x is None:
-        return x
-    missing = varying_axes(ref) - varying_axes(x)
-    return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x

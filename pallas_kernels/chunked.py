@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import visibility
+from pallas_kernels import compat, visibility
 from pallas_kernels.blocked import MAX_ROW_KEYS, GradBlock, softmax_grad, softmax_rows
 from pallas_kernels.chunked_plan import STEP_KERNEL, ChunkConfig, groups, key_start
 from pallas_kernels.dropout import keep_block
@@ -268,6 +268,7 @@ def _forward_rows(call: _Call, ops: _Operands, r0, rows: int, start, limit: int)
     b, hkv, g, _, _ = ops.qg.shape
     acc = (jnp.zeros((b, hkv, g, rows, ops.vv.shape[3]), jnp.float32),
            jnp.full((b, hkv * g, rows), -jnp.inf, jnp.float32))
+    acc = jax.tree.map(lambda x: compat.vary_like(x, ops.qg), acc)  # a scan's carry
     for keys, starts in segments:
         def body(acc, c0, keys=keys):
             return _merge(acc, run(_Block(r0, rows, start + c0, keys))), None
@@ -470,8 +471,12 @@ def backward(problem: Problem, config: ChunkConfig, inputs: Inputs, saved: Saved
     # over the keys like any other bias.
     full_bias = bias is not None and (bias.shape[-1] != 1 or problem.softcap is not None
                                       or problem.sinks or problem.positions)
-    carry = (jnp.zeros(ops.kk.shape, jnp.float32), jnp.zeros(ops.vv.shape, jnp.float32),
-             jnp.zeros(bias.shape, jnp.float32) if full_bias else None)
+    # Zero carries of the scans below vary over a shard_map's axes as q does (a carry keeps
+    # its type).
+    def fresh(shape):
+        return compat.vary_like(jnp.zeros(shape, jnp.float32), q)
+
+    carry = (fresh(ops.kk.shape), fresh(ops.vv.shape), fresh(bias.shape) if full_bias else None)
     call = _call(problem, config, inputs, interpret)
     planned = groups(call.problem, config.block_q)
     run = functools.partial(_backward_block, call, ops, rows_in, lse_cotangent=lse_cotangent,
@@ -480,7 +485,7 @@ def backward(problem: Problem, config: ChunkConfig, inputs: Inputs, saved: Saved
     for grp in planned:
         def rows_body(carry, r0, grp=grp):
             dk, dv, dbias = carry
-            dq = jnp.zeros((b, hkv, hq // hkv, grp.rows, d), jnp.float32)
+            dq = fresh((b, hkv, hq // hkv, grp.rows, d))
             first = key_start(call.problem, grp, r0, _shift(call))
             for keys, starts in _segments(grp.keys, config.block_k):
                 def keys_body(inner, c0, keys=keys):

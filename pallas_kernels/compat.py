@@ -80,3 +80,27 @@ def mosaic_gpu_runs() -> bool:
     jax 0.11 (they lower on 0.10.2, which never ran them on a GPU)."""
     major, minor = (int(x) for x in jax.__version__.split(".")[:2])
     return (major, minor) >= (0, 11)
+
+
+# Manual (shard_map) axes an array varies over: its type's `vma`, or, where JAX names them
+# so (`_manual_axes_keyword`), its `manual_axis_type.varying`.
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes JAX types `x` as varying over (inside a `shard_map` that
+    checks them; empty elsewhere)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
+    return frozenset(vma)
+
+
+def vary_like(x, ref):
+    """`x` typed varying over every manual axis `ref` varies over. Arrays every shard
+    holds alike (a replicated bias, the seed, the lengths, a fresh accumulator, a loop's
+    zero carry) must be before they meet per-shard data inside a branch or a loop: there
+    an implicit cast's transpose (a psum) would be a collective under a condition that
+    differs between shards, and a loop's carry must keep its type."""
+    if x is None:
+        return x
+    missing = varying_axes(ref) - varying_axes(x)
+    return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x

@@ -9,6 +9,7 @@ profiler trace. Results land under $OUT (default ./gpu_out).
   float64) on 2 or 4 GPUs: $OUT/cp_tests_<n>gpu.json, one line per case printed (a tier
   that cannot place blocks of a sequence yet says so and is skipped).
   CP_CASES=part,part runs only the cases whose names contain one of the parts.
+  CP_BENCH=name,name runs only the named benchmark configurations.
 - bench: forward+backward time of the plain call on 1 GPU against the context-parallel
   call on several: D=512, H=8, causal, zigzag, N=131072 on 1 and 4 GPUs; GQA 32/8, D=128,
   causal, N=131072 on 1 and 2 GPUs (the rule's strategy, and the ring forced). Each
@@ -40,12 +41,17 @@ BENCH = [
     ("d512-h8-n128k-1gpu", dict(BIG, gpus=1)),
     ("d512-h8-n128k-4gpu", dict(BIG, gpus=4)),
     ("gqa32.8-d128-n128k-1gpu", dict(GQA, gpus=1)),
+    # The local blocks of a context-parallel call run the Triton kernels (the Mosaic tier
+    # takes no positions): the one-GPU call on the same tier, for the scaling ratio.
+    ("gqa32.8-d128-n128k-1gpu-pallas", dict(GQA, gpus=1, implementation="pallas")),
     ("gqa32.8-d128-n128k-2gpu", dict(GQA, gpus=2)),
     ("gqa32.8-d128-n128k-2gpu-ring", dict(GQA, gpus=2, strategy="ring")),
 ]
 BENCH_1M = [("d512-h8-n1m-4gpu", dict(BIG, n=1048576, gpus=4, iters=1))]
 RATIOS = [("d512-h8-n128k", "d512-h8-n128k-1gpu", "d512-h8-n128k-4gpu"),
           ("gqa32.8-d128-n128k", "gqa32.8-d128-n128k-1gpu", "gqa32.8-d128-n128k-2gpu"),
+          ("gqa32.8-d128-n128k-same-tier", "gqa32.8-d128-n128k-1gpu-pallas",
+           "gqa32.8-d128-n128k-2gpu"),
           ("gqa32.8-d128-n128k-ring", "gqa32.8-d128-n128k-1gpu",
            "gqa32.8-d128-n128k-2gpu-ring")]
 
@@ -95,7 +101,8 @@ def run_tests(gpus: int) -> None:
         if "gathered" in entry:
             status += "; q all-gathered: " + ("YES" if gathers_q(entry) else "no")
         print(f"{case.name}: {status} ({entry.get('seconds', 0)} s)", flush=True)
-    (OUT / f"cp_tests_{gpus}gpu.json").write_text(json.dumps(report, indent=1))
+        # after each case: a run cut at its time limit keeps what it has done
+        (OUT / f"cp_tests_{gpus}gpu.json").write_text(json.dumps(report, indent=1))
 
 
 # ---------------------------------------------------------------- benchmark
@@ -129,7 +136,7 @@ def bench_one(config: dict, trace_dir: str | None = None) -> dict:
                                 for k, s in zip(jax.random.split(key, 4), shapes)],
                    out_shardings=[split] * 4)
     q, k, v, d_out = make(jax.random.key(0))  # zigzag order or not: random either way
-    kw = dict(is_causal=config["causal"])
+    kw = dict(is_causal=config["causal"], implementation=config.get("implementation"))
     if gpus == 1:
         attn = lambda q, k, v: ffpa_jax.attention(q, k, v, **kw)
     else:
@@ -177,7 +184,10 @@ def run_bench(configs) -> dict:
     if path.exists():
         results = json.loads(path.read_text())
     here = _gpus_here()
+    only = os.environ.get("CP_BENCH")  # comma-separated configuration names: run only those
     for name, config in configs:
+        if only and name not in only.split(","):
+            continue
         if config["gpus"] > here:
             print(f"{name}: skipped, needs {config['gpus']} GPUs ({here} here)", flush=True)
             continue

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import re
 import time
 import traceback
@@ -58,6 +59,9 @@ class CPCase:
     # > 1: a mesh ("data", "cp") of data × devices / data, batch split over "data" too
     # (the case's batch-indexed arrays then must not be closed over: no lengths, no mask).
     data: int = 1
+    # > 0: the chunked tier's workspace budget in MiB ($FFPA_CHUNKED_BUDGET_MIB while the
+    # case is traced): small blocks, so that a shard's rows and keys are walked in loops.
+    chunk_budget_mib: float = 0.0
 
     @property
     def parts(self) -> int:
@@ -363,28 +367,50 @@ def run_case(case: CPCase, references: dict | None = None) -> dict:
     if lacking:
         return dict(skip=lacking)
     try:
-        a = _arrays(case)
-        args = (a["q"], a["k"], a["v"], a["diff"])
-        key = semantics(case)
-        references = {} if references is None else references
-        report: dict = {}
-        if case.mode == SHARD_MAP:
-            got = _results(_sharded_shard_map(case, a)(*args))
-        else:
-            compiled, jit_args = _sharded_jit(case, a)
-            result = compiled(*jit_args)
-            got = _results(result)
-            report["gathered"] = _gathered_shapes(compiled)
-            report["q_shape"] = shape_str(case.dtype, a["q"].shape)
-            report["out_spec"] = str(tuple(result[0][1][0].sharding.spec))
-        if case.dtype == "float32":
-            if key not in references:
-                references[key] = _results(_unsharded(case, a)(*args))
-            report["rel"] = _rel(got, references[key])
-        else:
-            report["rule"] = _rule(case, a, got)
-        report["seconds"] = round(time.time() - start, 1)
-        return report
+        with _chunk_budget(case.chunk_budget_mib):
+            return _run_case(case, references, start)
     except Exception as e:  # noqa: BLE001  (reported; the test shows it)
         return dict(error=f"{type(e).__name__}: {e}"[:2000], trace=traceback.format_exc()[-3000:])
+
+
+@contextlib.contextmanager
+def _chunk_budget(mib: float):
+    if not mib:
+        yield
+        return
+    from pallas_kernels.chunked_plan import BUDGET_ENV
+    before = os.environ.get(BUDGET_ENV)
+    os.environ[BUDGET_ENV] = str(mib)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[BUDGET_ENV]
+        else:
+            os.environ[BUDGET_ENV] = before
+
+
+def _run_case(case: CPCase, references: dict | None, start: float) -> dict:
+    a = _arrays(case)
+    args = (a["q"], a["k"], a["v"], a["diff"])
+    key = semantics(case)
+    references = {} if references is None else references
+    report: dict = {}
+    if case.mode == SHARD_MAP:
+        got = _results(_sharded_shard_map(case, a)(*args))
+    else:
+        compiled, jit_args = _sharded_jit(case, a)
+        result = compiled(*jit_args)
+        got = _results(result)
+        report["gathered"] = _gathered_shapes(compiled)
+        report["q_shape"] = shape_str(case.dtype, a["q"].shape)
+        report["out_spec"] = str(tuple(result[0][1][0].sharding.spec))
+    if case.dtype == "float32":
+        if key not in references:
+            references[key] = _results(_unsharded(case, a)(*args))
+        report["rel"] = _rel(got, references[key])
+    else:
+        report["rule"] = _rule(case, a, got)
+    report["seconds"] = round(time.time() - start, 1)
+    return report
 

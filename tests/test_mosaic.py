@@ -91,6 +91,29 @@ def test_kernels_in_a_shard_map_are_the_single_device_kernels(axis):
     assert _mosaic_modules(sharded, *_SHARD_INPUTS) == _alone_modules()
 
 
+def test_outputs_vary_over_a_shard_maps_axes_as_q():
+    """Mosaic GPU traces kernels with the check of varying manual axes off, so its outputs
+    came out typed alike on every shard: a differentiated call inside a user's shard_map
+    (check_vma on) then had its output's cotangent summed over the shards, and wrong
+    gradients on 2 GPUs (docs/history.md, session 19). Out and lse vary as q does."""
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    spec = jax.sharding.PartitionSpec("data")
+    seen = {}
+
+    def local(q, k, v):
+        out, lse = mosaic_attention_forward(q, k, v, scale=0.125, causal=True, config=None,
+                                            out_dtype=jnp.float32)
+        seen.update(q=compat.varying_axes(q), out=compat.varying_axes(out),
+                    lse=compat.varying_axes(lse))
+        return out
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+    inputs = [sd((2, 96, 4, 64), jnp.bfloat16, sharding=jax.sharding.NamedSharding(mesh, spec))
+              ] * 3
+    with jax.set_mesh(mesh):
+        jax.jit(sharded).trace(*inputs)
+    assert seen == dict(q={"data"}, out={"data"}, lse={"data"})
+
+
 def test_default_configs_by_head_size():
     """The rows kernel up to D = 256 (its blocks as measured), the wide one above, with
     clusters along the heads of an even GQA group."""

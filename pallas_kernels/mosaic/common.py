@@ -262,7 +262,7 @@ def launch(entry, grid: Grid, config: Config, q, k, v, *, out_dtype, lse_rows: i
     [B, Tq, Hq, Dv] in `out_dtype`, lse [B, Hq, lse_rows] float32)."""
     B, Tq, Hq, _ = q.shape
     Dv = v.shape[3]
-    return plgpu.kernel(
+    outputs = plgpu.kernel(
         entry,
         out_type=(
             jax.ShapeDtypeStruct((B, Tq, Hq, Dv), out_dtype),
@@ -273,6 +273,10 @@ def launch(entry, grid: Grid, config: Config, q, k, v, *, out_dtype, lse_rows: i
         compiler_params=compiler_params(config),
         **grid.kernel_kwargs(),
     )(q, k, v)
+    # Mosaic GPU traces its kernels with JAX's check of varying manual axes off, so their
+    # outputs come out typed alike on every shard of a shard_map. Typed so, a differentiated
+    # call's output would have its cotangent summed over the shards: they vary as q does.
+    return tuple(compat.vary_like(x, q) for x in outputs)
 
 
 def compiler_params(config: Config):
