@@ -1,6 +1,6 @@
 """Render the committed benchmark JSON (docs/data/) into markdown tables and plots.
 
-Usage: python scripts/make_docs_tables.py [--bench FILE.json ...]
+Usage: python scripts/make_docs_tables.py [--bench FILE.json ...] [--gemma FILE.json]
 (prints markdown; writes docs/*.png)
 The tables in docs/benchmarks.md and docs/*_variants.md are pasted from this output,
 so every figure there traces back to a JSON file written on the GPU.
@@ -10,6 +10,9 @@ before by `bench_table` and `plot`) and format 2 (`"format": 2`, written by the
 current `python -m ffpa_jax.bench`), rendered by `ffpa_jax.bench.report`: its table,
 and a plot of TF/s against seqlen per head dim next to it (docs/<file stem>.png).
 Every format-2 `docs/data/bench_*.json` is rendered by default; `--bench` picks files.
+`--gemma` renders the runs of examples/gemma_like.py gathered in one file (run name ->
+its `--json` record, or the same fields parsed from its printout): tokens/s and peak
+memory per device, and a plot of both.
 """
 
 from __future__ import annotations
@@ -105,6 +108,65 @@ def plot(paths: list[pathlib.Path], out: pathlib.Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def _gemma_runs(path: pathlib.Path) -> dict[str, dict]:
+    """The runs of a gemma_like file, each with tokens/s (None: out of memory), its devices,
+    sequence length and peak GiB per device."""
+    doc = json.loads(path.read_text())
+    runs = {}
+    for name, run in doc.items():
+        if name.startswith("_"):
+            continue
+        attention, seq, gpus = name.rsplit("-", 2)
+        peak = run.get("peak_gib")
+        if peak is None and run.get("peak_memory_bytes"):
+            peak = max(run["peak_memory_bytes"]) / 2**30
+        runs[name] = dict(attention=attention, seq=seq.upper(), devices=int(gpus[:-3]),
+                          tokens_per_s=None if run.get("out_of_memory") else run["tokens_per_s"],
+                          peak_gib=peak)
+    return runs
+
+
+def gemma_table(path: pathlib.Path) -> str:
+    runs = _gemma_runs(path)
+    rows = ["| sequence | attention | GPUs | tokens/s | peak GiB per GPU | vs jax.nn, 1 GPU |",
+            "|---|---|---|---|---|---|"]
+    for run in runs.values():
+        base = runs.get(f"jax.nn-{run['seq'].lower()}-1gpu", {}).get("tokens_per_s")
+        ours = run["tokens_per_s"]
+        ratio = (f"{ours / base:.2f}×" if ours and base and run["attention"] != "jax.nn"
+                 else "jax.nn OOM" if ours and run["attention"] != "jax.nn" else "")
+        rows.append(f"| {run['seq']} | {run['attention']} | {run['devices']} | "
+                    + (f"{ours:,.0f}" if ours else "OOM") + " | "
+                    + (f"{run['peak_gib']:.1f}" if run["peak_gib"] else "–") + f" | {ratio} |")
+    return json.loads(path.read_text()).get("_note", "") + "\n\n" + "\n".join(rows)
+
+
+def gemma_plot(path: pathlib.Path, out: pathlib.Path) -> None:
+    """Tokens/s and peak memory per GPU of each run, side by side; an out-of-memory run is
+    a labelled empty slot."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = list(_gemma_runs(path).values())
+    labels = [f"{r['attention']}\n{r['seq']}, {r['devices']} GPU" for r in runs]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    colors = ["C0" if r["attention"] == "ffpa" else "C1" for r in runs]
+    for ax, key, title in ((axes[0], "tokens_per_s", "tokens/s (training step)"),
+                           (axes[1], "peak_gib", "peak memory per GPU (GiB)")):
+        values = [r[key] if r["tokens_per_s"] else 0.0 for r in runs]
+        ax.bar(range(len(runs)), values, color=colors)
+        for i, r in enumerate(runs):
+            if not r["tokens_per_s"]:
+                ax.text(i, 0, "OOM", ha="center", va="bottom")
+        ax.set_xticks(range(len(runs)), labels, fontsize=8)
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("examples/gemma_like.py (Gemma-4-shaped, 12 layers, bf16): ffpa_jax and jax.nn")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def bench_format(path: pathlib.Path) -> int:
     """1 for the first benchmark JSON format (no "format" key), else its "format"."""
     return json.loads(path.read_text()).get("format", 1)
@@ -165,8 +227,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot-dir", type=pathlib.Path, default=DOCS,
                         help="where the PNGs go (default: docs/)")
     parser.add_argument("--no-plots", action="store_true", help="tables only, write no PNG")
+    parser.add_argument("--gemma", type=pathlib.Path,
+                        help="render only this file of examples/gemma_like.py runs")
     args = parser.parse_args(argv)
     plot_dir = None if args.no_plots else args.plot_dir
+    if args.gemma:
+        print(gemma_table(args.gemma))
+        if plot_dir is not None:
+            gemma_plot(args.gemma, plot_dir / f"{args.gemma.stem}.png")
+        return 0
     if args.bench:
         for path in args.bench:
             print(render_format2(path, plot_dir) if bench_format(path) >= 2 else bench_table(path))

@@ -511,6 +511,12 @@ def test_committed_first_format_files_still_load_and_render():
     assert table in (ROOT / "docs" / "benchmarks.md").read_text()
 
 
+def test_gemma_table_is_what_the_renderer_makes_of_the_committed_runs():
+    table = _docs_script().gemma_table(DATA / "gemma_like_H100_2026-11-26.json")
+    assert "| 32K | jax.nn | 1 | OOM |" in table
+    assert table in (ROOT / "docs" / "benchmarks.md").read_text()
+
+
 def test_benchmarks_notebook_is_committed_executed():
     nbformat = pytest.importorskip("nbformat")
     nb = nbformat.read(ROOT / "notebooks" / "02_benchmarks.ipynb", as_version=4)
