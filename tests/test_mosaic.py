@@ -9,12 +9,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
+import attn_testing as at
 import ffpa_jax
 from conftest import HAS_GPU
-from pallas_kernels import compat
+from pallas_kernels import compat, visibility
 from pallas_kernels.mosaic import Config, default_config, mosaic_attention_forward
+from pallas_kernels.mosaic.common import Walk, kv_range, soft_cap
 from pallas_kernels.problem import Problem
 from tuning import dispatch
 
@@ -32,6 +35,16 @@ LOWERING_CASES = [
     (1, 203, 300, 4, 2, 320, 111, True, None),
     (1, 256, 256, 8, 2, 512, 512, False, None),
 ]
+# Language-model features of the kernels, not yet served through the tier (its `unsupported`
+# lists them until the GPU numerics test below has passed): (case as above, window, softcap).
+FEATURE_CASES = [
+    ((1, 113, 203, 4, 2, 59, 40, True, None), (64, 0), None),
+    ((1, 300, 1000, 4, 4, 64, 64, False, None), (100, 37), 30.0),
+    ((1, 256, 300, 2, 1, 256, 256, True, None), None, 50.0),
+    ((1, 203, 300, 4, 2, 320, 111, True, None), (128, 5), 20.0),
+    ((1, 256, 256, 2, 2, 128, 128, True, Config(block_kv=128, cluster=2,
+                                                lowering="warpgroup")), (17, 0), None),
+]
 
 
 @pytest.mark.parametrize("case", LOWERING_CASES,
@@ -46,6 +59,73 @@ def test_kernels_lower_for_cuda(case):
                                         config=config, out_dtype=jnp.float32)
     text = jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("case", FEATURE_CASES, ids=lambda c: "D{}-window{}-softcap{}".format(
+    c[0][5], c[1], c[2]))
+def test_kernels_with_a_window_and_a_soft_cap_lower_for_cuda(case):
+    (b, t, s, hq, hkv, d, dv, causal, config), window, softcap = case
+    q, k, v = sd((b, t, hq, d), jnp.bfloat16), sd((b, s, hkv, d), jnp.bfloat16), sd(
+        (b, s, hkv, dv), jnp.bfloat16)
+
+    def f(q, k, v):
+        return mosaic_attention_forward(q, k, v, scale=d ** -0.5, causal=causal,
+                                        config=config, out_dtype=jnp.float32, window=window,
+                                        softcap=softcap)
+    text = jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def _visible(t, s, causal, window):
+    """bool [T, S] by the rule of `pallas_kernels.visibility` (its own functions)."""
+    rows, cols = jnp.arange(t), jnp.arange(s)
+    shift = visibility.default_shift(t, s)
+    seen = jnp.ones((t, s), bool)
+    if causal:
+        seen &= visibility.causal_visible(rows, cols, shift)
+    if window is not None:
+        seen &= visibility.window_visible(rows, cols, window, shift)
+    return np.asarray(seen)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_key_block_walk_covers_every_visible_key_and_masks_only_what_it_must(seed):
+    """`kv_range` against the visibility rule, brute force over groups of rows: every key a
+    row sees lies in [lo, hi); the blocks [mask_lo, full_hi) are visible whole to every row
+    of the group (no mask needed); blocks outside [lo, hi) hold no visible key."""
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        t, s = (int(x) for x in rng.integers(1, 400, 2))
+        bkv = int(rng.choice([64, 128, 256]))
+        causal = bool(rng.integers(2))
+        window = None if rng.integers(4) == 0 else tuple(int(x) for x in rng.integers(0, 300, 2))
+        seen = _visible(t, s, causal, window)
+        walk = Walk(T=t, S=s, causal=causal, block_kv=bkv, window=window)
+        first = int(rng.integers(0, t))
+        last = min(first + int(rng.integers(0, 128)), t - 1)
+        lo, mask_lo, full_hi, hi = (int(x) for x in kv_range(walk, jnp.int32(first),
+                                                                 jnp.int32(last)))
+        assert 0 <= lo <= mask_lo <= full_hi <= hi <= -(-s // bkv), (lo, mask_lo, full_hi, hi)
+        rows = seen[first:last + 1]
+        keys = np.flatnonzero(rows.any(axis=0))
+        where = f"T={t} S={s} bkv={bkv} causal={causal} window={window} rows {first}..{last}"
+        if keys.size:
+            assert lo <= keys.min() // bkv and keys.max() // bkv < hi, where
+        for block in range(mask_lo, full_hi):
+            assert rows[:, block * bkv:(block + 1) * bkv].all(), (where, block)
+            assert (block + 1) * bkv <= s, (where, block)
+
+
+def test_soft_cap_in_raw_units_is_the_references_cap():
+    """The kernels cap raw scores q·k and keep the softmax's one multiply by scale·log2(e):
+    scale·soft_cap(s) = c·tanh(scale·s / c), within float32's approximation of tanh."""
+    scale, cap = 0.0883883, 30.0
+    s = jnp.linspace(-4000.0, 4000.0, 8001, dtype=jnp.float32)
+    got = scale * soft_cap(Walk(T=1, S=1, causal=False, block_kv=64, softcap=cap,
+                                scale=scale), s)
+    want = cap * np.tanh(np.asarray(s, np.float64) * scale / cap)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=4e-6 * cap)
+    assert soft_cap(Walk(T=1, S=1, causal=False, block_kv=64), s) is s  # no cap: unchanged
 
 
 def _mosaic_modules(fn, *args) -> list[str]:
@@ -218,3 +298,26 @@ def test_kernels_in_a_shard_map_over_two_gpus_match_each_gpu_alone():
         rows = slice(2 * i, 2 * i + 2)
         alone = jax.jit(local)(*(jax.device_put(x[rows], device) for x in (q, k, v)))
         assert bool(jnp.all(jax.device_get(got)[rows] == jax.device_get(alone))), i
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", FEATURE_CASES, ids=lambda c: "D{}-window{}-softcap{}".format(
+    c[0][5], c[1], c[2]))
+def test_kernels_with_a_window_and_a_soft_cap_match_the_reference_gpu(case):
+    """The kernels' window and soft cap by the tolerance rule against the float64 reference
+    (out, lse), rows with no visible key included; the check that lets the tier serve them."""
+    (b, t, s, hq, hkv, d, dv, causal, config), window, softcap = case
+    if not compat.mosaic_gpu_runs() or not str(getattr(jax.devices()[0],
+                                                       "compute_capability", "")).startswith("9"):
+        pytest.skip("needs an sm90 GPU and jax >= 0.11")
+    shape = at.Case(b=b, t=t, s=s, hq=hq, hkv=hkv, d=d, dv=dv, causal=causal,
+                    window=window, softcap=softcap)
+    q, k, v, bias, mask = at.make_inputs(shape)
+    features = at.make_features(shape)
+    out, lse = mosaic_attention_forward(q, k, v, scale=at.scale_of(shape), causal=causal,
+                                        config=config, out_dtype=jnp.float32, window=window,
+                                        softcap=softcap)
+    at.assert_forward_matches(out, lse, at.reference64(shape, q, k, v, bias, mask,
+                                                       features=features),
+                              at.xla_same_precision(shape, q, k, v, bias, mask,
+                                                    features=features), shape.dtype)

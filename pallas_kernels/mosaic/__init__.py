@@ -1,14 +1,17 @@
 """The Mosaic tier's kernels: an exact attention forward for Hopper (sm90) in Pallas Mosaic
 GPU (wgmma, TMA, warp specialisation, clusters with TMA multicast).
 
-    out, lse = mosaic_attention_forward(q, k, v, scale=..., causal=..., config=...)
+    out, lse = mosaic_attention_forward(q, k, v, scale=..., causal=..., config=...,
+                                        window=None, softcap=None)
 
 q [B, T, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] (bf16 or f16, same dtype),
 Hq % Hkv == 0 (GQA / MQA: query head h reads KV head h // (Hq // Hkv); K/V are
 never repeated in memory).  out [B, T, Hq, Dv] (q's dtype or `out_dtype`),
 lse f32 [B, Hq, T] = natural log of sum_j exp(scale * q.k_j) over visible keys.
-Causal masking is bottom-right aligned: query i sees key j iff j <= i + (S - T).
-A row that sees no key gets out = 0 and lse = -inf.
+Causal masking is bottom-right aligned: query i sees key j iff j <= i + (S - T); a
+sliding window (left, right) keeps i + (S - T) - left <= j <= i + (S - T) + right; the
+logit soft cap c makes the logits c·tanh(scale·q.k / c) (`pallas_kernels.visibility` and
+`reference.py` state both). A row that sees no key gets out = 0 and lse = -inf.
 
 Two kernels (chosen by head size, see `default_config`):
 
@@ -42,11 +45,12 @@ The launch grid is (heads, q tiles, batch) with heads fastest by default: CTAs t
 run together then read different K/V instead of all the same tile (the measurements
 are in docs/history.md, session 18).
 
-Where more semantics go: `common.score_mod` is the single element-wise
-hook applied to raw scores of blocks that need masking (bias, soft cap, window,
-segment ids would be applied there); `common.kv_range` is the single place that
-decides which key blocks a group of query rows walks (a window or segment
-bounds would narrow `lo`/`hi` there); both producer and consumers call it.
+Where the semantics go: `common.soft_cap` bends every block's scores; `common.score_mod`
+is the element-wise hook applied to the scores of blocks that need masking (causality and
+the window there; bias and segment ids would go there too); `common.kv_range` is the one
+place that decides which key blocks a group of query rows walks, and which of them need
+the mask (a window narrows both ends; segment bounds would too); the producer walks its
+cluster's range, each consumer its own within it (`common.consumer_walk`).
 """
 
 from pallas_kernels.mosaic.config import Config, default_config

@@ -1,11 +1,12 @@
 """What the Mosaic GPU kernels share: layouts, shared-memory tiles, the key-block walk
 (`Walk`, `kv_range`: which key blocks a group of query rows visits, which of them need a
-mask), the element-wise score step (`score_mod`), the online softmax, the epilogue's
-normalisation, and the launch grid with its clusters (`Grid`).
+mask), the element-wise score steps (`soft_cap`, `score_mod`), the online softmax, the
+epilogue's normalisation, and the launch grid with its clusters (`Grid`).
 
-Where more semantics go: `score_mod` is the one element-wise hook (a bias, a soft cap, a
-window or segment comparison would be applied there); `kv_range` is the one place that
-decides which key blocks a group of rows walks (a window or segment bounds would narrow it).
+Where more semantics go: `score_mod` is the one element-wise mask hook (a bias or a segment
+comparison would be applied there, beside causality and the window); `kv_range` is the one
+place that decides which key blocks a group of rows walks (segment bounds would narrow it,
+as the window does).
 """
 
 from __future__ import annotations
@@ -75,39 +76,74 @@ def iota(shape, dim):
 
 @dataclasses.dataclass(frozen=True)
 class Walk:
+    """What decides which keys a query row sees and what its scores become: the true
+    lengths (the arrays may be padded), causality, the sliding window (left, right) as
+    `pallas_kernels.visibility` states it (bottom-right aligned), the logit soft cap (its
+    scale: the softmax scale, which the cap's tanh takes inside), and the key block."""
+
     T: int
     S: int
     causal: bool
     block_kv: int
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+    scale: float = 1.0
 
     @property
     def num_kv_blocks(self):
         return cdiv(self.S, self.block_kv)
 
+    @property
+    def shift(self) -> int:
+        """Where row 0 sits among the keys (bottom-right alignment)."""
+        return self.S - self.T
+
+    @property
+    def right(self) -> int | None:
+        """The last visible key's offset from a row's diagonal: 0 under causality (or the
+        window's right edge if it is tighter), the window's right edge without; None when
+        nothing bounds it."""
+        if self.window is None:
+            return 0 if self.causal else None
+        return min(self.window[1], 0) if self.causal else self.window[1]
+
+
+def _blocks_below(keys, bkv: int):
+    """Key blocks that end at or before key count `keys` (traced, may be negative): the
+    number of whole blocks in [0, keys)."""
+    return lax.div(jnp.maximum(keys, 0), jnp.int32(bkv))
+
 
 def kv_range(p: Walk, q_first, q_last):
     """Key blocks walked by query rows [q_first, q_last] (q_last clipped to T-1).
 
-    Returns (lo, full_hi, hi): blocks [lo, full_hi) need no mask at all (every key
-    is visible to every row of the group), blocks [full_hi, hi) go through
-    `score_mod`, blocks >= hi are fully hidden and skipped.  A sliding window /
-    segment bounds would raise `lo` and lower `hi`/`full_hi` here.
+    Returns (lo, mask_lo, full_hi, hi): blocks [lo, hi) hold every key some row of the group
+    sees (the others are skipped); of them, [mask_lo, full_hi) are visible whole to every
+    row and need no mask, while [lo, mask_lo) (a window's left edge) and [full_hi, hi) (the
+    diagonal, a window's right edge, the padded last block) go through `score_mod`.
     """
     bkv = p.block_kv
-    lo = 0
+    lo = mask_lo = 0
     hi = p.num_kv_blocks
     full_hi = p.S // bkv
-    if not p.causal:
+    right = p.right
+    if right is None and p.window is None:
         # Static Python ints: the key loops get compile-time trip counts.
-        return lo, full_hi, hi
-    if p.causal:
-        off = p.S - p.T
-        # Keys visible to the last row: [0, q_last + off].
-        hi = jnp.minimum(hi, cdiv(jnp.maximum(q_last + off + 1, 0), bkv))
-        # Keys visible to every row (the first row of the group): [0, q_first + off].
-        full_hi = jnp.minimum(full_hi, lax.div(jnp.maximum(q_first + off + 1, 0), jnp.int32(bkv)))
-    full_hi = jnp.clip(full_hi, lo, hi)
-    return lo, full_hi, hi
+        return lo, mask_lo, full_hi, hi
+    if right is not None:
+        # Keys visible to the last row: [.., q_last + shift + right]; to every row of the
+        # group: [.., q_first + shift + right].
+        edge = p.shift + right
+        hi = jnp.minimum(hi, cdiv(jnp.maximum(q_last + edge + 1, 0), bkv))
+        full_hi = jnp.minimum(full_hi, _blocks_below(q_first + edge + 1, bkv))
+    if p.window is not None:
+        left = p.window[0]
+        # Keys visible to the first row: [q_first + shift - left, ..]; to every row of the
+        # group: [q_last + shift - left, ..].
+        lo = jnp.minimum(_blocks_below(q_first + p.shift - left, bkv), hi)
+        mask_lo = jnp.clip(cdiv(jnp.maximum(q_last + p.shift - left, 0), bkv), lo, hi)
+    full_hi = jnp.clip(full_hi, mask_lo, hi)
+    return lo, mask_lo, full_hi, hi
 
 
 def kv_order(lo, full, tc, n_qc: int, enabled: bool):
@@ -130,16 +166,35 @@ def kv_order(lo, full, tc, n_qc: int, enabled: bool):
     return kv_of
 
 
-def score_mod(p: Walk, s, q_idx, k_idx):
-    """Element-wise hook on raw scores s = q.k (float32, WGMMA layout).
+def soft_cap(p: Walk, s):
+    """Raw scores s = q.k (float32) under the logit soft cap c: the logits scale·s become
+    c·tanh(scale·s / c), returned in raw units (divided by the scale again) so that the
+    softmax's one multiply by scale·log2(e) stays as it is. tanh(x) = 1 - 2 / (1 + e^(2x)):
+    exp2 and a division, both approximate under the kernels' `approx_math` (absolute error
+    about 2^-22, as the Triton kernels' `numerics.fast_tanh`); rows whose scores all get
+    masked afterwards are unaffected."""
+    if p.softcap is None:
+        return s
+    x = s * (p.scale / p.softcap)
+    tanh = 1.0 - 2.0 / (jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
+    return tanh * (p.softcap / p.scale)
 
-    q_idx / k_idx are absolute query / key indices (int32, same layout).  Masked
-    entries become -inf.  A bias would be added here, a soft cap applied here, a
-    window / segment-id comparison AND-ed into `visible` here.
+
+def score_mod(p: Walk, s, q_idx, k_idx):
+    """Element-wise hook on scores (float32, WGMMA layout, soft-capped already): keys a row
+    does not see become -inf, by the rule of `pallas_kernels.visibility` (the key's end,
+    causality, the window).
+
+    q_idx / k_idx are absolute query / key indices (int32, same layout).  A bias would be
+    added here, a segment-id comparison AND-ed into `visible` here.
     """
     visible = k_idx < p.S
     if p.causal:
-        visible = visible & (k_idx <= q_idx + (p.S - p.T))
+        visible = visible & (k_idx <= q_idx + p.shift)
+    if p.window is not None:
+        left, right = p.window
+        diagonal = q_idx + p.shift
+        visible = visible & (k_idx >= diagonal - left) & (k_idx <= diagonal + right)
     return jnp.where(visible, s, NEG_INF)
 
 
@@ -241,19 +296,38 @@ class Grid:
 def cluster_walk(p: Walk, grid: "Grid", t_first, t_count, rows: int, kv_rotate: bool):
     """(lo, full_hi, hi, kv_of) of the key blocks a cluster walks: `kv_range` over the rows
     of all its CTAs (query tiles t_first.. of `rows` rows; multicast needs every CTA to load
-    the same tiles), and the walk's order (`kv_order`)."""
+    the same tiles), and the walk's order (`kv_order`; not under a window, whose walk
+    starts with masked blocks)."""
     first = t_first * rows
     last = jnp.minimum(first + t_count * rows - 1, p.T - 1)
-    lo, full_hi, hi = kv_range(p, first, last)
+    lo, _, full_hi, hi = kv_range(p, first, last)
     kv_of = kv_order(lo, full_hi, lax.div(t_first, jnp.int32(t_count)), grid.n_q_clusters,
-                     kv_rotate)
+                     kv_rotate and p.window is None)
     return lo, full_hi, hi, kv_of
 
 
-def walk_kv(step, carry, lo, full_hi, hi):
-    """`step(j, carry, masked=...)` over the key blocks [lo, full_hi) without the element
-    masks, then over [full_hi, hi) with them (`kv_range`'s split)."""
-    carry = lax.fori_loop(lo, full_hi, functools.partial(step, masked=False), carry)
+def consumer_walk(p: Walk, lo, q_first, q_last, *, padding_rows: bool):
+    """(mask_lo, full_hi, hi) of one consumer's rows [q_first, q_last] within its cluster's
+    walk from `lo` (`cluster_walk`): the blocks before its own first one are walked masked
+    (the producer loads them for the cluster), those from `hi` to the cluster's end are
+    released unread. `padding_rows`: the rows may lie wholly past T (a padded query tile),
+    then the consumer walks nothing."""
+    _, mask_lo, full_hi, hi = kv_range(p, q_first, q_last)
+    if padding_rows:
+        hi = jnp.where(q_first < p.T, hi, lo)
+    full_hi = imin(full_hi, hi)
+    if not (isinstance(mask_lo, int) and mask_lo == 0):  # 0: no block before full_hi masked
+        mask_lo = imin(mask_lo, full_hi)
+    return mask_lo, full_hi, hi
+
+
+def walk_kv(step, carry, lo, mask_lo, full_hi, hi):
+    """`step(j, carry, masked=...)` over the key blocks [lo, mask_lo) with the element
+    masks, [mask_lo, full_hi) without them, then [full_hi, hi) with them (`kv_range`'s
+    split)."""
+    if not (isinstance(lo, int) and isinstance(mask_lo, int) and lo == mask_lo):
+        carry = lax.fori_loop(lo, mask_lo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(mask_lo, full_hi, functools.partial(step, masked=False), carry)
     return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
 
 

@@ -18,9 +18,12 @@ def pad_axes(x, sizes):
 
 
 def mosaic_attention_forward(
-    q, k, v, *, scale: float, causal: bool, config: Config | None = None, out_dtype=None
+    q, k, v, *, scale: float, causal: bool, config: Config | None = None, out_dtype=None,
+    window: tuple[int, int] | None = None, softcap: float | None = None
 ):
-    """Returns (out [B,T,Hq,Dv], lse f32 [B,Hq,T]).  See the module docstring."""
+    """Returns (out [B,T,Hq,Dv], lse f32 [B,Hq,T]). `window` (left, right) and `softcap`
+    as `ffpa_jax.attention`'s local_window_size and logits_soft_cap. See the module
+    docstring."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError("q, k, v must be [B, T|S, H, D]")
     B, T, Hq, D = q.shape
@@ -61,7 +64,9 @@ def mosaic_attention_forward(
     kp = pad_axes(k, {1: S8, 3: Dp})
     vp = pad_axes(v, {1: S8, 3: Dvp})
     out, lse = fwd(
-        qp, kp, vp, T=T, S=S, scale=scale, causal=causal, config=config, out_dtype=out_dtype
+        qp, kp, vp, T=T, S=S, scale=scale, causal=causal, config=config, out_dtype=out_dtype,
+        window=None if window is None else tuple(int(x) for x in window),
+        softcap=None if softcap is None else float(softcap),
     )
     if Dvp != Dv or T8 != T:
         out = out[:, :T, :, :Dv]

@@ -16,12 +16,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic.common import (CLUSTER, LOG2E, NEG_INF, ROW, WARPGROUPS, WGMMA, Grid,
-                                          Walk, cdiv, cluster_walk, finalize, imin, iota, kv_range,
-                                          launch, score_mod, softmax_update, tiled_smem, walk_kv)
+                                          Walk, cdiv, cluster_walk, consumer_walk, finalize, iota,
+                                          launch, score_mod, soft_cap, softmax_update, tiled_smem,
+                                          walk_kv)
 from pallas_kernels.mosaic.config import Config
 
 
-def rows_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
+def rows_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype,
+                 window=None, softcap=None):
     # T, S: true lengths; the arrays may be padded to multiples of 8 (TMA tiling).
     B, Tq, Hq, D = q.shape
     _, _, Hkv, Dv = v.shape
@@ -33,7 +35,8 @@ def rows_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
     bkv = config.block_kv
     ns = config.num_stages
     ncl = config.cluster
-    prob = Walk(T=T, S=S, causal=causal, block_kv=bkv)
+    prob = Walk(T=T, S=S, causal=causal, block_kv=bkv, window=window, softcap=softcap,
+                scale=float(scale))
     c_exp = float(scale) * LOG2E
     grid = Grid.of(config, n_q=cdiv(T, rows_cta), Hq=Hq, B=B, group=group, causal=causal)
     Tp = grid.q_extent * rows_cta
@@ -74,10 +77,9 @@ def rows_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
             my_q = q_smem.at[wg]
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], my_q, q_bar.at[wg])
             q_last = jnp.minimum(q0 + bq - 1, T - 1)
-            _, full_hi, my_hi = kv_range(prob, q0, q_last)
-            if grid.q_extent * rows_cta - bq >= T:  # some warpgroups may be all padding
-                my_hi = jnp.where(q0 < T, my_hi, lo)
-            full_hi = imin(full_hi, my_hi)
+            # some warpgroups may be all padding
+            mask_lo, full_hi, my_hi = consumer_walk(
+                prob, lo, q0, q_last, padding_rows=grid.q_extent * rows_cta - bq >= T)
 
             m_i = plgpu.layout_cast(jnp.full((bq,), NEG_INF, jnp.float32), ROW)
             l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), ROW)
@@ -102,6 +104,7 @@ def rows_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
 
                 s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
+                s = soft_cap(prob, s)
                 if masked:
                     q_idx = q0 + iota((bq, bkv), 0)
                     k_idx = kv_of(j) * bkv + iota((bq, bkv), 1)
@@ -137,7 +140,7 @@ def rows_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i
 
-            acc, m_i, l_i = walk_kv(step, (acc, m_i, l_i), lo, full_hi, my_hi)
+            acc, m_i, l_i = walk_kv(step, (acc, m_i, l_i), lo, mask_lo, full_hi, my_hi)
 
             # Blocks loaded for the other warpgroup / the cluster but hidden for us:
             # release them (only once they have landed, so that no warpgroup can

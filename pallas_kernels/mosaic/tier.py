@@ -20,7 +20,9 @@ MAX_HEAD_DIM = 512
 
 
 def unsupported(problem: Problem, direction: str) -> tuple[str, ...]:
-    """What of `problem` the Mosaic kernels do not compute, by argument name (or what)."""
+    """What of `problem` the Mosaic tier does not compute, by argument name (or what). The
+    kernels take a window and a soft cap (`mosaic_attention_forward`); the tier serves them
+    once their GPU numerics test (tests/test_mosaic.py, `-m gpu`) has passed."""
     del direction  # the forward: the tier has no backward (`Tier.directions`)
     missing = [name for name, lacks in (
         ("bias", problem.has_bias), ("mask", problem.mask_shape is not None),

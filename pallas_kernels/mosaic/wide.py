@@ -17,12 +17,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic.common import (CLUSTER, LOG2E, NEG_INF, ROW, WARPGROUPS, WGMMA, Grid,
-                                          Walk, cdiv, cluster_walk, finalize, imin, iota, kv_range,
-                                          launch, load_rows, score_mod, tiled_smem, walk_kv)
+                                          Walk, cdiv, cluster_walk, consumer_walk, finalize, iota,
+                                          launch, load_rows, score_mod, soft_cap, tiled_smem,
+                                          walk_kv)
 from pallas_kernels.mosaic.config import Config
 
 
-def wide_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
+def wide_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype,
+                 window=None, softcap=None):
     B, Tq, Hq, D = q.shape  # D multiple of 256; Tq = T rounded up to 8
     _, _, Hkv, Dv = v.shape  # Dv multiple of 256
     dtype = q.dtype
@@ -32,7 +34,8 @@ def wide_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
     hk_cols = bkv // 2  # key columns per warpgroup
     ns = config.num_stages
     ncl = config.cluster
-    prob = Walk(T=T, S=S, causal=causal, block_kv=bkv)
+    prob = Walk(T=T, S=S, causal=causal, block_kv=bkv, window=window, softcap=softcap,
+                scale=float(scale))
     c_exp = float(scale) * LOG2E
     _W = config.wide_piece  # columns of one ring piece
     eager = config.wide_eager_release
@@ -79,10 +82,8 @@ def wide_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
                 plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, q_bar)
 
             q_last = jnp.minimum(q0 + bq - 1, T - 1)
-            _, full_hi, my_hi = kv_range(prob, q0, q_last)
-            if grid.q_extent * bq - bq >= T:
-                my_hi = jnp.where(q0 < T, my_hi, lo)
-            full_hi = imin(full_hi, my_hi)
+            mask_lo, full_hi, my_hi = consumer_walk(prob, lo, q0, q_last,
+                                                    padding_rows=grid.q_extent * bq - bq >= T)
 
             m_i = plgpu.layout_cast(jnp.full((bq,), NEG_INF, jnp.float32), ROW)
             l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), ROW)
@@ -120,6 +121,7 @@ def wide_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
                 s = pl.run_scoped(qk, plgpu.ACC((bq, hk_cols), jnp.float32))
                 if not eager:
                     plgpu.barrier_arrive(free.at[lax.rem(base + nK - 1, ns)])
+                s = soft_cap(prob, s)
                 if masked:
                     q_idx = q0 + iota((bq, hk_cols), 0)
                     k_idx = kv_of(j) * bkv + wg * hk_cols + iota((bq, hk_cols), 1)
@@ -165,7 +167,7 @@ def wide_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype):
                     plgpu.barrier_arrive(free.at[lax.rem(base + tiles - 1, ns)])
                 return accs, m_new, l_i
 
-            accs, m_i, l_i = walk_kv(step, (accs, m_i, l_i), lo, full_hi, my_hi)
+            accs, m_i, l_i = walk_kv(step, (accs, m_i, l_i), lo, mask_lo, full_hi, my_hi)
 
             # Tiles loaded for the rest of the cluster but hidden for our rows.
             @pl.loop(my_hi, hi)
