@@ -77,10 +77,11 @@ def test_kernels_with_a_window_and_a_soft_cap_lower_for_cuda(case):
 
 
 def _visible(t, s, causal, window):
-    """bool [T, S] by the rule of `pallas_kernels.visibility` (its own functions)."""
-    rows, cols = jnp.arange(t), jnp.arange(s)
+    """bool [T, S] by the rule of `pallas_kernels.visibility` (its own functions, on numpy
+    arrays)."""
+    rows, cols = np.arange(t), np.arange(s)
     shift = visibility.default_shift(t, s)
-    seen = jnp.ones((t, s), bool)
+    seen = np.ones((t, s), bool)
     if causal:
         seen &= visibility.causal_visible(rows, cols, shift)
     if window is not None:
@@ -88,32 +89,38 @@ def _visible(t, s, causal, window):
     return np.asarray(seen)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_key_block_walk_covers_every_visible_key_and_masks_only_what_it_must(seed):
-    """`kv_range` against the visibility rule, brute force over groups of rows: every key a
-    row sees lies in [lo, hi); the blocks [mask_lo, full_hi) are visible whole to every row
-    of the group (no mask needed); blocks outside [lo, hi) hold no visible key."""
-    rng = np.random.default_rng(seed)
-    for _ in range(40):
+def test_key_block_walk_covers_every_visible_key_and_masks_only_what_it_must():
+    """`kv_range` against the visibility rule, brute force over groups of rows (every group
+    of a problem at once: the walk's bounds are element-wise): every key a row sees lies in
+    [lo, hi); the blocks [mask_lo, full_hi) are visible whole to every row of the group (no
+    mask needed); blocks outside [lo, hi) hold no visible key."""
+    rng = np.random.default_rng(0)
+    for _ in range(120):
         t, s = (int(x) for x in rng.integers(1, 400, 2))
         bkv = int(rng.choice([64, 128, 256]))
         causal = bool(rng.integers(2))
         window = None if rng.integers(4) == 0 else tuple(int(x) for x in rng.integers(0, 300, 2))
-        seen = _visible(t, s, causal, window)
         walk = Walk(T=t, S=s, causal=causal, block_kv=bkv, window=window)
-        first = int(rng.integers(0, t))
-        last = min(first + int(rng.integers(0, 128)), t - 1)
-        lo, mask_lo, full_hi, hi = (int(x) for x in kv_range(walk, jnp.int32(first),
-                                                                 jnp.int32(last)))
-        assert 0 <= lo <= mask_lo <= full_hi <= hi <= -(-s // bkv), (lo, mask_lo, full_hi, hi)
-        rows = seen[first:last + 1]
-        keys = np.flatnonzero(rows.any(axis=0))
-        where = f"T={t} S={s} bkv={bkv} causal={causal} window={window} rows {first}..{last}"
-        if keys.size:
-            assert lo <= keys.min() // bkv and keys.max() // bkv < hi, where
-        for block in range(mask_lo, full_hi):
-            assert rows[:, block * bkv:(block + 1) * bkv].all(), (where, block)
-            assert (block + 1) * bkv <= s, (where, block)
+        firsts = np.arange(0, t, int(rng.integers(1, 64)), dtype=np.int32)
+        lasts = np.minimum(firsts + rng.integers(0, 128, firsts.size), t - 1).astype(np.int32)
+        # One shape for every problem (padded by repeating the last group): the walk's jnp
+        # operations compile once.
+        padded = [np.pad(x, (0, 400 - x.size), mode="edge") for x in (firsts, lasts)]
+        lo, mask_lo, full_hi, hi = (x[:firsts.size] for x in np.broadcast_arrays(
+            padded[0], *kv_range(walk, *map(jnp.asarray, padded)))[1:])
+        where = f"T={t} S={s} bkv={bkv} causal={causal} window={window}"
+        assert np.all((0 <= lo) & (lo <= mask_lo) & (mask_lo <= full_hi) & (full_hi <= hi)
+                      & (hi <= -(-s // bkv))), where
+        # Per group and key: how many of its rows see the key (prefix sums over the rows).
+        seen = np.concatenate([np.zeros((1, s), int),
+                               np.cumsum(_visible(t, s, causal, window), axis=0)])
+        count = seen[lasts + 1] - seen[firsts]
+        block = np.arange(s) // bkv
+        outside = (block < lo[:, None]) | (block >= hi[:, None])
+        assert not np.any((count > 0) & outside), where
+        whole = (block >= mask_lo[:, None]) & (block < full_hi[:, None])
+        assert np.all(~whole | (count == (lasts - firsts + 1)[:, None])), where
+        assert np.all((full_hi == mask_lo) | (full_hi * bkv <= s)), where
 
 
 def test_soft_cap_in_raw_units_is_the_references_cap():
