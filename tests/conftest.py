@@ -114,6 +114,12 @@ HAS_GPU = _has_gpu()
 
 
 def pytest_collection_modifyitems(config, items):
+    # Modules whose tests share one subprocess report (`fake_devices.worker_report` in a
+    # module-scoped fixture, marked `shared_report`) would run it once in each pytest-xdist
+    # worker that gets one of their tests. Their tests go first, in a row: the "load"
+    # distribution hands each worker a first run of about an eighth of all tests, so one
+    # worker gets them all. (The order is the same in every worker, as xdist requires.)
+    items.sort(key=lambda item: item.get_closest_marker("shared_report") is None)
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
@@ -207,3 +213,4 @@ def feature_tier(request, monkeypatch) -> str:
     if request.param == "chunked" and HAS_GPU:
         monkeypatch.setenv("FFPA_CHUNKED_BUDGET_MIB", SMALL_CHUNK_BUDGET_MIB)
     return request.param
+

@@ -35,6 +35,9 @@ from ffpa_jax.layout import Pieces, zigzag_order
 from pallas_kernels import visibility
 from pallas_kernels.problem import Problem
 
+# One worker runs the module: its tests share one subprocess report (conftest.py).
+pytestmark = pytest.mark.shared_report
+
 FEATURES = ("window", "segments", "lengths", "sinks", "softcap", "bias")
 # Ring blocks start at multiples of 128 keys under dropout: 4 shards of 128.
 DROP = dict(t=512, hq=2, hkv=1, d=8, features=("dropout",))

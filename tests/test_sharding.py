@@ -32,6 +32,9 @@ import pytest
 import ffpa_jax
 from fake_devices import worker_report
 
+# One worker runs the module: its tests share one subprocess report (conftest.py).
+pytestmark = pytest.mark.shared_report
+
 GATHERS = ("all-gather", "all-to-all")
 COLLECTIVES = GATHERS + ("all-reduce", "collective-permute", "reduce-scatter")
 
