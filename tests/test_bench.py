@@ -305,6 +305,28 @@ def test_dropout_error_catches_another_keep_mask():
 
 
 # ---------------------------------------------------------------- the CLI, end to end
+def test_context_parallel_rows_split_the_sequence_over_four_devices(tmp_path):
+    """The context-parallel kind on 4 fake CPU devices (zigzag): ffpa's row runs the split
+    call (its error column, against float64 in sequence order, matches the one-device
+    yardstick's), only ffpa-one-device is its peer, and the label says how it split."""
+    import subprocess
+    import sys
+
+    from fake_devices import fake_devices_env
+    out = tmp_path / "cp.json"
+    run = subprocess.run([sys.executable, "-m", "ffpa_jax.bench", "--case", "context-parallel",
+                          "--mode", "fwd", "--reps", "1", "--json", str(out)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300, check=False,
+                         env=fake_devices_env(4))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    recs = {r["impl"]: r for r in json.loads(out.read_text())["records"]}
+    assert set(recs) == {"ffpa", "ffpa-one-device"}, recs.keys()
+    split, whole = recs["ffpa"], recs["ffpa-one-device"]
+    assert split["status"] == "ok" and whole["status"] == "ok", (split, whole)
+    assert "cp4-zigzag" in split["case"] and split["devices"] == 4
+    assert split["error"] < 1e-2 and abs(split["error"] - whole["error"]) < 1e-3
+
+
 def test_cli_on_cpu_writes_json_and_plot(tmp_path, capsys):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     rc = cli.main(["--case", "self,decode", "--quick", "--mode", "fwd",

@@ -5,9 +5,11 @@ Case kinds (--case): self, cross (T != S), decode (T = 1), gqa, mqa, causal, att
 non-aligned (N = 8191), packed (causal, 8 documents per row as segment ids), window
 (causal, a left window of min(1024, N/4)), softcap (cap 50), sinks (attention sinks: one
 logit per query head), paged-decode (decode over a KV cache in shuffled pages of
---page-size keys, forward only). With no shape option a GPU
-runs the issue's target shapes (see `cases.gpu_preset`, or `--list`); any shape option
-runs a grid instead.
+--page-size keys, forward only), context-parallel (causal, the sequence split over
+--devices devices, default all, in --context-layout by --context-strategy in a shard_map;
+TF/s of the whole call, peak memory of one device). With no shape option a GPU runs the
+issue's target shapes (see `cases.gpu_preset`, or `--list`); any shape option runs a grid
+instead.
 
 Peers: cudnn (jax.nn.dot_product_attention(implementation="cudnn")), xla (jax.nn's XLA
 path, or ffpa_jax's own where jax.nn has no equivalent: dropout, causal with T != S),
@@ -16,7 +18,8 @@ Hopper), tokamax-mosaic / tokamax-triton (tokamax's attention, where it is insta
 pallas-decode (JAX's Pallas decode kernel; decode rows only), naive-chunked (queries
 in chunks of 2048, einsums), ffpa-pallas / ffpa-chunked (one tier forced), and in the
 paged-decode rows only ffpa-contiguous (ffpa_jax on the same cache, contiguous) and
-pallas-paged (JAX's Pallas paged attention). A peer that cannot
+pallas-paged (JAX's Pallas paged attention); in the context-parallel rows only
+ffpa-one-device (the whole sequence on one device). A peer that cannot
 run a case is named under it, with the reason in a note; one that runs no case at all
 (a GPU-only peer on a CPU) is listed once.
 

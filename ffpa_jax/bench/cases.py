@@ -12,7 +12,8 @@ import dataclasses
 import numpy as np
 
 KINDS = ("self", "cross", "decode", "gqa", "mqa", "causal", "attn-mask", "bias-grad", "dropout",
-         "non-aligned", "packed", "window", "softcap", "sinks", "paged-decode")
+         "non-aligned", "packed", "window", "softcap", "sinks", "paged-decode",
+         "context-parallel")
 FORWARD_ONLY = ("decode", "paged-decode")
 MODES = ("fwd", "fwdbwd")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -21,6 +22,7 @@ PACKED_SEGMENTS = 8  # "packed": causal LM training on this many equal documents
 MAX_WINDOW = 1024  # "window": a causal sliding window of min(this, N / 4) keys to the left
 SOFT_CAP = 50.0  # "softcap": Gemma 2's attention logit cap
 PAGE_SIZE = 16  # "paged-decode": keys per page of the KV cache (the CLI's --page-size)
+CONTEXT_PARALLEL = "context-parallel"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,11 @@ class BenchCase:
     softcap: float = 0.0  # logits_soft_cap (0: none)
     page: int = 0  # paged KV cache: keys per page (0: contiguous K/V)
     sinks: bool = False  # attention sinks: one logit per query head (`sink_logits`)
+    # context-parallel: the sequence split over this many devices (0: the process's count,
+    # set by the CLI), in this `context_layout`, by this `context_strategy` ("": the rule's)
+    devices: int = 0
+    layout: str = ""
+    strategy: str = ""
 
     @property
     def label(self) -> str:
@@ -61,6 +68,9 @@ class BenchCase:
         extra += (f" softcap{self.softcap:g}" if self.softcap else "")
         extra += (f" page{self.page}" if self.page else "")
         extra += (" sinks" if self.sinks else "")
+        if self.kind == CONTEXT_PARALLEL:
+            extra += f" cp{self.devices or ''}-{self.layout}" + (f"-{self.strategy}"
+                                                                 if self.strategy else "")
         seq = f"{self.t}" if self.t == self.s else f"{self.t}x{self.s}"
         return f"D={dims} B={self.b} H={heads} N={seq} {self.dtype}{extra} {self.mode}"
 
@@ -155,7 +165,8 @@ def sparse_block_mask(t: int, s: int, rng: np.random.Generator) -> np.ndarray:
 # ---------------------------------------------------------------- kinds
 def make_case(kind: str, *, d: int, n: int, b: int, h: int, kv_heads: int = 0,
               kv_seqlen: int = 0, causal: bool = False, dtype: str = "bf16", mode: str = "fwd",
-              dropout: float = DEFAULT_DROPOUT, page: int = PAGE_SIZE) -> BenchCase:
+              dropout: float = DEFAULT_DROPOUT, page: int = PAGE_SIZE, devices: int = 0,
+              layout: str = "zigzag", strategy: str = "") -> BenchCase:
     """The problem of `kind` built on a base shape: head dim d, seqlen n, batch b, heads h.
 
     self: T = S = n (kv_heads honoured, as the first CLI did); cross: S = kv_seqlen or n/2;
@@ -167,7 +178,9 @@ def make_case(kind: str, *, d: int, n: int, b: int, h: int, kv_heads: int = 0,
     a left window of min(MAX_WINDOW, n / 4) keys; softcap: logits capped at SOFT_CAP; sinks:
     attention sinks (`sink_logits`);
     paged-decode: decode over a paged KV cache of `page` keys per page, each sequence's pages
-    shuffled through the pool (forward only).
+    shuffled through the pool (forward only); context-parallel: causal, the sequence split
+    over `devices` devices (0: all of the process's) in `layout`, by `strategy` ("": the
+    rule's), inside a shard_map.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown case kind {kind!r}; known: {', '.join(KINDS)}")
@@ -209,6 +222,9 @@ def make_case(kind: str, *, d: int, n: int, b: int, h: int, kv_heads: int = 0,
         fields["softcap"] = SOFT_CAP
     elif kind == "sinks":
         fields["sinks"] = True
+    elif kind == CONTEXT_PARALLEL:
+        causal = True
+        fields.update(devices=devices, layout=layout, strategy=strategy)
     if h % hkv:
         raise ValueError(f"{kind}: heads {h} is not a multiple of kv heads {hkv}")
     return BenchCase(b=b, t=t, s=s, hq=h, hkv=hkv, d=d, dv=d, causal=causal, dtype=dtype,
@@ -249,6 +265,7 @@ def gpu_preset() -> list[BenchCase]:
     cases += [_base("softcap", 128, 4096, 4), _base("softcap", 256, 4096, 1)]
     cases += [_base("sinks", 128, 4096, 4)]
     cases += [_base("paged-decode", 128, 8192, 8, kv_heads=8, page=p) for p in (16, 64)]
+    cases += [_base(CONTEXT_PARALLEL, 512, 32768, 1, h=8)]
     out: list[BenchCase] = []
     for c in cases:
         if c not in out:
@@ -281,7 +298,8 @@ def cpu_preset() -> list[BenchCase]:
              make_case("window", d=64, n=128, b=1, **small),
              make_case("softcap", d=64, n=128, b=1, **small),
              make_case("sinks", d=64, n=128, b=1, **small),
-             make_case("paged-decode", d=64, n=256, b=2, h=4, kv_heads=2)]
+             make_case("paged-decode", d=64, n=256, b=2, h=4, kv_heads=2),
+             make_case(CONTEXT_PARALLEL, d=64, n=256, b=1, h=4, kv_heads=2)]
     return cases
 
 
@@ -298,9 +316,10 @@ def cpu_quick_preset() -> list[BenchCase]:
 
 def grid(kinds: list[str], *, headdims: list[int], seqlens: list[int], batch: int, heads: int,
          kv_heads: int, kv_seqlen: int, causal: bool, dtype: str,
-         dropout: float, page: int = PAGE_SIZE) -> list[BenchCase]:
+         dropout: float, page: int = PAGE_SIZE, **context) -> list[BenchCase]:
     """Every kind on every (head dim, seqlen): the first CLI's grid, generalised. Batch
-    defaults to 4 for D <= 128, else 1 (the decode kinds: 8)."""
+    defaults to 4 for D <= 128, else 1 (the decode kinds: 8). `context`: the
+    context-parallel kind's devices, layout and strategy."""
     cases = []
     for kind in kinds:
         for d in headdims:
@@ -308,5 +327,11 @@ def grid(kinds: list[str], *, headdims: list[int], seqlens: list[int], batch: in
                 b = batch or (8 if kind in FORWARD_ONLY else 4 if d <= 128 else 1)
                 cases.append(make_case(kind, d=d, n=n, b=b, h=heads, kv_heads=kv_heads,
                                        kv_seqlen=kv_seqlen, causal=causal, dtype=dtype,
-                                       dropout=dropout, page=page))
+                                       dropout=dropout, page=page, **context))
     return cases
+
+
+def on_devices(cases: list[BenchCase], count: int) -> list[BenchCase]:
+    """The context-parallel cases that say 0 devices, on `count` (the process's)."""
+    return [dataclasses.replace(c, devices=count) if c.kind == CONTEXT_PARALLEL
+            and not c.devices else c for c in cases]

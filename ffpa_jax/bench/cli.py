@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--kv-seqlen", type=int, help="S of the cross case (default: seqlen/2)")
     shape.add_argument("--page-size", type=int, help="keys per page of the paged-decode case "
                        f"(default {cases_mod.PAGE_SIZE})")
+    shape.add_argument("--devices", type=int, help="the context-parallel case's devices, the "
+                       "sequence split over them (default: all of the process's)")
+    shape.add_argument("--context-layout", choices=["zigzag", "contiguous"], default="zigzag",
+                       help="the context-parallel case's layout (default zigzag)")
+    shape.add_argument("--context-strategy", choices=["ring", "all_gather"],
+                       help="the context-parallel case's strategy (default: the rule's)")
     opts = parser.add_argument_group("options for every case")
     opts.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     opts.add_argument("--causal", action="store_true", help="make every case causal")
@@ -95,7 +101,9 @@ def select_cases(args, on_gpu: bool) -> list[BenchCase]:
             args.case or ["self"], headdims=args.headdims or [128], seqlens=args.seqlens or [4096],
             batch=args.batch or 0, heads=args.heads or 32, kv_heads=args.kv_heads or 0,
             kv_seqlen=args.kv_seqlen or 0, causal=args.causal, dtype=args.dtype,
-            dropout=args.dropout, page=args.page_size or cases_mod.PAGE_SIZE)
+            dropout=args.dropout, page=args.page_size or cases_mod.PAGE_SIZE,
+            devices=args.devices or 0, layout=args.context_layout,
+            strategy=args.context_strategy or "")
     else:
         gpu = args.preset == "gpu" or (args.preset == "auto" and on_gpu)
         if gpu:
@@ -107,6 +115,12 @@ def select_cases(args, on_gpu: bool) -> list[BenchCase]:
         chosen = [dataclasses.replace(
             c, dtype=args.dtype, causal=c.causal or args.causal,
             dropout=args.dropout if c.dropout else 0.0) for c in chosen]
+        chosen = [dataclasses.replace(c, devices=args.devices or 0, layout=args.context_layout,
+                                      strategy=args.context_strategy or "")
+                  if c.kind == cases_mod.CONTEXT_PARALLEL else c for c in chosen]
+    if args.devices and args.devices > jax.device_count():
+        raise ValueError(f"--devices {args.devices}: this process has {jax.device_count()}")
+    chosen = cases_mod.on_devices(chosen, jax.device_count())
     return cases_mod.with_modes(chosen, modes)
 
 

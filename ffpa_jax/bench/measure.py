@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import ffpa_jax
-from ffpa_jax.bench.cases import (BenchCase, page_table, segment_ids, sink_logits,
-                                  sparse_block_mask)
-from ffpa_jax.bench.peers import Impl, Unsupported
+from ffpa_jax.bench.cases import (CONTEXT_PARALLEL, BenchCase, page_table, segment_ids,
+                                  sink_logits, sparse_block_mask)
+from ffpa_jax.bench.peers import CONTEXT_AXIS, Impl, Unsupported, context_mesh
 from pallas_kernels.reference import causal_keep, rows_reference, window_keep
 from tuning.timing import time_samples
 
@@ -75,6 +75,33 @@ def paged_inputs(case: BenchCase, k, v):
 
 
 ARG_ORDER = ("q", "k", "v", "bias", "mask", "rng", "do", "pages")
+SEQUENCE_ARGS = ("q", "k", "v", "do")  # [B, T|S, H, D]: split along the sequence
+
+
+def split_sequence(case: BenchCase, args: tuple) -> tuple:
+    """The context-parallel rows' inputs: q, k, v and the cotangent in the case's layout
+    (`ffpa_jax.zigzag`), sharded along the sequence over the case's devices (before timing:
+    a user's data arrives so)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    split = NamedSharding(context_mesh(case), P(None, CONTEXT_AXIS))
+    placed = []
+    for name, x in zip(ARG_ORDER, args):
+        if name in SEQUENCE_ARGS and x is not None:
+            if case.layout == "zigzag":
+                x = ffpa_jax.zigzag(x, case.devices, axis=1)
+            x = jax.device_put(x, split)
+        placed.append(x)
+    return tuple(placed)
+
+
+def natural_order(case: BenchCase, outputs):
+    """`outputs` (out, or out and the gradients) back in sequence order, for the error
+    column."""
+    if case.layout != "zigzag":
+        return outputs
+    back = lambda x: ffpa_jax.unzigzag(x, case.devices, axis=1)  # noqa: E731
+    return back(outputs) if case.mode == "fwd" else tuple(back(x) for x in outputs)
 
 
 def with_mode(case: BenchCase, forward):
@@ -263,6 +290,9 @@ def measure(case: BenchCase, impl: Impl, *, interpret: bool, min_rep_s: float, r
         forward = impl.make(case, interpret)
         inputs = make_inputs(case, seed)
         args = tuple(inputs[name] for name in ARG_ORDER)
+        split = case.kind == CONTEXT_PARALLEL and impl.splits_sequence
+        if split:
+            args = split_sequence(case, args)
         start = time.perf_counter()
         compiled = jax.jit(with_mode(case, forward)).lower(*args).compile()
         record["compile_s"] = time.perf_counter() - start
@@ -272,7 +302,7 @@ def measure(case: BenchCase, impl: Impl, *, interpret: bool, min_rep_s: float, r
         record["first_call_s"] = time.perf_counter() - start
         try:
             record["error"], record["error_dq"], record["error_dbias"] = sampled_errors(
-                case, outputs, inputs, seed)
+                case, natural_order(case, outputs) if split else outputs, inputs, seed)
         except NoReference as exc:
             record["error"] = record["error_dq"] = record["error_dbias"] = None
             record["error_note"] = str(exc)

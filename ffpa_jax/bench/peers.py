@@ -18,7 +18,7 @@ from typing import Callable
 import jax
 
 import ffpa_jax
-from ffpa_jax.bench.cases import BenchCase, feature_kwargs, segment_ids
+from ffpa_jax.bench.cases import CONTEXT_PARALLEL, BenchCase, feature_kwargs, segment_ids
 from pallas_kernels import tiers
 
 
@@ -39,12 +39,18 @@ class Impl:
     pallas: bool = False
     # Takes part in the paged-decode rows (its run takes the pages as a 7th argument).
     paged: bool = False
+    # Runs the context-parallel rows split over the case's devices (its inputs arrive in
+    # the case's layout, sharded along the sequence: `measure.split_sequence`).
+    splits_sequence: bool = False
 
     def runs_kind(self, kind: str) -> bool:
         """Whether this implementation has a row in cases of `kind` (the paged rows hold
-        only the implementations that take pages)."""
+        only the implementations that take pages, the context-parallel rows those that split
+        the sequence and their one-device yardstick)."""
         if kind == "paged-decode":
             return self.paged
+        if kind == CONTEXT_PARALLEL:
+            return self.splits_sequence or (self.kinds is not None and kind in self.kinds)
         return self.kinds is None or kind in self.kinds
 
     def interpreted(self, interpret: bool, tier: str | None = None) -> bool:
@@ -78,9 +84,43 @@ def _features_of(case: BenchCase) -> list[str]:
                                     ("attention sinks", case.sinks)) if used]
 
 
+CONTEXT_AXIS = "cp"  # the context-parallel rows' mesh axis
+
+
+def context_mesh(case: BenchCase):
+    """The mesh of the first `case.devices` devices along `CONTEXT_AXIS`."""
+    return jax.make_mesh((case.devices,), (CONTEXT_AXIS,), devices=jax.devices()[:case.devices],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _ffpa_context_parallel(case: BenchCase, interpret: bool):
+    """ffpa_jax.attention(context_axis=...) inside a shard_map over the case's devices: each
+    device holds its shard of the sequence (in the case's layout) and returns its shard."""
+    from jax.sharding import PartitionSpec as P
+    split = P(None, CONTEXT_AXIS)
+
+    def local(q, k, v):
+        return ffpa_jax.attention(q, k, v, is_causal=case.causal, context_axis=CONTEXT_AXIS,
+                                  context_layout=case.layout,
+                                  context_strategy=case.strategy or None, interpret=interpret,
+                                  **feature_kwargs(case))
+    # Pallas' interpreter pads blocks with constants that shard_map's check of varying axes
+    # rejects (tests/test_sharding.py); the compiled kernels run under it.
+    sharded = jax.shard_map(local, mesh=context_mesh(case), in_specs=(split,) * 3,
+                            out_specs=split, check_vma=not interpret)
+
+    def run(q, k, v, bias, mask, rng):
+        del bias, mask, rng  # the kind has none
+        return sharded(q, k, v)
+    return run
+
+
 def _ffpa(case: BenchCase, interpret: bool):
     """The tuned dispatch (implementation=None): each direction on its measured tier; in the
-    paged-decode rows, `ffpa_jax.paged_attention` over the pages."""
+    paged-decode rows, `ffpa_jax.paged_attention` over the pages; in the context-parallel
+    rows, the sequence split over the case's devices."""
+    if case.kind == CONTEXT_PARALLEL:
+        return _ffpa_context_parallel(case, interpret)
     if case.page:
         def paged(q, k, v, bias, mask, rng, pages):
             del k, v, bias, mask, rng
@@ -134,8 +174,9 @@ def _pallas_paged(case: BenchCase, interpret: bool):
     return run
 
 
-def _tiers_of(implementation: str | None):
-    """(case, interpret) -> "forward tier/backward tier" of ffpa_jax's call for the case."""
+def _tiers_of(implementation: str | None, *, split: bool = False):
+    """(case, interpret) -> "forward tier/backward tier" of ffpa_jax's call for the case
+    (`split`: of its blocks, where a context-parallel case splits the sequence)."""
     def tiers_that_ran(case: BenchCase, interpret: bool) -> str:
         import tuning
         from pallas_kernels.problem import DTYPES, Problem
@@ -147,7 +188,8 @@ def _tiers_of(implementation: str | None):
                           mask_shape=(1, 1, case.t, case.s) if case.mask else None,
                           window=(case.window, 0) if case.window else None,
                           softcap=case.softcap or None, segment_ids=bool(case.segments),
-                          sinks=case.sinks)
+                          sinks=case.sinks,
+                          positions=split and case.kind == CONTEXT_PARALLEL)
         explained = tuning.explain(problem, implementation, interpret=interpret)
         forward, backward = explained.forward.tier, explained.backward.tier
         # The dense tier is one computation that JAX differentiates: one name.
@@ -388,8 +430,9 @@ def _naive_chunked(case: BenchCase, interpret: bool):
 
 
 FFPA = Impl("ffpa", _ffpa, doc="ffpa_jax.attention(): each direction on its tuned tier "
-            "(paged-decode: ffpa_jax.paged_attention)", tiers=_tiers_of(None), pallas=True,
-            paged=True)
+            "(paged-decode: ffpa_jax.paged_attention; context-parallel: the sequence split "
+            "over the case's devices)", tiers=_tiers_of(None, split=True), pallas=True,
+            paged=True, splits_sequence=True)
 PEERS: dict[str, Impl] = {
     # One row per tier of the registry that has kernels of its own (the A/B of tiers).
     **{f"ffpa-{t.name}": Impl(f"ffpa-{t.name}", _ffpa_tier(t.name), tiers=_tiers_of(t.name),
@@ -418,6 +461,10 @@ PEERS: dict[str, Impl] = {
     "ffpa-contiguous": Impl("ffpa-contiguous", _ffpa_contiguous, kinds=("paged-decode",),
                             tiers=_tiers_of(None), pallas=True, paged=True,
                             doc="ffpa_jax.attention on the same cache, contiguous"),
+    "ffpa-one-device": Impl("ffpa-one-device", lambda case, interpret: _ffpa_run(
+        case, None, interpret), kinds=(CONTEXT_PARALLEL,), tiers=_tiers_of(None),
+        pallas=True, doc="ffpa_jax.attention on one device, the whole sequence (the "
+        "context-parallel rows' yardstick)"),
     "pallas-paged": Impl("pallas-paged", _pallas_paged, kinds=("paged-decode",), pallas=True,
                          paged=True,
                          doc="jax.experimental.pallas.ops.gpu.paged_attention (Triton)"),
