@@ -190,7 +190,10 @@ def _tiers_of(implementation: str | None, *, split: bool = False):
                           softcap=case.softcap or None, segment_ids=bool(case.segments),
                           sinks=case.sinks,
                           positions=split and case.kind == CONTEXT_PARALLEL)
-        explained = tuning.explain(problem, implementation, interpret=interpret)
+        try:
+            explained = tuning.explain(problem, implementation, interpret=interpret)
+        except ValueError as exc:  # a forced tier that cannot run here (say, mosaic on a CPU)
+            raise Unsupported(str(exc)) from None
         forward, backward = explained.forward.tier, explained.backward.tier
         # The dense tier is one computation that JAX differentiates: one name.
         if case.mode == "fwd" or tiers.BY_NAME[forward].differentiated_by_jax:
