@@ -159,6 +159,15 @@ def _measure(case, impl):
     return M.measure(case, impl, interpret=True, min_rep_s=0.0, reps=1)
 
 
+def test_a_forced_tier_that_cannot_run_here_is_unsupported_with_the_reason():
+    """The dispatcher's refusal of a forced tier (mosaic without an sm90 GPU, here on the CPU)
+    is the row's reason, not an error."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("checks the rows of a machine without an sm90 GPU")
+    record = _measure(make_case("self", d=32, n=32, b=1, h=1), peers.PEERS["ffpa-mosaic"])
+    assert record["status"].startswith("unsupported: implementation='mosaic' needs an sm90 GPU")
+
+
 def test_failures_become_statuses_not_crashes():
     case = make_case("self", d=32, n=32, b=1, h=1)
 
