@@ -458,6 +458,11 @@ class Timings:
     step_s: list[float]             # the steps after the first
     losses: list[float]
 
+    @property
+    def median_step_s(self) -> float | None:
+        """The median of the steps after the first (None after a single step)."""
+        return float(np.median(self.step_s)) if self.step_s else None
+
 
 def sequence_mesh(devices: int) -> jax.sharding.Mesh:
     """A 1-D mesh "seq" over the first `devices` devices."""
@@ -682,7 +687,7 @@ def print_timings(timings: Timings, batch: int, seq_len: int, vocab: int,
     print(f"trace and compile: {timings.compile_s:.2f} s; first step: "
           f"{timings.first_step_s:.3f} s (both left out of the step time)")
     if timings.step_s:
-        median = float(np.median(timings.step_s))
+        median = timings.median_step_s
         print(f"step time: median {1e3 * median:.2f} ms, mean "
               f"{1e3 * float(np.mean(timings.step_s)):.2f} ms over {len(timings.step_s)} steps")
         print(f"tokens/s: {batch * seq_len / median:,.0f}")
@@ -863,7 +868,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return out_of_memory_exit(error, f"{cfg.attention} at {run['batch']} x "
                                          f"{run['seq_len']} tokens", args.json, record)
     print_timings(timings, run["batch"], run["seq_len"], cfg.vocab, devices)
-    median = float(np.median(timings.step_s)) if timings.step_s else None
+    median = timings.median_step_s
     record.update(compile_s=timings.compile_s, first_step_s=timings.first_step_s,
                   step_s=timings.step_s, median_step_s=median,
                   tokens_per_s=None if median is None else run["batch"] * run["seq_len"]

@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import tuning
 from ffpa_jax.layout import Pieces
 from pallas_kernels import tiers, visibility
-from pallas_kernels.compat import vary_like, varying_axes  # noqa: F401 (cb.vary_like)
 from pallas_kernels.plan import Plan
 from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
 

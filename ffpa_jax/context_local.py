@@ -17,6 +17,7 @@ from ffpa_jax import context_blocks as cb
 from ffpa_jax import context_gather, context_ring
 from ffpa_jax.context_blocks import ALL_GATHER, RING, ContextCall
 from ffpa_jax.layout import CONTIGUOUS, ZIGZAG
+from pallas_kernels import compat
 from pallas_kernels.plan import Plan, row_outputs
 from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
 
@@ -103,10 +104,10 @@ def _strategy_module(call: ContextCall):
 
 def _invariants_varying(call: ContextCall, inputs: Inputs) -> Inputs:
     """The arrays every shard holds alike, typed varying like q where the types track it
-    (see `context_blocks.vary_like`)."""
-    if not cb.varying_axes(inputs.q):
+    (see `compat.vary_like`)."""
+    if not compat.varying_axes(inputs.q):
         return inputs
-    vary = lambda x: cb.vary_like(x, inputs.q)
+    vary = lambda x: compat.vary_like(x, inputs.q)
     f = inputs.features
     return inputs._replace(
         bias=vary(inputs.bias), mask=vary(inputs.mask), seed=vary(inputs.seed),

@@ -32,6 +32,7 @@ from ffpa_jax import context_blocks as cb
 from ffpa_jax import context_local, partitioning
 from ffpa_jax.context_blocks import ContextCall
 from ffpa_jax.vjp import _cotangent, _primal_value, _shift_seed as shift_seed, sinks_grad
+from pallas_kernels import compat
 from pallas_kernels.problem import Cotangents, Inputs, Saved
 
 
@@ -63,7 +64,7 @@ def _shared_sum(grad, primal, q):
     """`grad` summed over the manual axes q varies over and `primal` does not."""
     if grad is None:
         return None
-    axes = cb.varying_axes(q) - cb.varying_axes(primal)
+    axes = compat.varying_axes(q) - compat.varying_axes(primal)
     return jax.lax.psum(grad, tuple(sorted(axes))) if axes else grad
 
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from ffpa_jax import context_blocks as cb
 from ffpa_jax.context_blocks import FULL, HIDDEN, PARTIAL, Block, ContextCall, Rows
+from pallas_kernels import compat
 from pallas_kernels.problem import Cotangents, Inputs, Saved
 
 
@@ -92,7 +93,7 @@ def forward(call: ContextCall, inputs: Inputs) -> Rows:
     b, _, hq, _ = inputs.q.shape
     dv = inputs.v.shape[3]
     start = [cb.empty_rows(b, qp.size, hq, dv, call.problem.lse_pair) for _ in range(qp.count)]
-    start = jax.tree.map(lambda x: cb.vary_like(x, inputs.q), start)
+    start = jax.tree.map(lambda x: compat.vary_like(x, inputs.q), start)
     kv = (inputs.k, inputs.v, inputs.features.kv_segment_ids)
     me = _shard(call)
 
@@ -122,7 +123,7 @@ def backward(call: ContextCall, inputs: Inputs, saved: Saved, cotangents: Cotang
     float32) from the merged out and lse of its rows (`saved`)."""
     qp, kp = call.q_pieces, call.k_pieces
     q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
-    zeros = lambda x: cb.vary_like(jnp.zeros(x.shape, jnp.float32), q)
+    zeros = lambda x: compat.vary_like(jnp.zeros(x.shape, jnp.float32), q)
     dqs = tuple(zeros(qp.local_slice(q, a, 1)) for a in range(qp.count))
     dkv = (zeros(k), zeros(v))
     dbias = None if bias is None else zeros(bias)

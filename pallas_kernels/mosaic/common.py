@@ -294,7 +294,7 @@ class Grid:
 
 
 def cluster_walk(p: Walk, grid: "Grid", t_first, t_count, rows: int, kv_rotate: bool):
-    """(lo, full_hi, hi, kv_of) of the key blocks a cluster walks: `kv_range` over the rows
+    """(lo, hi, kv_of) of the key blocks a cluster walks: `kv_range` over the rows
     of all its CTAs (query tiles t_first.. of `rows` rows; multicast needs every CTA to load
     the same tiles), and the walk's order (`kv_order`; not under a window, whose walk
     starts with masked blocks)."""
@@ -303,7 +303,7 @@ def cluster_walk(p: Walk, grid: "Grid", t_first, t_count, rows: int, kv_rotate: 
     lo, _, full_hi, hi = kv_range(p, first, last)
     kv_of = kv_order(lo, full_hi, lax.div(t_first, jnp.int32(t_count)), grid.n_q_clusters,
                      kv_rotate and p.window is None)
-    return lo, full_hi, hi, kv_of
+    return lo, hi, kv_of
 
 
 def consumer_walk(p: Walk, lo, q_first, q_last, *, padding_rows: bool):

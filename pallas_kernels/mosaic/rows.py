@@ -61,7 +61,7 @@ def rows_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype,
         wg = lax.axis_index(WARPGROUPS)
         t, h, b, t_first, t_count = grid.indices()
         hk = lax.div(h, jnp.int32(group))
-        lo, cl_full, hi, kv_of = cluster_walk(prob, grid, t_first, t_count, rows_cta,
+        lo, hi, kv_of = cluster_walk(prob, grid, t_first, t_count, rows_cta,
                                               config.kv_rotate)
         collective = CLUSTER if ncl > 1 else None
 
@@ -77,8 +77,7 @@ def rows_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype,
             my_q = q_smem.at[wg]
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], my_q, q_bar.at[wg])
             q_last = jnp.minimum(q0 + bq - 1, T - 1)
-            # some warpgroups may be all padding
-            mask_lo, full_hi, my_hi = consumer_walk(
+            mask_lo, full_hi, my_hi = consumer_walk(  # a warpgroup may hold padding rows only
                 prob, lo, q0, q_last, padding_rows=grid.q_extent * rows_cta - bq >= T)
 
             m_i = plgpu.layout_cast(jnp.full((bq,), NEG_INF, jnp.float32), ROW)

@@ -68,7 +68,7 @@ def wide_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype,
         other = 1 - wg
         t, h, b, t_first, t_count = grid.indices()
         hk = lax.div(h, jnp.int32(group))
-        lo, cl_full, hi, kv_of = cluster_walk(prob, grid, t_first, t_count, bq,
+        lo, hi, kv_of = cluster_walk(prob, grid, t_first, t_count, bq,
                                               config.kv_rotate)
         q0 = t * bq
         collective = CLUSTER if ncl > 1 else None
