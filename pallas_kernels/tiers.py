@@ -120,10 +120,11 @@ PALLAS = Tier(
     summary="the fused Pallas kernels lowered to Triton (forward, backward, decode)")
 
 MOSAIC = Tier(
-    name="mosaic", runs_on=SM90, forward=mosaic_tier.forward, backward=None,
-    directions=("forward",), configs=mosaic_tier.configs, unsupported=mosaic_tier.unsupported,
+    name="mosaic", runs_on=SM90, forward=mosaic_tier.forward, backward=mosaic_tier.backward,
+    configs=mosaic_tier.configs, unsupported=mosaic_tier.unsupported, ordered_backward=False,
     summary="Pallas Mosaic GPU kernels for sm90 (wgmma, TMA, warp specialisation): the "
-            "forward; its backward runs on another tier")
+            "forward up to D = 512, the backward up to D = 128 (dQ by TMA reduce-add, in a "
+            "varying order)")
 
 # Every tier, in the order the dispatcher falls back along (the most general last but one:
 # the dense path serves everything, the chunked tier everything in bounded memory).

@@ -17,7 +17,9 @@ import ffpa_jax
 from conftest import HAS_GPU
 from pallas_kernels import compat, visibility
 from pallas_kernels.mosaic import Config, default_config, mosaic_attention_forward
-from pallas_kernels.mosaic.common import Walk, kv_range, soft_cap
+from pallas_kernels.mosaic.backward import mosaic_attention_backward
+from pallas_kernels.mosaic.config import default_backward_config
+from pallas_kernels.mosaic.common import Walk, kv_range, q_range, soft_cap
 from pallas_kernels.problem import Problem
 from tuning import dispatch
 
@@ -35,8 +37,7 @@ LOWERING_CASES = [
     (1, 203, 300, 4, 2, 320, 111, True, None),
     (1, 256, 256, 8, 2, 512, 512, False, None),
 ]
-# Language-model features of the kernels, not yet served through the tier (its `unsupported`
-# lists them until the GPU numerics test below has passed): (case as above, window, softcap).
+# The kernels' language-model features: (case as above, window, softcap).
 FEATURE_CASES = [
     ((1, 113, 203, 4, 2, 59, 40, True, None), (64, 0), None),
     ((1, 300, 1000, 4, 4, 64, 64, False, None), (100, 37), 30.0),
@@ -74,6 +75,41 @@ def test_kernels_with_a_window_and_a_soft_cap_lower_for_cuda(case):
                                         softcap=softcap)
     text = jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+# The backward's cases: (B, T, S, Hq, Hkv, D, Dv, causal, window, softcap): both head dims
+# it takes (D = 64 gives K a 64-byte swizzle), odd shapes, GQA, T > S, the features.
+BACKWARD_LOWERING_CASES = [
+    (1, 113, 203, 4, 2, 59, 40, True, None, None),
+    (2, 256, 256, 8, 2, 128, 128, False, None, None),
+    (1, 203, 113, 4, 4, 111, 100, True, None, None),
+    (1, 300, 1000, 4, 4, 64, 64, False, (100, 37), 30.0),
+    (1, 1, 203, 2, 1, 64, 64, True, None, None),
+]
+
+
+@pytest.mark.parametrize("case", BACKWARD_LOWERING_CASES,
+                         ids=lambda c: "T{}-S{}-D{}.{}-causal{}-window{}-softcap{}".format(
+                             c[1], c[2], c[5], c[6], *c[7:]))
+def test_backward_lowers_for_cuda(case):
+    b, t, s, hq, hkv, d, dv, causal, window, softcap = case
+    q, k, v = sd((b, t, hq, d), jnp.bfloat16), sd((b, s, hkv, d), jnp.bfloat16), sd(
+        (b, s, hkv, dv), jnp.bfloat16)
+    out, lse = sd((b, t, hq, dv), jnp.float32), sd((b, hq, t), jnp.float32)
+
+    def f(q, k, v, out, lse, d_out, d_lse):
+        return mosaic_attention_backward(q, k, v, out, lse, d_out, d_lse, scale=d ** -0.5,
+                                         causal=causal, window=window, softcap=softcap)
+    text = jax.jit(f).trace(q, k, v, out, lse, out, lse).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_backward_refuses_head_dims_above_128():
+    q = sd((1, 64, 2, 192), jnp.bfloat16)
+    with pytest.raises(ValueError, match="D, Dv <= 128; got 192, 192"):
+        jax.eval_shape(functools.partial(mosaic_attention_backward, scale=0.1, causal=False),
+                       q, q, q, q, sd((1, 2, 64), jnp.float32), q)
 
 
 def _visible(t, s, causal, window):
@@ -121,6 +157,38 @@ def test_key_block_walk_covers_every_visible_key_and_masks_only_what_it_must():
         whole = (block >= mask_lo[:, None]) & (block < full_hi[:, None])
         assert np.all(~whole | (count == (lasts - firsts + 1)[:, None])), where
         assert np.all((full_hi == mask_lo) | (full_hi * bkv <= s)), where
+
+
+def test_query_block_walk_covers_every_row_that_sees_a_key_and_masks_only_what_it_must():
+    """`q_range` (the backward's walk over query blocks for a group of keys) against the
+    visibility rule, brute force: every row that sees a key of the group lies in [lo, hi);
+    the blocks [mask_lo, full_hi) see every key of the group (and none of them is padding);
+    blocks outside [lo, hi) see none."""
+    rng = np.random.default_rng(1)
+    for _ in range(120):
+        t, s = (int(x) for x in rng.integers(1, 400, 2))
+        bq = int(rng.choice([64, 128]))
+        causal = bool(rng.integers(2))
+        window = None if rng.integers(4) == 0 else tuple(int(x) for x in rng.integers(0, 300, 2))
+        walk = Walk(T=t, S=s, causal=causal, block_kv=128, window=window)
+        width = int(rng.choice([64, 128]))
+        firsts = np.arange(0, s, width, dtype=np.int32)
+        lasts = (firsts + width - 1).astype(np.int32)  # may pass S - 1: padding keys
+        padded = [np.pad(x, (0, 400 - x.size), mode="edge") for x in (firsts, lasts)]
+        lo, mask_lo, full_hi, hi = (x[:firsts.size] for x in np.broadcast_arrays(
+            padded[0], *q_range(walk, *map(jnp.asarray, padded), bq))[1:])
+        where = f"T={t} S={s} bq={bq} causal={causal} window={window}"
+        assert np.all((0 <= lo) & (lo <= mask_lo) & (mask_lo <= full_hi) & (full_hi <= hi)
+                      & (hi <= -(-t // bq))), where
+        # Per group and row: how many of the group's keys the row sees.
+        seen = np.concatenate([np.zeros((t, 1), int),
+                               np.cumsum(_visible(t, s, causal, window), axis=1)], axis=1)
+        count = seen[:, np.minimum(lasts, s - 1) + 1] - seen[:, firsts]  # [T, groups]
+        block = (np.arange(t) // bq)[:, None]
+        outside = (block < lo[None]) | (block >= hi[None])
+        assert not np.any((count > 0) & outside), where
+        whole = (block >= mask_lo[None]) & (block < full_hi[None])
+        assert np.all(~whole | (count == (lasts - firsts + 1)[None])), where
 
 
 def test_soft_cap_in_raw_units_is_the_references_cap():
@@ -224,51 +292,97 @@ def _problem(d=128, dtype=jnp.bfloat16, **kw):
     return Problem.of(q, kv, kv, **kw)
 
 
-def test_dispatcher_runs_the_forward_on_mosaic_where_it_runs(monkeypatch):
+def test_dispatcher_runs_mosaic_where_it_runs_and_serves(monkeypatch):
     device = _h100(monkeypatch)
     explained = dispatch.explain(_problem(), device=device)
-    assert (explained.forward.tier, explained.backward.tier) == ("mosaic", "pallas")
+    assert (explained.forward.tier, explained.backward.tier) == ("mosaic", "mosaic")
     assert explained.plan.config("mosaic_fwd") == default_config(128, 128, gqa_group=4)
-    # Above D = 256 the chunked tier keeps both directions.
-    wide = dispatch.explain(_problem(d=512), device=device)
-    assert (wide.forward.tier, wide.backward.tier) == ("chunked", "chunked")
+    assert explained.plan.config("mosaic_bwd") == default_backward_config(128, 128)
+    # Between D = 128 and 256 the backward stays on the fused Triton kernels, from 256 on
+    # the chunked tier; above D = 256 the chunked tier keeps both directions.
+    for d, tiers_want in ((192, ("mosaic", "pallas")), (256, ("mosaic", "chunked")),
+                          (512, ("chunked", "chunked"))):
+        wide = dispatch.explain(_problem(d=d), device=device)
+        assert (wide.forward.tier, wide.backward.tier) == tiers_want, d
+
+
+@pytest.mark.parametrize("options", [
+    dict(window=(300, 0), causal=True), dict(softcap=30.0),
+    dict(window=(200, 100), softcap=20.0)])
+def test_the_window_and_the_soft_cap_run_on_mosaic(options, monkeypatch):
+    explained = dispatch.explain(_problem(**options), device=_h100(monkeypatch))
+    assert (explained.forward.tier, explained.backward.tier) == ("mosaic", "mosaic")
 
 
 @pytest.mark.parametrize("options,feature", [
-    (dict(window=(64, 0), causal=True), "local_window_size"),
-    (dict(softcap=30.0), "logits_soft_cap"),
     (dict(dropout_rate=0.1), "dropout_rate"),
+    (dict(window=(16, 0), causal=True), "narrow"),
 ])
 def test_what_mosaic_lacks_goes_to_the_fused_kernels_and_says_why(options, feature,
                                                                    monkeypatch):
     device = _h100(monkeypatch)
     explained = dispatch.explain(_problem(**options), device=device)
-    assert explained.forward.tier == "pallas"
+    assert (explained.forward.tier, explained.backward.tier) == ("pallas", "pallas")
     reasons = dict(explained.passed_over)
-    if "mosaic" in reasons:  # a narrow window goes to the fused kernels by its own rule
+    if feature == "narrow":  # a narrow window goes to the fused kernels by its own rule
+        assert "window" in explained.forward.why and "mosaic" not in reasons
+    else:
         assert feature in reasons["mosaic"]
 
 
 def test_float32_and_other_gpus_never_take_mosaic(monkeypatch):
     device = _h100(monkeypatch)
-    assert dispatch.explain(_problem(dtype=jnp.float32), device=device).forward.tier == "pallas"
+    single = dispatch.explain(_problem(dtype=jnp.float32), device=device)
+    assert (single.forward.tier, single.backward.tier) == ("pallas", "pallas")
     ampere = dispatch.Device(nvidia_gpu=True, name="Simulated A100", compute_capability="8.0")
     explained = dispatch.explain(_problem(), device=ampere)
-    assert explained.forward.tier == "pallas"
+    assert (explained.forward.tier, explained.backward.tier) == ("pallas", "pallas")
     assert dict(explained.passed_over)["mosaic"].startswith("needs an sm90 GPU")
     old_jax = _h100(monkeypatch, jax_runs_mosaic=False)
     assert dispatch.explain(_problem(), device=old_jax).forward.tier == "pallas"
 
 
-def test_explicit_mosaic_runs_its_forward_and_the_rules_pick_the_backward(monkeypatch):
+def test_explicit_mosaic_runs_both_directions_where_it_serves_them(monkeypatch):
     device = _h100(monkeypatch)
     explained = dispatch.explain(_problem(), "mosaic", device=device)
-    assert (explained.forward.tier, explained.backward.tier) == ("mosaic", "pallas")
+    assert (explained.forward.tier, explained.backward.tier) == ("mosaic", "mosaic")
+    # A backward it cannot serve goes to the rules, and says why.
+    wide = dispatch.explain(_problem(d=256), "mosaic", device=device)
+    assert (wide.forward.tier, wide.backward.tier) == ("mosaic", "chunked")
+    assert "head dims above 128 in the backward" in wide.backward.why
     with pytest.raises(ValueError, match="does not support bias"):
         dispatch.explain(_problem(d=128).__class__.of(
             sd((1, 64, 2, 64), jnp.bfloat16), sd((1, 64, 2, 64), jnp.bfloat16),
             sd((1, 64, 2, 64), jnp.bfloat16), sd((1, 2, 64, 64), jnp.float32)),
             "mosaic", device=device)
+
+
+def test_keys_that_fit_one_tile_take_the_fused_backward(monkeypatch):
+    """Up to 128 keys the fused kernels' backward forms δ from its own P and dP (a row of one
+    key gets dq exactly 0, as XLA's); the Mosaic forward keeps the call's forward."""
+    device = _h100(monkeypatch)
+    short = Problem.of(sd((1, 203, 3, 111), jnp.bfloat16), sd((1, 1, 1, 111), jnp.bfloat16),
+                       sd((1, 1, 1, 111), jnp.bfloat16))
+    for implementation in (None, "mosaic"):
+        explained = dispatch.explain(short, implementation, device=device)
+        assert (explained.forward.tier, explained.backward.tier) == ("mosaic", "pallas")
+    assert "key lengths up to 128" in dispatch.explain(short, "mosaic",
+                                                       device=device).backward.why
+
+
+def test_deterministic_passes_over_the_mosaic_backward(monkeypatch):
+    """Its dQ is added by TMA reduce-adds in a varying order: `deterministic=True` takes the
+    fused kernels' backward instead, named or not; the forward stays on the tier."""
+    device = _h100(monkeypatch)
+    for implementation in (None, "mosaic"):
+        explained = dispatch.explain(_problem(), implementation, device=device,
+                                     deterministic=True)
+        assert (explained.forward.tier, explained.backward.tier) == ("mosaic", "pallas")
+        assert explained.plan.deterministic
+    assert "varying order" in dispatch.explain(_problem(), "mosaic", device=device,
+                                               deterministic=True).backward.why
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
+    assert dispatch.explain(_problem(), device=device).backward.tier == "pallas"
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the refusal on a machine without an sm90 GPU")

@@ -54,6 +54,11 @@ TIER_KERNELS = {"forward": fused.FWD_GENERIC.name, "backward": fused.BWD_GENERIC
 NARROW_WINDOW_RATIO = 8
 NARROW_WINDOW_MAX_HEADDIM = 512
 
+# The built-in rule's backward on the Mosaic tier (where it runs and serves the problem) up
+# to this head dim: its kernel's limit, and where it measured faster than the fused Triton
+# kernels (docs/benchmarks.md).
+MOSAIC_BACKWARD_MAX_HEADDIM = 128
+
 
 @dataclasses.dataclass(frozen=True)
 class Device:
@@ -155,12 +160,12 @@ def narrow_window(problem: Problem) -> bool:
 
 
 def built_in_tier(direction: str, problem: Problem) -> tuple[Tier, str]:
-    """The tier a direction runs on without a tuned entry. The forward up to D = 256 runs on
-    the Mosaic kernels where they run (about cuDNN's speed, where the Triton kernels reach
-    0.73-0.93x of it: docs/benchmarks.md), else on the fused kernels; the chunked tier's
-    GEMMs beat the fused kernels' register-bound head-dim slices above D = 256 in the forward
-    and from D = 256 in the backward (H200, bf16); float32 keeps the fused kernels, whose
-    backward recomputes its own normalised P exactly."""
+    """The tier a direction runs on without a tuned entry. The forward up to D = 256 and the
+    backward up to D = 128 run on the Mosaic kernels where they run (about cuDNN's speed,
+    where the Triton kernels reach 0.73-0.93x of it: docs/benchmarks.md), else on the fused
+    kernels; the chunked tier's GEMMs beat the fused kernels' register-bound head-dim slices
+    above D = 256 in the forward and from D = 256 in the backward (H200, bf16); float32 keeps
+    the fused kernels, whose backward recomputes its own normalised P exactly."""
     if problem.natural:
         return tiers.PALLAS, "built-in rule: float32 runs the fused kernels"
     if direction == "forward":
@@ -169,6 +174,9 @@ def built_in_tier(direction: str, problem: Problem) -> tuple[Tier, str]:
         return tiers.MOSAIC, "built-in rule: mosaic up to D = 256 in the forward"
     if problem.headdim >= 256:
         return tiers.CHUNKED, "built-in rule: chunked from D = 256 in the backward"
+    if problem.headdim <= MOSAIC_BACKWARD_MAX_HEADDIM:
+        return tiers.MOSAIC, (f"built-in rule: mosaic up to D = {MOSAIC_BACKWARD_MAX_HEADDIM} "
+                              "in the backward")
     return tiers.PALLAS, "built-in rule: pallas below D = 256 in the backward"
 
 
@@ -252,17 +260,30 @@ def _require_runs_here(tier: Tier, device: Device, interpret: bool) -> None:
 
 
 def _explicit(name: str, problem: Problem, device: Device, interpret: bool) -> Tier:
-    """The tier `implementation=name` names, or a ValueError saying why it cannot run."""
+    """The tier `implementation=name` names, or a ValueError saying why it cannot run: it
+    must run here and serve the forward (a backward it cannot serve goes to the rules:
+    `_named_refusal`)."""
     tier = tiers.BY_NAME[name]
     _require_runs_here(tier, device, interpret)
-    for direction in tier.directions:
-        missing = tier.unsupported(problem, direction)
-        if missing:
-            raise ValueError(
-                f"implementation={name!r} does not support {', '.join(missing)} in the "
-                f"{direction}. Pass implementation=None (another tier then runs it) or "
-                f"{tiers.CHUNKED.name!r} (same results, bounded memory), or {tiers.XLA.name!r}.")
+    missing = tier.unsupported(problem, DIRECTIONS[0])
+    if missing:
+        raise ValueError(
+            f"implementation={name!r} does not support {', '.join(missing)} in the "
+            f"{DIRECTIONS[0]}. Pass implementation=None (another tier then runs it) or "
+            f"{tiers.CHUNKED.name!r} (same results, bounded memory), or {tiers.XLA.name!r}.")
     return tier
+
+
+def _named_refusal(tier: Tier, direction: str, problem: Problem,
+                   deterministic: bool) -> str | None:
+    """Why the tier `implementation=` names does not run `direction` of `problem` (None: it
+    does): it has none, may not under `deterministic`, or lacks a feature there."""
+    if direction not in tier.directions:
+        return f"has no {direction}"
+    missing = tier.unsupported(problem, direction)
+    return (_unordered(tier, direction, deterministic)
+            or (f"does not implement {', '.join(missing)} in the {direction}" if missing
+                else None))
 
 
 def explain(problem: Problem, implementation: str | None = None, *, interpret: bool = False,
@@ -292,14 +313,13 @@ def explain(problem: Problem, implementation: str | None = None, *, interpret: b
                              f"{implementation!r}")
         tier = _explicit(implementation, problem, device, interpret)
         for direction in DIRECTIONS:
-            unordered = _unordered(tier, direction, ordered)
-            if direction in tier.directions and unordered is None:
+            refusal = _named_refusal(tier, direction, problem, ordered)
+            if refusal is None:
                 chosen[direction] = (tier, f"implementation={implementation!r}")
                 continue
             # The rules pick the direction the named tier has not, or may not run.
             served, why = by_rules(direction)
-            missing = unordered or f"has no {direction}"
-            chosen[direction] = (served, f"{why} ({implementation!r} {missing})")
+            chosen[direction] = (served, f"{why} ({implementation!r} {refusal})")
     else:
         chosen = {direction: by_rules(direction) for direction in DIRECTIONS}
     dense = [(tier, why) for tier, why in chosen.values() if tier.differentiated_by_jax]

@@ -43,17 +43,18 @@ def load_rows(ref):
     return compat.mosaic_load(ref, layout=ROW)
 
 
-def smem_transforms(minor: int, dtype):
-    """Tiling + swizzle transforms for a 2D SMEM tile with `minor` columns."""
+def smem_transforms(minor: int, dtype, swizzle: int = 128):
+    """Tiling + swizzle transforms for a 2D SMEM tile with `minor` columns (a narrower
+    `swizzle` makes column slices of that many bytes whole tiles)."""
     itemsize = jnp.dtype(dtype).itemsize
-    swz = min(128, minor * itemsize)
+    swz = min(swizzle, minor * itemsize)
     if swz not in (32, 64, 128):
         raise ValueError(f"unsupported minor size {minor} for {dtype}")
     return (plgpu.TilingTransform((8, swz // itemsize)), plgpu.SwizzleTransform(swz))
 
 
-def tiled_smem(shape, dtype):
-    return plgpu.SMEM(shape, dtype, transforms=smem_transforms(shape[-1], dtype))
+def tiled_smem(shape, dtype, swizzle: int = 128):
+    return plgpu.SMEM(shape, dtype, transforms=smem_transforms(shape[-1], dtype, swizzle))
 
 
 def cdiv(a, b):
@@ -142,6 +143,41 @@ def kv_range(p: Walk, q_first, q_last):
         # group: [q_last + shift - left, ..].
         lo = jnp.minimum(_blocks_below(q_first + p.shift - left, bkv), hi)
         mask_lo = jnp.clip(cdiv(jnp.maximum(q_last + p.shift - left, 0), bkv), lo, hi)
+    full_hi = jnp.clip(full_hi, mask_lo, hi)
+    return lo, mask_lo, full_hi, hi
+
+
+def q_range(p: Walk, k_first, k_last, block_q: int):
+    """Query blocks (of `block_q` rows) that see keys [k_first, k_last] (the backward's
+    walk, `kv_range` turned around; k_last may pass S - 1: keys past S are padding).
+
+    Returns (lo, mask_lo, full_hi, hi): blocks [lo, hi) hold every row that sees some key of
+    the group; [mask_lo, full_hi) see every key of it (no mask needed), the rest of [lo, hi)
+    go through `score_mod`. A group that reaches past S masks every block (its padding keys
+    must not count).
+    """
+    n = cdiv(p.T, block_q)
+    lo = mask_lo = 0
+    hi = full_hi = n
+    right = p.right
+    if right is not None:
+        # Row q sees key k only if k <= q + shift + right: rows from k_first - shift - right
+        # see some key of the group, rows from k_last - shift - right every key.
+        edge = p.shift + right
+        lo = _blocks_below(k_first - edge, block_q)
+        mask_lo = cdiv(jnp.maximum(k_last - edge, 0), block_q)
+    if p.window is not None:
+        # Row q sees key k only if k >= q + shift - left: rows up to k_last + left - shift
+        # see some key, rows up to k_first + left - shift every key.
+        reach = p.window[0] - p.shift
+        hi = jnp.minimum(n, cdiv(jnp.maximum(k_last + reach + 1, 0), block_q))
+        full_hi = _blocks_below(k_first + reach + 1, block_q)
+    if not (isinstance(k_last, int) and k_last < p.S):
+        full_hi = jnp.where(k_last < p.S, full_hi, 0)
+    if isinstance(lo, int) and isinstance(hi, int) and isinstance(full_hi, int):
+        return lo, mask_lo, full_hi, hi
+    lo = jnp.minimum(lo, hi)
+    mask_lo = jnp.clip(mask_lo, lo, hi)
     full_hi = jnp.clip(full_hi, mask_lo, hi)
     return lo, mask_lo, full_hi, hi
 

@@ -122,3 +122,11 @@ def default_config(
         return Config(block_kv=128, num_stages=2, grid_order="heads", lowering="warpgroup", **clu)
     return Config(block_kv=256, num_stages=3, grid_order="heads", lowering="lane", **clu)
 
+
+
+def default_backward_config(head_dim: int, head_dim_v: int | None = None) -> Config:
+    """The backward's launch config (`backward.rows_backward`): a ring of two query blocks;
+    the consumers take 240 registers each (dK and dV of 64 keys stay in them), the producer
+    24 (docs/history.md, session 20)."""
+    del head_dim, head_dim_v  # one config measured so far
+    return Config(num_stages=2, consumer_regs=240, producer_regs=24)

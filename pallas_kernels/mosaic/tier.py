@@ -1,42 +1,58 @@
 """The Mosaic tier's directions for the registry (`pallas_kernels.tiers`): its forward (the
-"rows" and "wide" Mosaic GPU kernels), its config, and what it does not compute yet.
+"rows" and "wide" Mosaic GPU kernels), its backward (`backward.rows_backward`, D and
+Dv <= 128), their configs, and what each does not compute yet.
 
-It has no backward of its own: the dispatcher pairs its forward with another tier's
-backward (every tier's directions agree on what passes between them: the output in float32
-when differentiated, and lse).
+Where the backward cannot serve a problem that the forward can (larger head dims), the
+dispatcher pairs the Mosaic forward with another tier's backward (every tier's directions
+agree on what passes between them: the output in float32 when differentiated, and lse).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels.mosaic.config import default_config, round_up
+from pallas_kernels.mosaic import backward as mosaic_backward
+from pallas_kernels.mosaic.config import default_backward_config, default_config, round_up
 from pallas_kernels.mosaic.forward import mosaic_attention_forward
 from pallas_kernels.plan import KernelChoice, Plan, Target
-from pallas_kernels.problem import Inputs, Problem
+from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
 
-KERNEL = "mosaic_fwd"  # the tier's config in a plan
-MAX_HEAD_DIM = 512
+KERNEL = "mosaic_fwd"  # the tier's configs in a plan
+BACKWARD_KERNEL = "mosaic_bwd"
+MAX_HEAD_DIM = {"forward": 512, "backward": mosaic_backward.MAX_HEAD_DIM}
+ONE_TILE_KEYS = 128
 
 
 def unsupported(problem: Problem, direction: str) -> tuple[str, ...]:
-    """What of `problem` the Mosaic tier does not compute, by argument name (or what). The
-    kernels take a window and a soft cap (`mosaic_attention_forward`); the tier serves them
-    once their GPU numerics test (tests/test_mosaic.py, `-m gpu`) has passed."""
-    del direction  # the forward: the tier has no backward (`Tier.directions`)
+    """What of `problem` the Mosaic tier does not compute in `direction`, by argument name
+    (or what)."""
+    features = [name for name in problem.features
+                if name not in ("local_window_size", "logits_soft_cap")]
+    limit = MAX_HEAD_DIM[direction]
     missing = [name for name, lacks in (
         ("bias", problem.has_bias), ("mask", problem.mask_shape is not None),
-        ("dropout_rate", problem.has_dropout), *((name, True) for name in problem.features),
+        ("dropout_rate", problem.has_dropout), *((name, True) for name in features),
         ("context_axis (positions)", problem.positions),
         ("float32 (16-bit only)", problem.natural),
-        (f"head dims above {MAX_HEAD_DIM}", problem.headdim > MAX_HEAD_DIM),
-        ("scale 0", problem.scale == 0.0)) if lacks]
+        (f"head dims above {limit}", problem.headdim > limit),
+        ("scale 0", problem.scale == 0.0),
+        # Rows whose keys all fit one tile: the fused kernels form δ from their own P and dP
+        # there, which makes a row of one key's dq exactly 0 as XLA's (docs/history.md,
+        # session 10); this kernel takes δ from O and dO, a few ulps off.
+        (f"key lengths up to {ONE_TILE_KEYS} (the fused kernels' exact one-tile δ)",
+         direction == "backward" and problem.seq_k <= ONE_TILE_KEYS)) if lacks]
     return tuple(missing)
 
 
 def configs(problem: Problem, direction: str, lookup, target: Target) -> tuple[KernelChoice, ...]:
     """The kernels' config: the built-in choice per head size (not in the tuned files yet)."""
     del lookup, target
+    if direction == "backward":
+        config = default_backward_config(problem.head_dim, problem.head_dim_v)
+        settings = dict(kernel="rows_backward", num_stages=config.num_stages,
+                        consumer_regs=config.consumer_regs)
+        return (KernelChoice.of(BACKWARD_KERNEL, config,
+                                "built-in default (mosaic/config.py)", direction, settings),)
     config = default_config(problem.head_dim, problem.head_dim_v, problem.dtype,
                             problem.causal, gqa_group=problem.group)
     kernel = "wide" if max(round_up(problem.head_dim, 64),
@@ -54,4 +70,15 @@ def forward(plan: Plan, inputs: Inputs):
     out_dtype = jnp.float32 if plan.float32_out else None
     return mosaic_attention_forward(inputs.q, inputs.k, inputs.v, scale=problem.scale,
                                     causal=problem.causal, config=plan.config(KERNEL),
-                                    out_dtype=out_dtype)
+                                    out_dtype=out_dtype, window=problem.window,
+                                    softcap=problem.softcap)
+
+
+def backward(plan: Plan, inputs: Inputs, saved: Saved, cotangents: Cotangents):
+    """(dq, dk, dv, None): the tier takes no bias."""
+    problem = plan.problem
+    dq, dk, dv = mosaic_backward.mosaic_attention_backward(
+        inputs.q, inputs.k, inputs.v, saved.out, saved.lse, cotangents.d_out,
+        cotangents.d_lse, scale=problem.scale, causal=problem.causal,
+        config=plan.config(BACKWARD_KERNEL), window=problem.window, softcap=problem.softcap)
+    return dq, dk, dv, None

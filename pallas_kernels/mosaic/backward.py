@@ -1,0 +1,270 @@
+"""The Mosaic tier's backward (D, Dv <= 128 after padding to 64): one pass over the query
+blocks per key block, dQ added to a float32 buffer by TMA reduce-add.
+
+One CTA owns 128 keys of one KV head (two consumer warpgroups of 64 keys each) and walks
+the query blocks (64 rows) of every query head of its GQA group that see them, streamed by
+a producer warpgroup through a ring of shared-memory stages (Q, dO, and the rows' lse and
+δ). Per block each consumer recomputes its probabilities from lse, as Pᵀ (keys × rows):
+
+    Sᵀ = K Qᵀ,  Pᵀ = exp2(scale·log2e·Sᵀ − lse·log2e),  dPᵀ = V dOᵀ,
+    dV += Pᵀ dO,  dSᵀ = Pᵀ ∘ (dPᵀ − δ),  dK += dSᵀ Q,
+
+keeping dK and dV in registers over the whole walk. Both warpgroups publish dSᵀ in shared
+memory (two buffers by step parity, so one warpgroup may run a step ahead), and each then
+computes half of dQ's columns over all 128 keys, dQ[:, half] = dS K[:, half], which it adds
+to the float32 dQ buffer with a TMA reduce-add (from two staging tiles, so that a step
+need not wait for the last one's add to read its tile): the order of those adds varies from run to
+run (`Tier.ordered_backward` is False for this kernel). dK and the float32 dQ are scaled by
+the softmax scale at the end.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import compat
+from pallas_kernels.mosaic.common import (LOG2E, WARPGROUPS, WGMMA, Walk, cdiv,
+                                          compiler_params, iota, q_range, score_mod, soft_cap,
+                                          tiled_smem, walk_kv)
+from pallas_kernels.mosaic.config import Config, default_backward_config, round_up
+
+K_TILES, KV_HEADS, BATCH = "ffpa_mosaic_k", "ffpa_mosaic_hk", "ffpa_mosaic_b"
+COLUMNS = plgpu.Layout.WGMMA.reduce(0)  # a [64] vector along a tile's columns
+BLOCK_Q = 64  # query rows per step
+KEYS_PER_WG = 64
+MAX_HEAD_DIM = 128
+
+
+def rows_backward(q, k, v, do, lse2, delta, *, T, S, scale, causal, config: Config,
+                  window=None, softcap=None):
+    """(dq float32 [B, Tp, Hq, D], dk [B, S8, Hkv, D], dv [B, S8, Hkv, Dv]) of padded arrays:
+    q/do [B, T8, Hq, D|Dv], k/v [B, S8, Hkv, D|Dv] (D, Dv in {64, 128}); lse2 = lse·log2(e)
+    with +inf on rows that see no key (their P is 0), δ = rowsum(dO ∘ O) − dlse, both float32
+    [B, Hq, Tp] (Tp: T rounded up to 64, padded with +inf and 0)."""
+    B, _, Hq, D = q.shape
+    _, S8, Hkv, Dv = v.shape
+    dtype = q.dtype
+    group = Hq // Hkv
+    bq, wk = BLOCK_Q, KEYS_PER_WG
+    bk = 2 * wk  # keys per CTA
+    ns = config.num_stages
+    Tp = lse2.shape[-1]
+    half = D // 2  # dQ columns per warpgroup
+    # K's column halves must be whole swizzle tiles (they are dQ's B operand), and a wgmma's
+    # two shared-memory operands share a swizzle: K's is Q's (Sᵀ = K Qᵀ) and dSᵀ's (dQ).
+    swizzle = min(128, half * jnp.dtype(dtype).itemsize)
+    prob = Walk(T=T, S=S, causal=causal, block_kv=bk, window=window, softcap=softcap,
+                scale=float(scale))
+    c_exp = float(scale) * LOG2E
+    n_kt = cdiv(S, bk)
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref,
+               scoped):
+        (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+         kv_bar, q_full, do_full, free, ds_ready, done) = scoped
+        wg = lax.axis_index(WARPGROUPS)
+        kt = lax.axis_index(K_TILES)
+        hk = lax.axis_index(KV_HEADS)
+        b = lax.axis_index(BATCH)
+        k0 = kt * bk
+        lo, mask_lo, full_hi, hi = q_range(prob, k0, k0 + bk - 1, bq)
+        count = hi - lo  # steps per query head
+
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(config.consumer_regs, action="increase")
+            my_keys = pl.ds(wg * wk, wk)
+            my_cols = pl.ds(wg * half, half)
+            dk = plgpu.layout_cast(jnp.zeros((wk, D), jnp.float32), WGMMA)
+            dv = plgpu.layout_cast(jnp.zeros((wk, Dv), jnp.float32), WGMMA)
+            plgpu.barrier_wait(kv_bar)
+
+            def head(g, carry):
+                h = hk * group + g
+
+                def step(j, carry, *, masked):
+                    dk, dv = carry
+                    n = g * count + (j - lo)
+                    slot = lax.rem(n, ns)
+                    parity = lax.rem(n, 2)
+                    q0 = j * bq
+
+                    def scores(refs):
+                        s_ref, dp_ref = refs
+                        plgpu.barrier_wait(q_full.at[slot])
+                        plgpu.wgmma(s_ref, k_smem.at[my_keys],
+                                    plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
+                        plgpu.barrier_wait(do_full.at[slot])
+                        plgpu.wgmma(dp_ref, v_smem.at[my_keys],
+                                    plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
+
+                    zeros = plgpu.layout_cast(jnp.zeros((wk, bq), jnp.float32), WGMMA)
+                    s, dp = pl.run_state(scores)((plgpu.ACC.init(zeros),
+                                                  plgpu.ACC.init(zeros)))
+                    s = soft_cap(prob, s)
+                    if softcap is not None:
+                        # d(capped)/d(raw) = 1 - tanh², tanh = scale·capped / cap (taken
+                        # before the mask turns hidden scores to -inf).
+                        tanh = s * (float(scale) / softcap)
+                        d_cap = 1.0 - tanh * tanh
+                    if masked:
+                        q_idx = q0 + iota((wk, bq), 1)
+                        k_idx = k0 + wg * wk + iota((wk, bq), 0)
+                        s = score_mod(prob, s, q_idx, k_idx)
+                    lse = compat.mosaic_load(lse_smem.at[slot], layout=COLUMNS)
+                    p = jnp.exp2(s * c_exp - lax.broadcast_in_dim(lse, s.shape, [1]))
+                    dlt = compat.mosaic_load(delta_smem.at[slot], layout=COLUMNS)
+                    ds = p * (dp - lax.broadcast_in_dim(dlt, dp.shape, [1]))
+                    if softcap is not None:
+                        ds = ds * d_cap
+                    p16, ds16 = p.astype(dtype), ds.astype(dtype)
+
+                    def grads(refs):
+                        dv_ref, dk_ref = refs
+                        plgpu.wgmma(dv_ref, p16, do_smem.at[slot])
+                        plgpu.wgmma(dk_ref, ds16, q_smem.at[slot])
+
+                    dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+                    plgpu.barrier_arrive(free.at[slot])
+
+                    # dS to shared memory for both warpgroups' dQ columns.
+                    ds_smem.at[parity, my_keys][...] = ds16
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(ds_ready.at[parity])
+                    plgpu.barrier_wait(ds_ready.at[parity])
+
+                    def dq_cols(acc_ref):
+                        plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_smem.at[parity], (1, 0)),
+                                    k_smem.at[:, my_cols])
+
+                    dq = pl.run_state(dq_cols)(plgpu.ACC.init(
+                        plgpu.layout_cast(jnp.zeros((bq, half), jnp.float32), WGMMA)))
+                    # Two staging tiles by step parity: the reduce-add of two steps ago
+                    # (the one before the last) must have read this one.
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    dq_smem.at[wg, parity][...] = dq
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(dq_smem.at[wg, parity],
+                                            dq_ref.at[b, pl.ds(q0, bq), h, my_cols],
+                                            reduction_op="add")
+                    return dk, dv
+
+                return walk_kv(step, carry, lo, mask_lo, full_hi, hi)
+
+            dk, dv = lax.fori_loop(0, group, head, (dk, dv))
+            # K and V take the results once both warpgroups have read them for the last time.
+            plgpu.barrier_arrive(done)
+            plgpu.barrier_wait(done)
+            k_smem.at[my_keys][...] = (dk * float(scale)).astype(dtype)
+            v_smem.at[my_keys][...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            rows = pl.ds(k0 + wg * wk, wk)
+            plgpu.copy_smem_to_gmem(k_smem.at[my_keys], dk_ref.at[b, rows, hk])
+            plgpu.copy_smem_to_gmem(v_smem.at[my_keys], dv_ref.at[b, rows, hk])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(config.producer_regs, action="decrease")
+            keys = pl.ds(k0, bk)
+            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_smem, kv_bar)
+            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_smem, kv_bar)
+
+            @pl.loop(0, group * count)
+            def _load(n):
+                g = lax.div(n, jnp.maximum(count, 1))
+                j = lo + n - g * count
+                h = hk * group + g
+                slot = lax.rem(n, ns)
+                rows = pl.ds(j * bq, bq)
+
+                @pl.when(n >= ns)
+                def _():
+                    plgpu.barrier_wait(free.at[slot])
+
+                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[slot], q_full.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[slot],
+                                        q_full.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot],
+                                        do_full.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot],
+                                        do_full.at[slot])
+
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref):
+        pl.run_scoped(
+            lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+                                   dk_ref, dv_ref, scoped),
+            tiled_smem((bk, D), dtype, swizzle),
+            tiled_smem((bk, Dv), dtype),
+            tiled_smem((ns, bq, D), dtype, swizzle),
+            tiled_smem((ns, bq, Dv), dtype),
+            plgpu.SMEM((ns, bq), jnp.float32),
+            plgpu.SMEM((ns, bq), jnp.float32),
+            tiled_smem((2, bk, bq), dtype, swizzle),
+            tiled_smem((2, 2, bq, half), jnp.float32),
+            plgpu.Barrier(num_arrivals=2),  # K and V landed
+            plgpu.Barrier(num_arrivals=2, num_barriers=ns),  # Q and lse landed
+            plgpu.Barrier(num_arrivals=2, num_barriers=ns),  # dO and δ landed
+            plgpu.Barrier(num_arrivals=2, num_barriers=ns),  # both consumers done with a slot
+            plgpu.Barrier(num_arrivals=2, num_barriers=2),  # both halves of dSᵀ written
+            plgpu.Barrier(num_arrivals=2),  # both consumers out of the walk
+            collective_axes=WARPGROUPS,
+        )
+
+    mesh = plgpu.Mesh(grid=(Hkv, n_kt, B), grid_names=(KV_HEADS, K_TILES, BATCH),
+                      num_threads=3, thread_name=WARPGROUPS)
+    dq_acc = jax.new_ref(jnp.zeros((B, Tp, Hq, D), jnp.float32))
+    dk, dv = pl.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((B, S8, Hkv, D), dtype),
+                  jax.ShapeDtypeStruct((B, S8, Hkv, Dv), dtype)),
+        mesh=mesh,
+        compiler_params=compiler_params(config),
+    )(q, k, v, do, lse2, delta, dq_acc)
+    return dq_acc[...] * float(scale), dk, dv
+
+
+def _pad(x, sizes):
+    pads = [(0, sizes.get(i, n) - n) for i, n in enumerate(x.shape)]
+    return jnp.pad(x, pads) if any(p for _, p in pads) else x
+
+
+def mosaic_attention_backward(q, k, v, out, lse, d_out, d_lse=None, *, scale: float,
+                              causal: bool, config: Config | None = None,
+                              window: tuple[int, int] | None = None,
+                              softcap: float | None = None):
+    """(dq, dk, dv) of `mosaic_attention_forward`'s (out, lse) for the cotangents d_out
+    [B, T, Hq, Dv] and d_lse [B, Hq, T] (None: lse not differentiated), in q's dtype.
+    D and Dv up to 128; out may be float32 (the differentiated forward's)."""
+    B, T, Hq, D = q.shape
+    S, Dv = k.shape[1], v.shape[3]
+    if max(D, Dv) > MAX_HEAD_DIM:
+        raise ValueError(f"the Mosaic backward supports D, Dv <= {MAX_HEAD_DIM}; got {D}, {Dv}")
+    config = config or default_backward_config(D, Dv)
+    scale = float(scale)
+    if scale < 0.0:  # as the forward: q negated, exact in 16 bits
+        dq, dk, dv = mosaic_attention_backward(
+            -q, k, v, out, lse, d_out, d_lse, scale=-scale, causal=causal, config=config,
+            window=window, softcap=softcap)
+        return -dq, dk, dv
+    delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), d_out.astype(jnp.float32))
+    empty = lse == -jnp.inf
+    if d_lse is not None:
+        delta = delta - jnp.where(empty, 0.0, d_lse.astype(jnp.float32))
+    lse2 = jnp.where(empty, jnp.inf, lse * LOG2E)
+    Tp = round_up(T, BLOCK_Q)
+    lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, Tp - T)), constant_values=jnp.inf)
+    delta = jnp.pad(delta, ((0, 0), (0, 0), (0, Tp - T)))
+    Dp, Dvp, T8, S8 = round_up(D, 64), round_up(Dv, 64), round_up(T, 8), round_up(S, 8)
+    dq, dk, dv = rows_backward(
+        _pad(q, {1: T8, 3: Dp}), _pad(k, {1: S8, 3: Dp}), _pad(v, {1: S8, 3: Dvp}),
+        _pad(d_out.astype(q.dtype), {1: T8, 3: Dvp}), lse2, delta, T=T, S=S, scale=scale,
+        causal=causal, config=config,
+        window=None if window is None else tuple(int(x) for x in window),
+        softcap=None if softcap is None else float(softcap))
+    dq = dq[:, :T, :, :D].astype(q.dtype)
+    return tuple(compat.vary_like(x, q) for x in (dq, dk[:, :S, :, :D], dv[:, :S, :, :Dv]))
