@@ -45,6 +45,16 @@ def cli(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProces
                           env=dict(os.environ, **(env_extra or {})))
 
 
+def _exit_code(argv: list[str]) -> int:
+    """`autotune_cli.main(argv)`'s exit status in this process (argparse's refusals raise
+    SystemExit), as `python -m tuning.autotune` would exit with it: a subprocess costs a
+    Python and JAX start-up, so the tests run the command itself once each."""
+    try:
+        return autotune_cli.main(argv)
+    except SystemExit as exit_:
+        return exit_.code
+
+
 SMALL = ("--headdims", "64,128", "--seqlens", "1,512", "--H", "4",
          "--worker-backend", FAKE_BACKEND)
 
@@ -123,7 +133,7 @@ def test_default_grid_is_ffpas():
 # ---------------------------------------------------------------- runs
 
 
-def test_end_to_end_two_gpus_cap_resume_refuse_overwrite(env):
+def test_end_to_end_two_gpus_cap_resume_refuse_overwrite(env, capsys):
     out = env / "configs"
     path = out / FILE_NAME
     # 1. A capped run (FFPA_AUTOTUNE_MAX_CONFIGS) on two worker processes.
@@ -138,9 +148,10 @@ def test_end_to_end_two_gpus_cap_resume_refuse_overwrite(env):
     assert "--resume" in first.stderr
     # 2. Without --overwrite or --resume an existing file is never touched.
     before = path.read_bytes()
-    refused = cli("--output-dir", str(out), *SMALL)
-    assert refused.returncode == 2
-    assert "exists; pass --overwrite to replace it or --resume to continue it" in refused.stderr
+    capsys.readouterr()
+    assert _exit_code(["--output-dir", str(out), *SMALL]) == 2
+    assert ("exists; pass --overwrite to replace it or --resume to continue it"
+            in capsys.readouterr().err)
     assert path.read_bytes() == before
     # 3. --resume runs exactly the rest.
     resumed = cli("--num-gpus", "2", "--resume", "--output-dir", str(out), *SMALL)
@@ -184,25 +195,27 @@ def test_too_few_visible_gpus_fails_clearly(env, monkeypatch, capsys):
     assert not list(env.glob("*.json"))
 
 
-def test_no_gpu_says_a_gpu_is_needed(env):
+def test_no_gpu_says_a_gpu_is_needed(env, monkeypatch, capsys):
     """Without a visible GPU the CLI says plainly that it needs one, instead of advising a
-    smaller --num-gpus; --num-gpus 0 is refused with the same reason."""
+    smaller --num-gpus; --num-gpus 0 is refused with the same reason. (The real command
+    once; the argument refusals and the dry run in this process, through the same `main`:
+    each subprocess costs a Python and JAX start-up.)"""
     plain = cli("--output-dir", str(env), env_extra={"CUDA_VISIBLE_DEVICES": ""})
     assert plain.returncode == 2
     assert "measures the kernels on NVIDIA GPUs, and none is visible here" in plain.stderr
     assert "Lower --num-gpus" not in plain.stderr and "Pass --num-gpus" not in plain.stderr
-    zero = cli("--num-gpus", "0", "--output-dir", str(env))
-    assert zero.returncode == 2
-    assert "at least 1" in zero.stderr and "cannot run without one" in zero.stderr
+    assert _exit_code(["--num-gpus", "0", "--output-dir", str(env)]) == 2
+    zero = capsys.readouterr().err
+    assert "at least 1" in zero and "cannot run without one" in zero
     for bad in ("-1", "two"):
-        assert cli("--num-gpus", bad).returncode == 2
+        assert _exit_code(["--num-gpus", bad]) == 2
     assert not list(env.rglob("*.json"))
     # What runs anywhere still runs.
-    assert cli("--dry-run", "--headdims", "64", "--seqlens", "512",
-               env_extra={"CUDA_VISIBLE_DEVICES": ""}).returncode == 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert _exit_code(["--dry-run", "--headdims", "64", "--seqlens", "512"]) == 0
 
 
-def test_default_output_directory_is_what_the_lookup_reads(env, monkeypatch):
+def test_default_output_directory_is_what_the_lookup_reads(env, monkeypatch, capsys):
     """A run without --output-dir writes into the user's directory ($XDG_CACHE_HOME here),
     says that the lookup reads it, and the lookup finds the file there."""
     run = cli("--headdims", "64", "--seqlens", "512", "--H", "4", "--directions", "forward",
@@ -212,12 +225,12 @@ def test_default_output_directory_is_what_the_lookup_reads(env, monkeypatch):
     folder = env / "cache" / "ffpa_jax" / "tuned_configs"
     assert (folder / FILE_NAME).is_file()
     assert f"the tuned-config lookup reads {folder}" in run.stderr
-    elsewhere = cli("--headdims", "64", "--seqlens", "512", "--H", "4", "--directions",
-                    "forward", "--causal", "false", "--worker-backend", FAKE_BACKEND,
-                    "--output-dir", str(env / "elsewhere"),
-                    env_extra={"CUDA_VISIBLE_DEVICES": "0"})
-    assert elsewhere.returncode == 0, elsewhere.stderr
-    assert f"set FFPA_TUNED_CONFIG_DIR={env / 'elsewhere'}" in elsewhere.stderr
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    capsys.readouterr()
+    assert _exit_code(["--headdims", "64", "--seqlens", "512", "--H", "4", "--directions",
+                       "forward", "--causal", "false", "--worker-backend", FAKE_BACKEND,
+                       "--output-dir", str(env / "elsewhere")]) == 0  # in this process
+    assert f"set FFPA_TUNED_CONFIG_DIR={env / 'elsewhere'}" in capsys.readouterr().err
     monkeypatch.setattr(lookup_mod, "user_config_dir", real_user_config_dir)
     clear_cache()
     try:
