@@ -115,7 +115,9 @@ def test_grad_causal(t, s, kernel_mode, tier):
     check_grads(Case(b=2, t=t, s=s, hq=6, hkv=2, d=59, causal=True), kernel_mode, tier)
 
 
-BIAS_SHAPES = [(37, 70), (70,), (1, 1, 1, 70), (2, 1, 1, 70), (1, 4, 1, 70), (1, 4, 37, 70),
+# Each 4-D shape that `validation.as_4d` makes of a caller's bias once ((70,) is
+# (1, 1, 1, 70) to every tier; its gradient is reshaped back to the caller's rank).
+BIAS_SHAPES = [(37, 70), (70,), (2, 1, 1, 70), (1, 4, 1, 70), (1, 4, 37, 70),
                (2, 4, 37, 70), (2, 1, 37, 1), (4, 37, 1), (1, 1, 1, 1)]
 
 

@@ -83,11 +83,11 @@ def test_causal(t, s, kernel_mode, tier):
         assert np.all(np.asarray(out, np.float32)[:, : t - s] == 0.0)
 
 
-# Broadcast shapes for B=2, Hq=4, T=37, S=70 (numpy rules, right-aligned).
+# Broadcast shapes for B=2, Hq=4, T=37, S=70 (numpy rules, right-aligned): every rank, and
+# each 4-D shape that `validation.as_4d` (leading 1s, before any tier) makes of them once.
 BROADCAST_SHAPES = [
-    (70,), (37, 70), (1, 70), (37, 1), (4, 1, 70), (4, 37, 70),
-    (1, 1, 1, 70), (2, 1, 1, 70), (1, 4, 1, 70), (1, 4, 37, 70), (2, 1, 37, 70),
-    (2, 4, 37, 70), (2, 4, 37, 1), (1, 1, 1, 1),
+    (70,), (37, 70), (37, 1), (4, 1, 70), (4, 37, 70),
+    (2, 1, 1, 70), (2, 1, 37, 70), (2, 4, 37, 70), (2, 4, 37, 1), (1, 1, 1, 1),
 ]
 
 
