@@ -314,20 +314,22 @@ def test_the_window_and_the_soft_cap_run_on_mosaic(options, monkeypatch):
     assert (explained.forward.tier, explained.backward.tier) == ("mosaic", "mosaic")
 
 
-@pytest.mark.parametrize("options,feature", [
-    (dict(dropout_rate=0.1), "dropout_rate"),
-    (dict(window=(16, 0), causal=True), "narrow"),
-])
-def test_what_mosaic_lacks_goes_to_the_fused_kernels_and_says_why(options, feature,
-                                                                   monkeypatch):
+def test_what_mosaic_lacks_goes_to_the_fused_kernels_and_says_why(monkeypatch):
     device = _h100(monkeypatch)
-    explained = dispatch.explain(_problem(**options), device=device)
+    explained = dispatch.explain(_problem(dropout_rate=0.1), device=device)
     assert (explained.forward.tier, explained.backward.tier) == ("pallas", "pallas")
-    reasons = dict(explained.passed_over)
-    if feature == "narrow":  # a narrow window goes to the fused kernels by its own rule
-        assert "window" in explained.forward.why and "mosaic" not in reasons
-    else:
-        assert feature in reasons["mosaic"]
+    assert "dropout_rate" in dict(explained.passed_over)["mosaic"]
+
+
+@pytest.mark.parametrize("d,want", [(128, ("mosaic", "mosaic")), (256, ("mosaic", "pallas")),
+                                    (512, ("pallas", "pallas"))])
+def test_narrow_windows_run_on_the_kernels_that_skip_hidden_tiles(d, want, monkeypatch):
+    """A window of at most 1/8 of the keys: the Mosaic kernels where they serve and measured
+    faster (the forward up to D = 256, the backward up to 128), the Triton kernels beyond."""
+    explained = dispatch.explain(_problem(d=d, window=(16, 0), causal=True),
+                                 device=_h100(monkeypatch))
+    assert (explained.forward.tier, explained.backward.tier) == want
+    assert "skip the hidden tiles" in explained.forward.why
 
 
 def test_float32_and_other_gpus_never_take_mosaic(monkeypatch):

@@ -53,6 +53,9 @@ TIER_KERNELS = {"forward": fused.FWD_GENERIC.name, "backward": fused.BWD_GENERIC
 # (the tuned tiers were measured without windows; docs/benchmarks.md has the A/B).
 NARROW_WINDOW_RATIO = 8
 NARROW_WINDOW_MAX_HEADDIM = 512
+# Of them, the Mosaic kernels (where they run) up to these head dims: measured faster than
+# the Triton kernels at D = 128 and 256 (forward) and 128 (backward), docs/benchmarks.md.
+NARROW_WINDOW_MOSAIC_MAX_HEADDIM = {"forward": 256, "backward": 128}
 
 # The built-in rule's backward on the Mosaic tier (where it runs and serves the problem) up
 # to this head dim: its kernel's limit, and where it measured faster than the fused Triton
@@ -202,8 +205,11 @@ def tuned_tier(direction: str, problem: Problem, device: Device) -> tuple[Tier |
 def _rule(direction: str, problem: Problem, device: Device) -> tuple[Tier, str]:
     """The GPU's first applicable rule for `direction` (step 3 of the module docstring)."""
     if narrow_window(problem):
-        return tiers.PALLAS, (f"a window of at most 1/{NARROW_WINDOW_RATIO} of the keys: the "
-                              "fused kernels skip the hidden tiles")
+        # The Mosaic kernels skip hidden tiles too, and measured faster where they serve.
+        fused_tier = (tiers.MOSAIC if problem.headdim <= NARROW_WINDOW_MOSAIC_MAX_HEADDIM[
+            direction] else tiers.PALLAS)
+        return fused_tier, (f"a window of at most 1/{NARROW_WINDOW_RATIO} of the keys: the "
+                            f"fused kernels skip the hidden tiles ({fused_tier.name})")
     if direction == "forward" and fused.uses_decode(problem):
         return tiers.PALLAS, (f"decode shape (T <= {fused.DECODE_MAX_QUERIES} queries against "
                               f">= {fused.DECODE_MIN_KEYS} keys): the decode kernels")

@@ -205,14 +205,17 @@ def kv_order(lo, full, tc, n_qc: int, enabled: bool):
 def soft_cap(p: Walk, s):
     """Raw scores s = q.k (float32) under the logit soft cap c: the logits scale·s become
     c·tanh(scale·s / c), returned in raw units (divided by the scale again) so that the
-    softmax's one multiply by scale·log2(e) stays as it is. tanh(x) = 1 - 2 / (1 + e^(2x)):
-    exp2 and a division, both approximate under the kernels' `approx_math` (absolute error
-    about 2^-22, as the Triton kernels' `numerics.fast_tanh`); rows whose scores all get
-    masked afterwards are unaffected."""
+    softmax's one multiply by scale·log2(e) stays as it is. tanh(x) = 1 - 2 / (1 + e^(2x)),
+    the reciprocal as rsqrt squared: under the kernels' `approx_math` that is ex2.approx and
+    rsqrt.approx with multiplies (relative error about 2^-22 each), where a division would be
+    an exact one (arith.divf: a dozen instructions per score). e^(2x) overflowing to inf gives
+    tanh = 1; rows whose scores all get masked afterwards are unaffected. (tanh.approx.f32,
+    one instruction, missed the tolerance rule on lse: docs/history.md, session 20.)"""
     if p.softcap is None:
         return s
     x = s * (p.scale / p.softcap)
-    tanh = 1.0 - 2.0 / (jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
+    root = lax.rsqrt(jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
+    tanh = 1.0 - 2.0 * (root * root)
     return tanh * (p.softcap / p.scale)
 
 
