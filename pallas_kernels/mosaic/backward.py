@@ -31,6 +31,7 @@ from pallas_kernels.mosaic.common import (LOG2E, WARPGROUPS, WGMMA, Walk, cdiv,
                                           compiler_params, iota, q_range, score_mod, soft_cap,
                                           tiled_smem, walk_kv)
 from pallas_kernels.mosaic.config import Config, default_backward_config, round_up
+from pallas_kernels.mosaic.forward import pad_axes
 
 K_TILES, KV_HEADS, BATCH = "ffpa_mosaic_k", "ffpa_mosaic_hk", "ffpa_mosaic_b"
 COLUMNS = plgpu.Layout.WGMMA.reduce(0)  # a [64] vector along a tile's columns
@@ -228,11 +229,6 @@ def rows_backward(q, k, v, do, lse2, delta, *, T, S, scale, causal, config: Conf
     return dq_acc[...] * float(scale), dk, dv
 
 
-def _pad(x, sizes):
-    pads = [(0, sizes.get(i, n) - n) for i, n in enumerate(x.shape)]
-    return jnp.pad(x, pads) if any(p for _, p in pads) else x
-
-
 def mosaic_attention_backward(q, k, v, out, lse, d_out, d_lse=None, *, scale: float,
                               causal: bool, config: Config | None = None,
                               window: tuple[int, int] | None = None,
@@ -261,8 +257,8 @@ def mosaic_attention_backward(q, k, v, out, lse, d_out, d_lse=None, *, scale: fl
     delta = jnp.pad(delta, ((0, 0), (0, 0), (0, Tp - T)))
     Dp, Dvp, T8, S8 = round_up(D, 64), round_up(Dv, 64), round_up(T, 8), round_up(S, 8)
     dq, dk, dv = rows_backward(
-        _pad(q, {1: T8, 3: Dp}), _pad(k, {1: S8, 3: Dp}), _pad(v, {1: S8, 3: Dvp}),
-        _pad(d_out.astype(q.dtype), {1: T8, 3: Dvp}), lse2, delta, T=T, S=S, scale=scale,
+        pad_axes(q, {1: T8, 3: Dp}), pad_axes(k, {1: S8, 3: Dp}), pad_axes(v, {1: S8, 3: Dvp}),
+        pad_axes(d_out.astype(q.dtype), {1: T8, 3: Dvp}), lse2, delta, T=T, S=S, scale=scale,
         causal=causal, config=config,
         window=None if window is None else tuple(int(x) for x in window),
         softcap=None if softcap is None else float(softcap))
