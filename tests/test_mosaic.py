@@ -98,7 +98,7 @@ def test_backward_lowers_for_cuda(case):
     out, lse = sd((b, t, hq, dv), jnp.float32), sd((b, hq, t), jnp.float32)
 
     def f(q, k, v, out, lse, d_out, d_lse):
-        return mosaic_attention_backward(q, k, v, out, lse, d_out, d_lse, scale=d ** -0.5,
+        return mosaic_attention_backward(q, k, v, (out, lse), (d_out, d_lse), scale=d ** -0.5,
                                          causal=causal, window=window, softcap=softcap)
     text = jax.jit(f).trace(q, k, v, out, lse, out, lse).lower(
         lowering_platforms=("cuda",)).as_text()
@@ -109,7 +109,7 @@ def test_backward_refuses_head_dims_above_128():
     q = sd((1, 64, 2, 192), jnp.bfloat16)
     with pytest.raises(ValueError, match="D, Dv <= 128; got 192, 192"):
         jax.eval_shape(functools.partial(mosaic_attention_backward, scale=0.1, causal=False),
-                       q, q, q, q, sd((1, 2, 64), jnp.float32), q)
+                       q, q, q, (q, sd((1, 2, 64), jnp.float32)), (q, None))
 
 
 def _visible(t, s, causal, window):

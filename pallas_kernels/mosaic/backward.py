@@ -40,12 +40,14 @@ KEYS_PER_WG = 64
 MAX_HEAD_DIM = 128
 
 
-def rows_backward(q, k, v, do, lse2, delta, *, T, S, scale, causal, config: Config,
-                  window=None, softcap=None):
+def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config):
     """(dq float32 [B, Tp, Hq, D], dk [B, S8, Hkv, D], dv [B, S8, Hkv, Dv]) of padded arrays:
-    q/do [B, T8, Hq, D|Dv], k/v [B, S8, Hkv, D|Dv] (D, Dv in {64, 128}); lse2 = lse·log2(e)
-    with +inf on rows that see no key (their P is 0), δ = rowsum(dO ∘ O) − dlse, both float32
-    [B, Hq, Tp] (Tp: T rounded up to 64, padded with +inf and 0)."""
+    q/do [B, T8, Hq, D|Dv], k/v [B, S8, Hkv, D|Dv] (D, Dv in {64, 128}); `rows` = (lse2, δ):
+    lse2 = lse·log2(e) with +inf on rows that see no key (their P is 0), δ = rowsum(dO ∘ O)
+    − dlse, both float32 [B, Hq, Tp] (Tp: T rounded up to 64, padded with +inf and 0);
+    `prob` the true lengths and the semantics (its block_kv unused: the walk is over query
+    blocks, `q_range`)."""
+    lse2, delta = rows
     B, _, Hq, D = q.shape
     _, S8, Hkv, Dv = v.shape
     dtype = q.dtype
@@ -58,10 +60,9 @@ def rows_backward(q, k, v, do, lse2, delta, *, T, S, scale, causal, config: Conf
     # K's column halves must be whole swizzle tiles (they are dQ's B operand), and a wgmma's
     # two shared-memory operands share a swizzle: K's is Q's (Sᵀ = K Qᵀ) and dSᵀ's (dQ).
     swizzle = min(128, half * jnp.dtype(dtype).itemsize)
-    prob = Walk(T=T, S=S, causal=causal, block_kv=bk, window=window, softcap=softcap,
-                scale=float(scale))
-    c_exp = float(scale) * LOG2E
-    n_kt = cdiv(S, bk)
+    scale, softcap = prob.scale, prob.softcap
+    c_exp = scale * LOG2E
+    n_kt = cdiv(prob.S, bk)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref,
                scoped):
@@ -110,7 +111,7 @@ def rows_backward(q, k, v, do, lse2, delta, *, T, S, scale, causal, config: Conf
                     if softcap is not None:
                         # d(capped)/d(raw) = 1 - tanh², tanh = scale·capped / cap (taken
                         # before the mask turns hidden scores to -inf).
-                        tanh = s * (float(scale) / softcap)
+                        tanh = s * (scale / softcap)
                         d_cap = 1.0 - tanh * tanh
                     if masked:
                         q_idx = q0 + iota((wk, bq), 1)
@@ -160,7 +161,7 @@ def rows_backward(q, k, v, do, lse2, delta, *, T, S, scale, causal, config: Conf
             # K and V take the results once both warpgroups have read them for the last time.
             plgpu.barrier_arrive(done)
             plgpu.barrier_wait(done)
-            k_smem.at[my_keys][...] = (dk * float(scale)).astype(dtype)
+            k_smem.at[my_keys][...] = (dk * scale).astype(dtype)
             v_smem.at[my_keys][...] = dv.astype(dtype)
             plgpu.commit_smem()
             rows = pl.ds(k0 + wg * wk, wk)
@@ -226,16 +227,17 @@ def rows_backward(q, k, v, do, lse2, delta, *, T, S, scale, causal, config: Conf
         mesh=mesh,
         compiler_params=compiler_params(config),
     )(q, k, v, do, lse2, delta, dq_acc)
-    return dq_acc[...] * float(scale), dk, dv
+    return dq_acc[...] * scale, dk, dv
 
 
-def mosaic_attention_backward(q, k, v, out, lse, d_out, d_lse=None, *, scale: float,
-                              causal: bool, config: Config | None = None,
+def mosaic_attention_backward(q, k, v, saved, cotangents, *, scale: float, causal: bool,
+                              config: Config | None = None,
                               window: tuple[int, int] | None = None,
                               softcap: float | None = None):
-    """(dq, dk, dv) of `mosaic_attention_forward`'s (out, lse) for the cotangents d_out
-    [B, T, Hq, Dv] and d_lse [B, Hq, T] (None: lse not differentiated), in q's dtype.
+    """(dq, dk, dv) of `mosaic_attention_forward`'s saved = (out, lse) for the cotangents
+    (d_out [B, T, Hq, Dv], d_lse [B, Hq, T] or None: lse not differentiated), in q's dtype.
     D and Dv up to 128; out may be float32 (the differentiated forward's)."""
+    (out, lse), (d_out, d_lse) = saved[:2], cotangents
     B, T, Hq, D = q.shape
     S, Dv = k.shape[1], v.shape[3]
     if max(D, Dv) > MAX_HEAD_DIM:
@@ -244,7 +246,7 @@ def mosaic_attention_backward(q, k, v, out, lse, d_out, d_lse=None, *, scale: fl
     scale = float(scale)
     if scale < 0.0:  # as the forward: q negated, exact in 16 bits
         dq, dk, dv = mosaic_attention_backward(
-            -q, k, v, out, lse, d_out, d_lse, scale=-scale, causal=causal, config=config,
+            -q, k, v, saved, cotangents, scale=-scale, causal=causal, config=config,
             window=window, softcap=softcap)
         return -dq, dk, dv
     delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), d_out.astype(jnp.float32))
@@ -256,11 +258,11 @@ def mosaic_attention_backward(q, k, v, out, lse, d_out, d_lse=None, *, scale: fl
     lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, Tp - T)), constant_values=jnp.inf)
     delta = jnp.pad(delta, ((0, 0), (0, 0), (0, Tp - T)))
     Dp, Dvp, T8, S8 = round_up(D, 64), round_up(Dv, 64), round_up(T, 8), round_up(S, 8)
+    walk = Walk(T=T, S=S, causal=causal, block_kv=2 * KEYS_PER_WG,
+                window=None if window is None else tuple(int(x) for x in window),
+                softcap=None if softcap is None else float(softcap), scale=scale)
     dq, dk, dv = rows_backward(
         pad_axes(q, {1: T8, 3: Dp}), pad_axes(k, {1: S8, 3: Dp}), pad_axes(v, {1: S8, 3: Dvp}),
-        pad_axes(d_out.astype(q.dtype), {1: T8, 3: Dvp}), lse2, delta, T=T, S=S, scale=scale,
-        causal=causal, config=config,
-        window=None if window is None else tuple(int(x) for x in window),
-        softcap=None if softcap is None else float(softcap))
+        pad_axes(d_out.astype(q.dtype), {1: T8, 3: Dvp}), (lse2, delta), walk, config=config)
     dq = dq[:, :T, :, :D].astype(q.dtype)
     return tuple(compat.vary_like(x, q) for x in (dq, dk[:, :S, :, :D], dv[:, :S, :, :Dv]))

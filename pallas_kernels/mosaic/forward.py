@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels.mosaic.common import Walk
 from pallas_kernels.mosaic.config import Config, default_config, round_up
 from pallas_kernels.mosaic.rows import rows_forward
 from pallas_kernels.mosaic.wide import wide_forward
@@ -63,11 +64,10 @@ def mosaic_attention_forward(
     qp = pad_axes(q, {1: T8, 3: Dp})
     kp = pad_axes(k, {1: S8, 3: Dp})
     vp = pad_axes(v, {1: S8, 3: Dvp})
-    out, lse = fwd(
-        qp, kp, vp, T=T, S=S, scale=scale, causal=causal, config=config, out_dtype=out_dtype,
-        window=None if window is None else tuple(int(x) for x in window),
-        softcap=None if softcap is None else float(softcap),
-    )
+    walk = Walk(T=T, S=S, causal=causal, block_kv=config.block_kv,
+                window=None if window is None else tuple(int(x) for x in window),
+                softcap=None if softcap is None else float(softcap), scale=scale)
+    out, lse = fwd(qp, kp, vp, walk, config=config, out_dtype=out_dtype)
     if Dvp != Dv or T8 != T:
         out = out[:, :T, :, :Dv]
     if lse.shape[-1] != T:

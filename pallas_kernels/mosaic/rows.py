@@ -22,9 +22,8 @@ from pallas_kernels.mosaic.common import (CLUSTER, LOG2E, NEG_INF, ROW, WARPGROU
 from pallas_kernels.mosaic.config import Config
 
 
-def rows_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype,
-                 window=None, softcap=None):
-    # T, S: true lengths; the arrays may be padded to multiples of 8 (TMA tiling).
+def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype):
+    # prob.T, prob.S: true lengths; the arrays may be padded to multiples of 8 (TMA tiling).
     B, Tq, Hq, D = q.shape
     _, _, Hkv, Dv = v.shape
     dtype = q.dtype
@@ -35,10 +34,10 @@ def rows_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype,
     bkv = config.block_kv
     ns = config.num_stages
     ncl = config.cluster
-    prob = Walk(T=T, S=S, causal=causal, block_kv=bkv, window=window, softcap=softcap,
-                scale=float(scale))
-    c_exp = float(scale) * LOG2E
-    grid = Grid.of(config, n_q=cdiv(T, rows_cta), Hq=Hq, B=B, group=group, causal=causal)
+    T = prob.T
+    assert prob.block_kv == bkv
+    c_exp = prob.scale * LOG2E
+    grid = Grid.of(config, n_q=cdiv(T, rows_cta), Hq=Hq, B=B, group=group, causal=prob.causal)
     Tp = grid.q_extent * rows_cta
     out_itemsize = jnp.dtype(out_dtype).itemsize
     oc = config.out_chunk or (Dv if out_itemsize == 2 else min(Dv, 128))

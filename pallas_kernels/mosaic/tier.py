@@ -78,7 +78,7 @@ def backward(plan: Plan, inputs: Inputs, saved: Saved, cotangents: Cotangents):
     """(dq, dk, dv, None): the tier takes no bias."""
     problem = plan.problem
     dq, dk, dv = mosaic_backward.mosaic_attention_backward(
-        inputs.q, inputs.k, inputs.v, saved.out, saved.lse, cotangents.d_out,
-        cotangents.d_lse, scale=problem.scale, causal=problem.causal,
-        config=plan.config(BACKWARD_KERNEL), window=problem.window, softcap=problem.softcap)
+        inputs.q, inputs.k, inputs.v, saved, cotangents, scale=problem.scale,
+        causal=problem.causal, config=plan.config(BACKWARD_KERNEL), window=problem.window,
+        softcap=problem.softcap)
     return dq, dk, dv, None

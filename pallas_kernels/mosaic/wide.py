@@ -23,8 +23,7 @@ from pallas_kernels.mosaic.common import (CLUSTER, LOG2E, NEG_INF, ROW, WARPGROU
 from pallas_kernels.mosaic.config import Config
 
 
-def wide_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype,
-                 window=None, softcap=None):
+def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype):
     B, Tq, Hq, D = q.shape  # D multiple of 256; Tq = T rounded up to 8
     _, _, Hkv, Dv = v.shape  # Dv multiple of 256
     dtype = q.dtype
@@ -34,9 +33,9 @@ def wide_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype,
     hk_cols = bkv // 2  # key columns per warpgroup
     ns = config.num_stages
     ncl = config.cluster
-    prob = Walk(T=T, S=S, causal=causal, block_kv=bkv, window=window, softcap=softcap,
-                scale=float(scale))
-    c_exp = float(scale) * LOG2E
+    T = prob.T
+    assert prob.block_kv == bkv
+    c_exp = prob.scale * LOG2E
     _W = config.wide_piece  # columns of one ring piece
     eager = config.wide_eager_release
     if bkv < 128:
@@ -45,7 +44,7 @@ def wide_forward(q, k, v, *, T, S, scale, causal, config: Config, out_dtype,
     dvh = Dv // 2  # Dv per warpgroup
     nV = dvh // _W  # V tiles per step (each: 128 columns of each half)
     tiles = nK + nV
-    grid = Grid.of(config, n_q=cdiv(T, bq), Hq=Hq, B=B, group=group, causal=causal)
+    grid = Grid.of(config, n_q=cdiv(T, bq), Hq=Hq, B=B, group=group, causal=prob.causal)
     Tp = grid.q_extent * bq
     oc = min(config.out_chunk or _W, _W)
     assert dvh % oc == 0
