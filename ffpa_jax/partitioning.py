@@ -36,8 +36,9 @@ shard-local function under a `shard_map` instead.
 
 Inside a user's `shard_map` (all mesh axes manual), under `pmap`, or on one
 device, the partitioner is not involved and the kernels run as they are.
-`jax.vmap` is handled by a `custom_vmap` rule that vmaps the plain kernels
-(custom_partitioning has no batching rule).
+`jax.vmap` is handled by a `custom_vmap` rule (custom_partitioning has no batching
+rule): where every array is per batch row (no bias, mask, dropout, sinks or positions)
+the mapped axis folds into the batch, else it vmaps the plain kernels.
 
 Sharding rules are given both ways: a Shardy rule string (default partitioner)
 and `infer_sharding_from_operands` (GSPMD, `jax_use_shardy_partitioner=False`).
@@ -69,6 +70,8 @@ PER_BATCH = "per_batch"  # sequence lengths [B]
 PER_HEAD = "per_head"  # sinks [Hq]
 # The roles of `FeatureArrays`' fields, in its order.
 FEATURE_ROLES = (SEQ_Q, SEQ_K, PER_BATCH, PER_BATCH, PER_HEAD, REP)
+# The roles whose arrays have the batch first, one independent row per batch element.
+BATCH_FIRST = (QKV, LSE, SEQ_Q, SEQ_K, PER_BATCH)
 
 _NEED_REPLICATION = ("t", "s", "d", "e")
 
@@ -464,7 +467,15 @@ class ShardLocal:
 
         @batched.def_vmap
         def _vmap_rule(axis_size, in_batched, *arrays):
-            del axis_size
+            if all(role in BATCH_FIRST for role in layout.in_roles + layout.out_roles):
+                # Every array has the batch first and its rows are independent (no bias,
+                # mask, dropout, sinks or positions): the mapped axis folds into the batch,
+                # one launch for every element (the Mosaic backward has no batching rule).
+                whole = [x if flag else jnp.broadcast_to(x, (axis_size,) + x.shape)
+                         for x, flag in zip(arrays, in_batched)]
+                outs = plain(*(x.reshape((-1,) + x.shape[2:]) for x in whole))
+                return (tuple(x.reshape((axis_size, -1) + x.shape[1:]) for x in outs),
+                        (True,) * n_out)
             in_axes = tuple(0 if flag else None for flag in in_batched)
             outs = jax.vmap(plain, in_axes=in_axes)(*arrays)
             return tuple(outs), (True,) * n_out

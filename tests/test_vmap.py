@@ -8,11 +8,13 @@ shared), non-leading `in_axes`, nested vmap, gradients under vmap, and dropout
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from conftest import interpret_flag
 
 import ffpa_jax
@@ -120,3 +122,63 @@ def test_vmap_of_the_partitioning_wrapper_directly(kernel_mode):
         expected = tiers.forward(plan, Inputs(q[i], k[i], v[i], bias[i], mask))
         for got, want in zip(outputs, expected, strict=True):
             assert_same(got[i], want, exact=True)
+
+
+def _mosaic_grads(plan, q, k, v, d_out):
+    """dq, dk, dv of the plan's directions through the shard-local wrappers (what
+    ffpa_jax.vjp runs), for one element."""
+    from pallas_kernels.problem import Cotangents, Saved
+    forward = partitioning.ShardLocal(tiers.forward, "forward", row_outputs=row_outputs)
+    backward = partitioning.ShardLocal(tiers.backward, "backward")
+    float32_out = dataclasses.replace(plan, float32_out=True)
+    out, lse = forward(float32_out, Inputs(q, k, v))
+    d_lse = jnp.zeros_like(lse)
+    return backward(float32_out, Inputs(q, k, v), Saved(out, lse),
+                    Cotangents(d_out, d_lse))[:3]
+
+
+def test_vmap_folds_the_mapped_axis_into_the_batch_for_the_mosaic_tier():
+    """`pl.kernel` (the Mosaic backward's launch) has no batching rule; with every array per
+    batch row the wrapper folds the mapped axis into the batch instead, so a vmapped call on
+    the Mosaic tier lowers (for CUDA, here on the CPU) as one launch."""
+    from tuning import dispatch
+    sd = jax.ShapeDtypeStruct
+    one = sd((2, 200, 4, 64), jnp.bfloat16), sd((2, 200, 2, 64), jnp.bfloat16)
+    problem = validation.validate(one[0], one[1], one[1], None, None, scale=None,
+                                  is_causal=True, dropout_rate=0.0, dropout_rng=None,
+                                  return_lse=False, implementation=None,
+                                  interpret=False).problem
+    plan = dispatch.plan_for_tiers(problem, "mosaic", "mosaic")
+    q, kv = sd((N,) + one[0].shape, jnp.bfloat16), sd((N,) + one[1].shape, jnp.bfloat16)
+    d_out = sd((N,) + one[0].shape, jnp.float32)
+    fn = jax.vmap(functools.partial(_mosaic_grads, plan))
+    lowered = jax.jit(fn).trace(q, kv, kv, d_out).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("mosaic_gpu") >= 2  # the forward's and the backward's
+
+
+@pytest.mark.gpu
+def test_vmap_on_the_mosaic_tier_equals_a_loop_gpu():
+    """The folded call on the real kernels: forward and gradients of each element equal the
+    element alone (dK, dV and the forward bitwise; dQ's reduce-adds may add in another
+    order, so within a few float32 ulps of the gradient's magnitude)."""
+    from pallas_kernels import compat
+    if not compat.mosaic_gpu_runs() or not str(getattr(
+            jax.devices()[0], "compute_capability", "")).startswith("9"):
+        pytest.skip("needs an sm90 GPU and jax >= 0.11")
+    q, k, v, _, _ = inputs(5, b=2, t=300, s=300, hq=4, hkv=2, d=64, dtype=jnp.bfloat16)
+    fn = functools.partial(ffpa_jax.attention, is_causal=True, implementation="mosaic")
+
+    def loss(q, k, v):
+        return jnp.sum(fn(q, k, v).astype(jnp.float32) * jnp.cos(jnp.arange(64.0)))
+    value_and_grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    out = jax.jit(jax.vmap(fn))(q, k, v)
+    grads = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))(q, k, v)
+    for i in range(N):
+        assert_same(out[i], jax.jit(fn)(q[i], k[i], v[i]), exact=True)
+        _, alone = value_and_grads(q[i], k[i], v[i])
+        assert_same(grads[1][i], alone[1], exact=True)
+        assert_same(grads[2][i], alone[2], exact=True)
+        scale = float(jnp.abs(alone[0].astype(jnp.float32)).max())
+        np.testing.assert_allclose(np.asarray(grads[0][i], np.float32),
+                                   np.asarray(alone[0], np.float32), rtol=0,
+                                   atol=4 * scale * float(jnp.finfo(jnp.bfloat16).eps))

@@ -236,7 +236,9 @@ def mosaic_attention_backward(q, k, v, saved, cotangents, *, scale: float, causa
                               softcap: float | None = None):
     """(dq, dk, dv) of `mosaic_attention_forward`'s saved = (out, lse) for the cotangents
     (d_out [B, T, Hq, Dv], d_lse [B, Hq, T] or None: lse not differentiated), in q's dtype.
-    D and Dv up to 128; out may be float32 (the differentiated forward's)."""
+    D and Dv up to 128; out may be float32 (the differentiated forward's). `jax.vmap` has
+    no rule for it (its dQ buffer is a mutable array, which `pl.kernel` does not batch):
+    fold a mapped axis into the batch, as `ffpa_jax.attention` does."""
     (out, lse), (d_out, d_lse) = saved[:2], cotangents
     B, T, Hq, D = q.shape
     S, Dv = k.shape[1], v.shape[3]
