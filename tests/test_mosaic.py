@@ -20,7 +20,7 @@ from pallas_kernels.mosaic import Config, default_config, mosaic_attention_forwa
 from pallas_kernels.mosaic.backward import mosaic_attention_backward
 from pallas_kernels.mosaic.config import default_backward_config
 from pallas_kernels.mosaic.common import Walk, kv_range, q_range, soft_cap
-from pallas_kernels.problem import Problem
+from pallas_kernels.problem import FeatureArrays, Inputs, Problem
 from tuning import dispatch
 
 sd = jax.ShapeDtypeStruct
@@ -98,8 +98,9 @@ def test_backward_lowers_for_cuda(case):
     out, lse = sd((b, t, hq, dv), jnp.float32), sd((b, hq, t), jnp.float32)
 
     def f(q, k, v, out, lse, d_out, d_lse):
-        return mosaic_attention_backward(q, k, v, (out, lse), (d_out, d_lse), scale=d ** -0.5,
-                                         causal=causal, window=window, softcap=softcap)
+        return mosaic_attention_backward(Inputs(q, k, v), (out, lse), (d_out, d_lse),
+                                         scale=d ** -0.5, causal=causal, window=window,
+                                         softcap=softcap)
     text = jax.jit(f).trace(q, k, v, out, lse, out, lse).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
@@ -109,10 +110,55 @@ def test_backward_refuses_head_dims_above_128():
     q = sd((1, 64, 2, 192), jnp.bfloat16)
     with pytest.raises(ValueError, match="D, Dv <= 128; got 192, 192"):
         jax.eval_shape(functools.partial(mosaic_attention_backward, scale=0.1, causal=False),
-                       q, q, q, (q, sd((1, 2, 64), jnp.float32)), (q, None))
+                       Inputs(q, q, q), (q, sd((1, 2, 64), jnp.float32)), (q, None))
 
 
-def _visible(t, s, causal, window):
+# Sequence lengths in the kernels (the tier serves them once the GPU test below passes):
+# (B, T, S, Hq, Hkv, D, Dv, causal, window); both forward kernels and the backward.
+LENGTH_CASES = [
+    (3, 113, 203, 4, 2, 59, 40, True, None),
+    (2, 300, 1000, 4, 4, 64, 64, False, (100, 37)),
+    (2, 203, 300, 4, 2, 320, 111, True, None),
+    (2, 256, 256, 2, 1, 128, 128, True, None),
+]
+LENGTHS = {"q": (0, 100, 77), "kv": (5, 150, 203)}  # per batch row, clipped to T and S
+
+
+def _lengths(b, t, s):
+    return (jnp.asarray([min(x, t) for x in LENGTHS["q"][:b]], jnp.int32),
+            jnp.asarray([min(x, s) for x in LENGTHS["kv"][:b]], jnp.int32))
+
+
+@pytest.mark.parametrize("case", LENGTH_CASES,
+                         ids=lambda c: "B{}-T{}-S{}-D{}.{}-causal{}-window{}".format(
+                             c[0], c[1], c[2], c[5], c[6], c[7], c[8]))
+def test_kernels_with_sequence_lengths_lower_for_cuda(case):
+    b, t, s, hq, hkv, d, dv, causal, window = case
+    q, k, v = sd((b, t, hq, d), jnp.bfloat16), sd((b, s, hkv, d), jnp.bfloat16), sd(
+        (b, s, hkv, dv), jnp.bfloat16)
+    lens = sd((b,), jnp.int32)
+
+    def forward(q, k, v, q_len, kv_len):
+        return mosaic_attention_forward(q, k, v, scale=d ** -0.5, causal=causal,
+                                        out_dtype=jnp.float32, window=window,
+                                        lengths=(q_len, kv_len))
+    text = jax.jit(forward).trace(q, k, v, lens, lens).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    if max(d, dv) > 128:
+        return
+    out, lse = sd((b, t, hq, dv), jnp.float32), sd((b, hq, t), jnp.float32)
+
+    def backward(q, k, v, q_len, kv_len, out, lse):
+        inputs = Inputs(q, k, v, features=FeatureArrays(q_lengths=q_len, kv_lengths=kv_len))
+        return mosaic_attention_backward(inputs, (out, lse), (out, lse), scale=d ** -0.5,
+                                         causal=causal, window=window)
+    text = jax.jit(backward).trace(q, k, v, lens, lens, out, lse).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def _visible(t, s, causal, window, kv_length=None):
     """bool [T, S] by the rule of `pallas_kernels.visibility` (its own functions, on numpy
     arrays)."""
     rows, cols = np.arange(t), np.arange(s)
@@ -122,7 +168,15 @@ def _visible(t, s, causal, window):
         seen &= visibility.causal_visible(rows, cols, shift)
     if window is not None:
         seen &= visibility.window_visible(rows, cols, window, shift)
+    if kv_length is not None:
+        seen &= np.asarray(visibility.feature_visible(rows, cols, shift=shift,
+                                                      kv_len=kv_length))
     return np.asarray(seen)
+
+
+def _key_length(rng, s):
+    """None (all keys) or a random key length in [0, S] for a walk's brute-force test."""
+    return None if rng.integers(3) == 0 else int(rng.integers(0, s + 1))
 
 
 def test_key_block_walk_covers_every_visible_key_and_masks_only_what_it_must():
@@ -136,7 +190,9 @@ def test_key_block_walk_covers_every_visible_key_and_masks_only_what_it_must():
         bkv = int(rng.choice([64, 128, 256]))
         causal = bool(rng.integers(2))
         window = None if rng.integers(4) == 0 else tuple(int(x) for x in rng.integers(0, 300, 2))
-        walk = Walk(T=t, S=s, causal=causal, block_kv=bkv, window=window)
+        kv_length = _key_length(rng, s)
+        walk = Walk(T=t, S=s, causal=causal, block_kv=bkv, window=window,
+                    key_end=None if kv_length is None else jnp.int32(kv_length))
         firsts = np.arange(0, t, int(rng.integers(1, 64)), dtype=np.int32)
         lasts = np.minimum(firsts + rng.integers(0, 128, firsts.size), t - 1).astype(np.int32)
         # One shape for every problem (padded by repeating the last group): the walk's jnp
@@ -144,19 +200,20 @@ def test_key_block_walk_covers_every_visible_key_and_masks_only_what_it_must():
         padded = [np.pad(x, (0, 400 - x.size), mode="edge") for x in (firsts, lasts)]
         lo, mask_lo, full_hi, hi = (x[:firsts.size] for x in np.broadcast_arrays(
             padded[0], *kv_range(walk, *map(jnp.asarray, padded)))[1:])
-        where = f"T={t} S={s} bkv={bkv} causal={causal} window={window}"
+        where = f"T={t} S={s} bkv={bkv} causal={causal} window={window} kv_len={kv_length}"
         assert np.all((0 <= lo) & (lo <= mask_lo) & (mask_lo <= full_hi) & (full_hi <= hi)
                       & (hi <= -(-s // bkv))), where
         # Per group and key: how many of its rows see the key (prefix sums over the rows).
         seen = np.concatenate([np.zeros((1, s), int),
-                               np.cumsum(_visible(t, s, causal, window), axis=0)])
+                               np.cumsum(_visible(t, s, causal, window, kv_length), axis=0)])
         count = seen[lasts + 1] - seen[firsts]
         block = np.arange(s) // bkv
         outside = (block < lo[:, None]) | (block >= hi[:, None])
         assert not np.any((count > 0) & outside), where
         whole = (block >= mask_lo[:, None]) & (block < full_hi[:, None])
         assert np.all(~whole | (count == (lasts - firsts + 1)[:, None])), where
-        assert np.all((full_hi == mask_lo) | (full_hi * bkv <= s)), where
+        assert np.all((full_hi == mask_lo) | (full_hi * bkv <= (s if kv_length is None
+                                                                else kv_length))), where
 
 
 def test_query_block_walk_covers_every_row_that_sees_a_key_and_masks_only_what_it_must():
@@ -170,19 +227,22 @@ def test_query_block_walk_covers_every_row_that_sees_a_key_and_masks_only_what_i
         bq = int(rng.choice([64, 128]))
         causal = bool(rng.integers(2))
         window = None if rng.integers(4) == 0 else tuple(int(x) for x in rng.integers(0, 300, 2))
-        walk = Walk(T=t, S=s, causal=causal, block_kv=128, window=window)
+        kv_length = _key_length(rng, s)
+        walk = Walk(T=t, S=s, causal=causal, block_kv=128, window=window,
+                    key_end=None if kv_length is None else jnp.int32(kv_length))
         width = int(rng.choice([64, 128]))
         firsts = np.arange(0, s, width, dtype=np.int32)
         lasts = (firsts + width - 1).astype(np.int32)  # may pass S - 1: padding keys
         padded = [np.pad(x, (0, 400 - x.size), mode="edge") for x in (firsts, lasts)]
         lo, mask_lo, full_hi, hi = (x[:firsts.size] for x in np.broadcast_arrays(
             padded[0], *q_range(walk, *map(jnp.asarray, padded), bq))[1:])
-        where = f"T={t} S={s} bq={bq} causal={causal} window={window}"
+        where = f"T={t} S={s} bq={bq} causal={causal} window={window} kv_len={kv_length}"
         assert np.all((0 <= lo) & (lo <= mask_lo) & (mask_lo <= full_hi) & (full_hi <= hi)
                       & (hi <= -(-t // bq))), where
         # Per group and row: how many of the group's keys the row sees.
         seen = np.concatenate([np.zeros((t, 1), int),
-                               np.cumsum(_visible(t, s, causal, window), axis=1)], axis=1)
+                               np.cumsum(_visible(t, s, causal, window, kv_length), axis=1)],
+                              axis=1)
         count = seen[:, np.minimum(lasts, s - 1) + 1] - seen[:, firsts]  # [T, groups]
         block = (np.arange(t) // bq)[:, None]
         outside = (block < lo[None]) | (block >= hi[None])
@@ -444,3 +504,43 @@ def test_kernels_with_a_window_and_a_soft_cap_match_the_reference_gpu(case):
                                                        features=features),
                               at.xla_same_precision(shape, q, k, v, bias, mask,
                                                     features=features), shape.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", LENGTH_CASES,
+                         ids=lambda c: "B{}-T{}-S{}-D{}.{}-causal{}-window{}".format(
+                             c[0], c[1], c[2], c[5], c[6], c[7], c[8]))
+def test_kernels_with_sequence_lengths_match_the_reference_gpu(case):
+    """The kernels' sequence lengths by the tolerance rule against the float64 reference:
+    out and lse (padding rows 0 and -inf, a row of key length 0 too), and, at D <= 128, the
+    backward's dq, dk, dv (padding gets zero gradient); the check that lets the tier serve
+    query_seq_lengths and key_value_seq_lengths."""
+    b, t, s, hq, hkv, d, dv, causal, window = case
+    if not compat.mosaic_gpu_runs() or not str(getattr(jax.devices()[0],
+                                                       "compute_capability", "")).startswith("9"):
+        pytest.skip("needs an sm90 GPU and jax >= 0.11")
+    q_len, kv_len = _lengths(b, t, s)
+    shape = at.Case(b=b, t=t, s=s, hq=hq, hkv=hkv, d=d, dv=dv, causal=causal, window=window,
+                    q_lengths=tuple(int(x) for x in q_len),
+                    kv_lengths=tuple(int(x) for x in kv_len))
+    q, k, v, bias, mask = at.make_inputs(shape)
+    features = at.make_features(shape)
+    out, lse = mosaic_attention_forward(q, k, v, scale=at.scale_of(shape), causal=causal,
+                                        out_dtype=jnp.float32, window=window,
+                                        lengths=(q_len, kv_len))
+    at.assert_forward_matches(out, lse, at.reference64(shape, q, k, v, bias, mask,
+                                                       features=features),
+                              at.xla_same_precision(shape, q, k, v, bias, mask,
+                                                    features=features), shape.dtype)
+    if max(d, dv) > 128:
+        return
+    d_out, d_lse = at.cotangents(shape)
+    inputs = Inputs(q, k, v, features=FeatureArrays(q_lengths=q_len, kv_lengths=kv_len))
+    grads = mosaic_attention_backward(inputs, (out, lse), (d_out, d_lse),
+                                      scale=at.scale_of(shape), causal=causal, window=window)
+    ref64 = at.reference_grads(shape, q, k, v, bias, mask, d_out, d_lse, float64=True,
+                               features=features)
+    xla = at.reference_grads(shape, q, k, v, bias, mask, d_out, d_lse, float64=False,
+                             features=features)
+    for name, got, want, same in zip(("dq", "dk", "dv"), grads, ref64, xla):
+        at.assert_matches_reference(name, got, want, same, shape.dtype, factor=3.0)

@@ -40,13 +40,13 @@ KEYS_PER_WG = 64
 MAX_HEAD_DIM = 128
 
 
-def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config):
+def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_lengths=None):
     """(dq float32 [B, Tp, Hq, D], dk [B, S8, Hkv, D], dv [B, S8, Hkv, Dv]) of padded arrays:
     q/do [B, T8, Hq, D|Dv], k/v [B, S8, Hkv, D|Dv] (D, Dv in {64, 128}); `rows` = (lse2, δ):
     lse2 = lse·log2(e) with +inf on rows that see no key (their P is 0), δ = rowsum(dO ∘ O)
     − dlse, both float32 [B, Hq, Tp] (Tp: T rounded up to 64, padded with +inf and 0);
     `prob` the true lengths and the semantics (its block_kv unused: the walk is over query
-    blocks, `q_range`)."""
+    blocks, `q_range`); `kv_lengths` int32 [B] or None: each batch row's key length."""
     lse2, delta = rows
     B, _, Hq, D = q.shape
     _, S8, Hkv, Dv = v.shape
@@ -64,16 +64,17 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config):
     c_exp = scale * LOG2E
     n_kt = cdiv(prob.S, bk)
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref,
-               scoped):
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kvlen_ref, dq_ref, dk_ref,
+               dv_ref, scoped):
         (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
          kv_bar, q_full, do_full, free, ds_ready, done) = scoped
         wg = lax.axis_index(WARPGROUPS)
         kt = lax.axis_index(K_TILES)
         hk = lax.axis_index(KV_HEADS)
         b = lax.axis_index(BATCH)
+        walk = prob.with_key_end(kvlen_ref, b)  # the batch row's key length, if given
         k0 = kt * bk
-        lo, mask_lo, full_hi, hi = q_range(prob, k0, k0 + bk - 1, bq)
+        lo, mask_lo, full_hi, hi = q_range(walk, k0, k0 + bk - 1, bq)
         count = hi - lo  # steps per query head
 
         @pl.when(wg < 2)
@@ -107,7 +108,7 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config):
                     zeros = plgpu.layout_cast(jnp.zeros((wk, bq), jnp.float32), WGMMA)
                     s, dp = pl.run_state(scores)((plgpu.ACC.init(zeros),
                                                   plgpu.ACC.init(zeros)))
-                    s = soft_cap(prob, s)
+                    s = soft_cap(walk, s)
                     if softcap is not None:
                         # d(capped)/d(raw) = 1 - tanh², tanh = scale·capped / cap (taken
                         # before the mask turns hidden scores to -inf).
@@ -116,7 +117,7 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config):
                     if masked:
                         q_idx = q0 + iota((wk, bq), 1)
                         k_idx = k0 + wg * wk + iota((wk, bq), 0)
-                        s = score_mod(prob, s, q_idx, k_idx)
+                        s = score_mod(walk, s, q_idx, k_idx)
                     lse = compat.mosaic_load(lse_smem.at[slot], layout=COLUMNS)
                     p = jnp.exp2(s * c_exp - lax.broadcast_in_dim(lse, s.shape, [1]))
                     dlt = compat.mosaic_load(delta_smem.at[slot], layout=COLUMNS)
@@ -196,10 +197,11 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config):
                 plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot],
                                         do_full.at[slot])
 
-    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref):
+    def entry(*refs):
+        if kv_lengths is None:
+            refs = refs[:6] + (None,) + refs[6:]
         pl.run_scoped(
-            lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
-                                   dk_ref, dv_ref, scoped),
+            lambda *scoped: kernel(*refs, scoped),
             tiled_smem((bk, D), dtype, swizzle),
             tiled_smem((bk, Dv), dtype),
             tiled_smem((ns, bq, D), dtype, swizzle),
@@ -226,19 +228,23 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config):
                   jax.ShapeDtypeStruct((B, S8, Hkv, Dv), dtype)),
         mesh=mesh,
         compiler_params=compiler_params(config),
-    )(q, k, v, do, lse2, delta, dq_acc)
+    )(q, k, v, do, lse2, delta, *(() if kv_lengths is None else (kv_lengths,)), dq_acc)
     return dq_acc[...] * scale, dk, dv
 
 
-def mosaic_attention_backward(q, k, v, saved, cotangents, *, scale: float, causal: bool,
+def mosaic_attention_backward(inputs, saved, cotangents, *, scale: float, causal: bool,
                               config: Config | None = None,
                               window: tuple[int, int] | None = None,
                               softcap: float | None = None):
     """(dq, dk, dv) of `mosaic_attention_forward`'s saved = (out, lse) for the cotangents
     (d_out [B, T, Hq, Dv], d_lse [B, Hq, T] or None: lse not differentiated), in q's dtype.
-    D and Dv up to 128; out may be float32 (the differentiated forward's). `jax.vmap` has
-    no rule for it (its dQ buffer is a mutable array, which `pl.kernel` does not batch):
-    fold a mapped axis into the batch, as `ffpa_jax.attention` does."""
+    `inputs`: `pallas_kernels.problem.Inputs` (q, k, v and, in its features, the sequence
+    lengths; no bias, mask or dropout). D and Dv up to 128; out may be float32 (the
+    differentiated forward's). `jax.vmap` has no rule for it (its dQ buffer is a mutable
+    array, which `pl.kernel` does not batch): fold a mapped axis into the batch, as
+    `ffpa_jax.attention` does."""
+    q, k, v = inputs.q, inputs.k, inputs.v
+    q_lengths, kv_lengths = inputs.features.q_lengths, inputs.features.kv_lengths
     (out, lse), (d_out, d_lse) = saved[:2], cotangents
     B, T, Hq, D = q.shape
     S, Dv = k.shape[1], v.shape[3]
@@ -248,13 +254,16 @@ def mosaic_attention_backward(q, k, v, saved, cotangents, *, scale: float, causa
     scale = float(scale)
     if scale < 0.0:  # as the forward: q negated, exact in 16 bits
         dq, dk, dv = mosaic_attention_backward(
-            -q, k, v, saved, cotangents, scale=-scale, causal=causal, config=config,
-            window=window, softcap=softcap)
+            inputs._replace(q=-q), saved, cotangents, scale=-scale, causal=causal,
+            config=config, window=window, softcap=softcap)
         return -dq, dk, dv
     delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), d_out.astype(jnp.float32))
     empty = lse == -jnp.inf
     if d_lse is not None:
         delta = delta - jnp.where(empty, 0.0, d_lse.astype(jnp.float32))
+    if q_lengths is not None:  # rows past a query length: no probabilities, no gradient
+        empty = empty | (jnp.arange(T)[None, None, :]
+                         >= q_lengths.astype(jnp.int32)[:, None, None])
     lse2 = jnp.where(empty, jnp.inf, lse * LOG2E)
     Tp = round_up(T, BLOCK_Q)
     lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, Tp - T)), constant_values=jnp.inf)
@@ -265,6 +274,7 @@ def mosaic_attention_backward(q, k, v, saved, cotangents, *, scale: float, causa
                 softcap=None if softcap is None else float(softcap), scale=scale)
     dq, dk, dv = rows_backward(
         pad_axes(q, {1: T8, 3: Dp}), pad_axes(k, {1: S8, 3: Dp}), pad_axes(v, {1: S8, 3: Dvp}),
-        pad_axes(d_out.astype(q.dtype), {1: T8, 3: Dvp}), (lse2, delta), walk, config=config)
+        pad_axes(d_out.astype(q.dtype), {1: T8, 3: Dvp}), (lse2, delta), walk, config=config,
+        kv_lengths=None if kv_lengths is None else kv_lengths.astype(jnp.int32))
     dq = dq[:, :T, :, :D].astype(q.dtype)
     return tuple(compat.vary_like(x, q) for x in (dq, dk[:, :S, :, :D], dv[:, :S, :, :Dv]))

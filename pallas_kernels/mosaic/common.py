@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +90,21 @@ class Walk:
     window: tuple[int, int] | None = None
     softcap: float | None = None
     scale: float = 1.0
+    # A batch row's key length (traced int32, at most S; `with_key_end` inside a kernel):
+    # keys from it on are seen by no row. None: all S keys.
+    key_end: Any = None
+
+    def with_key_end(self, lengths_ref, b):
+        """This walk for batch row `b` of a call with key lengths (`lengths_ref`: int32 [B]
+        in global memory, or None)."""
+        if lengths_ref is None:
+            return self
+        return dataclasses.replace(self, key_end=jnp.clip(lengths_ref[b], 0, self.S))
+
+    @property
+    def keys(self):
+        """The end of the keys any row sees: `key_end`, else S."""
+        return self.S if self.key_end is None else self.key_end
 
     @property
     def num_kv_blocks(self):
@@ -128,9 +144,12 @@ def kv_range(p: Walk, q_first, q_last):
     hi = p.num_kv_blocks
     full_hi = p.S // bkv
     right = p.right
-    if right is None and p.window is None:
+    if right is None and p.window is None and p.key_end is None:
         # Static Python ints: the key loops get compile-time trip counts.
         return lo, mask_lo, full_hi, hi
+    if p.key_end is not None:
+        hi = jnp.minimum(hi, cdiv(p.key_end, bkv))
+        full_hi = jnp.minimum(full_hi, _blocks_below(p.key_end, bkv))
     if right is not None:
         # Keys visible to the last row: [.., q_last + shift + right]; to every row of the
         # group: [.., q_first + shift + right].
@@ -172,8 +191,10 @@ def q_range(p: Walk, k_first, k_last, block_q: int):
         reach = p.window[0] - p.shift
         hi = jnp.minimum(n, cdiv(jnp.maximum(k_last + reach + 1, 0), block_q))
         full_hi = _blocks_below(k_first + reach + 1, block_q)
-    if not (isinstance(k_last, int) and k_last < p.S):
-        full_hi = jnp.where(k_last < p.S, full_hi, 0)
+    if p.key_end is not None:  # keys past the row's key length: no row sees them
+        hi = jnp.where(k_first < p.key_end, hi, lo)
+    if not (isinstance(k_last, int) and p.key_end is None and k_last < p.S):
+        full_hi = jnp.where(k_last < p.keys, full_hi, 0)
     if isinstance(lo, int) and isinstance(hi, int) and isinstance(full_hi, int):
         return lo, mask_lo, full_hi, hi
     lo = jnp.minimum(lo, hi)
@@ -221,13 +242,13 @@ def soft_cap(p: Walk, s):
 
 def score_mod(p: Walk, s, q_idx, k_idx):
     """Element-wise hook on scores (float32, WGMMA layout, soft-capped already): keys a row
-    does not see become -inf, by the rule of `pallas_kernels.visibility` (the key's end,
-    causality, the window).
+    does not see become -inf, by the rule of `pallas_kernels.visibility` (the key's end or
+    the row's key length, causality, the window).
 
     q_idx / k_idx are absolute query / key indices (int32, same layout).  A bias would be
     added here, a segment-id comparison AND-ed into `visible` here.
     """
-    visible = k_idx < p.S
+    visible = k_idx < p.keys
     if p.causal:
         visible = visible & (k_idx <= q_idx + p.shift)
     if p.window is not None:
@@ -370,9 +391,11 @@ def walk_kv(step, carry, lo, mask_lo, full_hi, hi):
     return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
 
 
-def launch(entry, grid: Grid, config: Config, q, k, v, *, out_dtype, lse_rows: int):
-    """`entry` run by a producer and two consumer warpgroups over `grid`: (out
-    [B, Tq, Hq, Dv] in `out_dtype`, lse [B, Hq, lse_rows] float32)."""
+def launch(entry, grid: Grid, config: Config, inputs: tuple, *, out_dtype, lse_rows: int):
+    """`entry` run by a producer and two consumer warpgroups over `grid` with `inputs`
+    (q, k, v[, key lengths]): (out [B, Tq, Hq, Dv] in `out_dtype`, lse [B, Hq, lse_rows]
+    float32)."""
+    q, v = inputs[0], inputs[2]
     B, Tq, Hq, _ = q.shape
     Dv = v.shape[3]
     outputs = plgpu.kernel(
@@ -385,7 +408,7 @@ def launch(entry, grid: Grid, config: Config, q, k, v, *, out_dtype, lse_rows: i
         thread_name=WARPGROUPS,
         compiler_params=compiler_params(config),
         **grid.kernel_kwargs(),
-    )(q, k, v)
+    )(*inputs)
     # Mosaic GPU traces its kernels with JAX's check of varying manual axes off, so their
     # outputs come out typed alike on every shard of a shard_map. Typed so, a differentiated
     # call's output would have its cotangent summed over the shards: they vary as q does.

@@ -20,11 +20,13 @@ def pad_axes(x, sizes):
 
 def mosaic_attention_forward(
     q, k, v, *, scale: float, causal: bool, config: Config | None = None, out_dtype=None,
-    window: tuple[int, int] | None = None, softcap: float | None = None
+    window: tuple[int, int] | None = None, softcap: float | None = None, lengths=None
 ):
     """Returns (out [B,T,Hq,Dv], lse f32 [B,Hq,T]). `window` (left, right) and `softcap`
-    as `ffpa_jax.attention`'s local_window_size and logits_soft_cap. See the module
-    docstring."""
+    as `ffpa_jax.attention`'s local_window_size and logits_soft_cap; `lengths` = (q_lengths,
+    kv_lengths), int32 [B] or None each, as its query_seq_lengths and key_value_seq_lengths
+    (the kernels walk a batch row's keys up to its key length; rows past its query length
+    are set to out 0, lse -inf after them). See the module docstring."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError("q, k, v must be [B, T|S, H, D]")
     B, T, Hq, D = q.shape
@@ -67,10 +69,16 @@ def mosaic_attention_forward(
     walk = Walk(T=T, S=S, causal=causal, block_kv=config.block_kv,
                 window=None if window is None else tuple(int(x) for x in window),
                 softcap=None if softcap is None else float(softcap), scale=scale)
-    out, lse = fwd(qp, kp, vp, walk, config=config, out_dtype=out_dtype)
+    q_lengths, kv_lengths = (None, None) if lengths is None else lengths
+    out, lse = fwd(qp, kp, vp, walk, config=config, out_dtype=out_dtype,
+                   kv_lengths=None if kv_lengths is None else kv_lengths.astype(jnp.int32))
     if Dvp != Dv or T8 != T:
         out = out[:, :T, :, :Dv]
     if lse.shape[-1] != T:
         lse = lse[..., :T]
+    if q_lengths is not None:
+        padding = jnp.arange(T)[None, :] >= q_lengths.astype(jnp.int32)[:, None]  # [B, T]
+        out = jnp.where(padding[:, :, None, None], jnp.zeros((), out.dtype), out)
+        lse = jnp.where(padding[:, None, :], -jnp.inf, lse)
     return out, lse
 

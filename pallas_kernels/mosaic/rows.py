@@ -22,7 +22,7 @@ from pallas_kernels.mosaic.common import (CLUSTER, LOG2E, NEG_INF, ROW, WARPGROU
 from pallas_kernels.mosaic.config import Config
 
 
-def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype):
+def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=None):
     # prob.T, prob.S: true lengths; the arrays may be padded to multiples of 8 (TMA tiling).
     B, Tq, Hq, D = q.shape
     _, _, Hkv, Dv = v.shape
@@ -43,7 +43,7 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype):
     oc = config.out_chunk or (Dv if out_itemsize == 2 else min(Dv, 128))
     assert Dv % oc == 0
 
-    def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scoped):
+    def kernel(q_ref, k_ref, v_ref, kvlen_ref, o_ref, lse_ref, scoped):
         (
             (q_smem, o_smem),
             lse_smem,
@@ -59,8 +59,9 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype):
         ) = scoped
         wg = lax.axis_index(WARPGROUPS)
         t, h, b, t_first, t_count = grid.indices()
+        walk = prob.with_key_end(kvlen_ref, b)  # the batch row's key length, if given
         hk = lax.div(h, jnp.int32(group))
-        lo, hi, kv_of = cluster_walk(prob, grid, t_first, t_count, rows_cta,
+        lo, hi, kv_of = cluster_walk(walk, grid, t_first, t_count, rows_cta,
                                               config.kv_rotate)
         collective = CLUSTER if ncl > 1 else None
 
@@ -77,7 +78,7 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype):
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], my_q, q_bar.at[wg])
             q_last = jnp.minimum(q0 + bq - 1, T - 1)
             mask_lo, full_hi, my_hi = consumer_walk(  # a warpgroup may hold padding rows only
-                prob, lo, q0, q_last, padding_rows=grid.q_extent * rows_cta - bq >= T)
+                walk, lo, q0, q_last, padding_rows=grid.q_extent * rows_cta - bq >= T)
 
             m_i = plgpu.layout_cast(jnp.full((bq,), NEG_INF, jnp.float32), ROW)
             l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), ROW)
@@ -102,11 +103,11 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype):
 
                 s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                s = soft_cap(prob, s)
+                s = soft_cap(walk, s)
                 if masked:
                     q_idx = q0 + iota((bq, bkv), 0)
                     k_idx = kv_of(j) * bkv + iota((bq, bkv), 1)
-                    s = score_mod(prob, s, q_idx, k_idx)
+                    s = score_mod(walk, s, q_idx, k_idx)
                 p, alpha, m_new = softmax_update(s, m_i, l_i, c_exp, guard=masked)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l_i = l_i * alpha
@@ -197,7 +198,8 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype):
                     plgpu.copy_gmem_to_smem(ref.at[b, kv_rows, hk], smem.at[slot], bar.at[slot],
                                             collective_axes=collective)
 
-    def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
+    def entry(q_ref, k_ref, v_ref, *refs):
+        kvlen_ref, o_ref, lse_ref = refs if kv_lengths is not None else (None, *refs)
         if ncl > 1:
             free = lambda: plgpu.ClusterBarrier(
                 collective_axes=(CLUSTER,), num_arrivals=nwg, num_barriers=ns
@@ -207,7 +209,7 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype):
             free = lambda: plgpu.Barrier(num_arrivals=nwg, num_barriers=ns)
             exit_bar = None
         pl.run_scoped(
-            lambda *args: kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, args),
+            lambda *args: kernel(q_ref, k_ref, v_ref, kvlen_ref, o_ref, lse_ref, args),
             plgpu.RefUnion(tiled_smem((nwg, bq, D), dtype), tiled_smem((nwg, bq, oc), out_dtype)),
             plgpu.SMEM((nwg, bq), jnp.float32),
             tiled_smem((ns, bkv, D), dtype),
@@ -222,5 +224,6 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype):
             collective_axes=WARPGROUPS,
         )
 
-    return launch(entry, grid, config, q, k, v, out_dtype=out_dtype, lse_rows=Tp)
+    inputs = (q, k, v) if kv_lengths is None else (q, k, v, kv_lengths)
+    return launch(entry, grid, config, inputs, out_dtype=out_dtype, lse_rows=Tp)
 

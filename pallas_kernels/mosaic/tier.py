@@ -25,7 +25,9 @@ ONE_TILE_KEYS = 128
 
 def unsupported(problem: Problem, direction: str) -> tuple[str, ...]:
     """What of `problem` the Mosaic tier does not compute in `direction`, by argument name
-    (or what)."""
+    (or what). The kernels take sequence lengths (`mosaic_attention_forward(lengths=)`, the
+    backward's `inputs.features`); the tier serves them once their GPU numerics test
+    (tests/test_mosaic.py, `-m gpu`) has passed."""
     features = [name for name in problem.features
                 if name not in ("local_window_size", "logits_soft_cap")]
     limit = MAX_HEAD_DIM[direction]
@@ -68,17 +70,17 @@ def forward(plan: Plan, inputs: Inputs):
     """(out, lse): out in float32 when differentiated (`plan.float32_out`)."""
     problem = plan.problem
     out_dtype = jnp.float32 if plan.float32_out else None
+    lengths = inputs.features.q_lengths, inputs.features.kv_lengths
     return mosaic_attention_forward(inputs.q, inputs.k, inputs.v, scale=problem.scale,
                                     causal=problem.causal, config=plan.config(KERNEL),
                                     out_dtype=out_dtype, window=problem.window,
-                                    softcap=problem.softcap)
+                                    softcap=problem.softcap, lengths=lengths)
 
 
 def backward(plan: Plan, inputs: Inputs, saved: Saved, cotangents: Cotangents):
     """(dq, dk, dv, None): the tier takes no bias."""
     problem = plan.problem
     dq, dk, dv = mosaic_backward.mosaic_attention_backward(
-        inputs.q, inputs.k, inputs.v, saved, cotangents, scale=problem.scale,
-        causal=problem.causal, config=plan.config(BACKWARD_KERNEL), window=problem.window,
-        softcap=problem.softcap)
+        inputs, saved, cotangents, scale=problem.scale, causal=problem.causal,
+        config=plan.config(BACKWARD_KERNEL), window=problem.window, softcap=problem.softcap)
     return dq, dk, dv, None

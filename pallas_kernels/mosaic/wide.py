@@ -23,7 +23,7 @@ from pallas_kernels.mosaic.common import (CLUSTER, LOG2E, NEG_INF, ROW, WARPGROU
 from pallas_kernels.mosaic.config import Config
 
 
-def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype):
+def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=None):
     B, Tq, Hq, D = q.shape  # D multiple of 256; Tq = T rounded up to 8
     _, _, Hkv, Dv = v.shape  # Dv multiple of 256
     dtype = q.dtype
@@ -49,7 +49,7 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype):
     oc = min(config.out_chunk or _W, _W)
     assert dvh % oc == 0
 
-    def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scoped):
+    def kernel(q_ref, k_ref, v_ref, kvlen_ref, o_ref, lse_ref, scoped):
         (
             (q_smem, o_smem),
             ring,
@@ -66,8 +66,9 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype):
         wg = lax.axis_index(WARPGROUPS)
         other = 1 - wg
         t, h, b, t_first, t_count = grid.indices()
+        walk = prob.with_key_end(kvlen_ref, b)  # the batch row's key length, if given
         hk = lax.div(h, jnp.int32(group))
-        lo, hi, kv_of = cluster_walk(prob, grid, t_first, t_count, bq,
+        lo, hi, kv_of = cluster_walk(walk, grid, t_first, t_count, bq,
                                               config.kv_rotate)
         q0 = t * bq
         collective = CLUSTER if ncl > 1 else None
@@ -81,7 +82,7 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype):
                 plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, q_bar)
 
             q_last = jnp.minimum(q0 + bq - 1, T - 1)
-            mask_lo, full_hi, my_hi = consumer_walk(prob, lo, q0, q_last,
+            mask_lo, full_hi, my_hi = consumer_walk(walk, lo, q0, q_last,
                                                     padding_rows=grid.q_extent * bq - bq >= T)
 
             m_i = plgpu.layout_cast(jnp.full((bq,), NEG_INF, jnp.float32), ROW)
@@ -120,11 +121,11 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype):
                 s = pl.run_scoped(qk, plgpu.ACC((bq, hk_cols), jnp.float32))
                 if not eager:
                     plgpu.barrier_arrive(free.at[lax.rem(base + nK - 1, ns)])
-                s = soft_cap(prob, s)
+                s = soft_cap(walk, s)
                 if masked:
                     q_idx = q0 + iota((bq, hk_cols), 0)
                     k_idx = kv_of(j) * bkv + wg * hk_cols + iota((bq, hk_cols), 1)
-                    s = score_mod(prob, s, q_idx, k_idx)
+                    s = score_mod(walk, s, q_idx, k_idx)
 
                 # ---- exchange the row maxima so both halves use the same max.
                 m_loc = s.max(axis=1) * c_exp
@@ -232,7 +233,8 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype):
                             src, ring.at[slot, pc], full.at[slot], collective_axes=collective
                         )
 
-    def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
+    def entry(q_ref, k_ref, v_ref, *refs):
+        kvlen_ref, o_ref, lse_ref = refs if kv_lengths is not None else (None, *refs)
         if ncl > 1:
             free = plgpu.ClusterBarrier(collective_axes=(CLUSTER,), num_arrivals=2, num_barriers=ns)
             exit_bar = plgpu.ClusterBarrier(collective_axes=(CLUSTER,), num_arrivals=2)
@@ -240,7 +242,7 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype):
             free = plgpu.Barrier(num_arrivals=2, num_barriers=ns)
             exit_bar = None
         pl.run_scoped(
-            lambda *args: kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, args),
+            lambda *args: kernel(q_ref, k_ref, v_ref, kvlen_ref, o_ref, lse_ref, args),
             plgpu.RefUnion(tiled_smem((bq, D), dtype), tiled_smem((2, bq, oc), out_dtype)),
             tiled_smem((ns, 2, bkv, _W), dtype),
             tiled_smem((2, bq, hk_cols), dtype),
@@ -255,5 +257,6 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype):
             collective_axes=WARPGROUPS,
         )
 
-    return launch(entry, grid, config, q, k, v, out_dtype=out_dtype, lse_rows=Tp)
+    inputs = (q, k, v) if kv_lengths is None else (q, k, v, kv_lengths)
+    return launch(entry, grid, config, inputs, out_dtype=out_dtype, lse_rows=Tp)
 
