@@ -28,8 +28,9 @@ for stage in $stages; do
       ;;
     mosaic)
       # The shared matrix on the Mosaic tier (a case using a feature it lacks is a skip that
-      # names it) and the API around it.
-      python3 -m pytest -m gpu -q -n ${WORKERS:-4} -p no:cacheprovider -k mosaic tests/test_forward.py tests/test_backward.py tests/test_features.py tests/test_dropout.py tests/test_mosaic.py 2>&1 | tee "$OUT/pytest_mosaic.log" | tail -30
+      # names it), the API around it (vmap), its kernels' own GPU tests (sequence lengths)
+      # and the fast backward's rerun spread.
+      python3 -m pytest -m gpu -q -n ${WORKERS:-4} -p no:cacheprovider -rf -k "mosaic or fast_backward" tests/test_forward.py tests/test_backward.py tests/test_features.py tests/test_dropout.py tests/test_mosaic.py tests/test_vmap.py tests/test_determinism.py 2>&1 | tee "$OUT/pytest_mosaic.log" | tail -30
       ;;
     tests)
       python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider --durations=15 -k "not test_fuzz_gpu" ${TEST_PATHS:-tests/} 2>&1 | tee "$OUT/pytest_gpu${TEST_TAG:-}.log" | tail -40
