@@ -64,8 +64,8 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
     c_exp = scale * LOG2E
     n_kt = cdiv(prob.S, bk)
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kvlen_ref, dq_ref, dk_ref,
-               dv_ref, scoped):
+    def kernel(refs, scoped):
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kvlen_ref, dq_ref, dk_ref, dv_ref = refs
         (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
          kv_bar, q_full, do_full, free, ds_ready, done) = scoped
         wg = lax.axis_index(WARPGROUPS)
@@ -201,7 +201,7 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
         if kv_lengths is None:
             refs = refs[:6] + (None,) + refs[6:]
         pl.run_scoped(
-            lambda *scoped: kernel(*refs, scoped),
+            lambda *scoped: kernel(refs, scoped),
             tiled_smem((bk, D), dtype, swizzle),
             tiled_smem((bk, Dv), dtype),
             tiled_smem((ns, bq, D), dtype, swizzle),
