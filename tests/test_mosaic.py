@@ -141,7 +141,8 @@ def test_kernels_with_sequence_lengths_lower_for_cuda(case):
     def forward(q, k, v, q_len, kv_len):
         return mosaic_attention_forward(q, k, v, scale=d ** -0.5, causal=causal,
                                         out_dtype=jnp.float32, window=window,
-                                        lengths=(q_len, kv_len))
+                                        features=FeatureArrays(q_lengths=q_len,
+                                                               kv_lengths=kv_len))
     text = jax.jit(forward).trace(q, k, v, lens, lens).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
@@ -527,7 +528,8 @@ def test_kernels_with_sequence_lengths_match_the_reference_gpu(case):
     features = at.make_features(shape)
     out, lse = mosaic_attention_forward(q, k, v, scale=at.scale_of(shape), causal=causal,
                                         out_dtype=jnp.float32, window=window,
-                                        lengths=(q_len, kv_len))
+                                        features=FeatureArrays(q_lengths=q_len,
+                                                               kv_lengths=kv_len))
     at.assert_forward_matches(out, lse, at.reference64(shape, q, k, v, bias, mask,
                                                        features=features),
                               at.xla_same_precision(shape, q, k, v, bias, mask,
@@ -538,6 +540,60 @@ def test_kernels_with_sequence_lengths_match_the_reference_gpu(case):
     inputs = Inputs(q, k, v, features=FeatureArrays(q_lengths=q_len, kv_lengths=kv_len))
     grads = mosaic_attention_backward(inputs, (out, lse), (d_out, d_lse),
                                       scale=at.scale_of(shape), causal=causal, window=window)
+    ref64 = at.reference_grads(shape, q, k, v, bias, mask, d_out, d_lse, float64=True,
+                               features=features)
+    xla = at.reference_grads(shape, q, k, v, bias, mask, d_out, d_lse, float64=False,
+                             features=features)
+    for name, got, want, same in zip(("dq", "dk", "dv"), grads, ref64, xla):
+        at.assert_matches_reference(name, got, want, same, shape.dtype, factor=3.0)
+
+
+SINK_CASES = [(2, 113, 203, 4, 2, 59, 40, True), (1, 256, 300, 2, 1, 256, 256, False),
+              (1, 203, 300, 4, 2, 320, 111, True)]
+
+
+def test_the_forward_with_sinks_lowers_for_cuda():
+    b, t, s, hq, hkv, d, dv, causal = SINK_CASES[0]
+    q, k, v = sd((b, t, hq, d), jnp.bfloat16), sd((b, s, hkv, d), jnp.bfloat16), sd(
+        (b, s, hkv, dv), jnp.bfloat16)
+
+    def forward(q, k, v, sinks):
+        return mosaic_attention_forward(q, k, v, scale=d ** -0.5, causal=causal,
+                                        features=FeatureArrays(sinks=sinks))
+    out, lse = jax.eval_shape(forward, q, k, v, sd((hq,), jnp.float32))
+    assert (out.shape, out.dtype, lse.shape) == ((b, t, hq, dv), jnp.bfloat16, (b, hq, t))
+    text = jax.jit(forward).trace(q, k, v, sd((hq,), jnp.float32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SINK_CASES, ids=lambda c: "T{}-S{}-D{}.{}-causal{}".format(
+    c[1], c[2], c[5], c[6], c[7]))
+def test_kernels_with_sinks_match_the_reference_gpu(case):
+    """Sinks joined after the kernels (float32, then one rounding) by the tolerance rule
+    against float64: out and lse, and at D <= 128 the backward's dq, dk, dv from the joined
+    lse (the sinks' own gradient is the caller's closed form); the check that lets the tier
+    serve sinks."""
+    b, t, s, hq, hkv, d, dv, causal = case
+    if not compat.mosaic_gpu_runs() or not str(getattr(jax.devices()[0],
+                                                       "compute_capability", "")).startswith("9"):
+        pytest.skip("needs an sm90 GPU and jax >= 0.11")
+    shape = at.Case(b=b, t=t, s=s, hq=hq, hkv=hkv, d=d, dv=dv, causal=causal, sinks=True)
+    q, k, v, bias, mask = at.make_inputs(shape)
+    features = at.make_features(shape)
+    arrays = FeatureArrays(sinks=features["sinks"])
+    out, lse = mosaic_attention_forward(q, k, v, scale=at.scale_of(shape), causal=causal,
+                                        out_dtype=jnp.float32, features=arrays)
+    at.assert_forward_matches(out, lse, at.reference64(shape, q, k, v, bias, mask,
+                                                       features=features),
+                              at.xla_same_precision(shape, q, k, v, bias, mask,
+                                                    features=features), shape.dtype)
+    if max(d, dv) > 128:
+        return
+    d_out, d_lse = at.cotangents(shape)
+    grads = mosaic_attention_backward(Inputs(q, k, v, features=arrays), (out, lse),
+                                      (d_out, d_lse), scale=at.scale_of(shape), causal=causal)
     ref64 = at.reference_grads(shape, q, k, v, bias, mask, d_out, d_lse, float64=True,
                                features=features)
     xla = at.reference_grads(shape, q, k, v, bias, mask, d_out, d_lse, float64=False,

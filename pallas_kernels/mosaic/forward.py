@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels.chunked import with_sinks
 from pallas_kernels.mosaic.common import Walk
 from pallas_kernels.mosaic.config import Config, default_config, round_up
 from pallas_kernels.mosaic.rows import rows_forward
 from pallas_kernels.mosaic.wide import wide_forward
+from pallas_kernels.problem import FeatureArrays
 
 
 def pad_axes(x, sizes):
@@ -20,13 +22,18 @@ def pad_axes(x, sizes):
 
 def mosaic_attention_forward(
     q, k, v, *, scale: float, causal: bool, config: Config | None = None, out_dtype=None,
-    window: tuple[int, int] | None = None, softcap: float | None = None, lengths=None
+    window: tuple[int, int] | None = None, softcap: float | None = None,
+    features: FeatureArrays | None = None
 ):
     """Returns (out [B,T,Hq,Dv], lse f32 [B,Hq,T]). `window` (left, right) and `softcap`
-    as `ffpa_jax.attention`'s local_window_size and logits_soft_cap; `lengths` = (q_lengths,
-    kv_lengths), int32 [B] or None each, as its query_seq_lengths and key_value_seq_lengths
-    (the kernels walk a batch row's keys up to its key length; rows past its query length
-    are set to out 0, lse -inf after them). See the module docstring."""
+    as `ffpa_jax.attention`'s local_window_size and logits_soft_cap; `features`' sequence
+    lengths and sinks as its query_seq_lengths, key_value_seq_lengths and sinks (the kernels
+    walk a batch row's keys up to its key length; after them rows past a query length are
+    set to out 0 and lse -inf, and the sinks join each row's denominator as one more block
+    of keys, in float32). Segment ids are not taken. See the module docstring."""
+    f = FeatureArrays() if features is None else features
+    if f.q_segment_ids is not None or f.positions is not None:
+        raise NotImplementedError("the Mosaic kernels take no segment ids or positions")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError("q, k, v must be [B, T|S, H, D]")
     B, T, Hq, D = q.shape
@@ -69,7 +76,10 @@ def mosaic_attention_forward(
     walk = Walk(T=T, S=S, causal=causal, block_kv=config.block_kv,
                 window=None if window is None else tuple(int(x) for x in window),
                 softcap=None if softcap is None else float(softcap), scale=scale)
-    q_lengths, kv_lengths = (None, None) if lengths is None else lengths
+    q_lengths, kv_lengths = f.q_lengths, f.kv_lengths
+    final_dtype = out_dtype
+    if f.sinks is not None:  # joined in float32, then rounded once
+        out_dtype = jnp.dtype(jnp.float32)
     out, lse = fwd(qp, kp, vp, walk, config=config, out_dtype=out_dtype,
                    kv_lengths=None if kv_lengths is None else kv_lengths.astype(jnp.int32))
     if Dvp != Dv or T8 != T:
@@ -80,5 +90,8 @@ def mosaic_attention_forward(
         padding = jnp.arange(T)[None, :] >= q_lengths.astype(jnp.int32)[:, None]  # [B, T]
         out = jnp.where(padding[:, :, None, None], jnp.zeros((), out.dtype), out)
         lse = jnp.where(padding[:, None, :], -jnp.inf, lse)
+    if f.sinks is not None:
+        out, lse = with_sinks(out, lse, f.sinks)
+        out = out.astype(final_dtype)
     return out, lse
 

@@ -25,9 +25,10 @@ ONE_TILE_KEYS = 128
 
 def unsupported(problem: Problem, direction: str) -> tuple[str, ...]:
     """What of `problem` the Mosaic tier does not compute in `direction`, by argument name
-    (or what). The kernels take sequence lengths (`mosaic_attention_forward(lengths=)`, the
-    backward's `inputs.features`); the tier serves them once their GPU numerics test
-    (tests/test_mosaic.py, `-m gpu`) has passed."""
+    (or what). The kernels take sequence lengths and the forward sinks
+    (`mosaic_attention_forward(features=)`, the backward's `inputs.features`; the backward
+    needs nothing for sinks: lse counts them); the tier serves them once their GPU numerics
+    tests (tests/test_mosaic.py, `-m gpu`) have passed."""
     features = [name for name in problem.features
                 if name not in ("local_window_size", "logits_soft_cap")]
     limit = MAX_HEAD_DIM[direction]
@@ -70,11 +71,10 @@ def forward(plan: Plan, inputs: Inputs):
     """(out, lse): out in float32 when differentiated (`plan.float32_out`)."""
     problem = plan.problem
     out_dtype = jnp.float32 if plan.float32_out else None
-    lengths = inputs.features.q_lengths, inputs.features.kv_lengths
     return mosaic_attention_forward(inputs.q, inputs.k, inputs.v, scale=problem.scale,
                                     causal=problem.causal, config=plan.config(KERNEL),
                                     out_dtype=out_dtype, window=problem.window,
-                                    softcap=problem.softcap, lengths=lengths)
+                                    softcap=problem.softcap, features=inputs.given_features)
 
 
 def backward(plan: Plan, inputs: Inputs, saved: Saved, cotangents: Cotangents):
