@@ -12,10 +12,10 @@ a producer warpgroup through a ring of shared-memory stages (Q, dO, and the rows
 keeping dK and dV in registers over the whole walk. Both warpgroups publish dSᵀ in shared
 memory (two buffers by step parity, so one warpgroup may run a step ahead), and each then
 computes half of dQ's columns over all 128 keys, dQ[:, half] = dS K[:, half], which it adds
-to the float32 dQ buffer with a TMA reduce-add (from two staging tiles, so that a step
-need not wait for the last one's add to read its tile): the order of those adds varies from run to
-run (`Tier.ordered_backward` is False for this kernel). dK and the float32 dQ are scaled by
-the softmax scale at the end.
+to the float32 dQ buffer with a TMA reduce-add (from two staging tiles, so that a step need
+not wait for the last one's add to read its tile): the order of those adds varies from run
+to run (`Tier.ordered_backward` is False for this tier). dK and the float32 dQ are scaled
+by the softmax scale at the end.
 """
 
 from __future__ import annotations
