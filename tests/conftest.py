@@ -113,6 +113,17 @@ def _has_gpu() -> bool:
 HAS_GPU = _has_gpu()
 
 
+def skip_unless_sm90(count: int = 1) -> None:
+    """Skips the calling test unless `count` sm90 GPUs (H100, H200) and a jax whose Mosaic GPU
+    kernels run (>= 0.11) are here: what the Mosaic tier's own GPU tests need."""
+    from pallas_kernels import compat
+    gpus = [d for d in jax.devices() if d.platform == "gpu"] if HAS_GPU else []
+    if (len(gpus) < count or not compat.mosaic_gpu_runs()
+            or not str(getattr(gpus[0], "compute_capability", "")).startswith("9")):
+        pytest.skip(f"needs {'an' if count == 1 else count} sm90 GPU{'s' if count > 1 else ''} "
+                    "and jax >= 0.11")
+
+
 def pytest_collection_modifyitems(config, items):
     # Modules whose tests share one subprocess report (`fake_devices.worker_report` in a
     # module-scoped fixture, marked `shared_report`) would run it once in each pytest-xdist

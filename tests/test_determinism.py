@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import ffpa_jax
-from conftest import interpret_flag
+from conftest import interpret_flag, skip_unless_sm90
 from ffpa_jax import info
 from pallas_kernels import tiers
 from pallas_kernels.problem import Problem
@@ -193,10 +193,7 @@ def test_the_fast_backwards_rerun_spread_is_within_the_rule():
     the first rerun) is printed for docs/benchmarks.md. `deterministic=True` on the same call
     is bitwise equal over the reruns (the fused kernels' backward)."""
     import attn_testing as at
-    from pallas_kernels import compat
-    if not compat.mosaic_gpu_runs() or not str(getattr(
-            jax.devices()[0], "compute_capability", "")).startswith("9"):
-        pytest.skip("needs an sm90 GPU and jax >= 0.11")
+    skip_unless_sm90()
     case = at.Case(b=2, t=1000, s=1000, hq=8, hkv=2, d=128, causal=True)
     q, k, v, _, _ = at.make_inputs(case)
     d_out, d_lse = at.cotangents(case)

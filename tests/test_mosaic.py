@@ -14,7 +14,7 @@ import pytest
 
 import attn_testing as at
 import ffpa_jax
-from conftest import HAS_GPU
+from conftest import HAS_GPU, skip_unless_sm90
 from pallas_kernels import compat, visibility
 from pallas_kernels.mosaic import Config, default_config, mosaic_attention_forward
 from pallas_kernels.mosaic.backward import mosaic_attention_backward
@@ -463,10 +463,8 @@ def test_kernels_in_a_shard_map_over_two_gpus_match_each_gpu_alone():
     the batch split over 2 sm90 GPUs along a mesh axis named "b" gives each GPU's own
     single-device result, bitwise (before the kernels' axes had names of their own, rows 1
     and 2 of 4 came out wrong: docs/history.md, session 18)."""
+    skip_unless_sm90(count=2)
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    if len(gpus) < 2 or not compat.mosaic_gpu_runs() or not str(
-            getattr(gpus[0], "compute_capability", "")).startswith("9"):
-        pytest.skip("needs 2 sm90 GPUs and jax >= 0.11")
     mesh = jax.make_mesh((2,), ("b",), devices=gpus[:2],
                          axis_types=(jax.sharding.AxisType.Auto,))
     spec = jax.sharding.PartitionSpec("b")
@@ -484,6 +482,28 @@ def test_kernels_in_a_shard_map_over_two_gpus_match_each_gpu_alone():
         assert bool(jnp.all(jax.device_get(got)[rows] == jax.device_get(alone))), i
 
 
+def _assert_forward_matches(shape, arrays, features, out, lse):
+    """The kernels' (out, lse) of `shape`'s arrays (q, k, v, bias, mask) by the tolerance
+    rule against the float64 reference with `attention`'s feature arguments `features`."""
+    at.assert_forward_matches(out, lse, at.reference64(shape, *arrays, features=features),
+                              at.xla_same_precision(shape, *arrays, features=features),
+                              shape.dtype)
+
+
+def _assert_backward_matches(shape, arrays, features, saved, kernel_features):
+    """The Mosaic backward's dq, dk, dv from the forward's `saved` (out, lse), with the
+    kernels' `FeatureArrays`, by the gradients' tolerance rule (3x XLA's error)."""
+    q, k, v = arrays[:3]
+    d_out, d_lse = at.cotangents(shape)
+    grads = mosaic_attention_backward(Inputs(q, k, v, features=kernel_features), saved,
+                                      (d_out, d_lse), scale=at.scale_of(shape),
+                                      causal=shape.causal, window=shape.window)
+    ref64 = at.reference_grads(shape, *arrays, d_out, d_lse, float64=True, features=features)
+    xla = at.reference_grads(shape, *arrays, d_out, d_lse, float64=False, features=features)
+    for name, got, want, same in zip(("dq", "dk", "dv"), grads, ref64, xla):
+        at.assert_matches_reference(name, got, want, same, shape.dtype, factor=3.0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", FEATURE_CASES, ids=lambda c: "D{}-window{}-softcap{}".format(
     c[0][5], c[1], c[2]))
@@ -491,9 +511,7 @@ def test_kernels_with_a_window_and_a_soft_cap_match_the_reference_gpu(case):
     """The kernels' window and soft cap by the tolerance rule against the float64 reference
     (out, lse), rows with no visible key included; the check that lets the tier serve them."""
     (b, t, s, hq, hkv, d, dv, causal, config), window, softcap = case
-    if not compat.mosaic_gpu_runs() or not str(getattr(jax.devices()[0],
-                                                       "compute_capability", "")).startswith("9"):
-        pytest.skip("needs an sm90 GPU and jax >= 0.11")
+    skip_unless_sm90()
     shape = at.Case(b=b, t=t, s=s, hq=hq, hkv=hkv, d=d, dv=dv, causal=causal,
                     window=window, softcap=softcap)
     q, k, v, bias, mask = at.make_inputs(shape)
@@ -501,10 +519,7 @@ def test_kernels_with_a_window_and_a_soft_cap_match_the_reference_gpu(case):
     out, lse = mosaic_attention_forward(q, k, v, scale=at.scale_of(shape), causal=causal,
                                         config=config, out_dtype=jnp.float32, window=window,
                                         softcap=softcap)
-    at.assert_forward_matches(out, lse, at.reference64(shape, q, k, v, bias, mask,
-                                                       features=features),
-                              at.xla_same_precision(shape, q, k, v, bias, mask,
-                                                    features=features), shape.dtype)
+    _assert_forward_matches(shape, (q, k, v, bias, mask), features, out, lse)
 
 
 @pytest.mark.gpu
@@ -517,9 +532,7 @@ def test_kernels_with_sequence_lengths_match_the_reference_gpu(case):
     backward's dq, dk, dv (padding gets zero gradient); the check that lets the tier serve
     query_seq_lengths and key_value_seq_lengths."""
     b, t, s, hq, hkv, d, dv, causal, window = case
-    if not compat.mosaic_gpu_runs() or not str(getattr(jax.devices()[0],
-                                                       "compute_capability", "")).startswith("9"):
-        pytest.skip("needs an sm90 GPU and jax >= 0.11")
+    skip_unless_sm90()
     q_len, kv_len = _lengths(b, t, s)
     shape = at.Case(b=b, t=t, s=s, hq=hq, hkv=hkv, d=d, dv=dv, causal=causal, window=window,
                     q_lengths=tuple(int(x) for x in q_len),
@@ -530,22 +543,11 @@ def test_kernels_with_sequence_lengths_match_the_reference_gpu(case):
                                         out_dtype=jnp.float32, window=window,
                                         features=FeatureArrays(q_lengths=q_len,
                                                                kv_lengths=kv_len))
-    at.assert_forward_matches(out, lse, at.reference64(shape, q, k, v, bias, mask,
-                                                       features=features),
-                              at.xla_same_precision(shape, q, k, v, bias, mask,
-                                                    features=features), shape.dtype)
+    _assert_forward_matches(shape, (q, k, v, bias, mask), features, out, lse)
     if max(d, dv) > 128:
         return
-    d_out, d_lse = at.cotangents(shape)
-    inputs = Inputs(q, k, v, features=FeatureArrays(q_lengths=q_len, kv_lengths=kv_len))
-    grads = mosaic_attention_backward(inputs, (out, lse), (d_out, d_lse),
-                                      scale=at.scale_of(shape), causal=causal, window=window)
-    ref64 = at.reference_grads(shape, q, k, v, bias, mask, d_out, d_lse, float64=True,
-                               features=features)
-    xla = at.reference_grads(shape, q, k, v, bias, mask, d_out, d_lse, float64=False,
-                             features=features)
-    for name, got, want, same in zip(("dq", "dk", "dv"), grads, ref64, xla):
-        at.assert_matches_reference(name, got, want, same, shape.dtype, factor=3.0)
+    _assert_backward_matches(shape, (q, k, v, bias, mask), features, (out, lse),
+                             FeatureArrays(q_lengths=q_len, kv_lengths=kv_len))
 
 
 SINK_CASES = [(2, 113, 203, 4, 2, 59, 40, True), (1, 256, 300, 2, 1, 256, 256, False),
@@ -576,27 +578,14 @@ def test_kernels_with_sinks_match_the_reference_gpu(case):
     lse (the sinks' own gradient is the caller's closed form); the check that lets the tier
     serve sinks."""
     b, t, s, hq, hkv, d, dv, causal = case
-    if not compat.mosaic_gpu_runs() or not str(getattr(jax.devices()[0],
-                                                       "compute_capability", "")).startswith("9"):
-        pytest.skip("needs an sm90 GPU and jax >= 0.11")
+    skip_unless_sm90()
     shape = at.Case(b=b, t=t, s=s, hq=hq, hkv=hkv, d=d, dv=dv, causal=causal, sinks=True)
     q, k, v, bias, mask = at.make_inputs(shape)
     features = at.make_features(shape)
     arrays = FeatureArrays(sinks=features["sinks"])
     out, lse = mosaic_attention_forward(q, k, v, scale=at.scale_of(shape), causal=causal,
                                         out_dtype=jnp.float32, features=arrays)
-    at.assert_forward_matches(out, lse, at.reference64(shape, q, k, v, bias, mask,
-                                                       features=features),
-                              at.xla_same_precision(shape, q, k, v, bias, mask,
-                                                    features=features), shape.dtype)
+    _assert_forward_matches(shape, (q, k, v, bias, mask), features, out, lse)
     if max(d, dv) > 128:
         return
-    d_out, d_lse = at.cotangents(shape)
-    grads = mosaic_attention_backward(Inputs(q, k, v, features=arrays), (out, lse),
-                                      (d_out, d_lse), scale=at.scale_of(shape), causal=causal)
-    ref64 = at.reference_grads(shape, q, k, v, bias, mask, d_out, d_lse, float64=True,
-                               features=features)
-    xla = at.reference_grads(shape, q, k, v, bias, mask, d_out, d_lse, float64=False,
-                             features=features)
-    for name, got, want, same in zip(("dq", "dk", "dv"), grads, ref64, xla):
-        at.assert_matches_reference(name, got, want, same, shape.dtype, factor=3.0)
+    _assert_backward_matches(shape, (q, k, v, bias, mask), features, (out, lse), arrays)

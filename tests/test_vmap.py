@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import interpret_flag
+from conftest import interpret_flag, skip_unless_sm90
 
 import ffpa_jax
 import tuning
@@ -161,10 +161,7 @@ def test_vmap_on_the_mosaic_tier_equals_a_loop_gpu():
     """The folded call on the real kernels: forward and gradients of each element equal the
     element alone (dK, dV and the forward bitwise; dQ's reduce-adds may add in another
     order, so within a few float32 ulps of the gradient's magnitude)."""
-    from pallas_kernels import compat
-    if not compat.mosaic_gpu_runs() or not str(getattr(
-            jax.devices()[0], "compute_capability", "")).startswith("9"):
-        pytest.skip("needs an sm90 GPU and jax >= 0.11")
+    skip_unless_sm90()
     q, k, v, _, _ = inputs(5, b=2, t=300, s=300, hq=4, hkv=2, d=64, dtype=jnp.bfloat16)
     fn = functools.partial(ffpa_jax.attention, is_causal=True, implementation="mosaic")
 

@@ -237,16 +237,11 @@ def _serving(tier: Tier, direction: str, problem: Problem, device: Device, inter
              passed_over: list, deterministic: bool = False) -> Tier:
     """`tier`, or the first tier after it in the registry that runs here and serves
     `direction` of `problem` (each one passed over noted with why)."""
-    order = TIERS[TIERS.index(tier):]
-    for candidate in order:
-        reason = (runs_here(candidate, device, interpret)
-                  or _unordered(candidate, direction, deterministic))
-        missing = candidate.unsupported(problem, direction)
-        if direction not in candidate.directions:
-            reason = reason or f"has no {direction} of its own"
-        if reason is None and not missing:
+    for candidate in TIERS[TIERS.index(tier):]:
+        why = (runs_here(candidate, device, interpret)
+               or _refusal(candidate, direction, problem, deterministic))
+        if why is None:
             return candidate
-        why = reason or f"does not implement {', '.join(missing)} in the {direction}"
         passed_over.append((candidate.name, why))
     return tiers.XLA
 
@@ -268,7 +263,7 @@ def _require_runs_here(tier: Tier, device: Device, interpret: bool) -> None:
 def _explicit(name: str, problem: Problem, device: Device, interpret: bool) -> Tier:
     """The tier `implementation=name` names, or a ValueError saying why it cannot run: it
     must run here and serve the forward (a backward it cannot serve goes to the rules:
-    `_named_refusal`)."""
+    `_refusal`)."""
     tier = tiers.BY_NAME[name]
     _require_runs_here(tier, device, interpret)
     missing = tier.unsupported(problem, DIRECTIONS[0])
@@ -280,16 +275,14 @@ def _explicit(name: str, problem: Problem, device: Device, interpret: bool) -> T
     return tier
 
 
-def _named_refusal(tier: Tier, direction: str, problem: Problem,
-                   deterministic: bool) -> str | None:
-    """Why the tier `implementation=` names does not run `direction` of `problem` (None: it
-    does): it has none, may not under `deterministic`, or lacks a feature there."""
-    if direction not in tier.directions:
-        return f"has no {direction}"
+def _refusal(tier: Tier, direction: str, problem: Problem, deterministic: bool) -> str | None:
+    """Why `tier` does not run `direction` of `problem` wherever it runs (None: it does): it
+    may not under `deterministic`, has no such direction, or lacks a feature there."""
+    unordered = _unordered(tier, direction, deterministic)
+    if unordered or direction not in tier.directions:
+        return unordered or f"has no {direction} of its own"
     missing = tier.unsupported(problem, direction)
-    return (_unordered(tier, direction, deterministic)
-            or (f"does not implement {', '.join(missing)} in the {direction}" if missing
-                else None))
+    return f"does not implement {', '.join(missing)} in the {direction}" if missing else None
 
 
 def explain(problem: Problem, implementation: str | None = None, *, interpret: bool = False,
@@ -319,7 +312,7 @@ def explain(problem: Problem, implementation: str | None = None, *, interpret: b
                              f"{implementation!r}")
         tier = _explicit(implementation, problem, device, interpret)
         for direction in DIRECTIONS:
-            refusal = _named_refusal(tier, direction, problem, ordered)
+            refusal = _refusal(tier, direction, problem, ordered)
             if refusal is None:
                 chosen[direction] = (tier, f"implementation={implementation!r}")
                 continue
