@@ -159,8 +159,10 @@ def test_vmap_folds_the_mapped_axis_into_the_batch_for_the_mosaic_tier():
 @pytest.mark.gpu
 def test_vmap_on_the_mosaic_tier_equals_a_loop_gpu():
     """The folded call on the real kernels: forward and gradients of each element equal the
-    element alone (dK, dV and the forward bitwise; dQ's reduce-adds may add in another
-    order, so within a few float32 ulps of the gradient's magnitude)."""
+    element alone. The forward and dV bitwise (the same kernels over the same tiles); dK
+    and dQ within a few ulps of the gradient's magnitude: both go through δ = rowsum(dO·O),
+    an XLA reduction whose order XLA may choose per shape (the folded batch is N times
+    larger), and dQ's reduce-adds may also add in another order."""
     skip_unless_sm90()
     q, k, v, _, _ = inputs(5, b=2, t=300, s=300, hq=4, hkv=2, d=64, dtype=jnp.bfloat16)
     fn = functools.partial(ffpa_jax.attention, is_causal=True, implementation="mosaic")
@@ -173,9 +175,9 @@ def test_vmap_on_the_mosaic_tier_equals_a_loop_gpu():
     for i in range(N):
         assert_same(out[i], jax.jit(fn)(q[i], k[i], v[i]), exact=True)
         _, alone = value_and_grads(q[i], k[i], v[i])
-        assert_same(grads[1][i], alone[1], exact=True)
         assert_same(grads[2][i], alone[2], exact=True)
-        scale = float(jnp.abs(alone[0].astype(jnp.float32)).max())
-        np.testing.assert_allclose(np.asarray(grads[0][i], np.float32),
-                                   np.asarray(alone[0], np.float32), rtol=0,
-                                   atol=4 * scale * float(jnp.finfo(jnp.bfloat16).eps))
+        for g, g_alone in ((grads[0][i], alone[0]), (grads[1][i], alone[1])):
+            scale = float(jnp.abs(g_alone.astype(jnp.float32)).max())
+            np.testing.assert_allclose(np.asarray(g, np.float32),
+                                       np.asarray(g_alone, np.float32), rtol=0,
+                                       atol=4 * scale * float(jnp.finfo(jnp.bfloat16).eps))

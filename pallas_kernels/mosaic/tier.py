@@ -21,16 +21,17 @@ KERNEL = "mosaic_fwd"  # the tier's configs in a plan
 BACKWARD_KERNEL = "mosaic_bwd"
 MAX_HEAD_DIM = {"forward": 512, "backward": mosaic_backward.MAX_HEAD_DIM}
 ONE_TILE_KEYS = 128
+SERVED_FEATURES = ("local_window_size", "logits_soft_cap", "query_seq_lengths",
+                   "key_value_seq_lengths", "sinks")
 
 
 def unsupported(problem: Problem, direction: str) -> tuple[str, ...]:
     """What of `problem` the Mosaic tier does not compute in `direction`, by argument name
-    (or what). The kernels take sequence lengths and the forward sinks
-    (`mosaic_attention_forward(features=)`, the backward's `inputs.features`; the backward
-    needs nothing for sinks: lse counts them); the tier serves them once their GPU numerics
-    tests (tests/test_mosaic.py, `-m gpu`) have passed."""
-    features = [name for name in problem.features
-                if name not in ("local_window_size", "logits_soft_cap")]
+    (or what). Sequence lengths and sinks are served: the kernels take the lengths
+    (`mosaic_attention_forward(features=)`, the backward's `inputs.features`), the forward
+    joins the sinks on the host, and the backward needs nothing for them (lse counts them;
+    their own gradient is the caller's closed form)."""
+    features = [name for name in problem.features if name not in SERVED_FEATURES]
     limit = MAX_HEAD_DIM[direction]
     missing = [name for name, lacks in (
         ("bias", problem.has_bias), ("mask", problem.mask_shape is not None),
