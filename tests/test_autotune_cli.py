@@ -21,6 +21,9 @@ from tuning.lookup import clear_cache, lookup_config
 from tuning.lookup import user_config_dir as real_user_config_dir
 from tuning.schema import load_config_file
 
+# An end-to-end run: outside the default suite; CI runs it (`pytest -m slow`).
+pytestmark = pytest.mark.slow
+
 REPO = TESTS_DIR.parent
 FILE_NAME = "Fake_GPU_80GB.json"
 

@@ -314,6 +314,7 @@ def test_dropout_error_catches_another_keep_mask():
 
 
 # ---------------------------------------------------------------- the CLI, end to end
+@pytest.mark.slow  # the CLI end to end: CI runs it (`pytest -m slow`)
 def test_context_parallel_rows_split_the_sequence_over_four_devices(tmp_path):
     """The context-parallel kind on 4 fake CPU devices (zigzag): ffpa's row runs the split
     call (its error column, against float64 in sequence order, matches the one-device
@@ -336,6 +337,7 @@ def test_context_parallel_rows_split_the_sequence_over_four_devices(tmp_path):
     assert split["error"] < 1e-2 and abs(split["error"] - whole["error"]) < 1e-3
 
 
+@pytest.mark.slow  # the CLI end to end: CI runs it (`pytest -m slow`)
 def test_cli_on_cpu_writes_json_and_plot(tmp_path, capsys):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     rc = cli.main(["--case", "self,decode", "--quick", "--mode", "fwd",

@@ -14,7 +14,12 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from fake_devices import fake_devices_env
+
+# An end-to-end run: outside the default suite; CI runs it (`pytest -m slow`).
+pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROCESSES = 2

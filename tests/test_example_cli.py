@@ -11,6 +11,9 @@ pytest.importorskip("optax")
 from example_runner import run_example
 from examples import tiny_lm
 
+# An end-to-end run: outside the default suite; CI runs it (`pytest -m slow`).
+pytestmark = pytest.mark.slow
+
 
 def _run(*args: str):
     return run_example("tiny_lm.py", *args)

@@ -4,8 +4,13 @@ and exits 1 otherwise)."""
 
 from __future__ import annotations
 
+import pytest
+
 from conftest import HAS_GPU
 from example_runner import run_example
+
+# An end-to-end run: outside the default suite; CI runs it (`pytest -m slow`).
+pytestmark = pytest.mark.slow
 
 
 def _run(*args: str):

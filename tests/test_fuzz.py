@@ -18,6 +18,10 @@ pool plus everything dynamic. CPU (CI): 200 examples over a pool of 16 configura
 with ranges small enough for the interpreter (T, S <= 160; D <= 160, or up to 1000 with
 T, S <= 48). GPU (marker `gpu`): 2000 examples over 200 configurations drawn
 from the full ranges (T, S <= 400; D <= 160, or up to 1024), in four parts that
+
+# Hypothesis draws over the whole matrix: outside the default suite; CI runs them
+# (`pytest -m slow`).
+pytestmark = pytest.mark.slow
 pytest-xdist runs side by side.
 
 Reproduce: the seed is printed at the start (pytest shows it with a failure); rerun with

@@ -26,6 +26,9 @@ from example_runner import ROOT, run_example
 from examples import gemma_like
 from fake_devices import fake_devices_env
 
+# An end-to-end run: outside the default suite; CI runs it (`pytest -m slow`).
+pytestmark = pytest.mark.slow
+
 
 def _run(*args: str):
     return run_example("gemma_like.py", *args)

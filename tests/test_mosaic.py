@@ -393,6 +393,20 @@ def test_narrow_windows_run_on_the_kernels_that_skip_hidden_tiles(d, want, monke
     assert "skip the hidden tiles" in explained.forward.why
 
 
+@pytest.mark.parametrize("d,want", [(64, ("pallas", "pallas")), (128, ("mosaic", "pallas")),
+                                    (256, ("pallas", "pallas")), (512, ("chunked", "chunked"))])
+def test_segment_ids_run_where_they_measured_fastest(d, want, monkeypatch):
+    """Packed sequences up to D = 256: the Mosaic forward at D = 128, the Triton kernels
+    elsewhere and in the backward (never the chunked tier, which walks every tile); above
+    D = 256 the other rules."""
+    ids = sd((2, 512), jnp.int32)
+    problem = _problem(d=d, causal=True, features=FeatureArrays(ids, ids))
+    explained = dispatch.explain(problem, device=_h100(monkeypatch))
+    assert (explained.forward.tier, explained.backward.tier) == want
+    if d <= 256:
+        assert "segment ids" in explained.forward.why
+
+
 def test_float32_and_other_gpus_never_take_mosaic(monkeypatch):
     device = _h100(monkeypatch)
     single = dispatch.explain(_problem(dtype=jnp.float32), device=device)
@@ -589,3 +603,72 @@ def test_kernels_with_sinks_match_the_reference_gpu(case):
     if max(d, dv) > 128:
         return
     _assert_backward_matches(shape, (q, k, v, bias, mask), features, (out, lse), arrays)
+
+
+# Segment ids in the "rows" forward (D, Dv <= 256): (B, T, S, Hq, Hkv, D, Dv, causal,
+# window, segments per row, sorted ids, config); unsorted ids make the block ranges a
+# superset, a cluster of two query tiles shares one range.
+SEGMENT_CASES = [
+    (2, 203, 113, 4, 2, 59, 40, True, None, 3, True, None),
+    (2, 300, 1000, 4, 4, 64, 64, False, (100, 37), 4, False, None),
+    (1, 1023, 1023, 2, 1, 128, 128, True, None, 8, True, None),
+    (1, 1000, 700, 2, 2, 256, 256, False, None, 2, True, None),
+    (2, 600, 600, 4, 2, 128, 128, True, None, 5, True,
+     Config(block_kv=128, num_stages=2, cluster=2, cluster_axis="q")),
+]
+
+
+def _segment_case(case):
+    b, t, s, hq, hkv, d, dv, causal, window, segments, sorted_ids, config = case
+    shape = at.Case(b=b, t=t, s=s, hq=hq, hkv=hkv, d=d, dv=dv, causal=causal, window=window,
+                    segments=segments, sorted_ids=sorted_ids)
+    return shape, config
+
+
+def test_the_kernels_with_segment_ids_lower_for_cuda():
+    for case in SEGMENT_CASES:
+        shape, config = _segment_case(case)
+        q, k, v = (sd(x.shape, jnp.bfloat16) for x in at.make_inputs(shape)[:3])
+        ids = (sd((shape.b, shape.t), jnp.int32), sd((shape.b, shape.s), jnp.int32))
+
+        def forward(q, k, v, q_ids, kv_ids, shape=shape, config=config):
+            return mosaic_attention_forward(
+                q, k, v, scale=at.scale_of(shape), causal=shape.causal, config=config,
+                window=shape.window, features=FeatureArrays(q_ids, kv_ids))
+        text = jax.jit(forward).trace(q, k, v, *ids).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+        if max(shape.d, shape.head_dim_v) > 128:
+            continue
+        out, lse = sd((shape.b, shape.t, shape.hq, shape.head_dim_v), jnp.float32), sd(
+            (shape.b, shape.hq, shape.t), jnp.float32)
+
+        def backward(q, k, v, q_ids, kv_ids, out, lse, shape=shape):
+            return mosaic_attention_backward(
+                Inputs(q, k, v, features=FeatureArrays(q_ids, kv_ids)), (out, lse), (out, lse),
+                scale=at.scale_of(shape), causal=shape.causal, window=shape.window)
+        text = jax.jit(backward).trace(q, k, v, *ids, out, lse).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SEGMENT_CASES, ids=lambda c: "T{}-S{}-D{}-seg{}{}-c{}".format(
+    c[1], c[2], c[5], c[9], "" if c[10] else "u", 0 if c[11] is None else c[11].cluster))
+def test_the_kernels_with_segment_ids_match_the_reference_gpu(case):
+    """Segment ids in the kernels by the tolerance rule against the float64 reference (out,
+    lse; rows whose segment has no key give 0 and -inf), and at D <= 128 the backward's dq,
+    dk, dv (keys no row sees get zero gradient); the check that lets the tier serve them."""
+    skip_unless_sm90()
+    shape, config = _segment_case(case)
+    q, k, v, bias, mask = at.make_inputs(shape)
+    features = at.make_features(shape)
+    out, lse = mosaic_attention_forward(q, k, v, scale=at.scale_of(shape), causal=shape.causal,
+                                        config=config, out_dtype=jnp.float32,
+                                        window=shape.window,
+                                        features=at.feature_arrays(features))
+    _assert_forward_matches(shape, (q, k, v, bias, mask), features, out, lse)
+    if max(shape.d, shape.head_dim_v) > 128:
+        return
+    _assert_backward_matches(shape, (q, k, v, bias, mask), features, (out, lse),
+                             at.feature_arrays(features))

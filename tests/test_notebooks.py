@@ -13,6 +13,9 @@ import pathlib
 
 import pytest
 
+# An end-to-end run: outside the default suite; CI runs it (`pytest -m slow`).
+pytestmark = pytest.mark.slow
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")

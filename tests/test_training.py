@@ -24,6 +24,9 @@ pytest.importorskip("optax")
 from examples import tiny_lm
 from fake_devices import worker_report
 
+# An end-to-end run: outside the default suite; CI runs it (`pytest -m slow`).
+pytestmark = pytest.mark.slow
+
 
 def _check_decreases(losses: np.ndarray) -> None:
     assert np.all(np.isfinite(losses)), losses

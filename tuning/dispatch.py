@@ -8,6 +8,8 @@ One place decides, for the run (`plan`) and for `python -m ffpa_jax.info` (`expl
    else the chunked tier where the dense logits would pass its workspace budget, and XLA's
    dense path below it.
 3. `implementation=None` on an NVIDIA GPU, each direction by the first rule that applies:
+   - segment ids up to D = 256: the fused kernels (the Mosaic forward where it measured
+     faster, `SEGMENTS_MOSAIC_FORWARD`);
    - a sliding window narrow enough for the fused kernels' tile skipping (`narrow_window`);
    - the decode shapes' forward: the fused tier's split-KV decode kernels;
    - the tier the device's tuned file names for the nearest problem (its "tier" field);
@@ -56,6 +58,14 @@ NARROW_WINDOW_MAX_HEADDIM = 512
 # Of them, the Mosaic kernels (where they run) up to these head dims: measured faster than
 # the Triton kernels at D = 128 and 256 (forward) and 128 (backward), docs/benchmarks.md.
 NARROW_WINDOW_MOSAIC_MAX_HEADDIM = {"forward": 256, "backward": 128}
+
+# Segment ids (packed sequences) up to D = SEGMENTS_MAX_HEADDIM: the fused kernels skip the
+# other segments' tiles, where the tuned tiers were measured without segments and the
+# chunked tier's blocks walk them all. Of the fused kernels the Mosaic forward measured
+# faster over (SEGMENTS_MOSAIC_FORWARD[0], SEGMENTS_MOSAIC_FORWARD[1]] only, its backward
+# slower than the Triton kernels' (docs/benchmarks.md, session 21).
+SEGMENTS_MAX_HEADDIM = 256
+SEGMENTS_MOSAIC_FORWARD = (64, 128)
 
 # The built-in rule's backward on the Mosaic tier (where it runs and serves the problem) up
 # to this head dim: its kernel's limit, and where it measured faster than the fused Triton
@@ -204,6 +214,12 @@ def tuned_tier(direction: str, problem: Problem, device: Device) -> tuple[Tier |
 
 def _rule(direction: str, problem: Problem, device: Device) -> tuple[Tier, str]:
     """The GPU's first applicable rule for `direction` (step 3 of the module docstring)."""
+    if problem.segment_ids and problem.headdim <= SEGMENTS_MAX_HEADDIM:
+        low, high = SEGMENTS_MOSAIC_FORWARD
+        fused_tier = (tiers.MOSAIC if direction == "forward" and low < problem.headdim <= high
+                      else tiers.PALLAS)
+        return fused_tier, ("segment ids: the fused kernels skip the other segments' tiles "
+                            f"({fused_tier.name})")
     if narrow_window(problem):
         # The Mosaic kernels skip hidden tiles too, and measured faster where they serve.
         fused_tier = (tiers.MOSAIC if problem.headdim <= NARROW_WINDOW_MOSAIC_MAX_HEADDIM[

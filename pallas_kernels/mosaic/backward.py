@@ -27,26 +27,28 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import compat
-from pallas_kernels.mosaic.common import (LOG2E, WARPGROUPS, WGMMA, Walk, cdiv,
-                                          compiler_params, iota, q_range, score_mod, soft_cap,
-                                          tiled_smem, walk_kv)
+from pallas_kernels.mosaic.common import (COLUMNS, LOG2E, ROW, WARPGROUPS, WGMMA, Walk, cdiv,
+                                          compiler_params, iota, q_range, same_segment,
+                                          score_mod, soft_cap, tiled_smem, walk_kv)
 from pallas_kernels.mosaic.config import Config, default_backward_config, round_up
 from pallas_kernels.mosaic.forward import pad_axes
+from pallas_kernels.visibility import segment_block_ranges
 
 K_TILES, KV_HEADS, BATCH = "ffpa_mosaic_k", "ffpa_mosaic_hk", "ffpa_mosaic_b"
-COLUMNS = plgpu.Layout.WGMMA.reduce(0)  # a [64] vector along a tile's columns
 BLOCK_Q = 64  # query rows per step
 KEYS_PER_WG = 64
 MAX_HEAD_DIM = 128
 
 
-def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_lengths=None):
+def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_lengths=None,
+                  segment_ids=None):
     """(dq float32 [B, Tp, Hq, D], dk [B, S8, Hkv, D], dv [B, S8, Hkv, Dv]) of padded arrays:
     q/do [B, T8, Hq, D|Dv], k/v [B, S8, Hkv, D|Dv] (D, Dv in {64, 128}); `rows` = (lse2, δ):
     lse2 = lse·log2(e) with +inf on rows that see no key (their P is 0), δ = rowsum(dO ∘ O)
     − dlse, both float32 [B, Hq, Tp] (Tp: T rounded up to 64, padded with +inf and 0);
     `prob` the true lengths and the semantics (its block_kv unused: the walk is over query
-    blocks, `q_range`); `kv_lengths` int32 [B] or None: each batch row's key length."""
+    blocks, `q_range`); `kv_lengths` int32 [B] or None: each batch row's key length;
+    `segment_ids` None or (q ids [B, T], kv ids [B, S]) (`prob.segments` says which)."""
     lse2, delta = rows
     B, _, Hq, D = q.shape
     _, S8, Hkv, Dv = v.shape
@@ -63,16 +65,27 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
     scale, softcap = prob.scale, prob.softcap
     c_exp = scale * LOG2E
     n_kt = cdiv(prob.S, bk)
+    has_segments = segment_ids is not None
+    assert has_segments == prob.segments
+    dq_tiles = 1 if has_segments else 2  # dQ's staging tiles per warpgroup
+    segments = ()
+    if has_segments:  # ids padded (padding rows get no gradient, padding keys are masked)
+        q_ids, kv_ids = (x.astype(jnp.int32) for x in segment_ids)
+        ranges = segment_block_ranges(kv_ids, q_ids, block_m=bk, block_n=bq)  # [B, n_kt, 2]
+        segments = (jnp.pad(q_ids, ((0, 0), (0, Tp - q_ids.shape[1]))),
+                    jnp.pad(kv_ids, ((0, 0), (0, n_kt * bk - kv_ids.shape[1]))), ranges)
 
     def kernel(refs, scoped):
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kvlen_ref, dq_ref, dk_ref, dv_ref = refs
-        (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-         kv_bar, q_full, do_full, free, ds_ready, done) = scoped
+        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kvlen_ref,
+         (qid_ref, kid_ref, ranges_ref), dq_ref, dk_ref, dv_ref) = refs
+        (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, qid_smem,
+         kid_smem, kv_bar, q_full, do_full, free, ds_ready, done) = scoped
         wg = lax.axis_index(WARPGROUPS)
         kt = lax.axis_index(K_TILES)
         hk = lax.axis_index(KV_HEADS)
         b = lax.axis_index(BATCH)
         walk = prob.with_key_end(kvlen_ref, b)  # the batch row's key length, if given
+        walk = walk.with_segment_range(ranges_ref, b, kt)
         k0 = kt * bk
         lo, mask_lo, full_hi, hi = q_range(walk, k0, k0 + bk - 1, bq)
         count = hi - lo  # steps per query head
@@ -85,6 +98,8 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
             dk = plgpu.layout_cast(jnp.zeros((wk, D), jnp.float32), WGMMA)
             dv = plgpu.layout_cast(jnp.zeros((wk, Dv), jnp.float32), WGMMA)
             plgpu.barrier_wait(kv_bar)
+            key_ids = (compat.mosaic_load(kid_smem.at[my_keys], layout=ROW) if has_segments
+                       else None)
 
             def head(g, carry):
                 h = hk * group + g
@@ -108,6 +123,10 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
                     zeros = plgpu.layout_cast(jnp.zeros((wk, bq), jnp.float32), WGMMA)
                     s, dp = pl.run_state(scores)((plgpu.ACC.init(zeros),
                                                   plgpu.ACC.init(zeros)))
+                    same = None
+                    if masked and has_segments:  # the rows' ids landed with Q
+                        row_ids = compat.mosaic_load(qid_smem.at[slot], layout=COLUMNS)
+                        same = same_segment(key_ids, row_ids, (wk, bq))
                     s = soft_cap(walk, s)
                     if softcap is not None:
                         # d(capped)/d(raw) = 1 - tanh², tanh = scale·capped / cap (taken
@@ -117,7 +136,7 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
                     if masked:
                         q_idx = q0 + iota((wk, bq), 1)
                         k_idx = k0 + wg * wk + iota((wk, bq), 0)
-                        s = score_mod(walk, s, q_idx, k_idx)
+                        s = score_mod(walk, s, q_idx, k_idx, same)
                     lse = compat.mosaic_load(lse_smem.at[slot], layout=COLUMNS)
                     p = jnp.exp2(s * c_exp - lax.broadcast_in_dim(lse, s.shape, [1]))
                     dlt = compat.mosaic_load(delta_smem.at[slot], layout=COLUMNS)
@@ -147,11 +166,14 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
                     dq = pl.run_state(dq_cols)(plgpu.ACC.init(
                         plgpu.layout_cast(jnp.zeros((bq, half), jnp.float32), WGMMA)))
                     # Two staging tiles by step parity: the reduce-add of two steps ago
-                    # (the one before the last) must have read this one.
-                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                    dq_smem.at[wg, parity][...] = dq
+                    # (the one before the last) must have read this one. (One tile with
+                    # segment ids, whose ids take the shared memory of the other: the last
+                    # step's add must have read it.)
+                    tile = dq_smem.at[wg, parity if dq_tiles == 2 else 0]
+                    plgpu.wait_smem_to_gmem(dq_tiles - 1, wait_read_only=True)
+                    tile[...] = dq
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(dq_smem.at[wg, parity],
+                    plgpu.copy_smem_to_gmem(tile,
                                             dq_ref.at[b, pl.ds(q0, bq), h, my_cols],
                                             reduction_op="add")
                     return dk, dv
@@ -176,6 +198,8 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
             keys = pl.ds(k0, bk)
             plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_smem, kv_bar)
             plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_smem, kv_bar)
+            if has_segments:
+                plgpu.copy_gmem_to_smem(kid_ref.at[b, keys], kid_smem, kv_bar)
 
             @pl.loop(0, group * count)
             def _load(n):
@@ -192,14 +216,19 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
                 plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[slot], q_full.at[slot])
                 plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[slot],
                                         q_full.at[slot])
+                if has_segments:
+                    plgpu.copy_gmem_to_smem(qid_ref.at[b, rows], qid_smem.at[slot],
+                                            q_full.at[slot])
                 plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot],
                                         do_full.at[slot])
                 plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot],
                                         do_full.at[slot])
 
     def entry(*refs):
-        if kv_lengths is None:
-            refs = refs[:6] + (None,) + refs[6:]
+        refs = list(refs)
+        kvlen = refs.pop(6) if kv_lengths is not None else None
+        seg = tuple(refs.pop(6) for _ in range(3)) if has_segments else (None,) * 3
+        refs = (*refs[:6], kvlen, seg, *refs[6:])
         pl.run_scoped(
             lambda *scoped: kernel(refs, scoped),
             tiled_smem((bk, D), dtype, swizzle),
@@ -209,9 +238,11 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
             plgpu.SMEM((ns, bq), jnp.float32),
             plgpu.SMEM((ns, bq), jnp.float32),
             tiled_smem((2, bk, bq), dtype, swizzle),
-            tiled_smem((2, 2, bq, half), jnp.float32),
-            plgpu.Barrier(num_arrivals=2),  # K and V landed
-            plgpu.Barrier(num_arrivals=2, num_barriers=ns),  # Q and lse landed
+            tiled_smem((2, dq_tiles, bq, half), jnp.float32),
+            plgpu.SMEM((ns, bq), jnp.int32) if has_segments else None,  # rows' ids
+            plgpu.SMEM((bk,), jnp.int32) if has_segments else None,  # keys' ids
+            plgpu.Barrier(num_arrivals=2 + has_segments),  # K and V (and ids) landed
+            plgpu.Barrier(num_arrivals=2 + has_segments, num_barriers=ns),  # Q, lse (ids)
             plgpu.Barrier(num_arrivals=2, num_barriers=ns),  # dO and δ landed
             plgpu.Barrier(num_arrivals=2, num_barriers=ns),  # both consumers done with a slot
             plgpu.Barrier(num_arrivals=2, num_barriers=2),  # both halves of dSᵀ written
@@ -228,7 +259,8 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
                   jax.ShapeDtypeStruct((B, S8, Hkv, Dv), dtype)),
         mesh=mesh,
         compiler_params=compiler_params(config),
-    )(q, k, v, do, lse2, delta, *(() if kv_lengths is None else (kv_lengths,)), dq_acc)
+    )(q, k, v, do, lse2, delta, *(() if kv_lengths is None else (kv_lengths,)), *segments,
+      dq_acc)
     return dq_acc[...] * scale, dk, dv
 
 
@@ -239,12 +271,13 @@ def mosaic_attention_backward(inputs, saved, cotangents, *, scale: float, causal
     """(dq, dk, dv) of `mosaic_attention_forward`'s saved = (out, lse) for the cotangents
     (d_out [B, T, Hq, Dv], d_lse [B, Hq, T] or None: lse not differentiated), in q's dtype.
     `inputs`: `pallas_kernels.problem.Inputs` (q, k, v and, in its features, the sequence
-    lengths; no bias, mask or dropout). D and Dv up to 128; out may be float32 (the
+    lengths and segment ids; no bias, mask or dropout). D and Dv up to 128; out may be float32 (the
     differentiated forward's). `jax.vmap` has no rule for it (its dQ buffer is a mutable
     array, which `pl.kernel` does not batch): fold a mapped axis into the batch, as
     `ffpa_jax.attention` does."""
     q, k, v = inputs.q, inputs.k, inputs.v
     q_lengths, kv_lengths = inputs.features.q_lengths, inputs.features.kv_lengths
+    q_ids = inputs.features.q_segment_ids
     (out, lse), (d_out, d_lse) = saved[:2], cotangents
     B, T, Hq, D = q.shape
     S, Dv = k.shape[1], v.shape[3]
@@ -271,10 +304,12 @@ def mosaic_attention_backward(inputs, saved, cotangents, *, scale: float, causal
     Dp, Dvp, T8, S8 = round_up(D, 64), round_up(Dv, 64), round_up(T, 8), round_up(S, 8)
     walk = Walk(T=T, S=S, causal=causal, block_kv=2 * KEYS_PER_WG,
                 window=None if window is None else tuple(int(x) for x in window),
-                softcap=None if softcap is None else float(softcap), scale=scale)
+                softcap=None if softcap is None else float(softcap), scale=scale,
+                segments=q_ids is not None)
     dq, dk, dv = rows_backward(
         pad_axes(q, {1: T8, 3: Dp}), pad_axes(k, {1: S8, 3: Dp}), pad_axes(v, {1: S8, 3: Dvp}),
         pad_axes(d_out.astype(q.dtype), {1: T8, 3: Dvp}), (lse2, delta), walk, config=config,
-        kv_lengths=None if kv_lengths is None else kv_lengths.astype(jnp.int32))
+        kv_lengths=None if kv_lengths is None else kv_lengths.astype(jnp.int32),
+        segment_ids=None if q_ids is None else (q_ids, inputs.features.kv_segment_ids))
     dq = dq[:, :T, :, :D].astype(q.dtype)
     return tuple(compat.vary_like(x, q) for x in (dq, dk[:, :S, :, :D], dv[:, :S, :, :Dv]))

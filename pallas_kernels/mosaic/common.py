@@ -36,7 +36,8 @@ Q_TILES, HEADS, BATCH = "ffpa_mosaic_q", "ffpa_mosaic_h", "ffpa_mosaic_b"
 CLUSTER, WARPGROUPS = "ffpa_mosaic_cl", "ffpa_mosaic_wg"
 
 WGMMA = plgpu.Layout.WGMMA
-ROW = plgpu.Layout.WGMMA.reduce(1)
+ROW = plgpu.Layout.WGMMA.reduce(1)  # a vector along a tile's rows
+COLUMNS = plgpu.Layout.WGMMA.reduce(0)  # a vector along a tile's columns
 
 
 def load_rows(ref):
@@ -76,6 +77,13 @@ def iota(shape, dim):
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WGMMA)
 
 
+def same_segment(row_ids, col_ids, shape):
+    """bool `shape` (WGMMA layout): whether the segment id of a tile's row (`row_ids`, [rows]
+    in `ROW`) equals its column's (`col_ids`, [cols] in `COLUMNS`)."""
+    return (lax.broadcast_in_dim(row_ids, shape, [0])
+            == lax.broadcast_in_dim(col_ids, shape, [1]))
+
+
 @dataclasses.dataclass(frozen=True)
 class Walk:
     """What decides which keys a query row sees and what its scores become: the true
@@ -93,6 +101,20 @@ class Walk:
     # A batch row's key length (traced int32, at most S; `with_key_end` inside a kernel):
     # keys from it on are seen by no row. None: all S keys.
     key_end: Any = None
+    # Segment ids: a row sees only keys of its own segment, so every block walked goes
+    # through `score_mod` (with the ids' comparison, its `same`), and the walk stays within
+    # a range of blocks the host computed from the ids (`with_segment_range`).
+    segments: bool = False
+    segment_range: Any = None  # (first, end) blocks, traced int32; None: no bound
+
+    def with_segment_range(self, ranges_ref, b, tile):
+        """This walk bounded by the block range of `tile` of batch row `b` (`ranges_ref`:
+        int32 [B, tiles, 2] in global memory, `visibility.segment_block_ranges`; None: no
+        segment ids)."""
+        if ranges_ref is None:
+            return self
+        return dataclasses.replace(self, segment_range=(ranges_ref[b, tile, 0],
+                                                        ranges_ref[b, tile, 1]))
 
     def with_key_end(self, lengths_ref, b):
         """This walk for batch row `b` of a call with key lengths (`lengths_ref`: int32 [B]
@@ -144,7 +166,7 @@ def kv_range(p: Walk, q_first, q_last):
     hi = p.num_kv_blocks
     full_hi = p.S // bkv
     right = p.right
-    if right is None and p.window is None and p.key_end is None:
+    if right is None and p.window is None and p.key_end is None and not p.segments:
         # Static Python ints: the key loops get compile-time trip counts.
         return lo, mask_lo, full_hi, hi
     if p.key_end is not None:
@@ -162,8 +184,20 @@ def kv_range(p: Walk, q_first, q_last):
         # group: [q_last + shift - left, ..].
         lo = jnp.minimum(_blocks_below(q_first + p.shift - left, bkv), hi)
         mask_lo = jnp.clip(cdiv(jnp.maximum(q_last + p.shift - left, 0), bkv), lo, hi)
+    if p.segments:
+        return _segment_walk(p, lo, hi)
     full_hi = jnp.clip(full_hi, mask_lo, hi)
     return lo, mask_lo, full_hi, hi
+
+
+def _segment_walk(p: Walk, lo, hi):
+    """`kv_range`'s or `q_range`'s (lo, mask_lo, full_hi, hi) under segment ids: [lo, hi)
+    within the segments' range of blocks, every block of it masked."""
+    if p.segment_range is not None:
+        lo = jnp.maximum(lo, p.segment_range[0])
+        hi = jnp.minimum(hi, p.segment_range[1])
+    lo = jnp.minimum(lo, hi)
+    return lo, lo, lo, hi
 
 
 def q_range(p: Walk, k_first, k_last, block_q: int):
@@ -195,6 +229,8 @@ def q_range(p: Walk, k_first, k_last, block_q: int):
         hi = jnp.where(k_first < p.key_end, hi, lo)
     if not (isinstance(k_last, int) and p.key_end is None and k_last < p.S):
         full_hi = jnp.where(k_last < p.keys, full_hi, 0)
+    if p.segments:
+        return _segment_walk(p, lo, hi)
     if isinstance(lo, int) and isinstance(hi, int) and isinstance(full_hi, int):
         return lo, mask_lo, full_hi, hi
     lo = jnp.minimum(lo, hi)
@@ -240,15 +276,18 @@ def soft_cap(p: Walk, s):
     return tanh * (p.softcap / p.scale)
 
 
-def score_mod(p: Walk, s, q_idx, k_idx):
+def score_mod(p: Walk, s, q_idx, k_idx, same=None):
     """Element-wise hook on scores (float32, WGMMA layout, soft-capped already): keys a row
     does not see become -inf, by the rule of `pallas_kernels.visibility` (the key's end or
-    the row's key length, causality, the window).
+    the row's key length, causality, the window, and `same`: whether the row's and the
+    key's segment ids are equal, where segment ids are given).
 
     q_idx / k_idx are absolute query / key indices (int32, same layout).  A bias would be
-    added here, a segment-id comparison AND-ed into `visible` here.
+    added here.
     """
     visible = k_idx < p.keys
+    if same is not None:
+        visible = visible & same
     if p.causal:
         visible = visible & (k_idx <= q_idx + p.shift)
     if p.window is not None:

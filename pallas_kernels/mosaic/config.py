@@ -84,12 +84,14 @@ def default_config(
     dtype=jnp.bfloat16,
     causal: bool = False,
     gqa_group: int = 1,
+    segments: bool = False,
 ) -> Config:
     """Best measured configuration for a head size (docs/history.md, session 18).
 
     gqa_group = Hq // Hkv (optional): with groups of 2+ query heads per KV head,
     CTAs of sibling query heads are paired in a cluster and share K/V tiles by
-    TMA multicast.
+    TMA multicast. `segments`: segment ids are given (their ids' tiles in shared memory
+    leave no room for three stages of 256 keys at D <= 64).
     """
     del dtype, causal  # the same choice won for bf16/fp16 and causal/non-causal
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
@@ -120,6 +122,8 @@ def default_config(
         return Config(block_kv=64, num_stages=2, grid_order="heads", lowering="lane", **clu)
     if max(d, dv) > 64:
         return Config(block_kv=128, num_stages=2, grid_order="heads", lowering="warpgroup", **clu)
+    if segments:
+        return Config(block_kv=128, num_stages=2, grid_order="heads", lowering="lane", **clu)
     return Config(block_kv=256, num_stages=3, grid_order="heads", lowering="lane", **clu)
 
 

@@ -30,10 +30,11 @@ def mosaic_attention_forward(
     lengths and sinks as its query_seq_lengths, key_value_seq_lengths and sinks (the kernels
     walk a batch row's keys up to its key length; after them rows past a query length are
     set to out 0 and lse -inf, and the sinks join each row's denominator as one more block
-    of keys, in float32). Segment ids are not taken. See the module docstring."""
+    of keys, in float32), and its segment ids as q_segment_ids and kv_segment_ids (head
+    dims up to 256: the "rows" kernel). See the module docstring."""
     f = FeatureArrays() if features is None else features
-    if f.q_segment_ids is not None or f.positions is not None:
-        raise NotImplementedError("the Mosaic kernels take no segment ids or positions")
+    if f.positions is not None:
+        raise NotImplementedError("the Mosaic kernels take no positions")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError("q, k, v must be [B, T|S, H, D]")
     B, T, Hq, D = q.shape
@@ -57,7 +58,8 @@ def mosaic_attention_forward(
             raise ValueError("scale must be non-zero")
     out_dtype = jnp.dtype(q.dtype if out_dtype is None else out_dtype)
     if config is None:
-        config = default_config(D, Dv, q.dtype, causal, gqa_group=Hq // Hkv)
+        config = default_config(D, Dv, q.dtype, causal, gqa_group=Hq // Hkv,
+                                segments=f.q_segment_ids is not None)
     Dp, Dvp = round_up(D, 64), round_up(Dv, 64)
     wide = config.wide if config.wide is not None else max(Dp, Dvp) > 256
     if wide:
@@ -67,6 +69,11 @@ def mosaic_attention_forward(
         if max(Dp, Dvp) > 256:
             raise ValueError("the rows kernel supports D, Dv <= 256")
         fwd = rows_forward
+    segment_ids = None
+    if f.q_segment_ids is not None:
+        if wide:
+            raise NotImplementedError("segment ids on the Mosaic tier: D, Dv <= 256 only")
+        segment_ids = dict(segment_ids=(f.q_segment_ids, f.kv_segment_ids))
     # TMA tiles need the row dimension (T / S) to be a multiple of 8 and the
     # head dims to be multiples of 64 (zero columns do not change q.k).
     T8, S8 = round_up(T, 8), round_up(S, 8)
@@ -75,13 +82,15 @@ def mosaic_attention_forward(
     vp = pad_axes(v, {1: S8, 3: Dvp})
     walk = Walk(T=T, S=S, causal=causal, block_kv=config.block_kv,
                 window=None if window is None else tuple(int(x) for x in window),
-                softcap=None if softcap is None else float(softcap), scale=scale)
+                softcap=None if softcap is None else float(softcap), scale=scale,
+                segments=segment_ids is not None)
     q_lengths, kv_lengths = f.q_lengths, f.kv_lengths
     final_dtype = out_dtype
     if f.sinks is not None:  # joined in float32, then rounded once
         out_dtype = jnp.dtype(jnp.float32)
     out, lse = fwd(qp, kp, vp, walk, config=config, out_dtype=out_dtype,
-                   kv_lengths=None if kv_lengths is None else kv_lengths.astype(jnp.int32))
+                   kv_lengths=None if kv_lengths is None else kv_lengths.astype(jnp.int32),
+                   **(segment_ids or {}))
     if Dvp != Dv or T8 != T:
         out = out[:, :T, :, :Dv]
     if lse.shape[-1] != T:

@@ -15,15 +15,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mosaic.common import (CLUSTER, LOG2E, NEG_INF, ROW, WARPGROUPS, WGMMA, Grid,
-                                          Walk, cdiv, cluster_walk, consumer_walk, finalize, iota,
-                                          launch, score_mod, soft_cap, softmax_update, tiled_smem,
-                                          walk_kv)
+from pallas_kernels import compat
+from pallas_kernels.mosaic.common import (CLUSTER, COLUMNS, LOG2E, NEG_INF, ROW, WARPGROUPS,
+                                          WGMMA, Grid, Walk, cdiv, cluster_walk, consumer_walk,
+                                          finalize, iota, launch, same_segment, score_mod,
+                                          soft_cap, softmax_update, tiled_smem, walk_kv)
 from pallas_kernels.mosaic.config import Config
+from pallas_kernels.visibility import segment_block_ranges
 
 
-def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=None):
+def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=None,
+                 segment_ids=None):
     # prob.T, prob.S: true lengths; the arrays may be padded to multiples of 8 (TMA tiling).
+    # `segment_ids`: None, or (q ids [B, T], kv ids [B, S]) (prob.segments says which).
     B, Tq, Hq, D = q.shape
     _, _, Hkv, Dv = v.shape
     dtype = q.dtype
@@ -42,13 +46,21 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
     out_itemsize = jnp.dtype(out_dtype).itemsize
     oc = config.out_chunk or (Dv if out_itemsize == 2 else min(Dv, 128))
     assert Dv % oc == 0
+    has_segments = segment_ids is not None
+    assert has_segments == prob.segments
+    segments = None
+    if has_segments:
+        segments = segment_inputs(segment_ids, grid, rows_cta, bkv, Tp=Tp,
+                                  keys=prob.num_kv_blocks * bkv)
 
-    def kernel(q_ref, k_ref, v_ref, kvlen_ref, o_ref, lse_ref, scoped):
+    def kernel(q_ref, k_ref, v_ref, kvlen_ref, seg_refs, o_ref, lse_ref, scoped):
         (
             (q_smem, o_smem),
             lse_smem,
             k_smem,
             v_smem,
+            qid_smem,
+            kid_smem,
             q_bar,
             k_bar,
             v_bar,
@@ -60,6 +72,8 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
         wg = lax.axis_index(WARPGROUPS)
         t, h, b, t_first, t_count = grid.indices()
         walk = prob.with_key_end(kvlen_ref, b)  # the batch row's key length, if given
+        qid_ref, kid_ref, ranges_ref = seg_refs
+        walk = walk.with_segment_range(ranges_ref, b, lax.div(t_first, jnp.int32(t_count)))
         hk = lax.div(h, jnp.int32(group))
         lo, hi, kv_of = cluster_walk(walk, grid, t_first, t_count, rows_cta,
                                               config.kv_rotate)
@@ -76,6 +90,9 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
             q0 = t * rows_cta + wg * bq
             my_q = q_smem.at[wg]
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], my_q, q_bar.at[wg])
+            if has_segments:
+                plgpu.copy_gmem_to_smem(qid_ref.at[b, pl.ds(q0, bq)], qid_smem.at[wg],
+                                        q_bar.at[wg])
             q_last = jnp.minimum(q0 + bq - 1, T - 1)
             mask_lo, full_hi, my_hi = consumer_walk(  # a warpgroup may hold padding rows only
                 walk, lo, q0, q_last, padding_rows=grid.q_extent * rows_cta - bq >= T)
@@ -85,6 +102,8 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
             acc = plgpu.layout_cast(jnp.zeros((bq, Dv), jnp.float32), WGMMA)
 
             plgpu.barrier_wait(q_bar.at[wg])
+            row_ids = (compat.mosaic_load(qid_smem.at[wg], layout=ROW) if has_segments
+                       else None)
 
             @pl.when(my_hi > lo)
             def _():
@@ -102,12 +121,16 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                     return s_ref[...]
 
                 s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+                same = None
+                if masked and has_segments:  # read before the slot is released
+                    col_ids = compat.mosaic_load(kid_smem.at[slot], layout=COLUMNS)
+                    same = same_segment(row_ids, col_ids, (bq, bkv))
                 plgpu.barrier_arrive(k_free.at[slot])
                 s = soft_cap(walk, s)
                 if masked:
                     q_idx = q0 + iota((bq, bkv), 0)
                     k_idx = kv_of(j) * bkv + iota((bq, bkv), 1)
-                    s = score_mod(walk, s, q_idx, k_idx)
+                    s = score_mod(walk, s, q_idx, k_idx, same)
                 p, alpha, m_new = softmax_update(s, m_i, l_i, c_exp, guard=masked)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l_i = l_i * alpha
@@ -197,9 +220,15 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
 
                     plgpu.copy_gmem_to_smem(ref.at[b, kv_rows, hk], smem.at[slot], bar.at[slot],
                                             collective_axes=collective)
+                    if has_segments and ref is k_ref:  # the keys' ids land with K
+                        plgpu.copy_gmem_to_smem(kid_ref.at[b, kv_rows], kid_smem.at[slot],
+                                                bar.at[slot])
 
     def entry(q_ref, k_ref, v_ref, *refs):
-        kvlen_ref, o_ref, lse_ref = refs if kv_lengths is not None else (None, *refs)
+        refs = list(refs)
+        kvlen_ref = refs.pop(0) if kv_lengths is not None else None
+        seg_refs = tuple(refs.pop(0) for _ in range(3)) if has_segments else (None,) * 3
+        o_ref, lse_ref = refs
         if ncl > 1:
             free = lambda: plgpu.ClusterBarrier(
                 collective_axes=(CLUSTER,), num_arrivals=nwg, num_barriers=ns
@@ -209,13 +238,16 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
             free = lambda: plgpu.Barrier(num_arrivals=nwg, num_barriers=ns)
             exit_bar = None
         pl.run_scoped(
-            lambda *args: kernel(q_ref, k_ref, v_ref, kvlen_ref, o_ref, lse_ref, args),
+            lambda *args: kernel(q_ref, k_ref, v_ref, kvlen_ref, seg_refs, o_ref, lse_ref,
+                                 args),
             plgpu.RefUnion(tiled_smem((nwg, bq, D), dtype), tiled_smem((nwg, bq, oc), out_dtype)),
             plgpu.SMEM((nwg, bq), jnp.float32),
             tiled_smem((ns, bkv, D), dtype),
             tiled_smem((ns, bkv, Dv), dtype),
-            plgpu.Barrier(num_barriers=nwg),
-            plgpu.Barrier(num_barriers=ns),
+            plgpu.SMEM((nwg, bq), jnp.int32) if has_segments else None,  # rows' ids
+            plgpu.SMEM((ns, bkv), jnp.int32) if has_segments else None,  # keys' ids
+            plgpu.Barrier(num_arrivals=1 + has_segments, num_barriers=nwg),
+            plgpu.Barrier(num_arrivals=1 + has_segments, num_barriers=ns),
             plgpu.Barrier(num_barriers=ns),
             free(),
             free(),
@@ -224,6 +256,21 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
             collective_axes=WARPGROUPS,
         )
 
-    inputs = (q, k, v) if kv_lengths is None else (q, k, v, kv_lengths)
+    inputs = (q, k, v, *(() if kv_lengths is None else (kv_lengths,)),
+              *(() if segments is None else segments))
     return launch(entry, grid, config, inputs, out_dtype=out_dtype, lse_rows=Tp)
 
+
+
+def segment_inputs(segment_ids, grid: Grid, rows_cta: int, bkv: int, *, Tp: int, keys: int):
+    """The kernel's segment inputs: q ids int32 [B, Tp] and kv ids int32 [B, keys] (padded:
+    the padding rows' outputs are dropped and the padding keys masked by the key count),
+    and each cluster's range of key blocks (`visibility.segment_block_ranges` over the
+    rows of a cluster, [B, clusters along the queries, 2]; (0, 0) for clusters past T)."""
+    q_ids, kv_ids = (x.astype(jnp.int32) for x in segment_ids)
+    rows = rows_cta * grid.q_extent // grid.n_q_clusters  # a cluster's rows
+    ranges = segment_block_ranges(q_ids, kv_ids, block_m=rows, block_n=bkv)
+    ranges = jnp.pad(ranges, ((0, 0), (0, grid.n_q_clusters - ranges.shape[1]), (0, 0)))
+    q_ids = jnp.pad(q_ids, ((0, 0), (0, Tp - q_ids.shape[1])))
+    kv_ids = jnp.pad(kv_ids, ((0, 0), (0, keys - kv_ids.shape[1])))
+    return q_ids, kv_ids, ranges

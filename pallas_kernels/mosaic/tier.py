@@ -21,24 +21,31 @@ KERNEL = "mosaic_fwd"  # the tier's configs in a plan
 BACKWARD_KERNEL = "mosaic_bwd"
 MAX_HEAD_DIM = {"forward": 512, "backward": mosaic_backward.MAX_HEAD_DIM}
 ONE_TILE_KEYS = 128
-SERVED_FEATURES = ("local_window_size", "logits_soft_cap", "query_seq_lengths",
-                   "key_value_seq_lengths", "sinks")
+SERVED_FEATURES = ("local_window_size", "logits_soft_cap", "q_segment_ids",
+                   "query_seq_lengths", "key_value_seq_lengths", "sinks")
 
 
 def unsupported(problem: Problem, direction: str) -> tuple[str, ...]:
     """What of `problem` the Mosaic tier does not compute in `direction`, by argument name
-    (or what). Sequence lengths and sinks are served: the kernels take the lengths
+    (or what). Segment ids are served up to D = 256 in the forward (the "rows" kernel) and
+    in the backward: the kernels compare the ids in their masks and walk the range of
+    blocks the ids allow (`visibility.segment_block_ranges`). Sequence lengths and sinks
+    are served: the kernels take the lengths
     (`mosaic_attention_forward(features=)`, the backward's `inputs.features`), the forward
     joins the sinks on the host, and the backward needs nothing for them (lse counts them;
     their own gradient is the caller's closed form)."""
     features = [name for name in problem.features if name not in SERVED_FEATURES]
     limit = MAX_HEAD_DIM[direction]
+    # Segment ids: the "rows" forward kernel only (head dims up to 256 after padding).
+    wide = max(round_up(problem.head_dim, 64), round_up(problem.head_dim_v, 64)) > 256
     missing = [name for name, lacks in (
         ("bias", problem.has_bias), ("mask", problem.mask_shape is not None),
         ("dropout_rate", problem.has_dropout), *((name, True) for name in features),
         ("context_axis (positions)", problem.positions),
         ("float32 (16-bit only)", problem.natural),
         (f"head dims above {limit}", problem.headdim > limit),
+        ("q_segment_ids with head dims above 256", problem.segment_ids and wide
+         and direction == "forward"),
         ("scale 0", problem.scale == 0.0),
         # Rows whose keys all fit one tile: the fused kernels form δ from their own P and dP
         # there, which makes a row of one key's dq exactly 0 as XLA's (docs/history.md,
@@ -58,7 +65,8 @@ def configs(problem: Problem, direction: str, lookup, target: Target) -> tuple[K
         return (KernelChoice.of(BACKWARD_KERNEL, config,
                                 "built-in default (mosaic/config.py)", direction, settings),)
     config = default_config(problem.head_dim, problem.head_dim_v, problem.dtype,
-                            problem.causal, gqa_group=problem.group)
+                            problem.causal, gqa_group=problem.group,
+                            segments=problem.segment_ids)
     kernel = "wide" if max(round_up(problem.head_dim, 64),
                            round_up(problem.head_dim_v, 64)) > 256 else "rows"
     settings = dict(kernel=kernel, block_kv=config.block_kv, num_stages=config.num_stages,
