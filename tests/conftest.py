@@ -212,13 +212,16 @@ def call_kwargs(tier: str, mode: str) -> dict:
 
 # The tiers of the LLM features' matrix (test_features.py): the XLA path, the chunked
 # tier, on a CPU the chunked tier's Pallas steps in Pallas' interpreter ("chunked-step": on
-# a GPU, "chunked" runs those steps for real), and the fused kernels.
-FEATURE_TIERS = ("xla", "chunked", "chunked-step", "pallas")
+# a GPU, "chunked" runs those steps for real), the fused kernels, and the Mosaic kernels
+# (sm90 GPUs only; a case using what the tier does not serve is a skip that names it).
+FEATURE_TIERS = ("xla", "chunked", "chunked-step", "pallas", "mosaic")
 
 
 @pytest.fixture(params=FEATURE_TIERS)
 def feature_tier(request, monkeypatch) -> str:
     """Which tier a features matrix test runs (see `call_kwargs`)."""
+    if request.param == "mosaic":
+        skip_unless_sm90()
     if request.param == "chunked-step" and HAS_GPU:
         pytest.skip("the chunked tier runs its Pallas steps on a GPU already")
     if request.param == "chunked" and HAS_GPU:
