@@ -190,7 +190,8 @@ _REFUSED = "does not support"
 def pytest_runtest_call(item):
     outcome = yield
     error = outcome.excinfo[1] if outcome.excinfo else None
-    tier = getattr(item, "callspec", None) and item.callspec.params.get("tier")
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    tier = params.get("tier") or params.get("feature_tier")
     if (isinstance(error, ValueError) and tier is not None and _REFUSED in str(error)
             and f"implementation={tier!r}" in str(error)):
         outcome.force_exception(pytest.skip.Exception(f"{tier}: {error}"))
