@@ -2,7 +2,7 @@
 GPU (wgmma, TMA, warp specialisation, clusters with TMA multicast).
 
     out, lse = mosaic_attention_forward(q, k, v, scale=..., causal=..., config=...,
-                                        window=None, softcap=None, lengths=None)
+                                        window=None, softcap=None, features=None)
     dq, dk, dv = backward.mosaic_attention_backward(inputs, (out, lse), (d_out, d_lse), ...)
 
 q [B, T, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] (bf16 or f16, same dtype),
@@ -47,11 +47,12 @@ run together then read different K/V instead of all the same tile (the measureme
 are in docs/history.md, session 18).
 
 Where the semantics go: `common.soft_cap` bends every block's scores; `common.score_mod`
-is the element-wise hook applied to the scores of blocks that need masking (causality and
-the window and a batch row's key length there; bias and segment ids would go there too);
-`common.kv_range` (and `common.q_range`, the backward's walk over query blocks) is the one
-place that decides which key blocks a group of query rows walks, and which of them need
-the mask (a window narrows both ends; segment bounds would too); the producer walks its
+is the element-wise hook applied to the scores of blocks that need masking (causality, the
+window, a batch row's key length and the segment ids' comparison there; a bias would go
+there too); `common.kv_range` (and `common.q_range`, the backward's walk over query blocks)
+is the one place that decides which key blocks a group of query rows walks, and which of
+them need the mask (a window narrows both ends, the segments' block ranges too; with
+segment ids every block walked is masked); the producer walks its
 cluster's range, each consumer its own within it (`common.consumer_walk`).
 """
 

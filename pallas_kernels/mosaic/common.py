@@ -3,10 +3,10 @@
 mask), the element-wise score steps (`soft_cap`, `score_mod`), the online softmax, the
 epilogue's normalisation, and the launch grid with its clusters (`Grid`).
 
-Where more semantics go: `score_mod` is the one element-wise mask hook (a bias or a segment
-comparison would be applied there, beside causality and the window); `kv_range` is the one
-place that decides which key blocks a group of rows walks (segment bounds would narrow it,
-as the window does).
+Where more semantics go: `score_mod` is the one element-wise mask hook (causality, the
+window, key lengths and the segment ids' comparison there; a bias would be added there);
+`kv_range` (and `q_range`, the backward's) is the one place that decides which blocks a
+group of rows (keys) walks: the window, lengths and the segments' block ranges narrow it.
 """
 
 from __future__ import annotations

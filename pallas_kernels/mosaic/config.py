@@ -78,6 +78,12 @@ def round_up(x, m):
     return (x + m - 1) // m * m
 
 
+def uses_wide_kernel(head_dim: int, head_dim_v: int) -> bool:
+    """Whether the forward runs the "wide" kernel by default: head dims above 256 once
+    padded to 64 (the "rows" kernel takes up to 256)."""
+    return max(round_up(head_dim, 64), round_up(head_dim_v, 64)) > 256
+
+
 def default_config(
     head_dim: int,
     head_dim_v: int | None = None,
@@ -97,7 +103,7 @@ def default_config(
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     d = round_up(head_dim, 64)
     dv = round_up(head_dim_v, 64)
-    if max(d, dv) > 256:
+    if uses_wide_kernel(head_dim, head_dim_v):
         # 64-row CTAs, Dv split over the 2 consumer warpgroups, 2 ring slots of
         # 64 KiB; clusters of 4 CTAs share every K/V tile (multicast).
         # q tiles fastest here: one head's K/V (32 MiB at S=16k) stays in L2.
@@ -125,7 +131,6 @@ def default_config(
     if segments:
         return Config(block_kv=128, num_stages=2, grid_order="heads", lowering="lane", **clu)
     return Config(block_kv=256, num_stages=3, grid_order="heads", lowering="lane", **clu)
-
 
 
 def default_backward_config(head_dim: int, head_dim_v: int | None = None) -> Config:

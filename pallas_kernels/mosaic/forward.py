@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.chunked import with_sinks
 from pallas_kernels.mosaic.common import Walk
-from pallas_kernels.mosaic.config import Config, default_config, round_up
+from pallas_kernels.mosaic.config import Config, default_config, round_up, uses_wide_kernel
 from pallas_kernels.mosaic.rows import rows_forward
 from pallas_kernels.mosaic.wide import wide_forward
 from pallas_kernels.problem import FeatureArrays
@@ -61,7 +61,7 @@ def mosaic_attention_forward(
         config = default_config(D, Dv, q.dtype, causal, gqa_group=Hq // Hkv,
                                 segments=f.q_segment_ids is not None)
     Dp, Dvp = round_up(D, 64), round_up(Dv, 64)
-    wide = config.wide if config.wide is not None else max(Dp, Dvp) > 256
+    wide = config.wide if config.wide is not None else uses_wide_kernel(D, Dv)
     if wide:
         Dp, Dvp = round_up(D, 256), round_up(Dv, 256)
         fwd = wide_forward
@@ -69,11 +69,11 @@ def mosaic_attention_forward(
         if max(Dp, Dvp) > 256:
             raise ValueError("the rows kernel supports D, Dv <= 256")
         fwd = rows_forward
-    segment_ids = None
+    segments = {}  # the rows kernel's segment ids, where given
     if f.q_segment_ids is not None:
         if wide:
             raise NotImplementedError("segment ids on the Mosaic tier: D, Dv <= 256 only")
-        segment_ids = dict(segment_ids=(f.q_segment_ids, f.kv_segment_ids))
+        segments = dict(segment_ids=(f.q_segment_ids, f.kv_segment_ids))
     # TMA tiles need the row dimension (T / S) to be a multiple of 8 and the
     # head dims to be multiples of 64 (zero columns do not change q.k).
     T8, S8 = round_up(T, 8), round_up(S, 8)
@@ -83,14 +83,14 @@ def mosaic_attention_forward(
     walk = Walk(T=T, S=S, causal=causal, block_kv=config.block_kv,
                 window=None if window is None else tuple(int(x) for x in window),
                 softcap=None if softcap is None else float(softcap), scale=scale,
-                segments=segment_ids is not None)
+                segments=bool(segments))
     q_lengths, kv_lengths = f.q_lengths, f.kv_lengths
     final_dtype = out_dtype
     if f.sinks is not None:  # joined in float32, then rounded once
         out_dtype = jnp.dtype(jnp.float32)
     out, lse = fwd(qp, kp, vp, walk, config=config, out_dtype=out_dtype,
                    kv_lengths=None if kv_lengths is None else kv_lengths.astype(jnp.int32),
-                   **(segment_ids or {}))
+                   **segments)
     if Dvp != Dv or T8 != T:
         out = out[:, :T, :, :Dv]
     if lse.shape[-1] != T:

@@ -261,7 +261,6 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
     return launch(entry, grid, config, inputs, out_dtype=out_dtype, lse_rows=Tp)
 
 
-
 def segment_inputs(segment_ids, grid: Grid, rows_cta: int, bkv: int, *, Tp: int, keys: int):
     """The kernel's segment inputs: q ids int32 [B, Tp] and kv ids int32 [B, keys] (padded:
     the padding rows' outputs are dropped and the padding keys masked by the key count),

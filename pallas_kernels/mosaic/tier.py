@@ -12,7 +12,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels.mosaic import backward as mosaic_backward
-from pallas_kernels.mosaic.config import default_backward_config, default_config, round_up
+from pallas_kernels.mosaic.config import (default_backward_config, default_config,
+                                          uses_wide_kernel)
 from pallas_kernels.mosaic.forward import mosaic_attention_forward
 from pallas_kernels.plan import KernelChoice, Plan, Target
 from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
@@ -30,14 +31,13 @@ def unsupported(problem: Problem, direction: str) -> tuple[str, ...]:
     (or what). Segment ids are served up to D = 256 in the forward (the "rows" kernel) and
     in the backward: the kernels compare the ids in their masks and walk the range of
     blocks the ids allow (`visibility.segment_block_ranges`). Sequence lengths and sinks
-    are served: the kernels take the lengths
-    (`mosaic_attention_forward(features=)`, the backward's `inputs.features`), the forward
-    joins the sinks on the host, and the backward needs nothing for them (lse counts them;
-    their own gradient is the caller's closed form)."""
+    are served: the kernels take the lengths (`mosaic_attention_forward(features=)`, the
+    backward's `inputs.features`), the forward joins the sinks on the host, and the
+    backward needs nothing for them (lse counts them; their own gradient is the caller's
+    closed form)."""
     features = [name for name in problem.features if name not in SERVED_FEATURES]
     limit = MAX_HEAD_DIM[direction]
-    # Segment ids: the "rows" forward kernel only (head dims up to 256 after padding).
-    wide = max(round_up(problem.head_dim, 64), round_up(problem.head_dim_v, 64)) > 256
+    wide = uses_wide_kernel(problem.head_dim, problem.head_dim_v)  # no segment ids there
     missing = [name for name, lacks in (
         ("bias", problem.has_bias), ("mask", problem.mask_shape is not None),
         ("dropout_rate", problem.has_dropout), *((name, True) for name in features),
@@ -67,8 +67,7 @@ def configs(problem: Problem, direction: str, lookup, target: Target) -> tuple[K
     config = default_config(problem.head_dim, problem.head_dim_v, problem.dtype,
                             problem.causal, gqa_group=problem.group,
                             segments=problem.segment_ids)
-    kernel = "wide" if max(round_up(problem.head_dim, 64),
-                           round_up(problem.head_dim_v, 64)) > 256 else "rows"
+    kernel = "wide" if uses_wide_kernel(problem.head_dim, problem.head_dim_v) else "rows"
     settings = dict(kernel=kernel, block_kv=config.block_kv, num_stages=config.num_stages,
                     cluster=config.cluster, cluster_axis=config.cluster_axis,
                     grid_order=config.grid_order, lowering=config.lowering)
