@@ -104,8 +104,8 @@ def test_a_call_on_a_named_gpu_says_which_config_and_why(env, tmp_path):
             f"num_warps=2 num_stages=1 <- {matched}") in flat
     # The backward: no entry, so the built-in rule (D=64: the Mosaic kernels, which need an
     # sm90 GPU: this one's capability is unknown, so the fused kernels) and defaults.
-    assert ("backward: pallas <- built-in rule: mosaic up to D = 128 in the backward (no "
-            "compatible entry in the tuned file); mosaic passed over, pallas runs it") in flat
+    assert ("backward: pallas <- built-in rule: pallas up to D = 256 in the backward (no "
+            "compatible entry in the tuned file); mosaic passed over") in flat
     assert ("bwd_generic_dq: BLOCK_M=128 BLOCK_N=64 BLOCK_HEADDIM=64 BLOCK_HEADDIM_QK=64 "
             "num_warps=8 num_stages=3 <- built-in default (no compatible entry in the tuned "
             "file)") in flat

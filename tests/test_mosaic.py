@@ -17,7 +17,7 @@ import ffpa_jax
 from conftest import HAS_GPU, skip_unless_sm90
 from pallas_kernels import compat, visibility
 from pallas_kernels.mosaic import Config, default_config, mosaic_attention_forward
-from pallas_kernels.mosaic.backward import mosaic_attention_backward
+from pallas_kernels.mosaic.backward import mosaic_attention_backward, unsupported_head_dims
 from pallas_kernels.mosaic.config import default_backward_config
 from pallas_kernels.mosaic.common import Walk, kv_range, q_range, soft_cap
 from pallas_kernels.problem import FeatureArrays, Inputs, Problem
@@ -45,6 +45,7 @@ FEATURE_CASES = [
     ((1, 203, 300, 4, 2, 320, 111, True, None), (128, 5), 20.0),
     ((1, 256, 256, 2, 2, 128, 128, True, Config(block_kv=128, cluster=2,
                                                 lowering="warpgroup")), (17, 0), None),
+    ((2, 203, 300, 4, 2, 150, 150, False, None), (100, 37), 30.0),
 ]
 
 
@@ -77,14 +78,17 @@ def test_kernels_with_a_window_and_a_soft_cap_lower_for_cuda(case):
     assert "mosaic_gpu" in text
 
 
-# The backward's cases: (B, T, S, Hq, Hkv, D, Dv, causal, window, softcap): both head dims
-# it takes (D = 64 gives K a 64-byte swizzle), odd shapes, GQA, T > S, the features.
+# The backward's cases: (B, T, S, Hq, Hkv, D, Dv, causal, window, softcap): both kernels
+# and the head dims each takes (D = 64 gives K a 64-byte swizzle, D = 150 pads to 192,
+# whose column halves need one too), odd shapes, GQA, T > S, the features.
 BACKWARD_LOWERING_CASES = [
     (1, 113, 203, 4, 2, 59, 40, True, None, None),
     (2, 256, 256, 8, 2, 128, 128, False, None, None),
     (1, 203, 113, 4, 4, 111, 100, True, None, None),
     (1, 300, 1000, 4, 4, 64, 64, False, (100, 37), 30.0),
     (1, 1, 203, 2, 1, 64, 64, True, None, None),
+    (1, 113, 203, 4, 2, 256, 256, True, None, None),
+    (2, 203, 300, 2, 1, 150, 150, False, (100, 37), 30.0),
 ]
 
 
@@ -106,11 +110,19 @@ def test_backward_lowers_for_cuda(case):
     assert "mosaic_gpu" in text
 
 
-def test_backward_refuses_head_dims_above_128():
-    q = sd((1, 64, 2, 192), jnp.bfloat16)
-    with pytest.raises(ValueError, match="D, Dv <= 128; got 192, 192"):
+@pytest.mark.parametrize("d,dv,reason", [(320, 320, "head dims above 256"),
+                                          (256, 128, "head dims above 128 with D != Dv")])
+def test_backward_refuses_head_dims_it_does_not_take(d, dv, reason):
+    q, v = sd((1, 64, 2, d), jnp.bfloat16), sd((1, 64, 2, dv), jnp.bfloat16)
+    with pytest.raises(ValueError, match=f"does not take {reason}; got D={d}, Dv={dv}"):
         jax.eval_shape(functools.partial(mosaic_attention_backward, scale=0.1, causal=False),
-                       Inputs(q, q, q), (q, sd((1, 2, 64), jnp.float32)), (q, None))
+                       Inputs(q, q, v), (v, sd((1, 2, 64), jnp.float32)), (v, None))
+
+
+@pytest.mark.parametrize("d,dv,takes", [(40, 128, True), (129, 129, True), (200, 256, True),
+                                        (256, 256, True), (150, 100, False), (257, 257, False)])
+def test_backward_head_dims_after_padding(d, dv, takes):
+    assert (unsupported_head_dims(d, dv) == "") is takes
 
 
 # Sequence lengths in the kernels (the tier serves them once the GPU test below passes):
@@ -146,7 +158,7 @@ def test_kernels_with_sequence_lengths_lower_for_cuda(case):
     text = jax.jit(forward).trace(q, k, v, lens, lens).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-    if max(d, dv) > 128:
+    if unsupported_head_dims(d, dv):
         return
     out, lse = sd((b, t, hq, dv), jnp.float32), sd((b, hq, t), jnp.float32)
 
@@ -359,12 +371,26 @@ def test_dispatcher_runs_mosaic_where_it_runs_and_serves(monkeypatch):
     assert (explained.forward.tier, explained.backward.tier) == ("mosaic", "mosaic")
     assert explained.plan.config("mosaic_fwd") == default_config(128, 128, gqa_group=4)
     assert explained.plan.config("mosaic_bwd") == default_backward_config(128, 128)
-    # Between D = 128 and 256 the backward stays on the fused Triton kernels, from 256 on
-    # the chunked tier; above D = 256 the chunked tier keeps both directions.
-    for d, tiers_want in ((192, ("mosaic", "pallas")), (256, ("mosaic", "chunked")),
+    # Up to D = 256 both directions; above it the chunked tier keeps both.
+    for d, tiers_want in ((192, ("mosaic", "mosaic")), (256, ("mosaic", "mosaic")),
                           (512, ("chunked", "chunked"))):
         wide = dispatch.explain(_problem(d=d), device=device)
         assert (wide.forward.tier, wide.backward.tier) == tiers_want, d
+
+
+@pytest.mark.parametrize("d,dv,deterministic,want", [
+    (192, 192, True, "pallas"), (256, 256, True, "chunked"), (256, 128, None, "chunked"),
+    (150, 100, None, "pallas")])
+def test_a_backward_the_mosaic_tier_cannot_take_goes_where_the_rules_send_it(
+        d, dv, deterministic, want, monkeypatch):
+    """Passed over (deterministic=True: its dQ adds in a varying order; D != Dv above 128),
+    the rules pick again without the tier: the Triton kernels below D = 256, the chunked
+    tier from it (the tier after mosaic in the registry would be the Triton kernels)."""
+    q, v = sd((2, 512, 8, d), jnp.bfloat16), sd((2, 512, 2, dv), jnp.bfloat16)
+    problem = Problem.of(q, sd((2, 512, 2, d), jnp.bfloat16), v)
+    explained = dispatch.explain(problem, device=_h100(monkeypatch), deterministic=deterministic)
+    assert (explained.forward.tier, explained.backward.tier) == ("mosaic", want)
+    assert explained.backward.why.endswith("mosaic passed over")
 
 
 @pytest.mark.parametrize("options", [
@@ -382,11 +408,11 @@ def test_what_mosaic_lacks_goes_to_the_fused_kernels_and_says_why(monkeypatch):
     assert "dropout_rate" in dict(explained.passed_over)["mosaic"]
 
 
-@pytest.mark.parametrize("d,want", [(128, ("mosaic", "mosaic")), (256, ("mosaic", "pallas")),
+@pytest.mark.parametrize("d,want", [(128, ("mosaic", "mosaic")), (256, ("mosaic", "mosaic")),
                                     (512, ("pallas", "pallas"))])
 def test_narrow_windows_run_on_the_kernels_that_skip_hidden_tiles(d, want, monkeypatch):
     """A window of at most 1/8 of the keys: the Mosaic kernels where they serve and measured
-    faster (the forward up to D = 256, the backward up to 128), the Triton kernels beyond."""
+    faster (up to D = 256), the Triton kernels beyond."""
     explained = dispatch.explain(_problem(d=d, window=(16, 0), causal=True),
                                  device=_h100(monkeypatch))
     assert (explained.forward.tier, explained.backward.tier) == want
@@ -394,11 +420,11 @@ def test_narrow_windows_run_on_the_kernels_that_skip_hidden_tiles(d, want, monke
 
 
 @pytest.mark.parametrize("d,want", [(64, ("pallas", "pallas")), (128, ("mosaic", "pallas")),
-                                    (256, ("pallas", "pallas")), (512, ("chunked", "chunked"))])
+                                    (256, ("mosaic", "mosaic")), (512, ("chunked", "chunked"))])
 def test_segment_ids_run_where_they_measured_fastest(d, want, monkeypatch):
-    """Packed sequences up to D = 256: the Mosaic forward at D = 128, the Triton kernels
-    elsewhere and in the backward (never the chunked tier, which walks every tile); above
-    D = 256 the other rules."""
+    """Packed sequences up to D = 256: the Mosaic forward from D = 128 and its backward at
+    D = 256, the Triton kernels elsewhere (never the chunked tier, which walks every tile);
+    above D = 256 the other rules."""
     ids = sd((2, 512), jnp.int32)
     problem = _problem(d=d, causal=True, features=FeatureArrays(ids, ids))
     explained = dispatch.explain(problem, device=_h100(monkeypatch))
@@ -424,9 +450,11 @@ def test_explicit_mosaic_runs_both_directions_where_it_serves_them(monkeypatch):
     explained = dispatch.explain(_problem(), "mosaic", device=device)
     assert (explained.forward.tier, explained.backward.tier) == ("mosaic", "mosaic")
     # A backward it cannot serve goes to the rules, and says why.
-    wide = dispatch.explain(_problem(d=256), "mosaic", device=device)
+    halves = dispatch.explain(_problem(d=256), "mosaic", device=device)
+    assert (halves.forward.tier, halves.backward.tier) == ("mosaic", "mosaic")
+    wide = dispatch.explain(_problem(d=512), "mosaic", device=device)
     assert (wide.forward.tier, wide.backward.tier) == ("mosaic", "chunked")
-    assert "head dims above 128 in the backward" in wide.backward.why
+    assert "head dims above 256 in the backward" in wide.backward.why
     with pytest.raises(ValueError, match="does not support bias"):
         dispatch.explain(_problem(d=128).__class__.of(
             sd((1, 64, 2, 64), jnp.bfloat16), sd((1, 64, 2, 64), jnp.bfloat16),
@@ -511,7 +539,8 @@ def _assert_backward_matches(shape, arrays, features, saved, kernel_features):
     d_out, d_lse = at.cotangents(shape)
     grads = mosaic_attention_backward(Inputs(q, k, v, features=kernel_features), saved,
                                       (d_out, d_lse), scale=at.scale_of(shape),
-                                      causal=shape.causal, window=shape.window)
+                                      causal=shape.causal, window=shape.window,
+                                      softcap=shape.softcap)
     ref64 = at.reference_grads(shape, *arrays, d_out, d_lse, float64=True, features=features)
     xla = at.reference_grads(shape, *arrays, d_out, d_lse, float64=False, features=features)
     for name, got, want, same in zip(("dq", "dk", "dv"), grads, ref64, xla):
@@ -523,7 +552,8 @@ def _assert_backward_matches(shape, arrays, features, saved, kernel_features):
     c[0][5], c[1], c[2]))
 def test_kernels_with_a_window_and_a_soft_cap_match_the_reference_gpu(case):
     """The kernels' window and soft cap by the tolerance rule against the float64 reference
-    (out, lse), rows with no visible key included; the check that lets the tier serve them."""
+    (out, lse, and dq, dk, dv where the backward takes the head dims), rows with no visible
+    key included; the check that lets the tier serve them."""
     (b, t, s, hq, hkv, d, dv, causal, config), window, softcap = case
     skip_unless_sm90()
     shape = at.Case(b=b, t=t, s=s, hq=hq, hkv=hkv, d=d, dv=dv, causal=causal,
@@ -534,6 +564,10 @@ def test_kernels_with_a_window_and_a_soft_cap_match_the_reference_gpu(case):
                                         config=config, out_dtype=jnp.float32, window=window,
                                         softcap=softcap)
     _assert_forward_matches(shape, (q, k, v, bias, mask), features, out, lse)
+    if unsupported_head_dims(d, dv):
+        return
+    _assert_backward_matches(shape, (q, k, v, bias, mask), features, (out, lse),
+                             FeatureArrays())
 
 
 @pytest.mark.gpu
@@ -558,7 +592,7 @@ def test_kernels_with_sequence_lengths_match_the_reference_gpu(case):
                                         features=FeatureArrays(q_lengths=q_len,
                                                                kv_lengths=kv_len))
     _assert_forward_matches(shape, (q, k, v, bias, mask), features, out, lse)
-    if max(d, dv) > 128:
+    if unsupported_head_dims(d, dv):
         return
     _assert_backward_matches(shape, (q, k, v, bias, mask), features, (out, lse),
                              FeatureArrays(q_lengths=q_len, kv_lengths=kv_len))
@@ -600,7 +634,7 @@ def test_kernels_with_sinks_match_the_reference_gpu(case):
     out, lse = mosaic_attention_forward(q, k, v, scale=at.scale_of(shape), causal=causal,
                                         out_dtype=jnp.float32, features=arrays)
     _assert_forward_matches(shape, (q, k, v, bias, mask), features, out, lse)
-    if max(d, dv) > 128:
+    if unsupported_head_dims(d, dv):
         return
     _assert_backward_matches(shape, (q, k, v, bias, mask), features, (out, lse), arrays)
 
@@ -638,7 +672,7 @@ def test_the_kernels_with_segment_ids_lower_for_cuda():
         text = jax.jit(forward).trace(q, k, v, *ids).lower(
             lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
-        if max(shape.d, shape.head_dim_v) > 128:
+        if unsupported_head_dims(shape.d, shape.head_dim_v):
             continue
         out, lse = sd((shape.b, shape.t, shape.hq, shape.head_dim_v), jnp.float32), sd(
             (shape.b, shape.hq, shape.t), jnp.float32)
@@ -668,7 +702,7 @@ def test_the_kernels_with_segment_ids_match_the_reference_gpu(case):
                                         window=shape.window,
                                         features=at.feature_arrays(features))
     _assert_forward_matches(shape, (q, k, v, bias, mask), features, out, lse)
-    if max(shape.d, shape.head_dim_v) > 128:
+    if unsupported_head_dims(shape.d, shape.head_dim_v):
         return
     _assert_backward_matches(shape, (q, k, v, bias, mask), features, (out, lse),
                              at.feature_arrays(features))

@@ -8,14 +8,16 @@ One place decides, for the run (`plan`) and for `python -m ffpa_jax.info` (`expl
    else the chunked tier where the dense logits would pass its workspace budget, and XLA's
    dense path below it.
 3. `implementation=None` on an NVIDIA GPU, each direction by the first rule that applies:
-   - segment ids up to D = 256: the fused kernels (the Mosaic forward where it measured
-     faster, `SEGMENTS_MOSAIC_FORWARD`);
+   - segment ids up to D = 256: the fused kernels (the Mosaic ones where they measured
+     faster, `SEGMENTS_MOSAIC`);
    - a sliding window narrow enough for the fused kernels' tile skipping (`narrow_window`);
    - the decode shapes' forward: the fused tier's split-KV decode kernels;
    - the tier the device's tuned file names for the nearest problem (its "tier" field);
    - the built-in rule (`built_in_tier`).
-   A tier that cannot serve the problem (`Tier.unsupported`) or does not run here passes
-   the direction to the next tier of the registry that can; the explanation says why.
+   Where the rule names the Mosaic tier and it cannot serve the problem (`Tier.unsupported`)
+   or does not run here, the same rules pick again without it (`mosaic=False`: the Triton
+   kernels, or the chunked tier where it beats them). Any other tier that cannot passes the
+   direction to the next tier of the registry that can; the explanation says why.
 4. `deterministic=True` (or None with XLA's `--xla_gpu_deterministic_ops` in `XLA_FLAGS`:
    `resolve_deterministic`) passes over, for the backward, a tier whose backward does not
    add in one order (`Tier.ordered_backward`), whether named or picked by a rule.
@@ -55,22 +57,22 @@ TIER_KERNELS = {"forward": fused.FWD_GENERIC.name, "backward": fused.BWD_GENERIC
 # (the tuned tiers were measured without windows; docs/benchmarks.md has the A/B).
 NARROW_WINDOW_RATIO = 8
 NARROW_WINDOW_MAX_HEADDIM = 512
-# Of them, the Mosaic kernels (where they run) up to these head dims: measured faster than
-# the Triton kernels at D = 128 and 256 (forward) and 128 (backward), docs/benchmarks.md.
-NARROW_WINDOW_MOSAIC_MAX_HEADDIM = {"forward": 256, "backward": 128}
+# Of them, the Mosaic kernels (where they run) up to MOSAIC_MAX_HEADDIM: measured faster
+# than the Triton kernels at D = 128 and 256 in both directions, docs/benchmarks.md.
 
 # Segment ids (packed sequences) up to D = SEGMENTS_MAX_HEADDIM: the fused kernels skip the
 # other segments' tiles, where the tuned tiers were measured without segments and the
-# chunked tier's blocks walk them all. Of the fused kernels the Mosaic forward measured
-# faster over (SEGMENTS_MOSAIC_FORWARD[0], SEGMENTS_MOSAIC_FORWARD[1]] only, its backward
-# slower than the Triton kernels' (docs/benchmarks.md, session 21).
+# chunked tier's blocks walk them all. Of the fused kernels the Mosaic ones measured faster
+# over (low, high] of SEGMENTS_MOSAIC, per direction: the forward from D = 128, the
+# backward at D = 256 (its D <= 128 kernel was slower than the Triton kernels';
+# docs/benchmarks.md, sessions 21 and 22).
 SEGMENTS_MAX_HEADDIM = 256
-SEGMENTS_MOSAIC_FORWARD = (64, 128)
+SEGMENTS_MOSAIC = {"forward": (64, 256), "backward": (128, 256)}
 
-# The built-in rule's backward on the Mosaic tier (where it runs and serves the problem) up
-# to this head dim: its kernel's limit, and where it measured faster than the fused Triton
-# kernels (docs/benchmarks.md).
-MOSAIC_BACKWARD_MAX_HEADDIM = 128
+# The rules' Mosaic tier (where it runs and serves the problem) up to this head dim in both
+# directions: above it the chunked tier's GEMMs measured faster than its forward, and its
+# backward stops there (docs/benchmarks.md).
+MOSAIC_MAX_HEADDIM = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,25 +174,23 @@ def narrow_window(problem: Problem) -> bool:
             and band * NARROW_WINDOW_RATIO <= problem.seq_k)
 
 
-def built_in_tier(direction: str, problem: Problem) -> tuple[Tier, str]:
-    """The tier a direction runs on without a tuned entry. The forward up to D = 256 and the
-    backward up to D = 128 run on the Mosaic kernels where they run (about cuDNN's speed,
-    where the Triton kernels reach 0.73-0.93x of it: docs/benchmarks.md), else on the fused
-    kernels; the chunked tier's GEMMs beat the fused kernels' register-bound head-dim slices
-    above D = 256 in the forward and from D = 256 in the backward (H200, bf16); float32 keeps
-    the fused kernels, whose backward recomputes its own normalised P exactly."""
+def built_in_tier(direction: str, problem: Problem, mosaic: bool = True) -> tuple[Tier, str]:
+    """The tier a direction runs on without a tuned entry. Both directions up to D = 256 run
+    on the Mosaic kernels where they run (about cuDNN's speed, where the Triton kernels reach
+    0.55-0.93x of it: docs/benchmarks.md); without them (`mosaic=False`: they cannot serve
+    the problem or do not run here) the fused Triton kernels, and the chunked tier from
+    D = 256 in the backward. The chunked tier's GEMMs beat the fused kernels'
+    register-bound head-dim slices above D = 256 (H200, bf16); float32 keeps the fused
+    kernels, whose backward recomputes its own normalised P exactly."""
     if problem.natural:
         return tiers.PALLAS, "built-in rule: float32 runs the fused kernels"
-    if direction == "forward":
-        if problem.headdim > 256:
-            return tiers.CHUNKED, "built-in rule: chunked above D = 256 in the forward"
-        return tiers.MOSAIC, "built-in rule: mosaic up to D = 256 in the forward"
-    if problem.headdim >= 256:
+    if problem.headdim > MOSAIC_MAX_HEADDIM:
+        return tiers.CHUNKED, f"built-in rule: chunked above D = 256 in the {direction}"
+    if mosaic:
+        return tiers.MOSAIC, f"built-in rule: mosaic up to D = 256 in the {direction}"
+    if direction == "backward" and problem.headdim >= 256:
         return tiers.CHUNKED, "built-in rule: chunked from D = 256 in the backward"
-    if problem.headdim <= MOSAIC_BACKWARD_MAX_HEADDIM:
-        return tiers.MOSAIC, (f"built-in rule: mosaic up to D = {MOSAIC_BACKWARD_MAX_HEADDIM} "
-                              "in the backward")
-    return tiers.PALLAS, "built-in rule: pallas below D = 256 in the backward"
+    return tiers.PALLAS, f"built-in rule: pallas up to D = 256 in the {direction}"
 
 
 def tuned_tier(direction: str, problem: Problem, device: Device) -> tuple[Tier | None, str]:
@@ -212,27 +212,29 @@ def tuned_tier(direction: str, problem: Problem, device: Device) -> tuple[Tier |
     return tiers.BY_NAME[name], f"tuned entry ({where})"
 
 
-def _rule(direction: str, problem: Problem, device: Device) -> tuple[Tier, str]:
-    """The GPU's first applicable rule for `direction` (step 3 of the module docstring)."""
+def _rule(direction: str, problem: Problem, device: Device,
+          mosaic: bool = True) -> tuple[Tier, str]:
+    """The GPU's first applicable rule for `direction` (step 3 of the module docstring);
+    `mosaic=False`: the rules without the Mosaic tier."""
     if problem.segment_ids and problem.headdim <= SEGMENTS_MAX_HEADDIM:
-        low, high = SEGMENTS_MOSAIC_FORWARD
-        fused_tier = (tiers.MOSAIC if direction == "forward" and low < problem.headdim <= high
+        low, high = SEGMENTS_MOSAIC[direction]
+        fused_tier = (tiers.MOSAIC if mosaic and low < problem.headdim <= high
                       else tiers.PALLAS)
         return fused_tier, ("segment ids: the fused kernels skip the other segments' tiles "
                             f"({fused_tier.name})")
     if narrow_window(problem):
         # The Mosaic kernels skip hidden tiles too, and measured faster where they serve.
-        fused_tier = (tiers.MOSAIC if problem.headdim <= NARROW_WINDOW_MOSAIC_MAX_HEADDIM[
-            direction] else tiers.PALLAS)
+        fused_tier = (tiers.MOSAIC if mosaic and problem.headdim <= MOSAIC_MAX_HEADDIM
+                      else tiers.PALLAS)
         return fused_tier, (f"a window of at most 1/{NARROW_WINDOW_RATIO} of the keys: the "
                             f"fused kernels skip the hidden tiles ({fused_tier.name})")
     if direction == "forward" and fused.uses_decode(problem):
         return tiers.PALLAS, (f"decode shape (T <= {fused.DECODE_MAX_QUERIES} queries against "
                               f">= {fused.DECODE_MIN_KEYS} keys): the decode kernels")
     tier, why = tuned_tier(direction, problem, device)
-    if tier is not None:
+    if tier is not None and (mosaic or tier is not tiers.MOSAIC):
         return tier, why
-    tier, rule = built_in_tier(direction, problem)
+    tier, rule = built_in_tier(direction, problem, mosaic)
     return tier, f"{rule} ({why})"
 
 
@@ -314,6 +316,13 @@ def explain(problem: Problem, implementation: str | None = None, *, interpret: b
     def by_rules(direction: str) -> tuple[Tier, str]:
         if device.nvidia_gpu and not interpret:
             tier, why = _rule(direction, problem, device)
+            refusal = tier is tiers.MOSAIC and (
+                runs_here(tier, device, interpret)
+                or _refusal(tier, direction, problem, ordered))
+            if refusal:
+                passed_over.append((tier.name, refusal))
+                tier, why = _rule(direction, problem, device, mosaic=False)
+                why = f"{why}; {tiers.MOSAIC.name} passed over"
         else:
             tier, why = _off_gpu(problem, interpret)
         served = _serving(tier, direction, problem, device, interpret, passed_over, ordered)

@@ -1,5 +1,6 @@
-"""The Mosaic tier's backward (D, Dv <= 128 after padding to 64): one pass over the query
-blocks per key block, dQ added to a float32 buffer by TMA reduce-add.
+"""The Mosaic tier's backward (D, Dv <= 128 after padding to 64; `backward_halves` takes
+D = Dv up to 256): one pass over the query blocks per key block, dQ added to a float32
+buffer by TMA reduce-add.
 
 One CTA owns 128 keys of one KV head (two consumer warpgroups of 64 keys each) and walks
 the query blocks (64 rows) of every query head of its GQA group that see them, streamed by
@@ -30,6 +31,7 @@ from pallas_kernels import compat
 from pallas_kernels.mosaic.common import (COLUMNS, LOG2E, ROW, WARPGROUPS, WGMMA, Walk, cdiv,
                                           compiler_params, iota, q_range, same_segment,
                                           score_mod, soft_cap, tiled_smem, walk_kv)
+from pallas_kernels.mosaic.backward_halves import MAX_HEAD_DIM, halves_backward
 from pallas_kernels.mosaic.config import Config, default_backward_config, round_up
 from pallas_kernels.mosaic.forward import pad_axes
 from pallas_kernels.visibility import segment_block_ranges
@@ -37,7 +39,7 @@ from pallas_kernels.visibility import segment_block_ranges
 K_TILES, KV_HEADS, BATCH = "ffpa_mosaic_k", "ffpa_mosaic_hk", "ffpa_mosaic_b"
 BLOCK_Q = 64  # query rows per step
 KEYS_PER_WG = 64
-MAX_HEAD_DIM = 128
+ROWS_MAX_HEAD_DIM = 128  # this module's kernel; larger head dims: `halves_backward`
 
 
 def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_lengths=None,
@@ -271,7 +273,8 @@ def mosaic_attention_backward(inputs, saved, cotangents, *, scale: float, causal
     """(dq, dk, dv) of `mosaic_attention_forward`'s saved = (out, lse) for the cotangents
     (d_out [B, T, Hq, Dv], d_lse [B, Hq, T] or None: lse not differentiated), in q's dtype.
     `inputs`: `pallas_kernels.problem.Inputs` (q, k, v and, in its features, the sequence
-    lengths and segment ids; no bias, mask or dropout). D and Dv up to 128; out may be float32 (the
+    lengths and segment ids; no bias, mask or dropout). D and Dv up to 128, or D = Dv up to
+    256 (after padding to 64: `unsupported_head_dims`); out may be float32 (the
     differentiated forward's). `jax.vmap` has no rule for it (its dQ buffer is a mutable
     array, which `pl.kernel` does not batch): fold a mapped axis into the batch, as
     `ffpa_jax.attention` does."""
@@ -281,8 +284,9 @@ def mosaic_attention_backward(inputs, saved, cotangents, *, scale: float, causal
     (out, lse), (d_out, d_lse) = saved[:2], cotangents
     B, T, Hq, D = q.shape
     S, Dv = k.shape[1], v.shape[3]
-    if max(D, Dv) > MAX_HEAD_DIM:
-        raise ValueError(f"the Mosaic backward supports D, Dv <= {MAX_HEAD_DIM}; got {D}, {Dv}")
+    reason = unsupported_head_dims(D, Dv)
+    if reason:
+        raise ValueError(f"the Mosaic backward does not take {reason}; got D={D}, Dv={Dv}")
     config = config or default_backward_config(D, Dv)
     scale = float(scale)
     if scale < 0.0:  # as the forward: q negated, exact in 16 bits
@@ -306,10 +310,25 @@ def mosaic_attention_backward(inputs, saved, cotangents, *, scale: float, causal
                 window=None if window is None else tuple(int(x) for x in window),
                 softcap=None if softcap is None else float(softcap), scale=scale,
                 segments=q_ids is not None)
-    dq, dk, dv = rows_backward(
+    kernel = rows_backward if max(Dp, Dvp) <= ROWS_MAX_HEAD_DIM else halves_backward
+    dq, dk, dv = kernel(
         pad_axes(q, {1: T8, 3: Dp}), pad_axes(k, {1: S8, 3: Dp}), pad_axes(v, {1: S8, 3: Dvp}),
         pad_axes(d_out.astype(q.dtype), {1: T8, 3: Dvp}), (lse2, delta), walk, config=config,
         kv_lengths=None if kv_lengths is None else kv_lengths.astype(jnp.int32),
         segment_ids=None if q_ids is None else (q_ids, inputs.features.kv_segment_ids))
     dq = dq[:, :T, :, :D].astype(q.dtype)
     return tuple(compat.vary_like(x, q) for x in (dq, dk[:, :S, :, :D], dv[:, :S, :, :Dv]))
+
+
+def unsupported_head_dims(head_dim: int, head_dim_v: int) -> str:
+    """What of these head dims the Mosaic backward does not take ("" if it takes them): up
+    to 128 each (`rows_backward`), or equal up to 256 after padding to 64
+    (`halves_backward`, whose dQ staging reuses a stage of Q and one of dO alike)."""
+    d, dv = round_up(head_dim, 64), round_up(head_dim_v, 64)
+    if max(d, dv) <= ROWS_MAX_HEAD_DIM:
+        return ""
+    if max(d, dv) > MAX_HEAD_DIM:
+        return f"head dims above {MAX_HEAD_DIM}"
+    if d != dv:
+        return f"head dims above {ROWS_MAX_HEAD_DIM} with D != Dv"
+    return ""

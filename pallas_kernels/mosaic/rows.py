@@ -44,7 +44,8 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
     grid = Grid.of(config, n_q=cdiv(T, rows_cta), Hq=Hq, B=B, group=group, causal=prob.causal)
     Tp = grid.q_extent * rows_cta
     out_itemsize = jnp.dtype(out_dtype).itemsize
-    oc = config.out_chunk or (Dv if out_itemsize == 2 else min(Dv, 128))
+    # float32 O in chunks of 128 columns (64 where Dv is an odd number of 64s: D = 192).
+    oc = config.out_chunk or (Dv if out_itemsize == 2 else 128 if Dv % 128 == 0 else 64)
     assert Dv % oc == 0
     has_segments = segment_ids is not None
     assert has_segments == prob.segments

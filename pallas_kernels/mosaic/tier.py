@@ -1,6 +1,7 @@
 """The Mosaic tier's directions for the registry (`pallas_kernels.tiers`): its forward (the
 "rows" and "wide" Mosaic GPU kernels), its backward (`backward.rows_backward`, D and
-Dv <= 128), their configs, and what each does not compute yet.
+Dv <= 128; `backward_halves.halves_backward`, D = Dv <= 256), their configs, and what each
+does not compute yet.
 
 Where the backward cannot serve a problem that the forward can (larger head dims), the
 dispatcher pairs the Mosaic forward with another tier's backward (every tier's directions
@@ -20,7 +21,7 @@ from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
 
 KERNEL = "mosaic_fwd"  # the tier's configs in a plan
 BACKWARD_KERNEL = "mosaic_bwd"
-MAX_HEAD_DIM = {"forward": 512, "backward": mosaic_backward.MAX_HEAD_DIM}
+MAX_HEAD_DIM = 512  # the forward's; the backward's: `mosaic_backward.unsupported_head_dims`
 ONE_TILE_KEYS = 128
 SERVED_FEATURES = ("local_window_size", "logits_soft_cap", "q_segment_ids",
                    "query_seq_lengths", "key_value_seq_lengths", "sinks")
@@ -36,14 +37,16 @@ def unsupported(problem: Problem, direction: str) -> tuple[str, ...]:
     backward needs nothing for them (lse counts them; their own gradient is the caller's
     closed form)."""
     features = [name for name in problem.features if name not in SERVED_FEATURES]
-    limit = MAX_HEAD_DIM[direction]
+    head_dims = (mosaic_backward.unsupported_head_dims(problem.head_dim, problem.head_dim_v)
+                 if direction == "backward" else
+                 f"head dims above {MAX_HEAD_DIM}" if problem.headdim > MAX_HEAD_DIM else "")
     wide = uses_wide_kernel(problem.head_dim, problem.head_dim_v)  # no segment ids there
     missing = [name for name, lacks in (
         ("bias", problem.has_bias), ("mask", problem.mask_shape is not None),
         ("dropout_rate", problem.has_dropout), *((name, True) for name in features),
         ("context_axis (positions)", problem.positions),
         ("float32 (16-bit only)", problem.natural),
-        (f"head dims above {limit}", problem.headdim > limit),
+        (head_dims, bool(head_dims)),
         ("q_segment_ids with head dims above 256", problem.segment_ids and wide
          and direction == "forward"),
         ("scale 0", problem.scale == 0.0),
@@ -60,7 +63,9 @@ def configs(problem: Problem, direction: str, lookup, target: Target) -> tuple[K
     del lookup, target
     if direction == "backward":
         config = default_backward_config(problem.head_dim, problem.head_dim_v)
-        settings = dict(kernel="rows_backward", num_stages=config.num_stages,
+        kernel = ("rows_backward" if max(problem.head_dim, problem.head_dim_v)
+                  <= mosaic_backward.ROWS_MAX_HEAD_DIM else "halves_backward")
+        settings = dict(kernel=kernel, num_stages=config.num_stages,
                         consumer_regs=config.consumer_regs)
         return (KernelChoice.of(BACKWARD_KERNEL, config,
                                 "built-in default (mosaic/config.py)", direction, settings),)

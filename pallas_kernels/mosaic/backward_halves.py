@@ -1,0 +1,338 @@
+"""The Mosaic tier's backward for head dims 129..256 (D = Dv after padding to 64): the two
+consumer warpgroups split the head dim, not the keys.
+
+At D = 256 the rows backward's plan (each warpgroup keeps dK and dV of its 64 keys in
+registers) needs 256 float32 registers per thread for the two accumulators alone. Here one
+CTA owns 64 keys of one KV head, and each consumer keeps dK and dV of all 64 keys for its
+half of the columns (64 + 64 registers). The scores are not split: per query block (64 rows)
+of every query head of the GQA group, streamed by the producer as in the rows backward,
+
+    warpgroup 0 ("scores"):    Sᵀ = K Qᵀ, Pᵀ = exp2(scale·log2e·Sᵀ − lse·log2e) → shared memory,
+    warpgroup 1 ("gradients"): dPᵀ = V dOᵀ, Pᵀ from shared memory, dSᵀ = Pᵀ ∘ (dPᵀ − δ)
+                               → shared memory,
+
+then each, for its columns c: dV[:, c] += Pᵀ dO[:, c], dK[:, c] += dSᵀ Q[:, c], and
+dQ[:, c] = dS K[:, c], added to the float32 dQ buffer with a TMA reduce-add. Each
+warpgroup takes the operand it computed from its registers (Pᵀ for warpgroup 0, dSᵀ for
+warpgroup 1) and the other's from shared memory, so both run 2.5 of the step's five
+matmuls. Pᵀ passes in 16 bits (XLA's bf16 softmax rounds P so too); with the soft cap,
+warpgroup 0 also passes Pᵀ ∘ d(capped)/d(raw), which dSᵀ takes in P's place. Masks
+(causality, windows, lengths, segment ids) are applied to Sᵀ by warpgroup 0 only: a hidden
+key's P is 0, and so is its dS.
+
+Shared memory holds K, V, two stages of (Q, dO) and the two 64 × 64 exchange tiles (210 KB
+at D = 256). dQ's staging tiles would not fit beside them, so each warpgroup stages its
+float32 half of dQ in the stage it has finished with (warpgroup 0 in Q's, warpgroup 1 in
+dO's: a stage of Q or dO is 64·D 16-bit values, one half of dQ 64·D/2 float32 values; a
+`plgpu.RefUnion`): both warpgroups first meet on a barrier that says neither reads the
+stage's Q or dO any more, and the stage goes back to the producer once both reduce-adds
+have read it (checked one step later, so that the add overlaps the next step's first
+matmul). dK and the float32 dQ are scaled by the softmax scale at the end.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import compat
+from pallas_kernels.mosaic.common import (COLUMNS, LOG2E, ROW, WARPGROUPS, WGMMA, Walk, cdiv,
+                                          compiler_params, iota, q_range, same_segment,
+                                          score_mod, soft_cap, tiled_smem, walk_kv)
+from pallas_kernels.mosaic.config import Config
+from pallas_kernels.visibility import segment_block_ranges
+
+K_TILES, KV_HEADS, BATCH = "ffpa_mosaic_k", "ffpa_mosaic_hk", "ffpa_mosaic_b"
+BLOCK_Q = 64  # query rows per step
+BLOCK_K = 64  # keys per CTA
+MAX_HEAD_DIM = 256
+
+
+def _swizzle(columns: int, dtype) -> int:
+    """The largest swizzle of which a row of `columns` values is a whole number of tiles
+    (every tile here is sliced into column halves: K, Q and dO as wgmma operands)."""
+    row_bytes = columns * jnp.dtype(dtype).itemsize
+    return next(s for s in (128, 64, 32) if row_bytes % s == 0)
+
+
+def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_lengths=None,
+                    segment_ids=None, exact_p: bool = True):
+    """(dq float32 [B, Tp, Hq, D], dk [B, S8, Hkv, D], dv [B, S8, Hkv, D]) of padded arrays,
+    as `backward.rows_backward` takes them, for 128 < D = Dv <= 256 (multiples of 64)."""
+    lse2, delta = rows
+    B, _, Hq, D = q.shape
+    _, S8, Hkv, Dv = v.shape
+    if D != Dv or D % 64 or not 128 < D <= MAX_HEAD_DIM:
+        raise ValueError(f"halves_backward takes D = Dv in (128, {MAX_HEAD_DIM}], multiples "
+                         f"of 64; got D={D}, Dv={Dv}")
+    dtype = q.dtype
+    group = Hq // Hkv
+    bq, bk = BLOCK_Q, BLOCK_K
+    ns = config.num_stages
+    if ns < 2:  # a stage goes back to the producer one step after its own
+        raise ValueError(f"halves_backward needs num_stages >= 2; got {ns}")
+    Tp = lse2.shape[-1]
+    half = D // 2  # each consumer's columns
+    swizzle = _swizzle(half, dtype)  # one swizzle: a wgmma's two shared operands share it
+    scale, softcap = prob.scale, prob.softcap
+    c_exp = scale * LOG2E
+    n_kt = cdiv(prob.S, bk)
+    has_segments = segment_ids is not None
+    assert has_segments == prob.segments
+    exact_p = exact_p and not has_segments  # no room for both the ids and a float32 Pᵀ
+    segments = ()
+    if has_segments:  # ids padded (padding rows get no gradient, padding keys are masked)
+        q_ids, kv_ids = (x.astype(jnp.int32) for x in segment_ids)
+        ranges = segment_block_ranges(kv_ids, q_ids, block_m=bk, block_n=bq)  # [B, n_kt, 2]
+        segments = (jnp.pad(q_ids, ((0, 0), (0, Tp - q_ids.shape[1]))),
+                    jnp.pad(kv_ids, ((0, 0), (0, n_kt * bk - kv_ids.shape[1]))), ranges)
+
+    def kernel(refs, scoped):
+        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kvlen_ref,
+         (qid_ref, kid_ref, ranges_ref), dq_ref, dk_ref, dv_ref) = refs
+        (k_smem, v_smem, stages, lse_smem, delta_smem, p_smem, pd_smem, ds_smem, qid_smem,
+         kid_smem, kv_bar, q_full, do_full, free, p_ready, ds_ready, stage_read,
+         done) = scoped
+        (q_smem, do_smem), dq_stages = stages
+        wg = lax.axis_index(WARPGROUPS)
+        kt = lax.axis_index(K_TILES)
+        hk = lax.axis_index(KV_HEADS)
+        b = lax.axis_index(BATCH)
+        walk = prob.with_key_end(kvlen_ref, b)
+        walk = walk.with_segment_range(ranges_ref, b, kt)
+        k0 = kt * bk
+        lo, mask_lo, full_hi, hi = q_range(walk, k0, k0 + bk - 1, bq)
+        count = hi - lo  # steps per query head
+
+        def release_previous(n):
+            # The last step's reduce-add has read its staging tile: its stage may refill.
+            @pl.when(n > 0)
+            def _():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.barrier_arrive(free.at[lax.rem(n - 1, ns)])
+
+        def consumer(role_step):
+            """Walks every step of the CTA with `role_step(n, slot, j, h, cols, masked,
+            carry) -> (dk, dv)`, then writes this warpgroup's columns of dK and dV."""
+            plgpu.set_max_registers(config.consumer_regs, action="increase")
+            cols = pl.ds(wg * half, half)
+            dk = plgpu.layout_cast(jnp.zeros((bk, half), jnp.float32), WGMMA)
+            dv = plgpu.layout_cast(jnp.zeros((bk, half), jnp.float32), WGMMA)
+            plgpu.barrier_wait(kv_bar)
+
+            def head(g, carry):
+                h = hk * group + g
+
+                def step(j, carry, *, masked):
+                    n = g * count + (j - lo)
+                    return role_step(n, lax.rem(n, ns), j, h, cols, masked, carry)
+
+                return walk_kv(step, carry, lo, mask_lo, full_hi, hi)
+
+            dk, dv = lax.fori_loop(0, group, head, (dk, dv))
+            # A column half of a tile is not contiguous, which a TMA copy needs: both halves
+            # meet in the first stage of Q (dK) and of dO (dV), once both warpgroups are out
+            # of the walk and their last reduce-adds have read the stages.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plgpu.barrier_arrive(done)
+            plgpu.barrier_wait(done)
+            q_smem.at[0, :, cols][...] = (dk * scale).astype(dtype)
+            do_smem.at[0, :, cols][...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(done)
+            plgpu.barrier_wait(done)
+            keys = pl.ds(k0, bk)
+
+            @pl.when(wg == 0)
+            def _():
+                plgpu.copy_smem_to_gmem(q_smem.at[0], dk_ref.at[b, keys, hk])
+
+            @pl.when(wg == 1)
+            def _():
+                plgpu.copy_smem_to_gmem(do_smem.at[0], dv_ref.at[b, keys, hk])
+
+            plgpu.wait_smem_to_gmem(0)
+
+        def finish_step(n, slot, j, h, cols, dq_from):
+            """Both warpgroups are done with the stage's Q and dO: this one's dQ columns
+            (dS K[:, cols]) go through the stage's staging view to the float32 buffer."""
+            plgpu.barrier_arrive(stage_read)
+
+            def dq_cols(acc_ref):
+                plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_smem, (1, 0)), k_smem.at[:, cols])
+
+            dq = pl.run_state(dq_cols)(plgpu.ACC.init(
+                plgpu.layout_cast(jnp.zeros((bq, half), jnp.float32), WGMMA)))
+            plgpu.barrier_wait(stage_read)
+            tile = dq_stages[dq_from].at[slot]
+            tile[...] = dq
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(tile, dq_ref.at[b, pl.ds(j * bq, bq), h, cols],
+                                    reduction_op="add")
+
+        def scores_step(n, slot, j, h, cols, masked, carry):
+            dk, dv = carry
+            q0 = j * bq
+            plgpu.barrier_wait(q_full.at[slot])
+
+            def scores(s_ref):
+                plgpu.wgmma(s_ref, k_smem, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
+
+            s = pl.run_state(scores)(plgpu.ACC.init(
+                plgpu.layout_cast(jnp.zeros((bk, bq), jnp.float32), WGMMA)))
+            release_previous(n)
+            s = soft_cap(walk, s)
+            if softcap is not None:
+                # d(capped)/d(raw) = 1 - tanh², tanh = scale·capped / cap (before the mask).
+                tanh = s * (scale / softcap)
+                d_cap = 1.0 - tanh * tanh
+            if masked:
+                same = None
+                if has_segments:
+                    key_ids = compat.mosaic_load(kid_smem, layout=ROW)
+                    row_ids = compat.mosaic_load(qid_smem.at[slot], layout=COLUMNS)
+                    same = same_segment(key_ids, row_ids, (bk, bq))
+                q_idx = q0 + iota((bk, bq), 1)
+                k_idx = k0 + iota((bk, bq), 0)
+                s = score_mod(walk, s, q_idx, k_idx, same)
+            lse = compat.mosaic_load(lse_smem.at[slot], layout=COLUMNS)
+            p = jnp.exp2(s * c_exp - lax.broadcast_in_dim(lse, s.shape, [1]))
+            p16 = p.astype(dtype)
+            p_smem[...] = p16
+            if exact_p or softcap is not None:
+                pd_smem[...] = (p if softcap is None else p * d_cap).astype(pd_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(p_ready)
+
+            def grads(refs):
+                dv_ref, dk_ref = refs
+                plgpu.barrier_wait(do_full.at[slot])
+                plgpu.wgmma(dv_ref, p16, do_smem.at[slot, :, cols])
+                plgpu.barrier_wait(ds_ready)
+                plgpu.wgmma(dk_ref, ds_smem, q_smem.at[slot, :, cols])
+
+            dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+            finish_step(n, slot, j, h, cols, 0)
+            return dk, dv
+
+        def gradients_step(n, slot, j, h, cols, masked, carry):
+            del masked  # the scores' warpgroup masks: hidden keys come with P = 0
+            dk, dv = carry
+            plgpu.barrier_wait(do_full.at[slot])
+
+            def dprobs(dp_ref):
+                plgpu.wgmma(dp_ref, v_smem, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
+
+            dp = pl.run_state(dprobs)(plgpu.ACC.init(
+                plgpu.layout_cast(jnp.zeros((bk, bq), jnp.float32), WGMMA)))
+            release_previous(n)
+            dlt = compat.mosaic_load(delta_smem.at[slot], layout=COLUMNS)
+            plgpu.barrier_wait(p_ready)
+            p = compat.mosaic_load(pd_smem if exact_p or softcap is not None else p_smem,
+                                   layout=WGMMA).astype(jnp.float32)
+            ds16 = (p * (dp - lax.broadcast_in_dim(dlt, dp.shape, [1]))).astype(dtype)
+            ds_smem[...] = ds16
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(ds_ready)
+
+            def grads(refs):
+                dv_ref, dk_ref = refs
+                plgpu.wgmma(dv_ref, p_smem, do_smem.at[slot, :, cols])
+                plgpu.barrier_wait(q_full.at[slot])
+                plgpu.wgmma(dk_ref, ds16, q_smem.at[slot, :, cols])
+
+            dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+            finish_step(n, slot, j, h, cols, 1)
+            return dk, dv
+
+        @pl.when(wg == 0)
+        def _scores():
+            consumer(scores_step)
+
+        @pl.when(wg == 1)
+        def _gradients():
+            consumer(gradients_step)
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(config.producer_regs, action="decrease")
+            keys = pl.ds(k0, bk)
+            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_smem, kv_bar)
+            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_smem, kv_bar)
+            if has_segments:
+                plgpu.copy_gmem_to_smem(kid_ref.at[b, keys], kid_smem, kv_bar)
+
+            @pl.loop(0, group * count)
+            def _load(n):
+                g = lax.div(n, jnp.maximum(count, 1))
+                j = lo + n - g * count
+                h = hk * group + g
+                slot = lax.rem(n, ns)
+                rows = pl.ds(j * bq, bq)
+
+                @pl.when(n >= ns)
+                def _():
+                    plgpu.barrier_wait(free.at[slot])
+
+                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[slot], q_full.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[slot],
+                                        q_full.at[slot])
+                if has_segments:
+                    plgpu.copy_gmem_to_smem(qid_ref.at[b, rows], qid_smem.at[slot],
+                                            q_full.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot],
+                                        do_full.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot],
+                                        do_full.at[slot])
+
+    def entry(*refs):
+        refs = list(refs)
+        kvlen = refs.pop(6) if kv_lengths is not None else None
+        seg = tuple(refs.pop(6) for _ in range(3)) if has_segments else (None,) * 3
+        refs = (*refs[:6], kvlen, seg, *refs[6:])
+        # A stage of Q (or dO) and a float32 half of dQ are the same number of bytes, so
+        # stage i of either view starts at the same offset.
+        stages = plgpu.RefUnion(
+            (tiled_smem((ns, bq, D), dtype, swizzle), tiled_smem((ns, bq, Dv), dtype, swizzle)),
+            (tiled_smem((ns, bq, half), jnp.float32), tiled_smem((ns, bq, half), jnp.float32)))
+        exchange = tiled_smem((bk, bq), dtype, swizzle)
+        pl.run_scoped(
+            lambda *scoped: kernel(refs, scoped),
+            tiled_smem((bk, D), dtype, swizzle),
+            tiled_smem((bk, Dv), dtype, swizzle),
+            stages,
+            plgpu.SMEM((ns, bq), jnp.float32),
+            plgpu.SMEM((ns, bq), jnp.float32),
+            exchange,  # Pᵀ
+            # Pᵀ for dSᵀ (∘ d(capped)/d(raw)), in float32 with `exact_p`
+            (tiled_smem((bk, bq), jnp.float32) if exact_p else
+             exchange if softcap is not None else None),
+            exchange,  # dSᵀ
+            plgpu.SMEM((ns, bq), jnp.int32) if has_segments else None,  # rows' ids
+            plgpu.SMEM((bk,), jnp.int32) if has_segments else None,  # keys' ids
+            plgpu.Barrier(num_arrivals=2 + has_segments),  # K and V (and ids) landed
+            plgpu.Barrier(num_arrivals=2 + has_segments, num_barriers=ns),  # Q, lse (ids)
+            plgpu.Barrier(num_arrivals=2, num_barriers=ns),  # dO and δ landed
+            plgpu.Barrier(num_arrivals=2, num_barriers=ns),  # both adds read a stage
+            plgpu.Barrier(num_arrivals=1),  # Pᵀ written
+            plgpu.Barrier(num_arrivals=1),  # dSᵀ written
+            plgpu.Barrier(num_arrivals=2),  # neither reads the stage's Q or dO any more
+            plgpu.Barrier(num_arrivals=2),  # both out of the walk; both halves of dK, dV stored
+            collective_axes=WARPGROUPS,
+        )
+
+    mesh = plgpu.Mesh(grid=(Hkv, n_kt, B), grid_names=(KV_HEADS, K_TILES, BATCH),
+                      num_threads=3, thread_name=WARPGROUPS)
+    dq_acc = jax.new_ref(jnp.zeros((B, Tp, Hq, D), jnp.float32))
+    dk, dv = pl.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((B, S8, Hkv, D), dtype),
+                  jax.ShapeDtypeStruct((B, S8, Hkv, Dv), dtype)),
+        mesh=mesh,
+        compiler_params=compiler_params(config),
+    )(q, k, v, do, lse2, delta, *(() if kv_lengths is None else (kv_lengths,)), *segments,
+      dq_acc)
+    return dq_acc[...] * scale, dk, dv
