@@ -21,23 +21,20 @@ by the softmax scale at the end.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import compat
-from pallas_kernels.mosaic.common import (COLUMNS, LOG2E, ROW, WARPGROUPS, WGMMA, Walk, cdiv,
-                                          compiler_params, iota, q_range, same_segment,
-                                          score_mod, soft_cap, tiled_smem, walk_kv)
 from pallas_kernels.mosaic.backward_halves import MAX_HEAD_DIM, halves_backward
+from pallas_kernels.mosaic.backward_stream import BLOCK_Q, Stream, launch, produce
+from pallas_kernels.mosaic.common import (COLUMNS, LOG2E, ROW, WGMMA, Walk, iota,
+                                          same_segment, score_mod, soft_cap, tiled_smem,
+                                          walk_kv)
 from pallas_kernels.mosaic.config import Config, default_backward_config, round_up
 from pallas_kernels.mosaic.forward import pad_axes
-from pallas_kernels.visibility import segment_block_ranges
 
-K_TILES, KV_HEADS, BATCH = "ffpa_mosaic_k", "ffpa_mosaic_hk", "ffpa_mosaic_b"
-BLOCK_Q = 64  # query rows per step
 KEYS_PER_WG = 64
 ROWS_MAX_HEAD_DIM = 128  # this module's kernel; larger head dims: `halves_backward`
 
@@ -51,46 +48,31 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
     `prob` the true lengths and the semantics (its block_kv unused: the walk is over query
     blocks, `q_range`); `kv_lengths` int32 [B] or None: each batch row's key length;
     `segment_ids` None or (q ids [B, T], kv ids [B, S]) (`prob.segments` says which)."""
-    lse2, delta = rows
-    B, _, Hq, D = q.shape
-    _, S8, Hkv, Dv = v.shape
+    _, _, Hq, D = q.shape
+    Dv = v.shape[3]
     dtype = q.dtype
-    group = Hq // Hkv
     bq, wk = BLOCK_Q, KEYS_PER_WG
     bk = 2 * wk  # keys per CTA
     ns = config.num_stages
-    Tp = lse2.shape[-1]
     half = D // 2  # dQ columns per warpgroup
     # K's column halves must be whole swizzle tiles (they are dQ's B operand), and a wgmma's
     # two shared-memory operands share a swizzle: K's is Q's (Sᵀ = K Qᵀ) and dSᵀ's (dQ).
     swizzle = min(128, half * jnp.dtype(dtype).itemsize)
     scale, softcap = prob.scale, prob.softcap
     c_exp = scale * LOG2E
-    n_kt = cdiv(prob.S, bk)
-    has_segments = segment_ids is not None
-    assert has_segments == prob.segments
+    stream = Stream.of(q, v, config, block_k=bk, prob=prob, segment_ids=segment_ids)
+    has_segments = stream.segments
     dq_tiles = 1 if has_segments else 2  # dQ's staging tiles per warpgroup
-    segments = ()
-    if has_segments:  # ids padded (padding rows get no gradient, padding keys are masked)
-        q_ids, kv_ids = (x.astype(jnp.int32) for x in segment_ids)
-        ranges = segment_block_ranges(kv_ids, q_ids, block_m=bk, block_n=bq)  # [B, n_kt, 2]
-        segments = (jnp.pad(q_ids, ((0, 0), (0, Tp - q_ids.shape[1]))),
-                    jnp.pad(kv_ids, ((0, 0), (0, n_kt * bk - kv_ids.shape[1]))), ranges)
 
-    def kernel(refs, scoped):
-        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kvlen_ref,
-         (qid_ref, kid_ref, ranges_ref), dq_ref, dk_ref, dv_ref) = refs
-        (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, qid_smem,
-         kid_smem, kv_bar, q_full, do_full, free, ds_ready, done) = scoped
-        wg = lax.axis_index(WARPGROUPS)
-        kt = lax.axis_index(K_TILES)
-        hk = lax.axis_index(KV_HEADS)
-        b = lax.axis_index(BATCH)
-        walk = prob.with_key_end(kvlen_ref, b)  # the batch row's key length, if given
-        walk = walk.with_segment_range(ranges_ref, b, kt)
-        k0 = kt * bk
-        lo, mask_lo, full_hi, hi = q_range(walk, k0, k0 + bk - 1, bq)
-        count = hi - lo  # steps per query head
+    def kernel(cta, refs, scoped):
+        dq_ref, dk_ref, dv_ref = refs[-3:]
+        k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem = scoped[:6]
+        rows_scoped, (ds_ready, done) = scoped[6:14], scoped[14:]
+        lse_smem, delta_smem, qid_smem, kid_smem, kv_bar, q_full, do_full, free = rows_scoped
+        wg, b, hk, k0, walk = cta.wg, cta.b, cta.hk, cta.k0, cta.walk
+        lo, mask_lo, full_hi, hi = cta.blocks
+        count = cta.count
+        group = stream.group
 
         @pl.when(wg < 2)
         def _consumer():
@@ -196,74 +178,23 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
 
         @pl.when(wg == 2)
         def _producer():
-            plgpu.set_max_registers(config.producer_regs, action="decrease")
-            keys = pl.ds(k0, bk)
-            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_smem, kv_bar)
-            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_smem, kv_bar)
-            if has_segments:
-                plgpu.copy_gmem_to_smem(kid_ref.at[b, keys], kid_smem, kv_bar)
+            produce(stream, cta, refs, (k_smem, v_smem, q_smem, do_smem), rows_scoped,
+                    config.producer_regs)
 
-            @pl.loop(0, group * count)
-            def _load(n):
-                g = lax.div(n, jnp.maximum(count, 1))
-                j = lo + n - g * count
-                h = hk * group + g
-                slot = lax.rem(n, ns)
-                rows = pl.ds(j * bq, bq)
-
-                @pl.when(n >= ns)
-                def _():
-                    plgpu.barrier_wait(free.at[slot])
-
-                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[slot], q_full.at[slot])
-                plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[slot],
-                                        q_full.at[slot])
-                if has_segments:
-                    plgpu.copy_gmem_to_smem(qid_ref.at[b, rows], qid_smem.at[slot],
-                                            q_full.at[slot])
-                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot],
-                                        do_full.at[slot])
-                plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot],
-                                        do_full.at[slot])
-
-    def entry(*refs):
-        refs = list(refs)
-        kvlen = refs.pop(6) if kv_lengths is not None else None
-        seg = tuple(refs.pop(6) for _ in range(3)) if has_segments else (None,) * 3
-        refs = (*refs[:6], kvlen, seg, *refs[6:])
-        pl.run_scoped(
-            lambda *scoped: kernel(refs, scoped),
-            tiled_smem((bk, D), dtype, swizzle),
-            tiled_smem((bk, Dv), dtype),
-            tiled_smem((ns, bq, D), dtype, swizzle),
-            tiled_smem((ns, bq, Dv), dtype),
-            plgpu.SMEM((ns, bq), jnp.float32),
-            plgpu.SMEM((ns, bq), jnp.float32),
-            tiled_smem((2, bk, bq), dtype, swizzle),
-            tiled_smem((2, dq_tiles, bq, half), jnp.float32),
-            plgpu.SMEM((ns, bq), jnp.int32) if has_segments else None,  # rows' ids
-            plgpu.SMEM((bk,), jnp.int32) if has_segments else None,  # keys' ids
-            plgpu.Barrier(num_arrivals=2 + has_segments),  # K and V (and ids) landed
-            plgpu.Barrier(num_arrivals=2 + has_segments, num_barriers=ns),  # Q, lse (ids)
-            plgpu.Barrier(num_arrivals=2, num_barriers=ns),  # dO and δ landed
-            plgpu.Barrier(num_arrivals=2, num_barriers=ns),  # both consumers done with a slot
-            plgpu.Barrier(num_arrivals=2, num_barriers=2),  # both halves of dSᵀ written
-            plgpu.Barrier(num_arrivals=2),  # both consumers out of the walk
-            collective_axes=WARPGROUPS,
-        )
-
-    mesh = plgpu.Mesh(grid=(Hkv, n_kt, B), grid_names=(KV_HEADS, K_TILES, BATCH),
-                      num_threads=3, thread_name=WARPGROUPS)
-    dq_acc = jax.new_ref(jnp.zeros((B, Tp, Hq, D), jnp.float32))
-    dk, dv = pl.kernel(
-        entry,
-        out_type=(jax.ShapeDtypeStruct((B, S8, Hkv, D), dtype),
-                  jax.ShapeDtypeStruct((B, S8, Hkv, Dv), dtype)),
-        mesh=mesh,
-        compiler_params=compiler_params(config),
-    )(q, k, v, do, lse2, delta, *(() if kv_lengths is None else (kv_lengths,)), *segments,
-      dq_acc)
-    return dq_acc[...] * scale, dk, dv
+    scratch = (
+        tiled_smem((bk, D), dtype, swizzle),
+        tiled_smem((bk, Dv), dtype),
+        tiled_smem((ns, bq, D), dtype, swizzle),
+        tiled_smem((ns, bq, Dv), dtype),
+        tiled_smem((2, bk, bq), dtype, swizzle),
+        tiled_smem((2, dq_tiles, bq, half), jnp.float32),
+        *stream.row_scratch(),
+        plgpu.Barrier(num_arrivals=2, num_barriers=2),  # both halves of dSᵀ written
+        plgpu.Barrier(num_arrivals=2),  # both consumers out of the walk
+    )
+    dq, dk, dv = launch(kernel, scratch, (q, k, v, do, *rows), stream, prob=prob,
+                        config=config, kv_lengths=kv_lengths, segment_ids=segment_ids)
+    return dq * scale, dk, dv
 
 
 def mosaic_attention_backward(inputs, saved, cotangents, *, scale: float, causal: bool,

@@ -32,21 +32,18 @@ matmul). dK and the float32 dQ are scaled by the softmax scale at the end.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import compat
-from pallas_kernels.mosaic.common import (COLUMNS, LOG2E, ROW, WARPGROUPS, WGMMA, Walk, cdiv,
-                                          compiler_params, iota, q_range, same_segment,
-                                          score_mod, soft_cap, tiled_smem, walk_kv)
+from pallas_kernels.mosaic.backward_stream import BLOCK_Q, Stream, launch, produce
+from pallas_kernels.mosaic.common import (COLUMNS, LOG2E, ROW, WGMMA, Walk, iota,
+                                          same_segment, score_mod, soft_cap, tiled_smem,
+                                          walk_kv)
 from pallas_kernels.mosaic.config import Config
-from pallas_kernels.visibility import segment_block_ranges
 
-K_TILES, KV_HEADS, BATCH = "ffpa_mosaic_k", "ffpa_mosaic_hk", "ffpa_mosaic_b"
-BLOCK_Q = 64  # query rows per step
 BLOCK_K = 64  # keys per CTA
 MAX_HEAD_DIM = 256
 
@@ -62,50 +59,32 @@ def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_
                     segment_ids=None, exact_p: bool = True):
     """(dq float32 [B, Tp, Hq, D], dk [B, S8, Hkv, D], dv [B, S8, Hkv, D]) of padded arrays,
     as `backward.rows_backward` takes them, for 128 < D = Dv <= 256 (multiples of 64)."""
-    lse2, delta = rows
-    B, _, Hq, D = q.shape
-    _, S8, Hkv, Dv = v.shape
+    _, _, Hq, D = q.shape
+    Dv = v.shape[3]
     if D != Dv or D % 64 or not 128 < D <= MAX_HEAD_DIM:
         raise ValueError(f"halves_backward takes D = Dv in (128, {MAX_HEAD_DIM}], multiples "
                          f"of 64; got D={D}, Dv={Dv}")
     dtype = q.dtype
-    group = Hq // Hkv
     bq, bk = BLOCK_Q, BLOCK_K
     ns = config.num_stages
     if ns < 2:  # a stage goes back to the producer one step after its own
         raise ValueError(f"halves_backward needs num_stages >= 2; got {ns}")
-    Tp = lse2.shape[-1]
     half = D // 2  # each consumer's columns
     swizzle = _swizzle(half, dtype)  # one swizzle: a wgmma's two shared operands share it
     scale, softcap = prob.scale, prob.softcap
     c_exp = scale * LOG2E
-    n_kt = cdiv(prob.S, bk)
-    has_segments = segment_ids is not None
-    assert has_segments == prob.segments
-    exact_p = exact_p and not has_segments  # no room for both the ids and a float32 Pᵀ
-    segments = ()
-    if has_segments:  # ids padded (padding rows get no gradient, padding keys are masked)
-        q_ids, kv_ids = (x.astype(jnp.int32) for x in segment_ids)
-        ranges = segment_block_ranges(kv_ids, q_ids, block_m=bk, block_n=bq)  # [B, n_kt, 2]
-        segments = (jnp.pad(q_ids, ((0, 0), (0, Tp - q_ids.shape[1]))),
-                    jnp.pad(kv_ids, ((0, 0), (0, n_kt * bk - kv_ids.shape[1]))), ranges)
+    stream = Stream.of(q, v, config, block_k=bk, prob=prob, segment_ids=segment_ids)
+    exact_p = exact_p and not stream.segments  # no room for both the ids and a float32 Pᵀ
 
-    def kernel(refs, scoped):
-        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kvlen_ref,
-         (qid_ref, kid_ref, ranges_ref), dq_ref, dk_ref, dv_ref) = refs
-        (k_smem, v_smem, stages, lse_smem, delta_smem, p_smem, pd_smem, ds_smem, qid_smem,
-         kid_smem, kv_bar, q_full, do_full, free, p_ready, ds_ready, stage_read,
-         done) = scoped
+    def kernel(cta, refs, scoped):
+        dq_ref, dk_ref, dv_ref = refs[-3:]
+        k_smem, v_smem, stages, p_smem, pd_smem, ds_smem = scoped[:6]
+        rows_scoped, (p_ready, ds_ready, stage_read, done) = scoped[6:14], scoped[14:]
+        lse_smem, delta_smem, qid_smem, kid_smem, kv_bar, q_full, do_full, free = rows_scoped
         (q_smem, do_smem), dq_stages = stages
-        wg = lax.axis_index(WARPGROUPS)
-        kt = lax.axis_index(K_TILES)
-        hk = lax.axis_index(KV_HEADS)
-        b = lax.axis_index(BATCH)
-        walk = prob.with_key_end(kvlen_ref, b)
-        walk = walk.with_segment_range(ranges_ref, b, kt)
-        k0 = kt * bk
-        lo, mask_lo, full_hi, hi = q_range(walk, k0, k0 + bk - 1, bq)
-        count = hi - lo  # steps per query head
+        wg, b, hk, k0, walk = cta.wg, cta.b, cta.hk, cta.k0, cta.walk
+        lo, mask_lo, full_hi, hi = cta.blocks
+        count = cta.count
 
         def release_previous(n):
             # The last step's reduce-add has read its staging tile: its stage may refill.
@@ -113,6 +92,20 @@ def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_
             def _():
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 plgpu.barrier_arrive(free.at[lax.rem(n - 1, ns)])
+
+        def keys_by_rows(keys, stages, landed, n, slot):
+            """keys · stages[slot]ᵀ (float32, keys × rows) once the stage has landed; then
+            the last step's stage goes back to the producer (its reduce-add has had the
+            product's time to read it)."""
+            plgpu.barrier_wait(landed.at[slot])
+
+            def product(acc_ref):
+                plgpu.wgmma(acc_ref, keys, plgpu.transpose_ref(stages.at[slot], (1, 0)))
+
+            acc = pl.run_state(product)(plgpu.ACC.init(
+                plgpu.layout_cast(jnp.zeros((bk, bq), jnp.float32), WGMMA)))
+            release_previous(n)
+            return acc
 
         def consumer(role_step):
             """Walks every step of the CTA with `role_step(n, slot, j, h, cols, masked,
@@ -124,7 +117,7 @@ def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_
             plgpu.barrier_wait(kv_bar)
 
             def head(g, carry):
-                h = hk * group + g
+                h = hk * stream.group + g
 
                 def step(j, carry, *, masked):
                     n = g * count + (j - lo)
@@ -132,7 +125,7 @@ def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_
 
                 return walk_kv(step, carry, lo, mask_lo, full_hi, hi)
 
-            dk, dv = lax.fori_loop(0, group, head, (dk, dv))
+            dk, dv = lax.fori_loop(0, stream.group, head, (dk, dv))
             # A column half of a tile is not contiguous, which a TMA copy needs: both halves
             # meet in the first stage of Q (dK) and of dO (dV), once both warpgroups are out
             # of the walk and their last reduce-adds have read the stages.
@@ -176,14 +169,7 @@ def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_
         def scores_step(n, slot, j, h, cols, masked, carry):
             dk, dv = carry
             q0 = j * bq
-            plgpu.barrier_wait(q_full.at[slot])
-
-            def scores(s_ref):
-                plgpu.wgmma(s_ref, k_smem, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
-
-            s = pl.run_state(scores)(plgpu.ACC.init(
-                plgpu.layout_cast(jnp.zeros((bk, bq), jnp.float32), WGMMA)))
-            release_previous(n)
+            s = keys_by_rows(k_smem, q_smem, q_full, n, slot)  # Sᵀ = K Qᵀ
             s = soft_cap(walk, s)
             if softcap is not None:
                 # d(capped)/d(raw) = 1 - tanh², tanh = scale·capped / cap (before the mask).
@@ -191,7 +177,7 @@ def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_
                 d_cap = 1.0 - tanh * tanh
             if masked:
                 same = None
-                if has_segments:
+                if stream.segments:
                     key_ids = compat.mosaic_load(kid_smem, layout=ROW)
                     row_ids = compat.mosaic_load(qid_smem.at[slot], layout=COLUMNS)
                     same = same_segment(key_ids, row_ids, (bk, bq))
@@ -221,14 +207,7 @@ def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_
         def gradients_step(n, slot, j, h, cols, masked, carry):
             del masked  # the scores' warpgroup masks: hidden keys come with P = 0
             dk, dv = carry
-            plgpu.barrier_wait(do_full.at[slot])
-
-            def dprobs(dp_ref):
-                plgpu.wgmma(dp_ref, v_smem, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
-
-            dp = pl.run_state(dprobs)(plgpu.ACC.init(
-                plgpu.layout_cast(jnp.zeros((bk, bq), jnp.float32), WGMMA)))
-            release_previous(n)
+            dp = keys_by_rows(v_smem, do_smem, do_full, n, slot)  # dPᵀ = V dOᵀ
             dlt = compat.mosaic_load(delta_smem.at[slot], layout=COLUMNS)
             plgpu.barrier_wait(p_ready)
             p = compat.mosaic_load(pd_smem if exact_p or softcap is not None else p_smem,
@@ -258,81 +237,30 @@ def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_
 
         @pl.when(wg == 2)
         def _producer():
-            plgpu.set_max_registers(config.producer_regs, action="decrease")
-            keys = pl.ds(k0, bk)
-            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_smem, kv_bar)
-            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_smem, kv_bar)
-            if has_segments:
-                plgpu.copy_gmem_to_smem(kid_ref.at[b, keys], kid_smem, kv_bar)
+            produce(stream, cta, refs, (k_smem, v_smem, q_smem, do_smem), rows_scoped,
+                    config.producer_regs)
 
-            @pl.loop(0, group * count)
-            def _load(n):
-                g = lax.div(n, jnp.maximum(count, 1))
-                j = lo + n - g * count
-                h = hk * group + g
-                slot = lax.rem(n, ns)
-                rows = pl.ds(j * bq, bq)
-
-                @pl.when(n >= ns)
-                def _():
-                    plgpu.barrier_wait(free.at[slot])
-
-                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[slot], q_full.at[slot])
-                plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[slot],
-                                        q_full.at[slot])
-                if has_segments:
-                    plgpu.copy_gmem_to_smem(qid_ref.at[b, rows], qid_smem.at[slot],
-                                            q_full.at[slot])
-                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot],
-                                        do_full.at[slot])
-                plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot],
-                                        do_full.at[slot])
-
-    def entry(*refs):
-        refs = list(refs)
-        kvlen = refs.pop(6) if kv_lengths is not None else None
-        seg = tuple(refs.pop(6) for _ in range(3)) if has_segments else (None,) * 3
-        refs = (*refs[:6], kvlen, seg, *refs[6:])
-        # A stage of Q (or dO) and a float32 half of dQ are the same number of bytes, so
-        # stage i of either view starts at the same offset.
-        stages = plgpu.RefUnion(
-            (tiled_smem((ns, bq, D), dtype, swizzle), tiled_smem((ns, bq, Dv), dtype, swizzle)),
-            (tiled_smem((ns, bq, half), jnp.float32), tiled_smem((ns, bq, half), jnp.float32)))
-        exchange = tiled_smem((bk, bq), dtype, swizzle)
-        pl.run_scoped(
-            lambda *scoped: kernel(refs, scoped),
-            tiled_smem((bk, D), dtype, swizzle),
-            tiled_smem((bk, Dv), dtype, swizzle),
-            stages,
-            plgpu.SMEM((ns, bq), jnp.float32),
-            plgpu.SMEM((ns, bq), jnp.float32),
-            exchange,  # Pᵀ
-            # Pᵀ for dSᵀ (∘ d(capped)/d(raw)), in float32 with `exact_p`
-            (tiled_smem((bk, bq), jnp.float32) if exact_p else
-             exchange if softcap is not None else None),
-            exchange,  # dSᵀ
-            plgpu.SMEM((ns, bq), jnp.int32) if has_segments else None,  # rows' ids
-            plgpu.SMEM((bk,), jnp.int32) if has_segments else None,  # keys' ids
-            plgpu.Barrier(num_arrivals=2 + has_segments),  # K and V (and ids) landed
-            plgpu.Barrier(num_arrivals=2 + has_segments, num_barriers=ns),  # Q, lse (ids)
-            plgpu.Barrier(num_arrivals=2, num_barriers=ns),  # dO and δ landed
-            plgpu.Barrier(num_arrivals=2, num_barriers=ns),  # both adds read a stage
-            plgpu.Barrier(num_arrivals=1),  # Pᵀ written
-            plgpu.Barrier(num_arrivals=1),  # dSᵀ written
-            plgpu.Barrier(num_arrivals=2),  # neither reads the stage's Q or dO any more
-            plgpu.Barrier(num_arrivals=2),  # both out of the walk; both halves of dK, dV stored
-            collective_axes=WARPGROUPS,
-        )
-
-    mesh = plgpu.Mesh(grid=(Hkv, n_kt, B), grid_names=(KV_HEADS, K_TILES, BATCH),
-                      num_threads=3, thread_name=WARPGROUPS)
-    dq_acc = jax.new_ref(jnp.zeros((B, Tp, Hq, D), jnp.float32))
-    dk, dv = pl.kernel(
-        entry,
-        out_type=(jax.ShapeDtypeStruct((B, S8, Hkv, D), dtype),
-                  jax.ShapeDtypeStruct((B, S8, Hkv, Dv), dtype)),
-        mesh=mesh,
-        compiler_params=compiler_params(config),
-    )(q, k, v, do, lse2, delta, *(() if kv_lengths is None else (kv_lengths,)), *segments,
-      dq_acc)
-    return dq_acc[...] * scale, dk, dv
+    # A stage of Q (or dO) and a float32 half of dQ are the same number of bytes, so stage i
+    # of either view starts at the same offset.
+    stages = plgpu.RefUnion(
+        (tiled_smem((ns, bq, D), dtype, swizzle), tiled_smem((ns, bq, Dv), dtype, swizzle)),
+        (tiled_smem((ns, bq, half), jnp.float32), tiled_smem((ns, bq, half), jnp.float32)))
+    exchange = tiled_smem((bk, bq), dtype, swizzle)
+    scratch = (
+        tiled_smem((bk, D), dtype, swizzle),
+        tiled_smem((bk, Dv), dtype, swizzle),
+        stages,
+        exchange,  # Pᵀ
+        # Pᵀ for dSᵀ (∘ d(capped)/d(raw)), in float32 with `exact_p`
+        (tiled_smem((bk, bq), jnp.float32) if exact_p else
+         exchange if softcap is not None else None),
+        exchange,  # dSᵀ
+        *stream.row_scratch(),
+        plgpu.Barrier(num_arrivals=1),  # Pᵀ written
+        plgpu.Barrier(num_arrivals=1),  # dSᵀ written
+        plgpu.Barrier(num_arrivals=2),  # neither reads the stage's Q or dO any more
+        plgpu.Barrier(num_arrivals=2),  # both out of the walk; both halves of dK, dV stored
+    )
+    dq, dk, dv = launch(kernel, scratch, (q, k, v, do, *rows), stream, prob=prob,
+                        config=config, kv_lengths=kv_lengths, segment_ids=segment_ids)
+    return dq * scale, dk, dv
