@@ -15,12 +15,13 @@ then each, for its columns c: dV[:, c] += Pᵀ dO[:, c], dK[:, c] += dSᵀ Q[:, 
 dQ[:, c] = dS K[:, c], added to the float32 dQ buffer with a TMA reduce-add. Each
 warpgroup takes the operand it computed from its registers (Pᵀ for warpgroup 0, dSᵀ for
 warpgroup 1) and the other's from shared memory, so both run 2.5 of the step's five
-matmuls. Pᵀ passes in 16 bits (XLA's bf16 softmax rounds P so too); with the soft cap,
-warpgroup 0 also passes Pᵀ ∘ d(capped)/d(raw), which dSᵀ takes in P's place. Masks
+matmuls. Pᵀ passes twice: in 16 bits as dV's operand, and in float32 for dSᵀ
+(`exact_p`; 16 bits raised dq's error by up to 1.4x: docs/benchmarks.md), as
+Pᵀ ∘ d(capped)/d(raw) under the soft cap. With segment ids only the 16-bit one fits. Masks
 (causality, windows, lengths, segment ids) are applied to Sᵀ by warpgroup 0 only: a hidden
 key's P is 0, and so is its dS.
 
-Shared memory holds K, V, two stages of (Q, dO) and the two 64 × 64 exchange tiles (210 KB
+Shared memory holds K, V, two stages of (Q, dO) and the 64 × 64 exchange tiles (225 KiB
 at D = 256). dQ's staging tiles would not fit beside them, so each warpgroup stages its
 float32 half of dQ in the stage it has finished with (warpgroup 0 in Q's, warpgroup 1 in
 dO's: a stage of Q or dO is 64·D 16-bit values, one half of dQ 64·D/2 float32 values; a
@@ -58,7 +59,8 @@ def _swizzle(columns: int, dtype) -> int:
 def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_lengths=None,
                     segment_ids=None, exact_p: bool = True):
     """(dq float32 [B, Tp, Hq, D], dk [B, S8, Hkv, D], dv [B, S8, Hkv, D]) of padded arrays,
-    as `backward.rows_backward` takes them, for 128 < D = Dv <= 256 (multiples of 64)."""
+    as `backward.rows_backward` takes them, for 128 < D = Dv <= 256 (multiples of 64);
+    `exact_p`: dSᵀ from a float32 Pᵀ (else its 16-bit copy; always so with segment ids)."""
     _, _, Hq, D = q.shape
     Dv = v.shape[3]
     if D != Dv or D % 64 or not 128 < D <= MAX_HEAD_DIM:
