@@ -273,6 +273,8 @@ def _softmax_grad_kernel(*refs, st: BlockStatic, n_rows: int, n_keys: int, split
     finite = row_lse != -jnp.inf
     p = jnp.where(ok & finite[:, None],
                   jnp.exp(s - jnp.where(finite, row_lse, 0.0)[:, None]), 0.0)
+    if own_delta and problem.natural:
+        p = own_normalised(p, axis=1)
     dp = tile(dp_ref).astype(jnp.float32)
     dropped = p
     if seed_ref is not None:
@@ -297,6 +299,16 @@ def _softmax_grad_kernel(*refs, st: BlockStatic, n_rows: int, n_keys: int, split
         store(lo_ref, ds - hi.astype(jnp.float32))
     if ds32_ref is not None:
         store(ds32_ref, ds)
+
+
+def own_normalised(p, axis: int):
+    """A block's probabilities (float32, holding its rows' every key) divided by their own
+    row sums: P from the forward's lse misses a sum of 1 by lse's float32 rounding (a few
+    ulps of |lse|, relative), which XLA's softmax gradient, normalising its own P, does not
+    (the fused kernels' `bwd_exact_rows` does the same; docs/history.md, sessions 7 and
+    22). Rows with no visible key stay 0."""
+    total = jnp.sum(p, axis=axis, keepdims=True)
+    return jnp.where(total > 0.0, p / jnp.where(total > 0.0, total, 1.0), 0.0)
 
 
 def grad_block(n_keys: int, own_delta: bool) -> tuple[int, int, int]:

@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import compat, visibility
-from pallas_kernels.blocked import MAX_ROW_KEYS, GradBlock, softmax_grad, softmax_rows
+from pallas_kernels.blocked import (MAX_ROW_KEYS, GradBlock, own_normalised, softmax_grad,
+                                    softmax_rows)
 from pallas_kernels.chunked_plan import STEP_KERNEL, ChunkConfig, groups, key_start
 from pallas_kernels.dropout import keep_block
 from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
@@ -364,6 +365,8 @@ def _softmax_grad_xla(call: _Call, block: GradBlock, blk: _Block, *, out_dtype, 
     if visible is not None:
         ok = ok & visible
     probs = jnp.where(ok, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)), 0.0)
+    if own_delta and call.problem.natural:
+        probs = own_normalised(probs, axis=-1)
     dp = block.dp.astype(jnp.float32)
     dropped = probs
     rate = call.problem.dropout_rate
