@@ -355,7 +355,8 @@ def explain(problem: Problem, implementation: str | None = None, *, interpret: b
     plan = dataclasses.replace(plan, deterministic=ordered)
     return Explanation(forward=TierChoice(chosen["forward"][0].name, chosen["forward"][1]),
                        backward=TierChoice(chosen["backward"][0].name, chosen["backward"][1]),
-                       passed_over=tuple(passed_over), plan=plan, determinism=determinism)
+                       passed_over=tuple(dict.fromkeys(passed_over)),  # once per tier and why
+                       plan=plan, determinism=determinism)
 
 
 def plan(problem: Problem, implementation: str | None = None, *, interpret: bool = False,
