@@ -241,7 +241,7 @@ def softmax_rows(problem: Problem, logits, offsets, inputs: Inputs, *, out_dtype
 
 
 def _softmax_grad_kernel(*refs, st: BlockStatic, n_rows: int, n_keys: int, split: bool,
-                         with_ds32: bool, own_delta: bool):
+                         with_ds32: bool, own_delta: bool, normalise: bool):
     logits_ref, dp_ref, lse_ref, delta_ref, offsets_ref = refs[:5]
     refs = refs[5:]
     problem = st.problem
@@ -273,7 +273,7 @@ def _softmax_grad_kernel(*refs, st: BlockStatic, n_rows: int, n_keys: int, split
     finite = row_lse != -jnp.inf
     p = jnp.where(ok & finite[:, None],
                   jnp.exp(s - jnp.where(finite, row_lse, 0.0)[:, None]), 0.0)
-    if own_delta and problem.natural:
+    if normalise:
         p = own_normalised(p, axis=1)
     dp = tile(dp_ref).astype(jnp.float32)
     dropped = p
@@ -333,11 +333,13 @@ class GradBlock(NamedTuple):
 
 def softmax_grad(problem: Problem, block: GradBlock, inputs: Inputs, *, out_dtype,
                  split: bool = False, with_ds32: bool = False, own_delta: bool = False,
-                 interpret: bool = False) -> tuple[jax.Array, ...]:
+                 normalise: bool = False, interpret: bool = False) -> tuple[jax.Array, ...]:
     """(dropped P, dS[, dS's low word][, dS float32]) of a block, each [B, Hq, R, K]; P and
     dS in `out_dtype`. With `own_delta` the block holds all of its rows' keys
-    (K <= MAX_ROW_KEYS). `split`: dS's rounding error as a second word. dS is the gradient
-    of the logits before the problem's soft cap."""
+    (K <= MAX_ROW_KEYS), and with `normalise` too its P is divided by its own row sums
+    (`own_normalised`: where the rows' probabilities sum to 1 over these keys). `split`:
+    dS's rounding error as a second word. dS is the gradient of the logits before the
+    problem's soft cap."""
     logits = block.logits
     batch, heads, n_rows, n_keys = logits.shape
     bm, bn, warps = grad_block(n_keys, own_delta)
@@ -352,7 +354,8 @@ def softmax_grad(problem: Problem, block: GradBlock, inputs: Inputs, *, out_dtyp
     grid = (cdiv(n_rows, bm) * cdiv(n_keys, bn), batch * heads)
     return pl.pallas_call(
         functools.partial(_softmax_grad_kernel, st=st, n_rows=n_rows, n_keys=n_keys,
-                          split=split, with_ds32=with_ds32, own_delta=own_delta),
+                          split=split, with_ds32=with_ds32, own_delta=own_delta,
+                          normalise=normalise),
         out_shape=out_shape, grid=grid, compiler_params=compat.compiler_params(warps, 1),
         interpret=interpret, name="softmax_grad",
     )(logits, block.dp, block.lse, block.delta, block.offsets.astype(jnp.int32),

@@ -353,7 +353,7 @@ def forward(problem: Problem, config: ChunkConfig, inputs: Inputs, *,
 
 
 def _softmax_grad_xla(call: _Call, block: GradBlock, blk: _Block, *, out_dtype, split: bool,
-                      own_delta: bool):
+                      own_delta: bool, normalise: bool = False):
     """`softmax_grad` as XLA ops: (dropped P, (dS[, dS's low word]), dS float32), each
     [B, Hq, rows, keys]; dS is the gradient of the logits before the soft cap."""
     logits = block.logits
@@ -365,7 +365,7 @@ def _softmax_grad_xla(call: _Call, block: GradBlock, blk: _Block, *, out_dtype, 
     if visible is not None:
         ok = ok & visible
     probs = jnp.where(ok, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)), 0.0)
-    if own_delta and call.problem.natural:
+    if normalise:
         probs = own_normalised(probs, axis=-1)
     dp = block.dp.astype(jnp.float32)
     dropped = probs
@@ -395,14 +395,16 @@ class _Rows(NamedTuple):
 
 
 def _backward_block(call: _Call, ops: _Operands, rows_in: _Rows, blk: _Block, *,
-                    lse_cotangent: bool, want_ds: bool):
+                    lse_cotangent: bool, want_ds: bool, float32_rows: bool):
     """(dq [B, Hkv, G, rows, D], dk [B, Hkv, keys, D], dv [B, Hkv, keys, Dv], ds) of one
     block, float32; ds [B, Hq, rows, keys] float32 only when `want_ds` (a bias's gradient).
 
     A block that holds all of its rows' keys takes δ = Σ P·dP from its own P and dP (XLA's
     softmax gradient) plus -dlse: then dS sums to dlse·P over a row as it must, and a row
     with a single key gets dq = 0 exactly (with δ from O, dP's 16-bit rounding does not
-    cancel)."""
+    cancel). With `float32_rows` (a float32 problem without sinks, whose rows' P sums to 1
+    over the keys) such a block also divides P by its own row sums
+    (`blocked.own_normalised`)."""
     b, hkv, g, _, d = ops.qg.shape
     seq_k = ops.kk.shape[2]
     rows, keys = blk.rows, blk.keys
@@ -424,11 +426,13 @@ def _backward_block(call: _Call, ops: _Operands, rows_in: _Rows, blk: _Block, *,
     block = GradBlock(logits, dp, lse_blk, delta_blk, blk.offsets())
     if call.kernel_step:
         outs = softmax_grad(call.problem, block, call.inputs, out_dtype=in_dtype, split=split,
-                            with_ds32=want_ds, own_delta=own_delta, interpret=call.interpret)
+                            with_ds32=want_ds, own_delta=own_delta,
+                            normalise=own_delta and float32_rows, interpret=call.interpret)
         dropped, parts, ds32 = outs[0], outs[1:2 + split], outs[-1] if want_ds else None
     else:
         dropped, parts, ds32 = _softmax_grad_xla(call, block, blk, out_dtype=in_dtype,
-                                                 split=split, own_delta=own_delta)
+                                                 split=split, own_delta=own_delta,
+                                                 normalise=own_delta and float32_rows)
     as3 = lambda x: x.reshape(b, hkv, g * rows, keys)  # noqa: E731
     scale = jnp.asarray(call.problem.scale, jnp.float32)
     dv = _mm("bkms,bkmd->bksd", as3(dropped), do_blk, jnp.float32)
@@ -483,7 +487,7 @@ def backward(problem: Problem, config: ChunkConfig, inputs: Inputs, saved: Saved
     call = _call(problem, config, inputs, interpret)
     planned = groups(call.problem, config.block_q)
     run = functools.partial(_backward_block, call, ops, rows_in, lse_cotangent=lse_cotangent,
-                            want_ds=full_bias)
+                            want_ds=full_bias, float32_rows=problem.natural and not problem.sinks)
     dqs = []
     for grp in planned:
         def rows_body(carry, r0, grp=grp):
