@@ -256,12 +256,19 @@ def _serving(tier: Tier, direction: str, problem: Problem, device: Device, inter
     """`tier`, or the first tier after it in the registry that runs here and serves
     `direction` of `problem` (each one passed over noted with why)."""
     for candidate in TIERS[TIERS.index(tier):]:
-        why = (runs_here(candidate, device, interpret)
-               or _refusal(candidate, direction, problem, deterministic))
+        why = _unavailable(candidate, direction, problem, device, interpret, deterministic)
         if why is None:
             return candidate
         passed_over.append((candidate.name, why))
     return tiers.XLA
+
+
+def _unavailable(tier: Tier, direction: str, problem: Problem, device: Device,
+                 interpret: bool, deterministic: bool) -> str | None:
+    """Why `tier` cannot run `direction` of `problem` here (None: it can): it does not run
+    on this device, or refuses the problem (`_refusal`)."""
+    return (runs_here(tier, device, interpret)
+            or _refusal(tier, direction, problem, deterministic))
 
 
 def _require_runs_here(tier: Tier, device: Device, interpret: bool) -> None:
@@ -316,9 +323,8 @@ def explain(problem: Problem, implementation: str | None = None, *, interpret: b
     def by_rules(direction: str) -> tuple[Tier, str]:
         if device.nvidia_gpu and not interpret:
             tier, why = _rule(direction, problem, device)
-            refusal = tier is tiers.MOSAIC and (
-                runs_here(tier, device, interpret)
-                or _refusal(tier, direction, problem, ordered))
+            refusal = tier is tiers.MOSAIC and _unavailable(tier, direction, problem, device,
+                                                            interpret, ordered)
             if refusal:
                 passed_over.append((tier.name, refusal))
                 tier, why = _rule(direction, problem, device, mosaic=False)

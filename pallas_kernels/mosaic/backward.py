@@ -30,8 +30,8 @@ from pallas_kernels import compat
 from pallas_kernels.mosaic.backward_halves import MAX_HEAD_DIM, halves_backward
 from pallas_kernels.mosaic.backward_stream import BLOCK_Q, Stream, launch, produce
 from pallas_kernels.mosaic.common import (COLUMNS, LOG2E, ROW, WGMMA, Walk, iota,
-                                          same_segment, score_mod, soft_cap, tiled_smem,
-                                          walk_kv)
+                                          same_segment, score_mod, soft_cap, soft_cap_grad,
+                                          tiled_smem, walk_kv)
 from pallas_kernels.mosaic.config import Config, default_backward_config, round_up
 from pallas_kernels.mosaic.forward import pad_axes
 
@@ -58,7 +58,7 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
     # K's column halves must be whole swizzle tiles (they are dQ's B operand), and a wgmma's
     # two shared-memory operands share a swizzle: K's is Q's (Sᵀ = K Qᵀ) and dSᵀ's (dQ).
     swizzle = min(128, half * jnp.dtype(dtype).itemsize)
-    scale, softcap = prob.scale, prob.softcap
+    scale = prob.scale
     c_exp = scale * LOG2E
     stream = Stream.of(q, v, config, block_k=bk, prob=prob, segment_ids=segment_ids)
     has_segments = stream.segments
@@ -112,11 +112,7 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
                         row_ids = compat.mosaic_load(qid_smem.at[slot], layout=COLUMNS)
                         same = same_segment(key_ids, row_ids, (wk, bq))
                     s = soft_cap(walk, s)
-                    if softcap is not None:
-                        # d(capped)/d(raw) = 1 - tanh², tanh = scale·capped / cap (taken
-                        # before the mask turns hidden scores to -inf).
-                        tanh = s * (scale / softcap)
-                        d_cap = 1.0 - tanh * tanh
+                    d_cap = soft_cap_grad(walk, s)
                     if masked:
                         q_idx = q0 + iota((wk, bq), 1)
                         k_idx = k0 + wg * wk + iota((wk, bq), 0)
@@ -125,7 +121,7 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
                     p = jnp.exp2(s * c_exp - lax.broadcast_in_dim(lse, s.shape, [1]))
                     dlt = compat.mosaic_load(delta_smem.at[slot], layout=COLUMNS)
                     ds = p * (dp - lax.broadcast_in_dim(dlt, dp.shape, [1]))
-                    if softcap is not None:
+                    if d_cap is not None:
                         ds = ds * d_cap
                     p16, ds16 = p.astype(dtype), ds.astype(dtype)
 
@@ -241,7 +237,7 @@ def mosaic_attention_backward(inputs, saved, cotangents, *, scale: float, causal
                 window=None if window is None else tuple(int(x) for x in window),
                 softcap=None if softcap is None else float(softcap), scale=scale,
                 segments=q_ids is not None)
-    kernel = rows_backward if max(Dp, Dvp) <= ROWS_MAX_HEAD_DIM else halves_backward
+    kernel = halves_backward if uses_halves_kernel(D, Dv) else rows_backward
     dq, dk, dv = kernel(
         pad_axes(q, {1: T8, 3: Dp}), pad_axes(k, {1: S8, 3: Dp}), pad_axes(v, {1: S8, 3: Dvp}),
         pad_axes(d_out.astype(q.dtype), {1: T8, 3: Dvp}), (lse2, delta), walk, config=config,
@@ -251,13 +247,19 @@ def mosaic_attention_backward(inputs, saved, cotangents, *, scale: float, causal
     return tuple(compat.vary_like(x, q) for x in (dq, dk[:, :S, :, :D], dv[:, :S, :, :Dv]))
 
 
+def uses_halves_kernel(head_dim: int, head_dim_v: int) -> bool:
+    """Whether these head dims run `halves_backward` (above 128 once padded to 64), not
+    `rows_backward`."""
+    return max(round_up(head_dim, 64), round_up(head_dim_v, 64)) > ROWS_MAX_HEAD_DIM
+
+
 def unsupported_head_dims(head_dim: int, head_dim_v: int) -> str:
     """What of these head dims the Mosaic backward does not take ("" if it takes them): up
     to 128 each (`rows_backward`), or equal up to 256 after padding to 64
     (`halves_backward`, whose dQ staging reuses a stage of Q and one of dO alike)."""
-    d, dv = round_up(head_dim, 64), round_up(head_dim_v, 64)
-    if max(d, dv) <= ROWS_MAX_HEAD_DIM:
+    if not uses_halves_kernel(head_dim, head_dim_v):
         return ""
+    d, dv = round_up(head_dim, 64), round_up(head_dim_v, 64)
     if max(d, dv) > MAX_HEAD_DIM:
         return f"head dims above {MAX_HEAD_DIM}"
     if d != dv:

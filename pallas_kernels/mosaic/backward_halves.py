@@ -41,8 +41,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import compat
 from pallas_kernels.mosaic.backward_stream import BLOCK_Q, Stream, launch, produce
 from pallas_kernels.mosaic.common import (COLUMNS, LOG2E, ROW, WGMMA, Walk, iota,
-                                          same_segment, score_mod, soft_cap, tiled_smem,
-                                          walk_kv)
+                                          same_segment, score_mod, soft_cap, soft_cap_grad,
+                                          tiled_smem, walk_kv)
 from pallas_kernels.mosaic.config import Config
 
 BLOCK_K = 64  # keys per CTA
@@ -173,10 +173,7 @@ def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_
             q0 = j * bq
             s = keys_by_rows(k_smem, q_smem, q_full, n, slot)  # Sᵀ = K Qᵀ
             s = soft_cap(walk, s)
-            if softcap is not None:
-                # d(capped)/d(raw) = 1 - tanh², tanh = scale·capped / cap (before the mask).
-                tanh = s * (scale / softcap)
-                d_cap = 1.0 - tanh * tanh
+            d_cap = soft_cap_grad(walk, s)
             if masked:
                 same = None
                 if stream.segments:
@@ -191,7 +188,7 @@ def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_
             p16 = p.astype(dtype)
             p_smem[...] = p16
             if exact_p or softcap is not None:
-                pd_smem[...] = (p if softcap is None else p * d_cap).astype(pd_smem.dtype)
+                pd_smem[...] = (p if d_cap is None else p * d_cap).astype(pd_smem.dtype)
             plgpu.commit_smem()
             plgpu.barrier_arrive(p_ready)
 

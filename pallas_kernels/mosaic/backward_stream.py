@@ -16,7 +16,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mosaic.common import WARPGROUPS, Walk, cdiv, compiler_params, q_range
+from pallas_kernels.mosaic.common import (WARPGROUPS, Walk, cdiv, compiler_params, padded_ids,
+                                          q_range)
 from pallas_kernels.mosaic.config import Config
 from pallas_kernels.visibility import segment_block_ranges
 
@@ -42,16 +43,13 @@ class Stream:
         return stream
 
     def segment_inputs(self, segment_ids, rows: int, key_blocks: int) -> tuple:
-        """(q ids padded to `rows`, kv ids padded to `key_blocks` blocks, each key block's
-        range of query blocks [B, key_blocks, 2]), or () without segment ids. Padding rows
-        get no gradient and padding keys are masked, so their ids do not matter."""
+        """(q ids padded to `rows`, kv ids padded to `key_blocks` blocks (`padded_ids`), each
+        key block's range of query blocks [B, key_blocks, 2]), or () without segment ids."""
         if segment_ids is None:
             return ()
         q_ids, kv_ids = (x.astype(jnp.int32) for x in segment_ids)
         ranges = segment_block_ranges(kv_ids, q_ids, block_m=self.block_k, block_n=BLOCK_Q)
-        return (jnp.pad(q_ids, ((0, 0), (0, rows - q_ids.shape[1]))),
-                jnp.pad(kv_ids, ((0, 0), (0, key_blocks * self.block_k - kv_ids.shape[1]))),
-                ranges)
+        return (*padded_ids(segment_ids, rows, key_blocks * self.block_k), ranges)
 
     def row_scratch(self) -> tuple:
         """Shared memory the stream fills beside Q, dO, K and V: each stage's lse, δ (and

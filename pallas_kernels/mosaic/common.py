@@ -276,6 +276,25 @@ def soft_cap(p: Walk, s):
     return tanh * (p.softcap / p.scale)
 
 
+def soft_cap_grad(p: Walk, capped):
+    """d(capped)/d(raw) of `soft_cap`'s scores (the backward's factor on dS): 1 - tanh²,
+    tanh = scale·capped / cap, taken before a mask turns hidden scores to -inf; None
+    without a cap."""
+    if p.softcap is None:
+        return None
+    tanh = capped * (p.scale / p.softcap)
+    return 1.0 - tanh * tanh
+
+
+def padded_ids(segment_ids, rows: int, keys: int):
+    """(q ids int32 [B, rows], kv ids int32 [B, keys]): the segment ids padded to the
+    kernels' tiles (padding rows' results are dropped, padding keys masked by the key count,
+    so the pads' ids do not matter)."""
+    q_ids, kv_ids = (x.astype(jnp.int32) for x in segment_ids)
+    return (jnp.pad(q_ids, ((0, 0), (0, rows - q_ids.shape[1]))),
+            jnp.pad(kv_ids, ((0, 0), (0, keys - kv_ids.shape[1]))))
+
+
 def score_mod(p: Walk, s, q_idx, k_idx, same=None):
     """Element-wise hook on scores (float32, WGMMA layout, soft-capped already): keys a row
     does not see become -inf, by the rule of `pallas_kernels.visibility` (the key's end or

@@ -18,7 +18,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import compat
 from pallas_kernels.mosaic.common import (CLUSTER, COLUMNS, LOG2E, NEG_INF, ROW, WARPGROUPS,
                                           WGMMA, Grid, Walk, cdiv, cluster_walk, consumer_walk,
-                                          finalize, iota, launch, same_segment, score_mod,
+                                          finalize, iota, launch, padded_ids, same_segment,
+                                          score_mod,
                                           soft_cap, softmax_update, tiled_smem, walk_kv)
 from pallas_kernels.mosaic.config import Config
 from pallas_kernels.visibility import segment_block_ranges
@@ -267,10 +268,8 @@ def segment_inputs(segment_ids, grid: Grid, rows_cta: int, bkv: int, *, Tp: int,
     the padding rows' outputs are dropped and the padding keys masked by the key count),
     and each cluster's range of key blocks (`visibility.segment_block_ranges` over the
     rows of a cluster, [B, clusters along the queries, 2]; (0, 0) for clusters past T)."""
-    q_ids, kv_ids = (x.astype(jnp.int32) for x in segment_ids)
     rows = rows_cta * grid.q_extent // grid.n_q_clusters  # a cluster's rows
-    ranges = segment_block_ranges(q_ids, kv_ids, block_m=rows, block_n=bkv)
+    ranges = segment_block_ranges(*(x.astype(jnp.int32) for x in segment_ids), block_m=rows,
+                                  block_n=bkv)
     ranges = jnp.pad(ranges, ((0, 0), (0, grid.n_q_clusters - ranges.shape[1]), (0, 0)))
-    q_ids = jnp.pad(q_ids, ((0, 0), (0, Tp - q_ids.shape[1])))
-    kv_ids = jnp.pad(kv_ids, ((0, 0), (0, keys - kv_ids.shape[1])))
-    return q_ids, kv_ids, ranges
+    return (*padded_ids(segment_ids, Tp, keys), ranges)

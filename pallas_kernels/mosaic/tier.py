@@ -63,8 +63,8 @@ def configs(problem: Problem, direction: str, lookup, target: Target) -> tuple[K
     del lookup, target
     if direction == "backward":
         config = default_backward_config(problem.head_dim, problem.head_dim_v)
-        kernel = ("rows_backward" if max(problem.head_dim, problem.head_dim_v)
-                  <= mosaic_backward.ROWS_MAX_HEAD_DIM else "halves_backward")
+        kernel = ("halves_backward" if mosaic_backward.uses_halves_kernel(
+            problem.head_dim, problem.head_dim_v) else "rows_backward")
         settings = dict(kernel=kernel, num_stages=config.num_stages,
                         consumer_regs=config.consumer_regs)
         return (KernelChoice.of(BACKWARD_KERNEL, config,
