@@ -28,7 +28,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import compat
 from pallas_kernels.mosaic.backward_halves import MAX_HEAD_DIM, halves_backward
-from pallas_kernels.mosaic.backward_stream import BLOCK_Q, Stream, launch, produce
+from pallas_kernels.mosaic.backward_stream import Stream, launch, produce
 from pallas_kernels.mosaic.common import (COLUMNS, LOG2E, ROW, WGMMA, Walk, iota,
                                           same_segment, score_mod, soft_cap, soft_cap_grad,
                                           tiled_smem, walk_kv)
@@ -51,7 +51,9 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
     _, _, Hq, D = q.shape
     Dv = v.shape[3]
     dtype = q.dtype
-    bq, wk = BLOCK_Q, KEYS_PER_WG
+    bq, wk = config.block_q, KEYS_PER_WG
+    if bq > 64 and max(D, Dv) > 64:  # Sᵀ and dPᵀ of 64 x 128 beside dK and dV of 64 x 128
+        raise ValueError(f"128 query rows per step need D, Dv <= 64; got D={D}, Dv={Dv}")
     bk = 2 * wk  # keys per CTA
     ns = config.num_stages
     half = D // 2  # dQ columns per warpgroup
@@ -214,7 +216,7 @@ def mosaic_attention_backward(inputs, saved, cotangents, *, scale: float, causal
     reason = unsupported_head_dims(D, Dv)
     if reason:
         raise ValueError(f"the Mosaic backward does not take {reason}; got D={D}, Dv={Dv}")
-    config = config or default_backward_config(D, Dv)
+    config = config or default_backward_config(D, Dv, segments=q_ids is not None)
     scale = float(scale)
     if scale < 0.0:  # as the forward: q negated, exact in 16 bits
         dq, dk, dv = mosaic_attention_backward(
@@ -229,7 +231,7 @@ def mosaic_attention_backward(inputs, saved, cotangents, *, scale: float, causal
         empty = empty | (jnp.arange(T)[None, None, :]
                          >= q_lengths.astype(jnp.int32)[:, None, None])
     lse2 = jnp.where(empty, jnp.inf, lse * LOG2E)
-    Tp = round_up(T, BLOCK_Q)
+    Tp = round_up(T, config.block_q)
     lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, Tp - T)), constant_values=jnp.inf)
     delta = jnp.pad(delta, ((0, 0), (0, 0), (0, Tp - T)))
     Dp, Dvp, T8, S8 = round_up(D, 64), round_up(Dv, 64), round_up(T, 8), round_up(S, 8)

@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import compat
-from pallas_kernels.mosaic.backward_stream import BLOCK_Q, Stream, launch, produce
+from pallas_kernels.mosaic.backward_stream import Stream, launch, produce
 from pallas_kernels.mosaic.common import (COLUMNS, LOG2E, ROW, WGMMA, Walk, iota,
                                           same_segment, score_mod, soft_cap, soft_cap_grad,
                                           tiled_smem, walk_kv)
@@ -66,8 +66,10 @@ def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_
     if D != Dv or D % 64 or not 128 < D <= MAX_HEAD_DIM:
         raise ValueError(f"halves_backward takes D = Dv in (128, {MAX_HEAD_DIM}], multiples "
                          f"of 64; got D={D}, Dv={Dv}")
+    if config.block_q != 64:  # shared memory holds two stages of 64 rows at D = 256
+        raise ValueError(f"halves_backward takes 64 query rows per step; got {config.block_q}")
     dtype = q.dtype
-    bq, bk = BLOCK_Q, BLOCK_K
+    bq, bk = config.block_q, BLOCK_K
     ns = config.num_stages
     if ns < 2:  # a stage goes back to the producer one step after its own
         raise ValueError(f"halves_backward needs num_stages >= 2; got {ns}")

@@ -22,22 +22,22 @@ from pallas_kernels.mosaic.config import Config
 from pallas_kernels.visibility import segment_block_ranges
 
 K_TILES, KV_HEADS, BATCH = "ffpa_mosaic_k", "ffpa_mosaic_hk", "ffpa_mosaic_b"
-BLOCK_Q = 64  # query rows per step
 
 
 @dataclasses.dataclass(frozen=True)
 class Stream:
-    """A backward launch's static shape: keys per CTA, query heads per KV head, stages of
-    the ring, and whether segment ids come with the blocks."""
+    """A backward launch's static shape: keys per CTA, query rows per step, query heads per
+    KV head, stages of the ring, and whether segment ids come with the blocks."""
 
     block_k: int
+    block_q: int
     group: int
     stages: int
     segments: bool
 
     @classmethod
     def of(cls, q, v, config: Config, *, block_k: int, prob: Walk, segment_ids) -> "Stream":
-        stream = cls(block_k=block_k, group=q.shape[2] // v.shape[2],
+        stream = cls(block_k=block_k, block_q=config.block_q, group=q.shape[2] // v.shape[2],
                      stages=config.num_stages, segments=segment_ids is not None)
         assert stream.segments == prob.segments
         return stream
@@ -48,17 +48,18 @@ class Stream:
         if segment_ids is None:
             return ()
         q_ids, kv_ids = (x.astype(jnp.int32) for x in segment_ids)
-        ranges = segment_block_ranges(kv_ids, q_ids, block_m=self.block_k, block_n=BLOCK_Q)
+        ranges = segment_block_ranges(kv_ids, q_ids, block_m=self.block_k,
+                                      block_n=self.block_q)
         return (*padded_ids(segment_ids, rows, key_blocks * self.block_k), ranges)
 
     def row_scratch(self) -> tuple:
         """Shared memory the stream fills beside Q, dO, K and V: each stage's lse, δ (and
         rows' ids), the keys' ids, and the four barriers of `produce` (K and V landed; Q
         with lse and ids; dO with δ; a stage free again, by both consumers)."""
-        ns, seg = self.stages, self.segments
-        return (plgpu.SMEM((ns, BLOCK_Q), jnp.float32),
-                plgpu.SMEM((ns, BLOCK_Q), jnp.float32),
-                plgpu.SMEM((ns, BLOCK_Q), jnp.int32) if seg else None,
+        ns, seg, bq = self.stages, self.segments, self.block_q
+        return (plgpu.SMEM((ns, bq), jnp.float32),
+                plgpu.SMEM((ns, bq), jnp.float32),
+                plgpu.SMEM((ns, bq), jnp.int32) if seg else None,
                 plgpu.SMEM((self.block_k,), jnp.int32) if seg else None,
                 plgpu.Barrier(num_arrivals=2 + seg),
                 plgpu.Barrier(num_arrivals=2 + seg, num_barriers=ns),
@@ -90,7 +91,7 @@ class Cta(NamedTuple):
         walk = prob.with_key_end(kvlen_ref, b).with_segment_range(ranges_ref, b, kt)
         k0 = kt * stream.block_k
         return cls(lax.axis_index(WARPGROUPS), b, lax.axis_index(KV_HEADS), k0, walk,
-                   q_range(walk, k0, k0 + stream.block_k - 1, BLOCK_Q))
+                   q_range(walk, k0, k0 + stream.block_k - 1, stream.block_q))
 
 
 def produce(stream: Stream, cta: Cta, refs: tuple, tiles: tuple, row_scratch: tuple,
@@ -117,7 +118,7 @@ def produce(stream: Stream, cta: Cta, refs: tuple, tiles: tuple, row_scratch: tu
         j = lo + n - g * count
         h = hk * stream.group + g
         slot = lax.rem(n, stream.stages)
-        rows = pl.ds(j * BLOCK_Q, BLOCK_Q)
+        rows = pl.ds(j * stream.block_q, stream.block_q)
 
         @pl.when(n >= stream.stages)
         def _():

@@ -41,6 +41,9 @@ class Config:
     wide_eager_release: wide kernel: wait for each tile's wgmmas and release its
                     ring slot immediately (instead of one tile later): faster
                     at D=512 (docs/history.md, session 18).
+    block_q:        backward: query rows per step (64; 128 for head dims up to 64,
+                    where the step's scores of 64 keys x 128 rows still fit the
+                    consumers' registers beside dK and dV).
     """
 
     block_kv: int = 128
@@ -58,6 +61,7 @@ class Config:
     wide_piece: int = 128
     kv_rotate: bool = False
     wide_eager_release: bool = True
+    block_q: int = 64
 
     def __post_init__(self):
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -72,6 +76,8 @@ class Config:
             raise ValueError("grid_order / cluster_axis must be 'q' or 'heads'")
         if self.wide_piece not in (64, 128):
             raise ValueError("wide_piece must be 64 or 128")
+        if self.block_q not in (64, 128):
+            raise ValueError(f"block_q={self.block_q} must be 64 or 128")
 
 
 def round_up(x, m):
@@ -133,9 +139,14 @@ def default_config(
     return Config(block_kv=256, num_stages=3, grid_order="heads", lowering="lane", **clu)
 
 
-def default_backward_config(head_dim: int, head_dim_v: int | None = None) -> Config:
+def default_backward_config(head_dim: int, head_dim_v: int | None = None,
+                            segments: bool = False) -> Config:
     """The backward's launch config (`backward.rows_backward`): a ring of two query blocks;
     the consumers take 240 registers each (dK and dV of 64 keys stay in them), the producer
-    24 (docs/history.md, session 20)."""
-    del head_dim, head_dim_v  # one config measured so far
-    return Config(num_stages=2, consumer_regs=240, producer_regs=24)
+    24 (docs/history.md, session 20). Head dims up to 64 walk 128 query rows per step
+    (`block_q`), which halves the steps' waits and each key tile's reads per row (measured
+    faster, docs/history.md, session 23); not with segment ids (not measured there)."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    narrow = max(round_up(head_dim, 64), round_up(head_dim_v, 64)) <= 64 and not segments
+    return Config(num_stages=2, consumer_regs=240, producer_regs=24,
+                  block_q=128 if narrow else 64)

@@ -62,11 +62,12 @@ def configs(problem: Problem, direction: str, lookup, target: Target) -> tuple[K
     """The kernels' config: the built-in choice per head size (not in the tuned files yet)."""
     del lookup, target
     if direction == "backward":
-        config = default_backward_config(problem.head_dim, problem.head_dim_v)
+        config = default_backward_config(problem.head_dim, problem.head_dim_v,
+                                         segments=problem.segment_ids)
         kernel = ("halves_backward" if mosaic_backward.uses_halves_kernel(
             problem.head_dim, problem.head_dim_v) else "rows_backward")
         settings = dict(kernel=kernel, num_stages=config.num_stages,
-                        consumer_regs=config.consumer_regs)
+                        consumer_regs=config.consumer_regs, block_q=config.block_q)
         return (KernelChoice.of(BACKWARD_KERNEL, config,
                                 "built-in default (mosaic/config.py)", direction, settings),)
     config = default_config(problem.head_dim, problem.head_dim_v, problem.dtype,
