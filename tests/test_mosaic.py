@@ -125,6 +125,28 @@ def test_backward_head_dims_after_padding(d, dv, takes):
     assert (unsupported_head_dims(d, dv) == "") is takes
 
 
+@pytest.mark.parametrize("d,dv,segments,rows", [(64, 64, False, 128), (59, 40, False, 128),
+                                                 (64, 64, True, 64), (65, 64, False, 64),
+                                                 (128, 128, False, 64), (256, 256, False, 64)])
+def test_backward_rows_per_step(d, dv, segments, rows):
+    """128 query rows per step only where both head dims pad to 64 and no segment ids come
+    (the measured case, docs/history.md session 23); the lowering cases above take them."""
+    assert default_backward_config(d, dv, segments=segments).block_q == rows
+
+
+def test_backward_refuses_rows_per_step_it_cannot_hold():
+    with pytest.raises(ValueError, match="block_q=96 must be 64 or 128"):
+        Config(block_q=96)
+    wide_rows = Config(num_stages=2, consumer_regs=240, producer_regs=24, block_q=128)
+    for d, match in ((128, "128 query rows per step need D, Dv <= 64; got D=128, Dv=128"),
+                     (256, "halves_backward takes 64 query rows per step; got 128")):
+        q = sd((1, 64, 2, d), jnp.bfloat16)
+        with pytest.raises(ValueError, match=match):
+            jax.eval_shape(functools.partial(mosaic_attention_backward, scale=0.1, causal=False,
+                                             config=wide_rows),
+                           Inputs(q, q, q), (q, sd((1, 2, 64), jnp.float32)), (q, None))
+
+
 # Sequence lengths in the kernels (the tier serves them once the GPU test below passes):
 # (B, T, S, Hq, Hkv, D, Dv, causal, window); both forward kernels and the backward.
 LENGTH_CASES = [
