@@ -107,6 +107,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
         per process; needs a GPU, else a one-time warning). On the dense tier there is
         nothing to tune: it is ignored with a one-time warning. See docs/tuning.md. Not
         applied to context-parallel calls (their blocks take the tuned or built-in configs).
+        It tunes the Triton kernels only: the Mosaic tier's configs are built in, and the
+        chunked tier sizes its blocks from its workspace budget.
       context_axis: inside a `jax.shard_map`, the mesh axis the sequence dim of query,
         key, value (and of the segment ids) is split over: each device passes its shard
         and gets its shard of out (and of lse, [B, Hq, T_local]); the result is exact
@@ -125,10 +127,12 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
       deterministic: True: a bitwise-reproducible backward (the same gradients on every
         rerun: no floating-point atomics or reduce-adds whose order varies); False: the
         fastest backward, which may add in a varying order; None (default): True when
-        XLA_FLAGS sets --xla_gpu_deterministic_ops, else False. Every backward tier today
-        adds in one order, so both settings run the same kernels (`python -m
-        ffpa_jax.info` says which ran and why). The chunked tier's GEMMs and the dense
-        tier are XLA's operations, as deterministic as XLA makes them.
+        XLA_FLAGS sets --xla_gpu_deterministic_ops, else False. The Mosaic tier's
+        backward adds dQ by TMA reduce-adds in a varying order: True passes over it, named
+        or picked, and another tier runs the backward (`python -m ffpa_jax.info` says
+        which ran and why); every other backward tier adds in one order. The chunked
+        tier's GEMMs and the dense tier are XLA's operations, as deterministic as XLA
+        makes them.
 
     Returns:
       out [B, T, Hq, Dv] in query's dtype, or (out, lse) when return_lse is True.

@@ -1,5 +1,7 @@
-"""Pallas attention kernels lowered to Triton (forward, backward, decode), the chunked tier,
-the dense reference, and the records they share (`problem.Problem`, `plan.Plan`).
+"""Pallas attention kernels lowered to Triton (forward, backward, decode), the Mosaic GPU
+kernels of the sm90 tier (`pallas_kernels.mosaic`, reached through the tier registry
+`tiers`, not exported here), the chunked tier, the dense reference, the registry of those
+tiers, and the records they share (`problem.Problem`, `plan.Plan`).
 
 This package never imports `ffpa_jax` or `tuning`; its callers pass fully normalised inputs
 (batched q/k/v, 4-D bias/mask with broadcast dims of size 1: `problem.Inputs`) and a plan.

@@ -1,12 +1,14 @@
 """`KernelDescriptor`: everything the rest of the project knows about one tunable kernel, kept
-in the kernel's own module (fwd.py, bwd.py, decode.py) and listed once in
-`pallas_kernels.KERNEL_DESCRIPTORS`.
+beside the kernel (fwd.py, decode.py; the backward kernels' in bwd_descriptors.py) and listed
+once in `pallas_kernels.KERNEL_DESCRIPTORS`.
 
 `tuning` derives from that list: the kernel names and config keys a tuned-config file may
 carry (`tuning.registry`), the built-in launch configs (`tuning.defaults`), the autotuner's
 candidates (`tuning.autotune.search_space`) and which runner measures each kernel
-(`tuning.autotune.measure`). Adding a kernel means its module (the kernel, its config class,
-its descriptor) and one entry in that list. Nothing here reads files or the environment.
+(`tuning.autotune.runners`). Adding a kernel means its module (the kernel, its config class,
+its descriptor) and one entry in that list. The Mosaic tier's kernels have no descriptor:
+their configs are built in (`pallas_kernels.mosaic.config`), so nothing tuned reaches them.
+Nothing here reads files or the environment.
 
 A config is a dict in FFPA's keys (`BLOCK_M`, `BLOCK_N`, `BLOCK_HEADDIM_QK`, ...,
 `num_warps`, `num_stages`, `num_ctas`), as a tuned-config entry stores it; the kernel's
@@ -41,7 +43,7 @@ class KernelDescriptor:
     - `moves(headdim)`: the fast search's one-knob moves from the default, best guess first;
       `grid(headdim)`: the max search's product grid.
     - `role`: what the kernel computes, which says how the autotuner launches and checks
-      it (a runner of `tuning.autotune.measure` per role); `function`, its entry point.
+      it (a runner of `tuning.autotune.runners` per role); `function`, its entry point.
     """
 
     name: str

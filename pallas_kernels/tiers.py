@@ -5,8 +5,11 @@ runs, what it supports, the configs it needs and its two directions.
 it and fills the plan's configs through `Tier.configs`; `forward` and `backward` here run a
 plan's directions on the tiers it names. Every tier's directions agree on what passes
 between them (the output in float32 when differentiated, lse, and in float32 lse's low
-word: `problem.Saved`), so a plan may pair any forward tier with any backward tier.
-Adding a tier is its module and one entry in `TIERS` (docs/design.md, "Adding a tier").
+word: `problem.Saved`), so a plan may pair the forward of one tier with the backward of
+another. Not so the dense tier, whose forward JAX differentiates: where either direction
+lands on it, the dispatcher runs both there. Adding a tier is its module, one entry in
+`TIERS` and the few hand-written lists docs/design.md names ("Adding a tier, a kernel or a
+semantic option").
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ class Tier:
     """One tier.
 
     - `name`: what `implementation=` and the tuned files' "tier" field call it.
-    - `runs_on`: `ANYWHERE`, or `NVIDIA_GPU` (then `interpretable` says whether its Pallas
-      kernels also run in Pallas' interpreter elsewhere, for tests).
+    - `runs_on`: `ANYWHERE`; `NVIDIA_GPU` (then `interpretable` says whether its Pallas
+      kernels also run in Pallas' interpreter elsewhere, for tests); or `SM90`: a GPU of
+      compute capability 9.x with jax >= 0.11, never in the interpreter
+      (`tuning.dispatch.runs_here` decides).
     - `forward(plan, inputs)` -> (out, lse[, lse_lo]); `backward(plan, inputs, saved,
       cotangents)` -> (dq, dk, dv, dbias), or None: JAX differentiates `forward` itself
       (`differentiated_by_jax`), or the tier has no backward (`directions` without it:
@@ -123,11 +128,13 @@ MOSAIC = Tier(
     name="mosaic", runs_on=SM90, forward=mosaic_tier.forward, backward=mosaic_tier.backward,
     configs=mosaic_tier.configs, unsupported=mosaic_tier.unsupported, ordered_backward=False,
     summary="Pallas Mosaic GPU kernels for sm90 (wgmma, TMA, warp specialisation): the "
-            "forward up to D = 512, the backward up to D = 128 (dQ by TMA reduce-add, in a "
-            "varying order)")
+            "forward up to D = 512, the backward for D, Dv <= 128 and for D = Dv up to 256 "
+            "(dQ by TMA reduce-add, in a varying order)")
 
-# Every tier, in the order the dispatcher falls back along (the most general last but one:
-# the dense path serves everything, the chunked tier everything in bounded memory).
+# Every tier, in the order the dispatcher falls back along (`_serving`; the most general last
+# but one: the dense path serves everything, the chunked tier everything in bounded memory).
+# The fallback never starts at the Mosaic tier: where a rule names it and it cannot take a
+# direction, the rules pick again without it (`tuning.dispatch._rule(..., mosaic=False)`).
 TIERS: tuple[Tier, ...] = (MOSAIC, PALLAS, CHUNKED, XLA)
 BY_NAME = {tier.name: tier for tier in TIERS}
 

@@ -21,8 +21,10 @@ One place decides, for the run (`plan`) and for `python -m ffpa_jax.info` (`expl
 4. `deterministic=True` (or None with XLA's `--xla_gpu_deterministic_ops` in `XLA_FLAGS`:
    `resolve_deterministic`) passes over, for the backward, a tier whose backward does not
    add in one order (`Tier.ordered_backward`), whether named or picked by a rule.
-Then each chosen tier fills the plan with its kernels' configs (`Tier.configs`): the runtime
-autotune's winner, else the tuned entry, else the built-in default (`select.kernel_config`).
+Then each chosen tier fills the plan with its kernels' configs (`Tier.configs`): for the
+Triton kernels the runtime autotune's winner, else the tuned entry, else the built-in default
+(`select.kernel_config`); the chunked tier sizes its blocks from its workspace budget and the
+Mosaic tier takes its built-in configs.
 """
 
 from __future__ import annotations
