@@ -533,9 +533,10 @@ def test_committed_first_format_files_still_load_and_render():
     assert newest["source"] == "bench_H200_2026-11-25_large_d.json"
     h100 = report.merge(docs, device="NVIDIA H100 80GB HBM3")
     assert h100 and {r["source"] for r in h100} <= {p.name for p in DATA.glob("bench_H100_*")}
-    # the re-run of the same cases replaces the earlier H100 record's rows (per implementation)
+    # the newest re-run of the same cases (session 23's, after the recheck of 2026-11-25)
+    # replaces the earlier H100 records' rows (per implementation)
     assert {r["source"] for r in h100 if r["case"] == "D=512 B=1 H=32 N=4096 bf16 fwdbwd"
-            and r["impl"] in ("ffpa", "xla")} == {"bench_H100_2026-11-25_large_d_recheck.json"}
+            and r["impl"] in ("ffpa", "xla")} == {"bench_H100_2026-11-26_s23_d512.json"}
     assert "bench_H200_2026-11-22_self_causal.json" in sources
     kinds = {r["kind"] for r in merged.values()}
     assert {"self", "gqa", "attn-mask"} <= kinds
