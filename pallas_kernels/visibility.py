@@ -2,7 +2,9 @@
 
 The one statement of the visibility rule. The reference (`reference.py`) applies it densely,
 the fused kernels (`fwd.py`, `bwd*.py`) and the decode kernels (`decode.py`) per tile and per
-walk over blocks, the chunked tier (`chunked.py`, `blocked.py`) per block of its GEMMs.
+walk over blocks, the chunked tier (`chunked.py`, `blocked.py`) per block of its GEMMs, the
+Mosaic kernels (`mosaic/`) per tile (`sees_causal`, `sees_window`) and per walk over whole
+blocks (`BlockWalk`, `kv_walk`, `q_walk`).
 
 Query row i (0 <= i < T) sits at key position i' = i + shift, shift = S - T (bottom-right
 alignment); the paged decode kernels align a sequence to its own length instead, and a block
@@ -16,7 +18,8 @@ key j (0 <= j < S) iff every rule that the call uses holds:
 - packed segments: q_segment_ids[b, i] == kv_segment_ids[b, j];
 - padding lengths: i < q_len[b] and j < kv_len[b].
 
-The element functions take positions `rows` [R] and `cols` [C] and return bool [R, C]; the
+The element functions take positions `rows` [R] and `cols` [C] and return bool [R, C]
+(`sees_causal` and `sees_window` take matching shapes: the Mosaic kernels' index tiles); the
 segment ids may carry leading batch dims. The runtime values the kernels read from refs
 (segment ids, lengths, a block's segment range) may be given as zero-argument callables:
 they are then read where the rule first needs them, which keeps each kernel's order of
@@ -25,7 +28,11 @@ operations (and its compiled code) what it was when the rule lived inline.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels.tiles import cdiv, i32
 
@@ -85,16 +92,28 @@ def shift_of(seq_q: int, seq_k: int, positions=None):
     return default_shift(seq_q, seq_k) if positions is None else positions[2]
 
 
+def sees_causal(row, col, shift):
+    """Element-wise (any matching shapes): key `col` is at or before row `row`'s diagonal,
+    j <= i + shift."""
+    return col <= row + shift
+
+
+def sees_window(row, col, window: tuple[int, int], shift):
+    """Element-wise (any matching shapes): key `col` lies in row `row`'s window,
+    i' - left <= j <= i' + right."""
+    left, right = window
+    diagonal = row + shift
+    return (col >= diagonal - left) & (col <= diagonal + right)
+
+
 def causal_visible(rows, cols, shift):
-    """bool [R, C]: key j is at or before row i's diagonal, j <= i + shift."""
-    return cols[None, :] <= rows[:, None] + shift
+    """bool [R, C]: `sees_causal` of rows [R] against keys [C]."""
+    return sees_causal(rows[:, None], cols[None, :], shift)
 
 
 def window_visible(rows, cols, window: tuple[int, int], shift):
-    """bool [R, C]: key j lies in row i's window, i' - left <= j <= i' + right."""
-    left, right = window
-    shifted = rows[:, None] + shift
-    return (cols[None, :] >= shifted - left) & (cols[None, :] <= shifted + right)
+    """bool [R, C]: `sees_window` of rows [R] against keys [C]."""
+    return sees_window(rows[:, None], cols[None, :], window, shift)
 
 
 def same_segment(q_ids, kv_ids):
@@ -342,3 +361,154 @@ def block_relation(r0, rows: int, c0, keys: int, *, shift, causal: bool, window)
         return BLOCK_HIDDEN if hidden else (BLOCK_FULL if full else BLOCK_PARTIAL)
     return jnp.where(hidden, BLOCK_HIDDEN, jnp.where(full, BLOCK_FULL, BLOCK_PARTIAL)).astype(
         jnp.int32)
+
+
+# ---------------------------------------------------------------- the Mosaic kernels' walks
+# The Mosaic kernels walk whole blocks (of keys in the forward, of query rows in the
+# backward) for a group of rows (keys), and split the walk into the blocks every row sees
+# whole (no mask) and those that go through the element rule (`sees_causal`,
+# `sees_window`, the key length, the segments' comparison).
+
+
+def div_up(a, b: int):
+    """Ceil division of a non-negative int32, static or traced (`lax.div`), by a static b."""
+    if isinstance(a, int) and isinstance(b, int):
+        return -(-a // b)
+    return lax.div(a + (b - 1), jnp.int32(b))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockWalk:
+    """What decides which blocks a group of rows (or keys) walks: the true lengths T and S
+    (the arrays may be padded), causality, the sliding window (left, right), the key block,
+    a batch row's key length and the segments' block range."""
+
+    T: int
+    S: int
+    causal: bool
+    block_kv: int
+    window: tuple[int, int] | None = None
+    # A batch row's key length (traced int32, at most S): keys from it on are seen by no
+    # row. None: all S keys.
+    key_end: Any = None
+    # Segment ids: a row sees only keys of its own segment, so every block walked goes
+    # through the element rule (with the ids' comparison), and the walk stays within a
+    # range of blocks the host computed from the ids (`segment_block_ranges`).
+    segments: bool = False
+    segment_range: Any = None  # (first, end) blocks, traced int32; None: no bound
+
+    @property
+    def keys(self):
+        """The end of the keys any row sees: `key_end`, else S."""
+        return self.S if self.key_end is None else self.key_end
+
+    @property
+    def num_kv_blocks(self):
+        return div_up(self.S, self.block_kv)
+
+    @property
+    def shift(self) -> int:
+        """Where row 0 sits among the keys (bottom-right alignment)."""
+        return self.S - self.T
+
+    @property
+    def right(self) -> int | None:
+        """The last visible key's offset from a row's diagonal: 0 under causality (or the
+        window's right edge if it is tighter), the window's right edge without; None when
+        nothing bounds it."""
+        if self.window is None:
+            return 0 if self.causal else None
+        return min(self.window[1], 0) if self.causal else self.window[1]
+
+
+
+def _blocks_below(keys, bkv: int):
+    """Key blocks that end at or before key count `keys` (traced, may be negative): the
+    number of whole blocks in [0, keys)."""
+    return lax.div(jnp.maximum(keys, 0), jnp.int32(bkv))
+
+
+def kv_walk(p: BlockWalk, q_first, q_last):
+    """Key blocks walked by query rows [q_first, q_last] (q_last clipped to T-1).
+
+    Returns (lo, mask_lo, full_hi, hi): blocks [lo, hi) hold every key some row of the group
+    sees (the others are skipped); of them, [mask_lo, full_hi) are visible whole to every
+    row and need no mask, while [lo, mask_lo) (a window's left edge) and [full_hi, hi) (the
+    diagonal, a window's right edge, the padded last block) go through the element rule.
+    """
+    bkv = p.block_kv
+    lo = mask_lo = 0
+    hi = p.num_kv_blocks
+    full_hi = p.S // bkv
+    right = p.right
+    if right is None and p.window is None and p.key_end is None and not p.segments:
+        # Static Python ints: the key loops get compile-time trip counts.
+        return lo, mask_lo, full_hi, hi
+    if p.key_end is not None:
+        hi = jnp.minimum(hi, div_up(p.key_end, bkv))
+        full_hi = jnp.minimum(full_hi, _blocks_below(p.key_end, bkv))
+    if right is not None:
+        # Keys visible to the last row: [.., q_last + shift + right]; to every row of the
+        # group: [.., q_first + shift + right].
+        edge = p.shift + right
+        hi = jnp.minimum(hi, div_up(jnp.maximum(q_last + edge + 1, 0), bkv))
+        full_hi = jnp.minimum(full_hi, _blocks_below(q_first + edge + 1, bkv))
+    if p.window is not None:
+        left = p.window[0]
+        # Keys visible to the first row: [q_first + shift - left, ..]; to every row of the
+        # group: [q_last + shift - left, ..].
+        lo = jnp.minimum(_blocks_below(q_first + p.shift - left, bkv), hi)
+        mask_lo = jnp.clip(div_up(jnp.maximum(q_last + p.shift - left, 0), bkv), lo, hi)
+    if p.segments:
+        return _segment_walk(p, lo, hi)
+    full_hi = jnp.clip(full_hi, mask_lo, hi)
+    return lo, mask_lo, full_hi, hi
+
+
+def _segment_walk(p: BlockWalk, lo, hi):
+    """`kv_walk`'s or `q_walk`'s (lo, mask_lo, full_hi, hi) under segment ids: [lo, hi)
+    within the segments' range of blocks, every block of it masked."""
+    if p.segment_range is not None:
+        lo = jnp.maximum(lo, p.segment_range[0])
+        hi = jnp.minimum(hi, p.segment_range[1])
+    lo = jnp.minimum(lo, hi)
+    return lo, lo, lo, hi
+
+
+def q_walk(p: BlockWalk, k_first, k_last, block_q: int):
+    """Query blocks (of `block_q` rows) that see keys [k_first, k_last] (the backward's
+    walk, `kv_walk` turned around; k_last may pass S - 1: keys past S are padding).
+
+    Returns (lo, mask_lo, full_hi, hi): blocks [lo, hi) hold every row that sees some key of
+    the group; [mask_lo, full_hi) see every key of it (no mask needed), the rest of [lo, hi)
+    go through the element rule. A group that reaches past S masks every block (its padding
+    keys must not count).
+    """
+    n = div_up(p.T, block_q)
+    lo = mask_lo = 0
+    hi = full_hi = n
+    right = p.right
+    if right is not None:
+        # Row q sees key k only if k <= q + shift + right: rows from k_first - shift - right
+        # see some key of the group, rows from k_last - shift - right every key.
+        edge = p.shift + right
+        lo = _blocks_below(k_first - edge, block_q)
+        mask_lo = div_up(jnp.maximum(k_last - edge, 0), block_q)
+    if p.window is not None:
+        # Row q sees key k only if k >= q + shift - left: rows up to k_last + left - shift
+        # see some key, rows up to k_first + left - shift every key.
+        reach = p.window[0] - p.shift
+        hi = jnp.minimum(n, div_up(jnp.maximum(k_last + reach + 1, 0), block_q))
+        full_hi = _blocks_below(k_first + reach + 1, block_q)
+    if p.key_end is not None:  # keys past the row's key length: no row sees them
+        hi = jnp.where(k_first < p.key_end, hi, lo)
+    if not (isinstance(k_last, int) and p.key_end is None and k_last < p.S):
+        full_hi = jnp.where(k_last < p.keys, full_hi, 0)
+    if p.segments:
+        return _segment_walk(p, lo, hi)
+    if isinstance(lo, int) and isinstance(hi, int) and isinstance(full_hi, int):
+        return lo, mask_lo, full_hi, hi
+    lo = jnp.minimum(lo, hi)
+    mask_lo = jnp.clip(mask_lo, lo, hi)
+    full_hi = jnp.clip(full_hi, mask_lo, hi)
+    return lo, mask_lo, full_hi, hi

@@ -19,7 +19,8 @@ from pallas_kernels import compat, visibility
 from pallas_kernels.mosaic import Config, default_config, mosaic_attention_forward
 from pallas_kernels.mosaic.backward import mosaic_attention_backward, unsupported_head_dims
 from pallas_kernels.mosaic.config import default_backward_config
-from pallas_kernels.mosaic.common import Walk, kv_range, q_range, soft_cap
+from pallas_kernels.mosaic.common import Walk, soft_cap
+from pallas_kernels.visibility import kv_walk, q_walk
 from pallas_kernels.problem import FeatureArrays, Inputs, Problem
 from tuning import dispatch
 
@@ -215,7 +216,7 @@ def _key_length(rng, s):
 
 
 def test_key_block_walk_covers_every_visible_key_and_masks_only_what_it_must():
-    """`kv_range` against the visibility rule, brute force over groups of rows (every group
+    """`kv_walk` against the visibility rule, brute force over groups of rows (every group
     of a problem at once: the walk's bounds are element-wise): every key a row sees lies in
     [lo, hi); the blocks [mask_lo, full_hi) are visible whole to every row of the group (no
     mask needed); blocks outside [lo, hi) hold no visible key."""
@@ -234,7 +235,7 @@ def test_key_block_walk_covers_every_visible_key_and_masks_only_what_it_must():
         # operations compile once.
         padded = [np.pad(x, (0, 400 - x.size), mode="edge") for x in (firsts, lasts)]
         lo, mask_lo, full_hi, hi = (x[:firsts.size] for x in np.broadcast_arrays(
-            padded[0], *kv_range(walk, *map(jnp.asarray, padded)))[1:])
+            padded[0], *kv_walk(walk, *map(jnp.asarray, padded)))[1:])
         where = f"T={t} S={s} bkv={bkv} causal={causal} window={window} kv_len={kv_length}"
         assert np.all((0 <= lo) & (lo <= mask_lo) & (mask_lo <= full_hi) & (full_hi <= hi)
                       & (hi <= -(-s // bkv))), where
@@ -252,7 +253,7 @@ def test_key_block_walk_covers_every_visible_key_and_masks_only_what_it_must():
 
 
 def test_query_block_walk_covers_every_row_that_sees_a_key_and_masks_only_what_it_must():
-    """`q_range` (the backward's walk over query blocks for a group of keys) against the
+    """`q_walk` (the backward's walk over query blocks for a group of keys) against the
     visibility rule, brute force: every row that sees a key of the group lies in [lo, hi);
     the blocks [mask_lo, full_hi) see every key of the group (and none of them is padding);
     blocks outside [lo, hi) see none."""
@@ -270,7 +271,7 @@ def test_query_block_walk_covers_every_row_that_sees_a_key_and_masks_only_what_i
         lasts = (firsts + width - 1).astype(np.int32)  # may pass S - 1: padding keys
         padded = [np.pad(x, (0, 400 - x.size), mode="edge") for x in (firsts, lasts)]
         lo, mask_lo, full_hi, hi = (x[:firsts.size] for x in np.broadcast_arrays(
-            padded[0], *q_range(walk, *map(jnp.asarray, padded), bq))[1:])
+            padded[0], *q_walk(walk, *map(jnp.asarray, padded), bq))[1:])
         where = f"T={t} S={s} bq={bq} causal={causal} window={window} kv_len={kv_length}"
         assert np.all((0 <= lo) & (lo <= mask_lo) & (mask_lo <= full_hi) & (full_hi <= hi)
                       & (hi <= -(-t // bq))), where

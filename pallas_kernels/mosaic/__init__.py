@@ -49,8 +49,8 @@ are in docs/history.md, session 18).
 Where the semantics go: `common.soft_cap` bends every block's scores; `common.score_mod`
 is the element-wise hook applied to the scores of blocks that need masking (causality, the
 window, a batch row's key length and the segment ids' comparison there; a bias would go
-there too); `common.kv_range` (and `common.q_range`, the backward's walk over query blocks)
-is the one place that decides which key blocks a group of query rows walks, and which of
+there too); `visibility.kv_walk` (and `visibility.q_walk`, the backward's walk over query
+blocks) decides which key blocks a group of query rows walks, and which of
 them need the mask (a window narrows both ends, the segments' block ranges too; with
 segment ids every block walked is masked); the producer walks its
 cluster's range, each consumer its own within it (`common.consumer_walk`).

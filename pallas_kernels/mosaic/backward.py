@@ -46,7 +46,7 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
     lse2 = lse·log2(e) with +inf on rows that see no key (their P is 0), δ = rowsum(dO ∘ O)
     − dlse, both float32 [B, Hq, Tp] (Tp: T rounded up to 64, padded with +inf and 0);
     `prob` the true lengths and the semantics (its block_kv unused: the walk is over query
-    blocks, `q_range`); `kv_lengths` int32 [B] or None: each batch row's key length;
+    blocks, `visibility.q_walk`); `kv_lengths` int32 [B] or None: each batch row's key length;
     `segment_ids` None or (q ids [B, T], kv ids [B, S]) (`prob.segments` says which)."""
     _, _, Hq, D = q.shape
     Dv = v.shape[3]

@@ -16,10 +16,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mosaic.common import (WARPGROUPS, Walk, cdiv, compiler_params, padded_ids,
-                                          q_range)
+from pallas_kernels.mosaic.common import WARPGROUPS, Walk, cdiv, compiler_params, padded_ids
 from pallas_kernels.mosaic.config import Config
-from pallas_kernels.visibility import segment_block_ranges
+from pallas_kernels.visibility import q_walk, segment_block_ranges
 
 K_TILES, KV_HEADS, BATCH = "ffpa_mosaic_k", "ffpa_mosaic_hk", "ffpa_mosaic_b"
 
@@ -70,7 +69,7 @@ class Stream:
 class Cta(NamedTuple):
     """Where a backward CTA stands: its warpgroup, batch row, KV head, first key, the walk
     (with the row's key length and segment range) and its query blocks [lo, hi) per head
-    (`common.q_range`)."""
+    (`visibility.q_walk`)."""
 
     wg: Any
     b: Any
@@ -91,7 +90,7 @@ class Cta(NamedTuple):
         walk = prob.with_key_end(kvlen_ref, b).with_segment_range(ranges_ref, b, kt)
         k0 = kt * stream.block_k
         return cls(lax.axis_index(WARPGROUPS), b, lax.axis_index(KV_HEADS), k0, walk,
-                   q_range(walk, k0, k0 + stream.block_k - 1, stream.block_q))
+                   q_walk(walk, k0, k0 + stream.block_k - 1, stream.block_q))
 
 
 def produce(stream: Stream, cta: Cta, refs: tuple, tiles: tuple, row_scratch: tuple,

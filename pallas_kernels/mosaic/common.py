@@ -1,12 +1,13 @@
-"""What the Mosaic GPU kernels share: layouts, shared-memory tiles, the key-block walk
-(`Walk`, `kv_range`: which key blocks a group of query rows visits, which of them need a
-mask), the element-wise score steps (`soft_cap`, `score_mod`), the online softmax, the
-epilogue's normalisation, and the launch grid with its clusters (`Grid`).
+"""What the Mosaic GPU kernels share: layouts, shared-memory tiles, the walk's record
+(`Walk`: `pallas_kernels.visibility.BlockWalk` with the soft cap), the element-wise score
+steps (`soft_cap`, `score_mod`), the online softmax, the epilogue's normalisation, and the
+launch grid with its clusters (`Grid`).
 
-Where more semantics go: `score_mod` is the one element-wise mask hook (causality, the
-window, key lengths and the segment ids' comparison there; a bias would be added there);
-`kv_range` (and `q_range`, the backward's) is the one place that decides which blocks a
-group of rows (keys) walks: the window, lengths and the segments' block ranges narrow it.
+Where more semantics go: `score_mod` is the one element-wise mask hook (the rules of
+`pallas_kernels.visibility` for causality, the window, key lengths and the segment ids'
+comparison; a bias would be added there); `visibility.kv_walk` (and `visibility.q_walk`,
+the backward's) decides which blocks a group of rows (keys) walks: the window, lengths and
+the segments' block ranges narrow it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import compat
 from pallas_kernels.mosaic.config import Config
+from pallas_kernels.visibility import BlockWalk, kv_walk, sees_causal, sees_window
+from pallas_kernels.visibility import div_up as cdiv
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -59,13 +61,6 @@ def tiled_smem(shape, dtype, swizzle: int = 128):
     return plgpu.SMEM(shape, dtype, transforms=smem_transforms(shape[-1], dtype, swizzle))
 
 
-def cdiv(a, b):
-    """Ceil division for non-negative traced or static integers."""
-    if isinstance(a, int) and isinstance(b, int):
-        return -(-a // b)
-    return lax.div(a + (b - 1), jnp.int32(b))
-
-
 def imin(a, b):
     """min() that stays a Python int when both operands are static."""
     if isinstance(a, int) and isinstance(b, int):
@@ -85,27 +80,13 @@ def same_segment(row_ids, col_ids, shape):
 
 
 @dataclasses.dataclass(frozen=True)
-class Walk:
-    """What decides which keys a query row sees and what its scores become: the true
-    lengths (the arrays may be padded), causality, the sliding window (left, right) as
-    `pallas_kernels.visibility` states it (bottom-right aligned), the logit soft cap (its
-    scale: the softmax scale, which the cap's tanh takes inside), and the key block."""
+class Walk(BlockWalk):
+    """A kernel's `visibility.BlockWalk` (which blocks a group of rows walks), with what
+    decides what the visible scores become: the logit soft cap and its scale (the softmax
+    scale, which the cap's tanh takes inside)."""
 
-    T: int
-    S: int
-    causal: bool
-    block_kv: int
-    window: tuple[int, int] | None = None
     softcap: float | None = None
     scale: float = 1.0
-    # A batch row's key length (traced int32, at most S; `with_key_end` inside a kernel):
-    # keys from it on are seen by no row. None: all S keys.
-    key_end: Any = None
-    # Segment ids: a row sees only keys of its own segment, so every block walked goes
-    # through `score_mod` (with the ids' comparison, its `same`), and the walk stays within
-    # a range of blocks the host computed from the ids (`with_segment_range`).
-    segments: bool = False
-    segment_range: Any = None  # (first, end) blocks, traced int32; None: no bound
 
     def with_segment_range(self, ranges_ref, b, tile):
         """This walk bounded by the block range of `tile` of batch row `b` (`ranges_ref`:
@@ -122,121 +103,6 @@ class Walk:
         if lengths_ref is None:
             return self
         return dataclasses.replace(self, key_end=jnp.clip(lengths_ref[b], 0, self.S))
-
-    @property
-    def keys(self):
-        """The end of the keys any row sees: `key_end`, else S."""
-        return self.S if self.key_end is None else self.key_end
-
-    @property
-    def num_kv_blocks(self):
-        return cdiv(self.S, self.block_kv)
-
-    @property
-    def shift(self) -> int:
-        """Where row 0 sits among the keys (bottom-right alignment)."""
-        return self.S - self.T
-
-    @property
-    def right(self) -> int | None:
-        """The last visible key's offset from a row's diagonal: 0 under causality (or the
-        window's right edge if it is tighter), the window's right edge without; None when
-        nothing bounds it."""
-        if self.window is None:
-            return 0 if self.causal else None
-        return min(self.window[1], 0) if self.causal else self.window[1]
-
-
-def _blocks_below(keys, bkv: int):
-    """Key blocks that end at or before key count `keys` (traced, may be negative): the
-    number of whole blocks in [0, keys)."""
-    return lax.div(jnp.maximum(keys, 0), jnp.int32(bkv))
-
-
-def kv_range(p: Walk, q_first, q_last):
-    """Key blocks walked by query rows [q_first, q_last] (q_last clipped to T-1).
-
-    Returns (lo, mask_lo, full_hi, hi): blocks [lo, hi) hold every key some row of the group
-    sees (the others are skipped); of them, [mask_lo, full_hi) are visible whole to every
-    row and need no mask, while [lo, mask_lo) (a window's left edge) and [full_hi, hi) (the
-    diagonal, a window's right edge, the padded last block) go through `score_mod`.
-    """
-    bkv = p.block_kv
-    lo = mask_lo = 0
-    hi = p.num_kv_blocks
-    full_hi = p.S // bkv
-    right = p.right
-    if right is None and p.window is None and p.key_end is None and not p.segments:
-        # Static Python ints: the key loops get compile-time trip counts.
-        return lo, mask_lo, full_hi, hi
-    if p.key_end is not None:
-        hi = jnp.minimum(hi, cdiv(p.key_end, bkv))
-        full_hi = jnp.minimum(full_hi, _blocks_below(p.key_end, bkv))
-    if right is not None:
-        # Keys visible to the last row: [.., q_last + shift + right]; to every row of the
-        # group: [.., q_first + shift + right].
-        edge = p.shift + right
-        hi = jnp.minimum(hi, cdiv(jnp.maximum(q_last + edge + 1, 0), bkv))
-        full_hi = jnp.minimum(full_hi, _blocks_below(q_first + edge + 1, bkv))
-    if p.window is not None:
-        left = p.window[0]
-        # Keys visible to the first row: [q_first + shift - left, ..]; to every row of the
-        # group: [q_last + shift - left, ..].
-        lo = jnp.minimum(_blocks_below(q_first + p.shift - left, bkv), hi)
-        mask_lo = jnp.clip(cdiv(jnp.maximum(q_last + p.shift - left, 0), bkv), lo, hi)
-    if p.segments:
-        return _segment_walk(p, lo, hi)
-    full_hi = jnp.clip(full_hi, mask_lo, hi)
-    return lo, mask_lo, full_hi, hi
-
-
-def _segment_walk(p: Walk, lo, hi):
-    """`kv_range`'s or `q_range`'s (lo, mask_lo, full_hi, hi) under segment ids: [lo, hi)
-    within the segments' range of blocks, every block of it masked."""
-    if p.segment_range is not None:
-        lo = jnp.maximum(lo, p.segment_range[0])
-        hi = jnp.minimum(hi, p.segment_range[1])
-    lo = jnp.minimum(lo, hi)
-    return lo, lo, lo, hi
-
-
-def q_range(p: Walk, k_first, k_last, block_q: int):
-    """Query blocks (of `block_q` rows) that see keys [k_first, k_last] (the backward's
-    walk, `kv_range` turned around; k_last may pass S - 1: keys past S are padding).
-
-    Returns (lo, mask_lo, full_hi, hi): blocks [lo, hi) hold every row that sees some key of
-    the group; [mask_lo, full_hi) see every key of it (no mask needed), the rest of [lo, hi)
-    go through `score_mod`. A group that reaches past S masks every block (its padding keys
-    must not count).
-    """
-    n = cdiv(p.T, block_q)
-    lo = mask_lo = 0
-    hi = full_hi = n
-    right = p.right
-    if right is not None:
-        # Row q sees key k only if k <= q + shift + right: rows from k_first - shift - right
-        # see some key of the group, rows from k_last - shift - right every key.
-        edge = p.shift + right
-        lo = _blocks_below(k_first - edge, block_q)
-        mask_lo = cdiv(jnp.maximum(k_last - edge, 0), block_q)
-    if p.window is not None:
-        # Row q sees key k only if k >= q + shift - left: rows up to k_last + left - shift
-        # see some key, rows up to k_first + left - shift every key.
-        reach = p.window[0] - p.shift
-        hi = jnp.minimum(n, cdiv(jnp.maximum(k_last + reach + 1, 0), block_q))
-        full_hi = _blocks_below(k_first + reach + 1, block_q)
-    if p.key_end is not None:  # keys past the row's key length: no row sees them
-        hi = jnp.where(k_first < p.key_end, hi, lo)
-    if not (isinstance(k_last, int) and p.key_end is None and k_last < p.S):
-        full_hi = jnp.where(k_last < p.keys, full_hi, 0)
-    if p.segments:
-        return _segment_walk(p, lo, hi)
-    if isinstance(lo, int) and isinstance(hi, int) and isinstance(full_hi, int):
-        return lo, mask_lo, full_hi, hi
-    lo = jnp.minimum(lo, hi)
-    mask_lo = jnp.clip(mask_lo, lo, hi)
-    full_hi = jnp.clip(full_hi, mask_lo, hi)
-    return lo, mask_lo, full_hi, hi
 
 
 def kv_order(lo, full, tc, n_qc: int, enabled: bool):
@@ -308,11 +174,9 @@ def score_mod(p: Walk, s, q_idx, k_idx, same=None):
     if same is not None:
         visible = visible & same
     if p.causal:
-        visible = visible & (k_idx <= q_idx + p.shift)
+        visible = visible & sees_causal(q_idx, k_idx, p.shift)
     if p.window is not None:
-        left, right = p.window
-        diagonal = q_idx + p.shift
-        visible = visible & (k_idx >= diagonal - left) & (k_idx <= diagonal + right)
+        visible = visible & sees_window(q_idx, k_idx, p.window, p.shift)
     return jnp.where(visible, s, NEG_INF)
 
 
@@ -412,13 +276,13 @@ class Grid:
 
 
 def cluster_walk(p: Walk, grid: "Grid", t_first, t_count, rows: int, kv_rotate: bool):
-    """(lo, hi, kv_of) of the key blocks a cluster walks: `kv_range` over the rows
+    """(lo, hi, kv_of) of the key blocks a cluster walks: `visibility.kv_walk` over the rows
     of all its CTAs (query tiles t_first.. of `rows` rows; multicast needs every CTA to load
     the same tiles), and the walk's order (`kv_order`; not under a window, whose walk
     starts with masked blocks)."""
     first = t_first * rows
     last = jnp.minimum(first + t_count * rows - 1, p.T - 1)
-    lo, _, full_hi, hi = kv_range(p, first, last)
+    lo, _, full_hi, hi = kv_walk(p, first, last)
     kv_of = kv_order(lo, full_hi, lax.div(t_first, jnp.int32(t_count)), grid.n_q_clusters,
                      kv_rotate and p.window is None)
     return lo, hi, kv_of
@@ -430,7 +294,7 @@ def consumer_walk(p: Walk, lo, q_first, q_last, *, padding_rows: bool):
     (the producer loads them for the cluster), those from `hi` to the cluster's end are
     released unread. `padding_rows`: the rows may lie wholly past T (a padded query tile),
     then the consumer walks nothing."""
-    _, mask_lo, full_hi, hi = kv_range(p, q_first, q_last)
+    _, mask_lo, full_hi, hi = kv_walk(p, q_first, q_last)
     if padding_rows:
         hi = jnp.where(q_first < p.T, hi, lo)
     full_hi = imin(full_hi, hi)
@@ -441,7 +305,7 @@ def consumer_walk(p: Walk, lo, q_first, q_last, *, padding_rows: bool):
 
 def walk_kv(step, carry, lo, mask_lo, full_hi, hi):
     """`step(j, carry, masked=...)` over the key blocks [lo, mask_lo) with the element
-    masks, [mask_lo, full_hi) without them, then [full_hi, hi) with them (`kv_range`'s
+    masks, [mask_lo, full_hi) without them, then [full_hi, hi) with them (`visibility.kv_walk`'s
     split)."""
     if not (isinstance(lo, int) and isinstance(mask_lo, int) and lo == mask_lo):
         carry = lax.fori_loop(lo, mask_lo, functools.partial(step, masked=True), carry)
