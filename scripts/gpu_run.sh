@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything we run on the lent GPU, in one call: environment, GPU tests, benchmark.
 # Results land in $OUT (or ./gpu_out). Stages are chosen by arguments: env multigpu
-# mosaic tests fuzz autotune ab resources lsecost bench features largehd (default: env
+# mosaic tests fuzz mosaicfuzz autotune ab resources lsecost bench features largehd (default: env
 # tests bench). On a
 # machine of several GPUs, run two lists side by side with CUDA_VISIBLE_DEVICES set
 # per list (each stage sees its GPUs).
@@ -33,11 +33,15 @@ for stage in $stages; do
       python3 -m pytest -m gpu -q -n ${WORKERS:-4} -p no:cacheprovider -rf -k "mosaic or fast_backward" tests/test_forward.py tests/test_backward.py tests/test_features.py tests/test_dropout.py tests/test_mosaic.py tests/test_vmap.py tests/test_determinism.py 2>&1 | tee "$OUT/pytest_mosaic.log" | tail -30
       ;;
     tests)
-      python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider --durations=15 -k "not test_fuzz_gpu" ${TEST_PATHS:-tests/} 2>&1 | tee "$OUT/pytest_gpu${TEST_TAG:-}.log" | tail -40
+      python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider --durations=15 -k "not test_fuzz_gpu and not test_fuzz_mosaic_gpu" ${TEST_PATHS:-tests/} 2>&1 | tee "$OUT/pytest_gpu${TEST_TAG:-}.log" | tail -40
       ;;
     fuzz)
       # 2000 examples in four parts (FUZZ_PARTS narrows, e.g. "0 or 1"); each prints its rerun.
       python3 -m pytest -m gpu -q -n ${FUZZ_WORKERS:-4} -p no:cacheprovider -rA tests/test_fuzz.py -k "test_fuzz_gpu and (${FUZZ_PARTS:-0 or 1 or 2 or 3})" 2>&1 | tee "$OUT/fuzz_gpu${FUZZ_TAG:-}.log" | grep -E "fuzz seed|passed|failed|Error|FFPA_FUZZ" | tail -30
+      ;;
+    mosaicfuzz)
+      # The Mosaic tier forced over the GPU pool as it serves it (sm90): 300 examples.
+      python3 -m pytest -m gpu -q -p no:cacheprovider -p no:xdist -rA tests/test_fuzz.py -k test_fuzz_mosaic_gpu 2>&1 | tee "$OUT/fuzz_mosaic.log" | grep -E "fuzz seed|passed|failed|Error|FFPA_FUZZ" | tail -30
       ;;
     autotune)
       # Tune (or, with --resume, finish) this device's file in AUTOTUNE_DIR (default: the

@@ -18,15 +18,13 @@ pool plus everything dynamic. CPU (CI): 200 examples over a pool of 16 configura
 with ranges small enough for the interpreter (T, S <= 160; D <= 160, or up to 1000 with
 T, S <= 48). GPU (marker `gpu`): 2000 examples over 200 configurations drawn
 from the full ranges (T, S <= 400; D <= 160, or up to 1024), in four parts that
-
-# Hypothesis draws over the whole matrix: outside the default suite; CI runs them
-# (`pytest -m slow`).
-pytestmark = pytest.mark.slow
-pytest-xdist runs side by side.
+pytest-xdist runs side by side; and 300 examples with the Mosaic tier forced (sm90), over
+that pool as the tier serves it (16-bit, no bias, mask or dropout, D <= 512).
 
 Reproduce: the seed is printed at the start (pytest shows it with a failure); rerun with
-FFPA_FUZZ_SEED=<seed> (a GPU part prints its own rerun command). FFPA_FUZZ_EXAMPLES and FFPA_FUZZ_POOL override the example count
-and pool size (e.g. a longer GPU sweep). The CPU run uses seed 0 unless told otherwise, so
+FFPA_FUZZ_SEED=<seed> (a GPU part prints its own rerun command). FFPA_FUZZ_EXAMPLES and
+FFPA_FUZZ_POOL override the example count and pool size (e.g. a longer GPU sweep),
+FFPA_FUZZ_MOSAIC_EXAMPLES the Mosaic fuzz's. The CPU run uses seed 0 unless told otherwise, so
 CI is deterministic; the GPU run draws a fresh seed each time.
 """
 
@@ -45,8 +43,12 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 import ffpa_jax
-from conftest import HAS_GPU, interpret_flag
+from conftest import HAS_GPU, interpret_flag, skip_unless_sm90
 from test_numerics import compare_all, run_attention, run_reference
+
+# Hypothesis draws over the whole matrix: outside the default suite; CI runs them
+# (`pytest -m slow`).
+pytestmark = pytest.mark.slow
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -175,6 +177,25 @@ def make_pool(seed: int, size: int, limits: Limits) -> list[Config]:
     return pool[:max(size, 1)]
 
 
+MOSAIC_MAX_HEAD_DIM = 512  # the Mosaic forward's (its backward hands larger ones on)
+
+
+def mosaic_config(cfg: Config) -> Config:
+    """`cfg` as the Mosaic tier serves it: 16-bit, no bias, mask or dropout, head dims up to
+    512 (a larger one drawn becomes 512). Its backward takes part of these (D, Dv <= 128, or
+    D = Dv <= 256, more than 128 keys); forcing the tier leaves the rest of the backward to
+    the rules' tier, so such draws check the pair."""
+    return dataclasses.replace(
+        cfg, dtype="bfloat16" if cfg.dtype == "float32" else cfg.dtype, bias_shape=None,
+        mask_shape=None, dropout_rate=0.0, d=min(cfg.d, MOSAIC_MAX_HEAD_DIM),
+        dv=min(cfg.dv, MOSAIC_MAX_HEAD_DIM))
+
+
+def make_mosaic_pool(seed: int, size: int) -> list[Config]:
+    """The GPU pool (edge cases first) as the Mosaic tier serves it, duplicates dropped."""
+    return list(dict.fromkeys(mosaic_config(c) for c in make_pool(seed, size, GPU_LIMITS)))
+
+
 # --------------------------------------------------------------------- one example
 
 
@@ -235,9 +256,10 @@ def _env_int(name: str, default: int) -> int:
     return default if value in (None, "") else int(value)
 
 
-def _fuzz_test(*, limits: Limits, pool_size: int, examples: int, seed: int, impls,
+def _fuzz_test(*, examples: int, seed: int, impls, limits: Limits | None = None,
+               pool_size: int = 0, pool: list[Config] | None = None,
                rerun: str | None = None):
-    pool = make_pool(seed, pool_size, limits)
+    pool = make_pool(seed, pool_size, limits) if pool is None else pool
 
     @settings(max_examples=examples, deadline=None, database=None, print_blob=True,
               phases=(Phase.explicit, Phase.generate),  # no shrinking: every step compiles
@@ -313,6 +335,31 @@ def test_fuzz_gpu(part):
                examples=_env_int("FFPA_FUZZ_EXAMPLES", 2000) // GPU_PARTS,
                seed=base + part, impls=(("pallas", False), ("chunked", False)),
                rerun=f"FFPA_FUZZ_SEED={base} pytest -m gpu -k 'test_fuzz_gpu[{part}]'")
+
+
+@pytest.mark.gpu
+def test_fuzz_mosaic_gpu():
+    """The Mosaic tier forced (sm90), over the GPU pool as the tier serves it: 300 examples
+    over 50 configurations; prints its seed and rerun command."""
+    skip_unless_sm90()
+    base = _env_int("FFPA_FUZZ_SEED", _GPU_BASE_SEED)
+    pool = make_mosaic_pool(base, _env_int("FFPA_FUZZ_POOL", 200) // GPU_PARTS)
+    _fuzz_test(pool=pool, examples=_env_int("FFPA_FUZZ_MOSAIC_EXAMPLES", 300), seed=base,
+               impls=(("mosaic", False),),
+               rerun=f"FFPA_FUZZ_SEED={base} pytest -m gpu -k test_fuzz_mosaic_gpu")
+
+
+def test_the_mosaic_pool_is_what_the_tier_serves():
+    """The Mosaic fuzz's pool: 16-bit, no bias, mask or dropout, head dims up to 512, and
+    still GQA, causal, T = 1, T > S, odd and large head dims, gradients."""
+    pool = make_mosaic_pool(0, 50) + make_mosaic_pool(1, 50)
+    assert all(c.dtype in ("bfloat16", "float16") and c.bias_shape is None
+               and c.mask_shape is None and c.dropout_rate == 0.0 for c in pool)
+    assert max(max(c.d, c.dv) for c in pool) == MOSAIC_MAX_HEAD_DIM
+    assert any(c.d % 64 and c.d > 64 for c in pool) and any(c.d != c.dv for c in pool)
+    assert any(c.causal and c.t > c.s for c in pool) and any(c.t == 1 for c in pool)
+    assert any(c.hq > c.hkv for c in pool) and any(c.with_grads for c in pool)
+    assert len(pool) >= 90
 
 
 # Found by the GPU fuzz (docs/history.md, sessions 9 and 17, give its seed), and reproduced
