@@ -23,7 +23,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import compat
 from pallas_kernels.mosaic.config import Config
-from pallas_kernels.visibility import BlockWalk, kv_walk, sees_causal, sees_window
+from pallas_kernels.visibility import BlockWalk, kv_walk, sees_causal
 from pallas_kernels.visibility import div_up as cdiv
 
 LOG2E = math.log2(math.e)
@@ -176,7 +176,11 @@ def score_mod(p: Walk, s, q_idx, k_idx, same=None):
     if p.causal:
         visible = visible & sees_causal(q_idx, k_idx, p.shift)
     if p.window is not None:
-        visible = visible & sees_window(q_idx, k_idx, p.window, p.shift)
+        # `visibility.sees_window`, its two bounds ANDed into the mask one at a time (the
+        # order of operations the kernels were checked on the GPU with).
+        left, right = p.window
+        diagonal = q_idx + p.shift
+        visible = visible & (k_idx >= diagonal - left) & (k_idx <= diagonal + right)
     return jnp.where(visible, s, NEG_INF)
 
 
