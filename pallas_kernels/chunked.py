@@ -424,15 +424,16 @@ def _backward_block(call: _Call, ops: _Operands, rows_in: _Rows, blk: _Block, *,
     # dP in the input dtype, as XLA's own gradient rounds it (the cotangent of 16-bit P).
     dp = _mm("bkmd,bksd->bkms", do_blk, v_blk, in_dtype).reshape(shape4)
     block = GradBlock(logits, dp, lse_blk, delta_blk, blk.offsets())
+    normalise = own_delta and float32_rows
     if call.kernel_step:
         outs = softmax_grad(call.problem, block, call.inputs, out_dtype=in_dtype, split=split,
-                            with_ds32=want_ds, own_delta=own_delta,
-                            normalise=own_delta and float32_rows, interpret=call.interpret)
+                            with_ds32=want_ds, own_delta=own_delta, normalise=normalise,
+                            interpret=call.interpret)
         dropped, parts, ds32 = outs[0], outs[1:2 + split], outs[-1] if want_ds else None
     else:
         dropped, parts, ds32 = _softmax_grad_xla(call, block, blk, out_dtype=in_dtype,
                                                  split=split, own_delta=own_delta,
-                                                 normalise=own_delta and float32_rows)
+                                                 normalise=normalise)
     as3 = lambda x: x.reshape(b, hkv, g * rows, keys)  # noqa: E731
     scale = jnp.asarray(call.problem.scale, jnp.float32)
     dv = _mm("bkms,bkmd->bksd", as3(dropped), do_blk, jnp.float32)

@@ -147,6 +147,6 @@ def default_backward_config(head_dim: int, head_dim_v: int | None = None,
     (`block_q`), which halves the steps' waits and each key tile's reads per row (measured
     faster, docs/history.md, session 23); not with segment ids (not measured there)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    narrow = max(round_up(head_dim, 64), round_up(head_dim_v, 64)) <= 64 and not segments
+    narrow = max(head_dim, head_dim_v) <= 64 and not segments
     return Config(num_stages=2, consumer_regs=240, producer_regs=24,
                   block_q=128 if narrow else 64)

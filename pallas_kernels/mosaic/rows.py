@@ -19,8 +19,8 @@ from pallas_kernels import compat
 from pallas_kernels.mosaic.common import (CLUSTER, COLUMNS, LOG2E, NEG_INF, ROW, WARPGROUPS,
                                           WGMMA, Grid, Walk, cdiv, cluster_walk, consumer_walk,
                                           finalize, iota, launch, padded_ids, same_segment,
-                                          score_mod,
-                                          soft_cap, softmax_update, tiled_smem, walk_kv)
+                                          score_mod, soft_cap, softmax_update, tiled_smem,
+                                          walk_kv)
 from pallas_kernels.mosaic.config import Config
 from pallas_kernels.visibility import segment_block_ranges
 
