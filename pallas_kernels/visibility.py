@@ -3,8 +3,8 @@
 The one statement of the visibility rule. The reference (`reference.py`) applies it densely,
 the fused kernels (`fwd.py`, `bwd*.py`) and the decode kernels (`decode.py`) per tile and per
 walk over blocks, the chunked tier (`chunked.py`, `blocked.py`) per block of its GEMMs, the
-Mosaic kernels (`mosaic/`) per tile (`sees_causal`, `sees_window`) and per walk over whole
-blocks (`BlockWalk`, `kv_walk`, `q_walk`).
+Mosaic kernels (`mosaic/`) per tile (`sees_causal`; `sees_window`'s bounds) and per walk
+over whole blocks (`BlockWalk`, `kv_walk`, `q_walk`).
 
 Query row i (0 <= i < T) sits at key position i' = i + shift, shift = S - T (bottom-right
 alignment); the paged decode kernels align a sequence to its own length instead, and a block
