@@ -47,6 +47,9 @@ FEATURE_CASES = [
     ((1, 256, 256, 2, 2, 128, 128, True, Config(block_kv=128, cluster=2,
                                                 lowering="warpgroup")), (17, 0), None),
     ((2, 203, 300, 4, 2, 150, 150, False, None), (100, 37), 30.0),
+    # The wide kernel's earlier default: 128-column ring pieces, clusters of 4 query tiles.
+    ((1, 300, 260, 2, 2, 512, 512, True, Config(block_kv=128, num_stages=2, wide=True,
+                                                cluster=4, grid_order="q")), None, 30.0),
 ]
 
 
@@ -373,7 +376,8 @@ def test_default_configs_by_head_size():
     assert default_config(256).block_kv == 64
     assert default_config(128, gqa_group=4).cluster_axis == "heads"
     wide = default_config(512)
-    assert wide.wide and wide.cluster == 4 and wide.grid_order == "q"
+    assert wide.wide and (wide.cluster, wide.cluster_axis, wide.num_stages) == (2, "q", 3)
+    assert default_config(512, gqa_group=4).cluster_axis == "heads"
 
 
 def _h100(monkeypatch, jax_runs_mosaic: bool = True) -> dispatch.Device:

@@ -27,8 +27,8 @@ class Config:
                     (None = all of Dv for 16-bit outputs, 128 for float32).
     grid_order:     "heads" (default): heads vary fastest in the launch grid;
                     "q": query tiles vary fastest (all CTAs that run together
-                    read the same K/V; better L2 reuse, but measured much slower
-                    for the rows kernel; used by the wide kernel).
+                    read the same K/V; better L2 reuse, but measured slower for
+                    both kernels' defaults).
     cluster_axis:   "q": a cluster is `cluster` consecutive query tiles of one
                     head (they walk the union of their key ranges); "heads": a
                     cluster is `cluster` query heads of one GQA group on the same
@@ -110,22 +110,13 @@ def default_config(
     d = round_up(head_dim, 64)
     dv = round_up(head_dim_v, 64)
     if uses_wide_kernel(head_dim, head_dim_v):
-        # 64-row CTAs, Dv split over the 2 consumer warpgroups, 2 ring slots of
-        # 64 KiB; clusters of 4 CTAs share every K/V tile (multicast).
-        # q tiles fastest here: one head's K/V (32 MiB at S=16k) stays in L2.
-        if gqa_group % 4 == 0:
-            return Config(
-                block_kv=128,
-                num_stages=2,
-                wide=True,
-                wide_piece=128,
-                cluster=4,
-                cluster_axis="heads",
-                grid_order="q",
-            )
-        return Config(
-            block_kv=128, num_stages=2, wide=True, wide_piece=128, cluster=4, grid_order="q"
-        )
+        # 64-row CTAs, Dv split over the 2 consumer warpgroups; a ring of 3 slots of
+        # [2, 128, 64] (96 KiB: every ring of 128 KiB measured 1.3-2.3x slower); pairs of
+        # CTAs share every K/V tile by multicast (sibling query heads of a GQA group, else
+        # neighbouring query tiles); heads fastest in the grid (docs/history.md, session 24).
+        return Config(block_kv=128, num_stages=3, wide=True, wide_piece=64, cluster=2,
+                      cluster_axis="heads" if gqa_group % 2 == 0 else "q",
+                      grid_order="heads")
     if gqa_group % 2 == 0:
         clu = dict(cluster=2, cluster_axis="heads")
     else:
