@@ -91,6 +91,31 @@ def test_smoke_autotune_two_gpus(tmp_path):
     assert len(tiered) == 16 and all("tier" in e for e in tiered)
 
 
+def test_the_mosaic_kernels_tune_where_they_run():
+    """Both Mosaic kernels through the autotuner's measurement (sm90): the built-in config
+    is measured first, every candidate compiles or says why, the winner is correct and no
+    slower than the default."""
+    from tuning.autotune import measure, search_space
+    from tuning.autotune.runners import RUNNERS
+    from tuning.autotune.tasks import MOSAIC_BACKWARD_KERNEL, MOSAIC_FORWARD_KERNEL, Task
+
+    if RUNNERS[MOSAIC_FORWARD_KERNEL].missing():
+        pytest.skip(RUNNERS[MOSAIC_FORWARD_KERNEL].missing())
+    for kernel, direction in ((MOSAIC_FORWARD_KERNEL, "forward"),
+                              (MOSAIC_BACKWARD_KERNEL, "backward")):
+        task = Task(direction=direction, kernel=kernel, case_name="common", dtype="bf16",
+                    headdim=64, seqlen_q=1000, seqlen_k=1000, causal=True, batch=2,
+                    nheads_q=8, nheads_kv=2)
+        result = measure.tune(kernel, task.problem(), mode="fast")
+        ok = [r for r in result.records if r.status == "ok"]
+        assert result.records[0].config == search_space.candidates(kernel, headdim=64,
+                                                                   group=4)[0]
+        assert result.records[0].status == "ok", result.records[0].detail
+        assert len(ok) >= 2 and result.best is not None
+        assert result.best_ms <= result.default_ms
+        assert all(r.error is not None and r.error < 3e-2 for r in ok)
+
+
 def test_runtime_autotune_on_gpu():
     from ffpa_jax import runtime_autotune as rt
     from pallas_kernels import FwdConfig, Inputs, fwd_generic

@@ -68,9 +68,12 @@ def test_every_descriptor_is_registered_defaulted_searched_and_run():
     names = [d.name for d in KERNEL_DESCRIPTORS]
     assert names == ["fwd_generic", "decode_fwd_stage1", "decode_fwd_stage2", "bwd_preproc",
                      "bwd_generic_dkdv", "bwd_generic_dq", "bwd_dbias"]
-    # FFPA's fused-backward kernels are valid file entries that we never run.
-    assert list(KERNELS) == names + ["bwd_generic", "decode_bwd_stage1"]
-    assert set(runners.RUNNERS) == set(names)
+    # FFPA's fused-backward kernels are valid file entries that we never run; the Mosaic
+    # tier's two kernels are ours, without descriptors (their configs check themselves).
+    mosaic = ["mosaic_fwd", "mosaic_bwd"]
+    assert list(KERNELS) == names + ["bwd_generic", "decode_bwd_stage1"] + mosaic
+    assert set(runners.RUNNERS) == set(names + mosaic)
+    assert [KERNELS[k].direction for k in mosaic] == ["forward", "backward"]
     for d in KERNEL_DESCRIPTORS:
         assert KERNELS[d.name].block_keys == d.block_keys
         assert runners.RUNNERS[d.name].kernel_fn is d.function
@@ -78,6 +81,8 @@ def test_every_descriptor_is_registered_defaulted_searched_and_run():
             assert config_problem(d.name, default_config(d.name, headdim=dim)) is None
     with pytest.raises(KeyError):
         default_config("bwd_generic", headdim=64)  # registered, but no built-in config
+    with pytest.raises(KeyError):
+        default_config("mosaic_fwd", headdim=64)  # its defaults live in its tier
 
 
 def test_unknown_mode_or_kernel():

@@ -12,6 +12,7 @@ from pallas_kernels import KERNEL_DESCRIPTORS
 from pallas_kernels.descriptor import Table
 
 _DESCRIPTORS = {d.name: d for d in KERNEL_DESCRIPTORS}
+DESCRIBED = frozenset(_DESCRIPTORS)  # the kernels whose built-in configs are here
 
 
 def _row(table: Table, headdim: int) -> tuple[int, dict]:

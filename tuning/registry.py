@@ -3,16 +3,18 @@
 The kernels and their config keys come from their descriptors
 (`pallas_kernels.KERNEL_DESCRIPTORS`); here are the names used in the tuned-config files
 (FFPA's), the keys each kernel's `config` dict carries, and the limits a config must
-respect for the kernel to run it.
+respect for the kernel to run it. The Mosaic tier's two kernels are ours: their configs
+carry fields of its `Config` and check themselves (`pallas_kernels.mosaic.tuned`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from pallas_kernels import KERNEL_DESCRIPTORS
 from pallas_kernels.fwd import Q_MODES
+from pallas_kernels.mosaic import tuned as mosaic_tuned
 
 # Block sizes must be powers of two (Triton tiles); these are the bounds we
 # accept from a file. Anything outside is an invalid entry, skipped at lookup.
@@ -32,6 +34,8 @@ class KernelSpec:
     direction: str  # "forward" | "backward"
     block_keys: tuple[str, ...]  # power-of-two block sizes
     optional_keys: tuple[str, ...] = ()
+    # A kernel whose config is not in FFPA's keys checks it itself (the Mosaic kernels').
+    check: Callable[[Any], str | None] | None = None
 
 
 # FFPA also persists fused-backward and decode-backward entries; we do not run those
@@ -41,10 +45,18 @@ _FFPA_ONLY = (
     KernelSpec("decode_bwd_stage1", "backward", ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM")),
 )
 
+# The Mosaic tier's kernels: entries of our own (FFPA's readers skip unknown kernels), their
+# configs in `pallas_kernels.mosaic.config.Config`'s field names.
+_MOSAIC = tuple(
+    KernelSpec(kernel, direction, (),
+               check=lambda config, kernel=kernel: mosaic_tuned.config_problem(kernel, config))
+    for kernel, direction in ((mosaic_tuned.FORWARD_KERNEL, "forward"),
+                              (mosaic_tuned.BACKWARD_KERNEL, "backward")))
+
 KERNELS: dict[str, KernelSpec] = {
     spec.name: spec
     for spec in (*(KernelSpec(d.name, d.direction, d.block_keys, d.optional_keys)
-                   for d in KERNEL_DESCRIPTORS), *_FFPA_ONLY)
+                   for d in KERNEL_DESCRIPTORS), *_FFPA_ONLY, *_MOSAIC)
 }
 
 
@@ -61,6 +73,8 @@ def config_problem(kernel: str, config: Any) -> str | None:
     spec = KERNELS.get(kernel)
     if spec is None:
         return f"unknown kernel {kernel!r}"
+    if spec.check is not None:
+        return spec.check(config)
     if not isinstance(config, Mapping):
         return f"config is {type(config).__name__}, expected a dict"
     for key in spec.block_keys:

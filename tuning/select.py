@@ -7,8 +7,9 @@ import logging
 from typing import Any
 
 from pallas_kernels.problem import Problem
-from tuning.defaults import default_config
+from tuning.defaults import DESCRIBED, default_config
 from tuning.lookup import TunedEntry, explain_entry
+from tuning.registry import KERNELS
 
 logger = logging.getLogger("ffpa_jax.tuning")
 
@@ -70,14 +71,15 @@ def lookup_fields(problem: Problem, direction: str) -> dict:
 
 
 def kernel_direction(kernel: str) -> str:
-    return "backward" if kernel.startswith("bwd") else "forward"
+    return KERNELS[kernel].direction
 
 
 def kernel_config(kernel: str, problem: Problem, *, device_name: str | None = None,
-                  compute_capability: str | None = None) -> tuple[dict, str]:
+                  compute_capability: str | None = None) -> tuple[dict | None, str]:
     """(the launch config of `kernel` for `problem`, why): the tuned entry for this device
     (JAX's, or the one named) when one matches and this call may use it, else the built-in
-    default, with the entry it came from or why the default applies.
+    default, with the entry it came from or why the default applies. A kernel without a
+    descriptor (the Mosaic tier's) has its default in its tier: None where no entry serves.
 
     Called at trace time; the lookup caches, so a traced step pays nothing. Entries a
     kernel cannot launch never get this far: the file loader drops them, and
@@ -93,6 +95,8 @@ def kernel_config(kernel: str, problem: Problem, *, device_name: str | None = No
         if tuned is not None:
             return tuned, f"tuned entry ({where})" + (f"; {note}" if note else "")
         where = note
+    if kernel not in DESCRIBED:  # the Mosaic kernels: their tier holds the default
+        return None, f"no tuned entry ({where})"
     return (default_config(kernel, headdim=problem.headdim, dtype=problem.dtype_name,
                            has_dropout=problem.has_dropout),
             f"built-in default ({where})")

@@ -13,14 +13,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels.mosaic import backward as mosaic_backward
+from pallas_kernels.mosaic import tuned
 from pallas_kernels.mosaic.config import (default_backward_config, default_config,
                                           uses_wide_kernel)
 from pallas_kernels.mosaic.forward import mosaic_attention_forward
 from pallas_kernels.plan import KernelChoice, Plan, Target
 from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
 
-KERNEL = "mosaic_fwd"  # the tier's configs in a plan
-BACKWARD_KERNEL = "mosaic_bwd"
+KERNEL = tuned.FORWARD_KERNEL  # the tier's configs in a plan and in the tuned files
+BACKWARD_KERNEL = tuned.BACKWARD_KERNEL
 MAX_HEAD_DIM = 512  # the forward's; the backward's: `mosaic_backward.unsupported_head_dims`
 ONE_TILE_KEYS = 128
 SERVED_FEATURES = ("local_window_size", "logits_soft_cap", "q_segment_ids",
@@ -59,26 +60,36 @@ def unsupported(problem: Problem, direction: str) -> tuple[str, ...]:
 
 
 def configs(problem: Problem, direction: str, lookup, target: Target) -> tuple[KernelChoice, ...]:
-    """The kernels' config: the built-in choice per head size (not in the tuned files yet)."""
-    del lookup, target
+    """The kernels' config: the built-in choice per head size (`mosaic/config.py`), with the
+    fields of a tuned entry where one matches and fits the call (`tuned.tuned_config`)."""
+    del target
+    kernel = BACKWARD_KERNEL if direction == "backward" else KERNEL
     if direction == "backward":
-        config = default_backward_config(problem.head_dim, problem.head_dim_v,
-                                         segments=problem.segment_ids)
-        kernel = ("halves_backward" if mosaic_backward.uses_halves_kernel(
+        default = default_backward_config(problem.head_dim, problem.head_dim_v,
+                                          segments=problem.segment_ids)
+    else:
+        default = default_config(problem.head_dim, problem.head_dim_v, problem.dtype,
+                                 problem.causal, gqa_group=problem.group,
+                                 segments=problem.segment_ids)
+    entry, why = lookup(kernel)
+    config, note = tuned.tuned_config(kernel, default, entry, head_dim=problem.head_dim,
+                                      head_dim_v=problem.head_dim_v, group=problem.group,
+                                      segments=problem.segment_ids)
+    if entry is None:
+        why = f"built-in default (mosaic/config.py); {why}"
+    elif note:
+        why = f"built-in default (mosaic/config.py); {why}, not used: {note}"
+    if direction == "backward":
+        name = ("halves_backward" if mosaic_backward.uses_halves_kernel(
             problem.head_dim, problem.head_dim_v) else "rows_backward")
-        settings = dict(kernel=kernel, num_stages=config.num_stages,
+        settings = dict(kernel=name, num_stages=config.num_stages,
                         consumer_regs=config.consumer_regs, block_q=config.block_q)
-        return (KernelChoice.of(BACKWARD_KERNEL, config,
-                                "built-in default (mosaic/config.py)", direction, settings),)
-    config = default_config(problem.head_dim, problem.head_dim_v, problem.dtype,
-                            problem.causal, gqa_group=problem.group,
-                            segments=problem.segment_ids)
-    kernel = "wide" if uses_wide_kernel(problem.head_dim, problem.head_dim_v) else "rows"
-    settings = dict(kernel=kernel, block_kv=config.block_kv, num_stages=config.num_stages,
-                    cluster=config.cluster, cluster_axis=config.cluster_axis,
-                    grid_order=config.grid_order, lowering=config.lowering)
-    return (KernelChoice.of(KERNEL, config, "built-in default (mosaic/config.py)", direction,
-                            settings),)
+    else:
+        name = "wide" if uses_wide_kernel(problem.head_dim, problem.head_dim_v) else "rows"
+        settings = dict(kernel=name, block_kv=config.block_kv, num_stages=config.num_stages,
+                        cluster=config.cluster, cluster_axis=config.cluster_axis,
+                        grid_order=config.grid_order, lowering=config.lowering)
+    return (KernelChoice.of(kernel, config, why, direction, settings),)
 
 
 def forward(plan: Plan, inputs: Inputs):

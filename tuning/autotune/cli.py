@@ -12,7 +12,9 @@ plus ours: `--resume` (continue an interrupted run's file), `--headdims` and
 the first N tasks (smoke runs). After the kernel tasks, each prefill problem of the
 grid also gets its tiers measured (`tuning.autotune.tiers`: the "tier" field of each
 direction); `--tiers-only` measures only that, into an existing or new file, and
-`--no-tiers` skips it. See docs/tuning.md.
+`--no-tiers` skips it. On a GPU where the Mosaic tier runs (sm90), its two kernels
+("mosaic_fwd", "mosaic_bwd") are tuned too, after every task of FFPA's grid, on the
+16-bit prefill problems the tier computes (`tasks.mosaic_tasks`). See docs/tuning.md.
 
 The file is `<output-dir>/<sanitized device name>.json`. The default output dir is the
 user's tuned-config directory, `$XDG_CACHE_HOME/ffpa_jax/tuned_configs` (else
@@ -33,7 +35,8 @@ import time
 from pathlib import Path
 
 from tuning.autotune.sched import Progress, ResultStore, ResumeError, run_tasks
-from tuning.autotune.tasks import (DECODE_KERNELS, HEADDIMS, LARGE_SEQLEN, SEQLENS, Task,
+from tuning.autotune.tasks import (DECODE_KERNELS, HEADDIMS, LARGE_SEQLEN,
+                                   MOSAIC_BACKWARD_KERNEL, MOSAIC_FORWARD_KERNEL, SEQLENS, Task,
                                    build_tasks, grid_seqlens)
 from tuning.autotune.workers import DEFAULT_BACKEND, RayExecutor, SubprocessExecutor, gpus_for
 from tuning.device import sanitize_device_name
@@ -160,14 +163,19 @@ def _header(args, info: dict, seqlens: list[int], headdims: list[int]) -> dict:
     }
 
 
-def _tasks(args, memory_gib: float | None) -> tuple[list[Task], list[int], list[int]]:
+def _tasks(args, memory_gib: float | None,
+           kernels: dict) -> tuple[list[Task], list[int], list[int]]:
+    """The grid's tasks; the Mosaic kernels' too where `kernels` (the workers' capabilities)
+    says they run."""
     seqlens = grid_seqlens(memory_gib, args.seqlens)
     headdims = sorted(set(args.headdims or HEADDIMS))
     directions = ("forward", "backward") if args.directions == "both" else (args.directions,)
     causal = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
+    mosaic = all(kernels.get(k, {"missing": "absent"})["missing"] is None
+                 for k in (MOSAIC_FORWARD_KERNEL, MOSAIC_BACKWARD_KERNEL))
     tasks = build_tasks(directions=directions, dtypes=args.dtypes, batch=args.B, heads=args.H,
                         headdims=headdims, seqlens=seqlens, full_tasks=args.full_tasks,
-                        causal=causal)
+                        causal=causal, mosaic=mosaic)
     return tasks, seqlens, headdims
 
 
@@ -204,7 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     if args.dry_run:
-        tasks, _, _ = _tasks(args, memory_gib=LARGE_SEQLEN_GIB_FOR_DRY_RUN)
+        # This process's own GPU (if any) says whether the Mosaic kernels' tasks are listed.
+        from tuning.autotune.measure import capabilities  # noqa: PLC0415 - imports JAX
+        tasks, _, _ = _tasks(args, memory_gib=LARGE_SEQLEN_GIB_FOR_DRY_RUN,
+                             kernels=capabilities())
         if max_configs is not None:
             tasks = tasks[:max_configs]
         for task in tasks:
@@ -259,7 +270,7 @@ def _run(args, executor, max_configs: int | None, log_dir: Path) -> int:
         _say(f"error: {path} exists; pass --overwrite to replace it or --resume to continue it")
         return 2
 
-    tasks, seqlens, headdims = _tasks(args, info.get("memory_gib"))
+    tasks, seqlens, headdims = _tasks(args, info.get("memory_gib"), info.get("kernels", {}))
     tasks, skipped = split_supported(tasks, info.get("kernels", {}))
     for reason, count in skipped.items():
         _say(f"skipping {count} task(s): {reason}")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import math
 import os
 import statistics
 import sys
@@ -33,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from pallas_kernels.problem import DTYPES, Problem
+from pallas_kernels.problem import Problem
 from tuning import timing
 from tuning.autotune import search_space
 from tuning.autotune.runners import RUNNERS, Inputs, KernelRunner, first_line, rel_err
@@ -137,8 +136,8 @@ def tune(kernel: str, spec: Problem, *, mode: str = "fast",
     settings = settings or Settings.for_mode(mode)
     if candidates is None:
         candidates = search_space.candidates(kernel, headdim=spec.headdim,
-                                             dtype=spec.dtype_name,
-                                             mode=mode)
+                                             dtype=spec.dtype_name, mode=mode,
+                                             group=spec.group)
     inputs = inputs or Inputs(spec, interpret=interpret)
     args = runner.args(inputs)
 
@@ -287,9 +286,7 @@ def _device_info() -> dict:
 
 def capabilities() -> dict[str, dict]:
     """Per kernel: {"missing": why it cannot be tuned here or None, "dropout": bool}."""
-    return {name: {"missing": (None if runner.kernel_fn is not None
-                               else f"pallas_kernels has no {name} yet"),
-                   "dropout": runner.dropout}
+    return {name: {"missing": runner.missing(), "dropout": runner.dropout}
             for name, runner in RUNNERS.items()}
 
 
@@ -323,11 +320,7 @@ class MeasureBackend:
         return self._inputs
 
     def run(self, task: dict, *, mode: str, progress: Callable[[int, int], None]) -> dict:
-        t = Task.from_dict(task)
-        spec = Problem(batch=t.batch, seq_q=t.seqlen_q, seq_k=t.seqlen_k, heads_q=t.nheads_q,
-                       heads_kv=t.nheads_kv, head_dim=t.headdim, head_dim_v=t.headdim,
-                       dtype=DTYPES[t.dtype], scale=1.0 / math.sqrt(t.headdim),
-                       causal=t.causal, bias_shape=t.bias_shape, dropout_rate=t.dropout_rate)
+        spec = Task.from_dict(task).problem()
         result = tune(task["kernel"], spec, mode=mode, interpret=self.interpret,
                       inputs=self._inputs_for(spec), on_progress=progress)
         # The worker's stderr is its log file: one line per candidate, for diagnosis.

@@ -1,9 +1,10 @@
 """How the autotuner runs each kernel: the arrays of one problem (`Inputs`), the float32
 references its candidates are checked against, and `RUNNERS`, a `KernelRunner` (how to build
 a kernel's inputs, launch it and check it) per kernel of `pallas_kernels.KERNEL_DESCRIPTORS`,
-made by the runner of the kernel's role (`_ROLES`). A kernel without a runner is reported as
-unsupported (and its tasks skipped); a kernel that does not apply dropout has its dropout
-tasks skipped. A new kernel of a known role is tuned once it has its descriptor.
+made by the runner of the kernel's role (`_ROLES`), and for the Mosaic tier's two kernels.
+A kernel without a runner is reported as unsupported (and its tasks skipped); a kernel that
+does not apply dropout has its dropout tasks skipped. A new kernel of a known role is tuned
+once it has its descriptor.
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ import numpy as np
 import pallas_kernels
 from pallas_kernels import KERNEL_DESCRIPTORS, BackwardRows, BwdConfig, KernelDescriptor, reference
 from pallas_kernels import problem as problem_arrays
+from pallas_kernels import tiers
+from pallas_kernels.mosaic import config as mosaic_config
+from pallas_kernels.mosaic import tier as mosaic_tier
+from pallas_kernels.mosaic import tuned as mosaic_tuned
+from pallas_kernels.mosaic.backward import mosaic_attention_backward as mosaic_backward
+from pallas_kernels.mosaic.forward import mosaic_attention_forward as mosaic_forward
 from pallas_kernels.numerics import capped_for_rounding
 from pallas_kernels.problem import Problem
 from tuning.autotune import search_space
@@ -255,14 +262,25 @@ class KernelRunner:
     tol_fp32: float
     needs_bias: bool = False
     dropout: bool = True
+    # Why the kernel cannot run on this machine (None: it can), asked when tuning starts;
+    # `refuses(spec)`: why it does not compute `spec` (None: it does).
+    requires: Callable[[], str | None] | None = None
+    refuses: Callable[[Problem], str | None] | None = None
 
     def tolerance(self, dtype: str) -> float:
         return self.tol_fp32 if dtype == "fp32" else self.tol_16bit
 
-    def unsupported(self, spec: Problem) -> str | None:
-        """Why this runner cannot tune `spec` here, or None."""
+    def missing(self) -> str | None:
+        """Why this kernel cannot be tuned on this machine, or None."""
         if self.kernel_fn is None:
             return f"pallas_kernels has no {self.kernel} yet"
+        return None if self.requires is None else self.requires()
+
+    def unsupported(self, spec: Problem) -> str | None:
+        """Why this runner cannot tune `spec` here, or None."""
+        missing = self.missing() or (None if self.refuses is None else self.refuses(spec))
+        if missing:
+            return missing
         if spec.dropout_rate and not self.dropout:
             return f"{self.kernel} does not apply dropout"
         if self.needs_bias and spec.bias_shape is None:
@@ -458,7 +476,102 @@ _ROLES: dict[str, Callable[[KernelDescriptor], KernelRunner]] = {
         dropout=False),
 }
 
-RUNNERS: dict[str, KernelRunner] = {d.name: _ROLES[d.role](d) for d in KERNEL_DESCRIPTORS}
+
+
+# The Mosaic tier's kernels: a candidate is a tuned entry's config
+# (`pallas_kernels.mosaic.tuned`) applied to the problem's built-in config, launched through
+# the tier's entry points; the backward takes the Triton forward's output (in float32, as
+# a differentiated forward leaves it) and lse, and is checked on dq, dk and dv.
+
+
+def _mosaic_requires() -> str | None:
+    from tuning import dispatch  # noqa: PLC0415 - the device check lives with the dispatcher
+    reason = dispatch.runs_here(tiers.MOSAIC, dispatch.Device.current(), interpret=False)
+    return None if reason is None else f"the Mosaic tier {reason}"
+
+
+# The features the runners launch (from the problem); the others' arrays are not in `Inputs`.
+_MOSAIC_TUNED_FEATURES = ("local_window_size", "logits_soft_cap")
+
+
+def _mosaic_refuses(direction: str) -> Callable[[Problem], str | None]:
+    def refuses(spec: Problem) -> str | None:
+        missing = mosaic_tier.unsupported(spec, direction)
+        if missing:
+            return f"the Mosaic tier does not compute {', '.join(missing)}"
+        arrays = [name for name in spec.features if name not in _MOSAIC_TUNED_FEATURES]
+        return f"the autotuner does not make {', '.join(arrays)}" if arrays else None
+    return refuses
+
+
+def _mosaic_config(kernel: str, cfg: dict, spec: Problem):
+    if kernel == mosaic_tuned.BACKWARD_KERNEL:
+        default = mosaic_config.default_backward_config(spec.head_dim, spec.head_dim_v)
+    else:
+        default = mosaic_config.default_config(spec.head_dim, spec.head_dim_v, spec.dtype,
+                                               spec.causal, gqa_group=spec.group)
+    config, why_not = mosaic_tuned.tuned_config(kernel, default, cfg, head_dim=spec.head_dim,
+                                                head_dim_v=spec.head_dim_v, group=spec.group,
+                                                segments=False)
+    if why_not:
+        raise ValueError(f"a call would not run this config: {why_not}")
+    return config
+
+
+def _mosaic_forward_launcher(cfg: dict, spec: Problem, interpret: bool) -> Callable:
+    """q, k, v -> (o, lse)."""
+    del interpret  # the Mosaic kernels have no interpreter (`requires`)
+    config = _mosaic_config(mosaic_tuned.FORWARD_KERNEL, cfg, spec)
+
+    def launch(q, k, v):
+        return mosaic_forward(q, k, v, scale=spec.scale, causal=spec.causal, config=config,
+                              window=spec.window, softcap=spec.softcap)
+    return launch
+
+
+def _mosaic_backward_args(inp: Inputs) -> tuple:
+    o, lse = inp.forward_outputs()[:2]
+    return (inp.q, inp.k, inp.v, o.astype(jnp.float32), lse, inp.do)
+
+
+def _mosaic_backward_launcher(cfg: dict, spec: Problem, interpret: bool) -> Callable:
+    """q, k, v, o (float32), lse, do -> (dq, dk, dv)."""
+    del interpret
+    config = _mosaic_config(mosaic_tuned.BACKWARD_KERNEL, cfg, spec)
+
+    def launch(q, k, v, o, lse, do):
+        return mosaic_backward(problem_arrays.Inputs(q, k, v), problem_arrays.Saved(o, lse),
+                               problem_arrays.Cotangents(do, None), scale=spec.scale,
+                               causal=spec.causal, config=config, window=spec.window,
+                               softcap=spec.softcap)
+    return launch
+
+
+def _mosaic_backward_err(grads, inp: Inputs) -> float | None:
+    dq, dk, dv = grads
+    return max(_dq_reference_err(dq, inp), _dkdv_reference_err((dk, dv), inp))
+
+
+def _mosaic_fit(kernel: str) -> Callable[[dict, Problem], Hashable]:
+    return lambda cfg, spec: _mosaic_config(kernel, cfg, spec)
+
+
+_MOSAIC_RUNNERS = (
+    KernelRunner(mosaic_tuned.FORWARD_KERNEL, "forward", mosaic_forward,
+                 _mosaic_forward_launcher, args=lambda inp: (inp.q, inp.k, inp.v),
+                 check=_fwd_reference_err, fit_key=_mosaic_fit(mosaic_tuned.FORWARD_KERNEL),
+                 tol_16bit=2e-2, tol_fp32=0.0, dropout=False, requires=_mosaic_requires,
+                 refuses=_mosaic_refuses("forward")),
+    KernelRunner(mosaic_tuned.BACKWARD_KERNEL, "backward", mosaic_backward,
+                 _mosaic_backward_launcher, args=_mosaic_backward_args,
+                 check=_mosaic_backward_err, fit_key=_mosaic_fit(mosaic_tuned.BACKWARD_KERNEL),
+                 tol_16bit=3e-2, tol_fp32=0.0, dropout=False, requires=_mosaic_requires,
+                 refuses=_mosaic_refuses("backward")),
+)
+
+RUNNERS: dict[str, KernelRunner] = {
+    **{d.name: _ROLES[d.role](d) for d in KERNEL_DESCRIPTORS},
+    **{runner.kernel: runner for runner in _MOSAIC_RUNNERS}}
 
 
 def unsupported(kernel: str, spec: Problem) -> str | None:

@@ -20,8 +20,10 @@ and computes the right thing is for the measurement to find out.
 from __future__ import annotations
 
 from pallas_kernels import KERNEL_DESCRIPTORS
-from pallas_kernels.tiles import MIN_TILE
 from pallas_kernels.descriptor import tile_width
+from pallas_kernels.mosaic import config as mosaic_config
+from pallas_kernels.mosaic import tuned as mosaic_tuned
+from pallas_kernels.tiles import MIN_TILE
 from tuning.defaults import default_config
 from tuning.registry import config_problem
 
@@ -58,8 +60,10 @@ def _key(cfg: dict) -> tuple:
     return tuple(sorted(cfg.items()))
 
 
-def candidates(kernel: str, *, headdim: int, dtype: str = "bf16", mode: str = "fast") -> list[dict]:
-    """The candidate configs of `kernel` for head dim `headdim`, best guess first.
+def candidates(kernel: str, *, headdim: int, dtype: str = "bf16", mode: str = "fast",
+               group: int = 1) -> list[dict]:
+    """The candidate configs of `kernel` for head dim `headdim` (and, for the Mosaic
+    kernels, whose defaults and clusters depend on it, GQA group `group`), best guess first.
 
     The first candidate is always the built-in default (what runs without a
     tuned entry), so a tuned winner is never slower than it on the measured shape.
@@ -67,6 +71,8 @@ def candidates(kernel: str, *, headdim: int, dtype: str = "bf16", mode: str = "f
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
+    if kernel in mosaic_tuned.FIELDS:
+        return _mosaic_candidates(kernel, headdim=headdim, mode=mode, group=group)
     descriptor = _DESCRIPTORS[kernel]
     base = default_config(kernel, headdim=headdim, dtype=dtype)
     out: list[dict] = []
@@ -88,3 +94,17 @@ def candidates(kernel: str, *, headdim: int, dtype: str = "bf16", mode: str = "f
             break
         add(cfg)
     return out
+
+
+def _mosaic_candidates(kernel: str, *, headdim: int, mode: str, group: int) -> list[dict]:
+    """The Mosaic kernels' candidates (`pallas_kernels.mosaic.tuned.candidate_fields`) for
+    D = Dv = `headdim`, as the autotuner's tasks are: one-knob moves in "fast" mode, the
+    knobs' grid in "max"."""
+    if kernel == mosaic_tuned.BACKWARD_KERNEL:
+        default = mosaic_config.default_backward_config(headdim, headdim)
+    else:
+        default = mosaic_config.default_config(headdim, headdim, gqa_group=group)
+    fast = mode == "fast"
+    return mosaic_tuned.candidate_fields(kernel, default, head_dim=headdim, head_dim_v=headdim,
+                                         group=group, limit=FAST_LIMIT if fast else MAX_CANDIDATES,
+                                         grid=not fast)

@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any, Iterable, Mapping
 
 from pallas_kernels import fused
+from pallas_kernels.mosaic import tier as mosaic_tier
+from pallas_kernels.mosaic import tuned as mosaic_tuned
+from pallas_kernels.problem import DTYPES, Problem
 
 HEADDIMS = (64, 128, 256, 320, 512, 640, 768, 1024)
 SEQLENS = (1, 512, 1024, 2048, 4096, 8192)
@@ -27,6 +31,10 @@ LARGE_SEQLEN_MIN_GIB = 48
 DROPOUT_RATE = 0.1
 
 FORWARD_KERNELS = (fused.FWD_GENERIC.name,)
+# The Mosaic tier's kernels (ours, sm90 only): tuned after every FFPA task of the grid, on
+# the 16-bit prefill problems their tier serves (`mosaic_tasks`).
+MOSAIC_FORWARD_KERNEL = mosaic_tuned.FORWARD_KERNEL
+MOSAIC_BACKWARD_KERNEL = mosaic_tuned.BACKWARD_KERNEL
 BACKWARD_KERNELS = (fused.BWD_PREPROC.name, fused.BWD_GENERIC_DQ.name,
                     fused.BWD_GENERIC_DKDV.name)
 DECODE_KERNELS = (fused.DECODE_FWD_STAGE1.name, fused.DECODE_FWD_STAGE2.name)
@@ -81,6 +89,14 @@ class Task:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 
+    def problem(self) -> Problem:
+        """The problem this task measures (D = Dv, the scale 1/sqrt(D))."""
+        return Problem(batch=self.batch, seq_q=self.seqlen_q, seq_k=self.seqlen_k,
+                       heads_q=self.nheads_q, heads_kv=self.nheads_kv, head_dim=self.headdim,
+                       head_dim_v=self.headdim, dtype=DTYPES[self.dtype],
+                       scale=1.0 / math.sqrt(self.headdim), causal=self.causal,
+                       bias_shape=self.bias_shape, dropout_rate=self.dropout_rate)
+
     def cost(self) -> float:
         """A rough relative cost (seconds-like) for time-left estimates and ordering."""
         work = self.batch * self.nheads_q * self.seqlen_q * self.seqlen_k * self.headdim
@@ -123,8 +139,9 @@ def grid_seqlens(memory_gib: float | None, seqlens: Iterable[int] | None = None)
 
 def build_tasks(*, directions: Iterable[str], dtypes: Iterable[str], batch: int, heads: int,
                 headdims: Iterable[int], seqlens: Iterable[int], full_tasks: bool = False,
-                causal: Iterable[bool] = (False, True)) -> list[Task]:
-    """Every task of the grid, grouped by problem (forward first, then its backward)."""
+                causal: Iterable[bool] = (False, True), mosaic: bool = False) -> list[Task]:
+    """Every task of the grid, grouped by problem (forward first, then its backward); with
+    `mosaic` (an sm90 GPU) the Mosaic kernels' tasks after them all."""
     directions = set(directions)
     causal = tuple(causal)
     seqlens = sorted(set(seqlens))
@@ -165,7 +182,30 @@ def build_tasks(*, directions: Iterable[str], dtypes: Iterable[str], batch: int,
                     add("forward", FORWARD_KERNELS, **fields)
                     dbias = (fused.BWD_DBIAS.name,) if bias else ()
                     add("backward", BACKWARD_KERNELS[1:] + dbias, **fields)
+    if mosaic:
+        tasks += [t for t in mosaic_tasks(tasks) if t.direction in directions]
     return tasks
+
+
+def mosaic_tasks(tasks: list[Task]) -> list[Task]:
+    """The Mosaic kernels' tasks on the problems of `tasks` (one per problem and direction)
+    that their tier computes (`pallas_kernels.mosaic.tier.unsupported`: 16-bit, no bias or
+    dropout, head dims up to 512 in the forward, those its backward takes and more keys than
+    one tile in the backward), decode problems (one query) aside."""
+    out: list[Task] = []
+    seen = set()
+    for task in tasks:
+        if (task.dtype == "fp32" or task.has_attn_bias or task.has_dropout
+                or task.seqlen_q == 1):
+            continue
+        for direction, kernel in (("forward", MOSAIC_FORWARD_KERNEL),
+                                  ("backward", MOSAIC_BACKWARD_KERNEL)):
+            mosaic = dataclasses.replace(task, direction=direction, kernel=kernel)
+            if mosaic.key not in seen and not mosaic_tier.unsupported(task.problem(),
+                                                                      direction):
+                seen.add(mosaic.key)
+                out.append(mosaic)
+    return out
 
 
 def entries_for(task: Task, config: Mapping[str, Any], *, tuned_ms: float | None = None,
