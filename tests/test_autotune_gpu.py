@@ -106,12 +106,17 @@ def test_the_mosaic_kernels_tune_where_they_run():
         task = Task(direction=direction, kernel=kernel, case_name="common", dtype="bf16",
                     headdim=64, seqlen_q=1000, seqlen_k=1000, causal=True, batch=2,
                     nheads_q=8, nheads_kv=2)
+        candidates = search_space.candidates(kernel, headdim=64, group=4)
         result = measure.tune(kernel, task.problem(), mode="fast")
         ok = [r for r in result.records if r.status == "ok"]
-        assert result.records[0].config == search_space.candidates(kernel, headdim=64,
-                                                                   group=4)[0]
+        assert result.records[0].config == candidates[0]
         assert result.records[0].status == "ok", result.records[0].detail
-        assert len(ok) >= 2 and result.best is not None
+        # Each candidate measured, or dropped saying why (a ring too deep for shared
+        # memory fails to compile; one much slower than the best is pruned).
+        assert sorted(map(str, (r.config for r in result.records))) == sorted(
+            map(str, candidates))
+        assert all(r.status in ("ok", "pruned", "compile failed") for r in result.records)
+        assert len(ok) >= (2 if direction == "forward" else 1) and result.best is not None
         assert result.best_ms <= result.default_ms
         assert all(r.error is not None and r.error < 3e-2 for r in ok)
 
