@@ -57,7 +57,7 @@ class ResultStore:
                 if old.get(key) != header.get(key):
                     raise ResumeError(f"cannot resume {path}: it was made with {key}="
                                       f"{old.get(key)!r}, this run has {header.get(key)!r}")
-            merged = dict(header)
+            merged = {**old, **header}  # keeps what other tools added (the tier grid)
             grid_old, grid_new = old.get("tune_grid") or {}, header.get("tune_grid") or {}
             merged["tune_grid"] = {
                 name: sorted(set(grid_old.get(name, [])) | set(grid_new.get(name, [])))
