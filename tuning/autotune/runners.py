@@ -29,6 +29,7 @@ from pallas_kernels.mosaic.backward import mosaic_attention_backward as mosaic_b
 from pallas_kernels.mosaic.forward import mosaic_attention_forward as mosaic_forward
 from pallas_kernels.numerics import capped_for_rounding
 from pallas_kernels.problem import Problem
+from tuning import dispatch
 from tuning.autotune import search_space
 from tuning.device import multiprocessor_count
 
@@ -485,7 +486,6 @@ _ROLES: dict[str, Callable[[KernelDescriptor], KernelRunner]] = {
 
 
 def _mosaic_requires() -> str | None:
-    from tuning import dispatch  # noqa: PLC0415 - the device check lives with the dispatcher
     reason = dispatch.runs_here(tiers.MOSAIC, dispatch.Device.current(), interpret=False)
     return None if reason is None else f"the Mosaic tier {reason}"
 
