@@ -126,6 +126,8 @@ def test_the_mosaic_tasks_follow_ffpas_grid_where_the_tier_computes_them():
 def test_the_mosaic_runners_say_why_they_cannot_tune_here():
     task = Task(direction="forward", kernel=FWD, case_name="common", dtype="bf16", headdim=64,
                 seqlen_q=512, seqlen_k=512, causal=False, batch=1, nheads_q=4, nheads_kv=4)
+    if RUNNERS[FWD].missing() is None:
+        pytest.skip("the Mosaic kernels run here (tests/test_autotune_gpu.py tunes them)")
     assert "needs an sm90 GPU" in RUNNERS[FWD].missing()
     assert "needs an sm90 GPU" in RUNNERS[BWD].unsupported(task.problem())
     refuses = RUNNERS[FWD].refuses
