@@ -1,8 +1,9 @@
 """`python -m ffpa_jax.bench`: ffpa_jax against its peers, measured side by side in one run.
 
 Case kinds (--case): self, cross (T != S), decode (T = 1), gqa, mqa, causal, attn-mask
-(90%-sparse block mask), bias-grad (a [1, H, T, S] bias, differentiated), dropout (p=0.1),
-non-aligned (N = 8191), packed (causal, 8 documents per row as segment ids), window
+(90%-sparse block mask), key-mask (key padding: a [B, 1, 1, S] mask keeping S, 7S/8, S/2,
+S/4 keys of the batch rows in turn), bias-grad (a [1, H, T, S] bias, differentiated),
+dropout (p=0.1), non-aligned (N = 8191), packed (causal, 8 documents per row as segment ids), window
 (causal, a left window of min(1024, N/4)), softcap (cap 50), sinks (attention sinks: one
 logit per query head), paged-decode (decode over a KV cache in shuffled pages of
 --page-size keys, forward only), context-parallel (causal, the sequence split over

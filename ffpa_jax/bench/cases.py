@@ -11,9 +11,9 @@ import dataclasses
 
 import numpy as np
 
-KINDS = ("self", "cross", "decode", "gqa", "mqa", "causal", "attn-mask", "bias-grad", "dropout",
-         "non-aligned", "packed", "window", "softcap", "sinks", "paged-decode",
-         "context-parallel")
+KINDS = ("self", "cross", "decode", "gqa", "mqa", "causal", "attn-mask", "key-mask",
+         "bias-grad", "dropout", "non-aligned", "packed", "window", "softcap", "sinks",
+         "paged-decode", "context-parallel")
 FORWARD_ONLY = ("decode", "paged-decode")
 MODES = ("fwd", "fwdbwd")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -38,7 +38,8 @@ class BenchCase:
     dv: int
     causal: bool = False
     dtype: str = "bf16"
-    mask: str | None = None  # None | "sparse90": a 90%-sparse block mask [T, S]
+    # None | "sparse90": a 90%-sparse block mask [1, 1, T, S] | "keys": key padding [B, 1, 1, S]
+    mask: str | None = None
     mode: str = "fwd"  # "fwd" | "fwdbwd" (gradients through a fixed random cotangent)
     kind: str = "self"
     bias: str | None = None  # None | "heads": a float bias [1, Hq, T, S], differentiated
@@ -111,7 +112,8 @@ class BenchCase:
         elems = (self.b * self.t * self.hq * (self.d + self.dv)  # q and out
                  + self.b * self.s * self.hkv * (self.d + self.dv))  # k and v
         extra = self.hq * self.t * self.s * item if self.bias == "heads" else 0
-        extra += self.t * self.s if self.mask else 0  # bool, one byte each
+        extra += (self.b * self.s if self.mask == "keys"  # bool, one byte each
+                  else self.t * self.s if self.mask else 0)
         extra += 4 * self.b * (self.t + self.s) if self.segments else 0  # int32 ids
         return float(elems * item + extra)
 
@@ -154,6 +156,13 @@ def feature_kwargs(case: BenchCase) -> dict:
     return kw
 
 
+def key_lengths(case: BenchCase) -> np.ndarray:
+    """int [B]: the keys each batch row of a key-mask case keeps, cycling through S, 7S/8,
+    S/2 and S/4 (padding of a batch of unequal documents)."""
+    fractions = (1.0, 0.875, 0.5, 0.25)
+    return np.array([max(1, int(case.s * fractions[i % 4])) for i in range(case.b)])
+
+
 def sparse_block_mask(t: int, s: int, rng: np.random.Generator) -> np.ndarray:
     """[T, S] bool: 90% of (block x block) tiles off, the first key tile always on."""
     block = 128 if min(t, s) >= 1024 else 32
@@ -171,7 +180,8 @@ def make_case(kind: str, *, d: int, n: int, b: int, h: int, kv_heads: int = 0,
 
     self: T = S = n (kv_heads honoured, as the first CLI did); cross: S = kv_seqlen or n/2;
     decode: T = 1, S = n, Hkv = kv_heads or H/4 (forward only); gqa: Hkv = kv_heads or H/4;
-    mqa: Hkv = 1; causal: bottom-right causal; attn-mask: a 90%-sparse block mask;
+    mqa: Hkv = 1; causal: bottom-right causal; attn-mask: a 90%-sparse block mask; key-mask:
+    key padding, a [B, 1, 1, S] mask hiding each batch row's last keys (`key_lengths`);
     bias-grad: a [1, Hq, T, S] bias, differentiated in forward+backward; dropout: rate
     `dropout` on the probabilities; non-aligned: T = S = n - 1 for even n (8191 from 8192);
     packed: causal, `PACKED_SEGMENTS` equal documents per row (segment ids); window: causal,
@@ -206,6 +216,8 @@ def make_case(kind: str, *, d: int, n: int, b: int, h: int, kv_heads: int = 0,
         causal = True
     elif kind == "attn-mask":
         fields["mask"] = "sparse90"
+    elif kind == "key-mask":
+        fields["mask"] = "keys"
     elif kind == "bias-grad":
         fields["bias"] = "heads"
     elif kind == "dropout":
@@ -260,6 +272,7 @@ def gpu_preset() -> list[BenchCase]:
     cases += [_base("gqa", 128, 4096, 4), _base("mqa", 128, 4096, 4)]
     cases += [_base("cross", 128, 4096, 4)]
     cases += [_base("attn-mask", 128, 4096, 1), _base("bias-grad", 128, 4096, 1)]
+    cases += [_base("key-mask", 128, 4096, 4)]
     cases += [_base("non-aligned", 128, 8192, 1)]
     cases += [_base(kind, 128, n, 4) for kind in ("packed", "window") for n in (4096, 16384)]
     cases += [_base("softcap", 128, 4096, 4), _base("softcap", 256, 4096, 1)]
@@ -291,6 +304,7 @@ def cpu_preset() -> list[BenchCase]:
              make_case("mqa", d=64, n=128, b=1, h=4),
              make_case("causal", d=128, n=128, b=1, **small),
              make_case("attn-mask", d=64, n=256, b=1, **small),
+             make_case("key-mask", d=64, n=128, b=2, **small),
              make_case("bias-grad", d=64, n=128, b=1, **small),
              make_case("dropout", d=64, n=128, b=1, **small),
              make_case("non-aligned", d=40, n=128, b=1, **small),

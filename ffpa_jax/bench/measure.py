@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import ffpa_jax
-from ffpa_jax.bench.cases import (CONTEXT_PARALLEL, BenchCase, page_table, segment_ids,
-                                  sink_logits, sparse_block_mask)
+from ffpa_jax.bench.cases import (CONTEXT_PARALLEL, BenchCase, key_lengths, page_table,
+                                  segment_ids, sink_logits, sparse_block_mask)
 from ffpa_jax.bench.peers import CONTEXT_AXIS, Impl, Unsupported, context_mesh
 from pallas_kernels.reference import causal_keep, rows_reference, window_keep
 from tuning.timing import time_samples
@@ -47,9 +47,12 @@ def make_inputs(case: BenchCase, seed: int = 0) -> dict:
     }
     if case.bias == "heads":
         inputs["bias"] = jax.random.normal(kb, (1, case.hq, case.t, case.s), dtype)
-    if case.mask == "sparse90":
+    if case.mask == "sparse90":  # masks are 4-D: [1, 1, T, S] here, [B, 1, 1, S] below
         inputs["mask"] = jnp.asarray(sparse_block_mask(case.t, case.s,
-                                                       np.random.default_rng(seed)))
+                                                       np.random.default_rng(seed)))[None, None]
+    if case.mask == "keys":
+        keep = np.arange(case.s)[None, :] < key_lengths(case)[:, None]
+        inputs["mask"] = jnp.asarray(keep)[:, None, None, :]
     if case.dropout:
         inputs["rng"] = kr
     if case.mode == "fwdbwd":
@@ -209,8 +212,10 @@ def reference_rows(case: BenchCase, inputs: dict, seed: int):
     k = _host(_rows(inputs["k"], bs, kvs, step=1))
     v = _host(_rows(inputs["v"], bs, kvs, step=1))
     visible = np.ones((len(bs), len(t_rows), case.s), bool)
-    if inputs["mask"] is not None:
-        visible &= np.asarray(jax.device_get(inputs["mask"][::step]), bool)[None]
+    if inputs["mask"] is not None:  # [B|1, 1, T|1, S] at the sampled batch rows and rows
+        mask = np.asarray(jax.device_get(inputs["mask"]), bool)[:, 0]
+        mask = mask[bs] if mask.shape[0] > 1 else mask
+        visible &= mask[:, ::step] if mask.shape[1] > 1 else mask
     if case.causal:  # at the kept rows only
         visible &= np.asarray(causal_keep(case.t, case.s, rows=t_rows))[None]
     if case.window:

@@ -174,6 +174,13 @@ def _pallas_paged(case: BenchCase, interpret: bool):
     return run
 
 
+def _mask_shape(case: BenchCase) -> tuple[int, int, int, int] | None:
+    """The 4-D shape of the case's mask (`measure.make_inputs` builds it)."""
+    if case.mask is None:
+        return None
+    return (case.b, 1, 1, case.s) if case.mask == "keys" else (1, 1, case.t, case.s)
+
+
 def _tiers_of(implementation: str | None, *, split: bool = False):
     """(case, interpret) -> "forward tier/backward tier" of ffpa_jax's call for the case
     (`split`: of its blocks, where a context-parallel case splits the sequence)."""
@@ -185,7 +192,7 @@ def _tiers_of(implementation: str | None, *, split: bool = False):
                           dtype=DTYPES[case.dtype], scale=_scale(case), causal=case.causal,
                           dropout_rate=case.dropout,
                           bias_shape=(1, case.hq, case.t, case.s) if case.bias else None,
-                          mask_shape=(1, 1, case.t, case.s) if case.mask else None,
+                          mask_shape=_mask_shape(case),
                           window=(case.window, 0) if case.window else None,
                           softcap=case.softcap or None, segment_ids=bool(case.segments),
                           sinks=case.sinks,
@@ -223,7 +230,7 @@ def _jax_nn_run(case: BenchCase, implementation: str):
 
     def run(q, k, v, bias, mask, rng):
         del rng
-        m = None if mask is None else mask[None, None]
+        m = mask  # 4-D, or None
         if dense is not None:
             m = dense[None, None] if m is None else m & dense[None, None]
         return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=m, is_causal=case.causal,
@@ -359,7 +366,7 @@ def _tokamax(implementation: str):
         def run(q, k, v, bias, mask, rng):
             del rng
             return tokamax.dot_product_attention(
-                q, k, v, bias=bias, mask=None if mask is None else mask[None, None],
+                q, k, v, bias=bias, mask=mask,
                 scale=_scale(case), is_causal=case.causal, local_window_size=window,
                 logits_soft_cap=case.softcap or None, implementation=implementation)
         return run
