@@ -45,7 +45,7 @@ _FFPA_ONLY = (
     KernelSpec("decode_bwd_stage1", "backward", ("BLOCK_M", "BLOCK_N", "BLOCK_HEADDIM")),
 )
 
-# The Mosaic tier's kernels: entries of our own (FFPA's readers skip unknown kernels), their
+# The Mosaic tier's kernels: entries of our own (under kernel names FFPA does not use), their
 # configs in `pallas_kernels.mosaic.config.Config`'s field names.
 _MOSAIC = tuple(
     KernelSpec(kernel, direction, (),
