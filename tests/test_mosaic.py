@@ -835,3 +835,23 @@ def test_the_tier_with_a_mask_lowers_for_cuda(mask_shape, monkeypatch):
     text = jax.jit(backward).trace(q, kv, kv, mask, out, lse, q).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("hq,hkv,d,dv,causal", [
+    (4, 4, 512, 512, True), (6, 2, 512, 512, False), (4, 2, 320, 111, True),
+    (8, 1, 512, 512, True), (8, 2, 300, 300, False)])
+def test_the_wide_kernels_default_lowers_for_every_gqa_group(hq, hkv, d, dv, causal):
+    """The wide forward's default (3 ring slots of 64 columns, clusters of 2: of sibling
+    heads where the group is even, else of query tiles) fits shared memory and its clusters'
+    constraints for even, odd and single-head groups, odd T and S."""
+    q = sd((2, 203, hq, d), jnp.bfloat16)
+    k, v = sd((2, 113, hkv, d), jnp.bfloat16), sd((2, 113, hkv, dv), jnp.bfloat16)
+    config = default_config(d, dv, gqa_group=hq // hkv)
+    assert config.wide and config.cluster == 2
+    assert config.cluster_axis == ("heads" if (hq // hkv) % 2 == 0 else "q")
+
+    def f(q, k, v):
+        return mosaic_attention_forward(q, k, v, scale=d ** -0.5, causal=causal,
+                                        config=config)
+    text = jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
