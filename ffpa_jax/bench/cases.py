@@ -8,6 +8,7 @@ preset small shapes that the Pallas interpreter runs in seconds.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -79,6 +80,14 @@ class BenchCase:
     def group(self) -> int:
         return self.hq // self.hkv
 
+    @property
+    def mask_shape(self) -> tuple[int, int, int, int] | None:
+        """The 4-D shape of the case's mask: [B, 1, 1, S] for key padding, [1, 1, T, S]
+        for the sparse block mask (`measure.make_inputs` builds it)."""
+        if self.mask is None:
+            return None
+        return (self.b, 1, 1, self.s) if self.mask == "keys" else (1, 1, self.t, self.s)
+
     def flops(self) -> float:
         """4·B·Hq·T·S·D (D the mean of D and Dv), halved when causal, x3.5 for fwd+bwd; with
         segments or a window, 4·B·Hq·D per (query, key) pair they leave visible."""
@@ -112,8 +121,7 @@ class BenchCase:
         elems = (self.b * self.t * self.hq * (self.d + self.dv)  # q and out
                  + self.b * self.s * self.hkv * (self.d + self.dv))  # k and v
         extra = self.hq * self.t * self.s * item if self.bias == "heads" else 0
-        extra += (self.b * self.s if self.mask == "keys"  # bool, one byte each
-                  else self.t * self.s if self.mask else 0)
+        extra += math.prod(self.mask_shape) if self.mask else 0  # bool, one byte each
         extra += 4 * self.b * (self.t + self.s) if self.segments else 0  # int32 ids
         return float(elems * item + extra)
 

@@ -174,13 +174,6 @@ def _pallas_paged(case: BenchCase, interpret: bool):
     return run
 
 
-def _mask_shape(case: BenchCase) -> tuple[int, int, int, int] | None:
-    """The 4-D shape of the case's mask (`measure.make_inputs` builds it)."""
-    if case.mask is None:
-        return None
-    return (case.b, 1, 1, case.s) if case.mask == "keys" else (1, 1, case.t, case.s)
-
-
 def _tiers_of(implementation: str | None, *, split: bool = False):
     """(case, interpret) -> "forward tier/backward tier" of ffpa_jax's call for the case
     (`split`: of its blocks, where a context-parallel case splits the sequence)."""
@@ -192,7 +185,7 @@ def _tiers_of(implementation: str | None, *, split: bool = False):
                           dtype=DTYPES[case.dtype], scale=_scale(case), causal=case.causal,
                           dropout_rate=case.dropout,
                           bias_shape=(1, case.hq, case.t, case.s) if case.bias else None,
-                          mask_shape=_mask_shape(case),
+                          mask_shape=case.mask_shape,
                           window=(case.window, 0) if case.window else None,
                           softcap=case.softcap or None, segment_ids=bool(case.segments),
                           sinks=case.sinks,

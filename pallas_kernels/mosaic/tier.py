@@ -14,8 +14,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.mosaic import backward as mosaic_backward
 from pallas_kernels.mosaic import tuned
-from pallas_kernels.mosaic.config import (default_backward_config, default_config,
-                                          uses_wide_kernel)
+from pallas_kernels.mosaic.config import uses_wide_kernel
 from pallas_kernels.mosaic.forward import mosaic_attention_forward
 from pallas_kernels.plan import KernelChoice, Plan, Target
 from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
@@ -64,13 +63,8 @@ def configs(problem: Problem, direction: str, lookup, target: Target) -> tuple[K
     fields of a tuned entry where one matches and fits the call (`tuned.tuned_config`)."""
     del target
     kernel = BACKWARD_KERNEL if direction == "backward" else KERNEL
-    if direction == "backward":
-        default = default_backward_config(problem.head_dim, problem.head_dim_v,
-                                          segments=problem.segment_ids)
-    else:
-        default = default_config(problem.head_dim, problem.head_dim_v, problem.dtype,
-                                 problem.causal, gqa_group=problem.group,
-                                 segments=problem.segment_ids)
+    default = tuned.default_for(kernel, problem.head_dim, problem.head_dim_v,
+                                group=problem.group, segments=problem.segment_ids)
     entry, why = lookup(kernel)
     config, note = tuned.tuned_config(kernel, default, entry, head_dim=problem.head_dim,
                                       head_dim_v=problem.head_dim_v, group=problem.group,

@@ -14,7 +14,8 @@ import dataclasses
 import itertools
 from typing import Any, Mapping
 
-from pallas_kernels.mosaic.config import Config, round_up, uses_wide_kernel
+from pallas_kernels.mosaic.config import (Config, default_backward_config, default_config,
+                                          round_up, uses_wide_kernel)
 
 FORWARD_KERNEL = "mosaic_fwd"
 BACKWARD_KERNEL = "mosaic_bwd"
@@ -28,6 +29,15 @@ FIELDS: dict[str, dict[str, type]] = {
 MAX_STAGES = 6
 WIDE_MIN_BLOCK_KV = 128  # 64 key columns per consumer warpgroup
 BACKWARD_WIDE_ROWS_MAX_HEAD_DIM = 64  # 128 query rows per backward step fit the registers
+
+
+def default_for(kernel: str, head_dim: int, head_dim_v: int, *, group: int = 1,
+                segments: bool = False) -> Config:
+    """`kernel`'s built-in config for these head dims, GQA group and segment ids (what a call
+    runs without an entry, and where the autotuner's candidates start)."""
+    if kernel == BACKWARD_KERNEL:
+        return default_backward_config(head_dim, head_dim_v, segments=segments)
+    return default_config(head_dim, head_dim_v, gqa_group=group, segments=segments)
 
 
 def config_problem(kernel: str, config: Any) -> str | None:

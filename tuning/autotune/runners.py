@@ -22,7 +22,6 @@ import pallas_kernels
 from pallas_kernels import KERNEL_DESCRIPTORS, BackwardRows, BwdConfig, KernelDescriptor, reference
 from pallas_kernels import problem as problem_arrays
 from pallas_kernels import tiers
-from pallas_kernels.mosaic import config as mosaic_config
 from pallas_kernels.mosaic import tier as mosaic_tier
 from pallas_kernels.mosaic import tuned as mosaic_tuned
 from pallas_kernels.mosaic.backward import mosaic_attention_backward as mosaic_backward
@@ -505,11 +504,7 @@ def _mosaic_refuses(direction: str) -> Callable[[Problem], str | None]:
 
 
 def _mosaic_config(kernel: str, cfg: dict, spec: Problem):
-    if kernel == mosaic_tuned.BACKWARD_KERNEL:
-        default = mosaic_config.default_backward_config(spec.head_dim, spec.head_dim_v)
-    else:
-        default = mosaic_config.default_config(spec.head_dim, spec.head_dim_v, spec.dtype,
-                                               spec.causal, gqa_group=spec.group)
+    default = mosaic_tuned.default_for(kernel, spec.head_dim, spec.head_dim_v, group=spec.group)
     config, why_not = mosaic_tuned.tuned_config(kernel, default, cfg, head_dim=spec.head_dim,
                                                 head_dim_v=spec.head_dim_v, group=spec.group,
                                                 segments=False)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from pallas_kernels import KERNEL_DESCRIPTORS
 from pallas_kernels.descriptor import tile_width
-from pallas_kernels.mosaic import config as mosaic_config
 from pallas_kernels.mosaic import tuned as mosaic_tuned
 from pallas_kernels.tiles import MIN_TILE
 from tuning.defaults import default_config
@@ -100,10 +99,7 @@ def _mosaic_candidates(kernel: str, *, headdim: int, mode: str, group: int) -> l
     """The Mosaic kernels' candidates (`pallas_kernels.mosaic.tuned.candidate_fields`) for
     D = Dv = `headdim`, as the autotuner's tasks are: one-knob moves in "fast" mode, the
     knobs' grid in "max"."""
-    if kernel == mosaic_tuned.BACKWARD_KERNEL:
-        default = mosaic_config.default_backward_config(headdim, headdim)
-    else:
-        default = mosaic_config.default_config(headdim, headdim, gqa_group=group)
+    default = mosaic_tuned.default_for(kernel, headdim, headdim, group=group)
     fast = mode == "fast"
     return mosaic_tuned.candidate_fields(kernel, default, head_dim=headdim, head_dim_v=headdim,
                                          group=group, limit=FAST_LIMIT if fast else MAX_CANDIDATES,
