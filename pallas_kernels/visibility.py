@@ -272,6 +272,26 @@ def segment_block_ranges(q_ids, kv_ids, *, block_m: int, block_n: int):
     return jnp.stack([lo, hi], axis=-1).astype(jnp.int32)
 
 
+def mask_is_segments(mask_shape) -> bool:
+    """Whether a 4-D mask of this shape ([B|1, H|1, T|1, S|1]) says no more than a pair of
+    segment ids can: the same for every head, and a key mask (one row for all rows) or a
+    query mask (one column for all keys). `segments_of_mask` makes the ids."""
+    return mask_shape is not None and mask_shape[1] == 1 and 1 in mask_shape[2:]
+
+
+def segments_of_mask(mask, batch: int, seq_q: int, seq_k: int):
+    """(q_ids int32 [B, T], kv_ids int32 [B, S]) under which row i sees key j exactly where
+    `mask` (a shape `mask_is_segments` accepts) lets it: a key mask keeps the rows' ids at 1
+    and gives each key 1 (seen) or 0 (hidden); a query mask gives each row 1 or 0 and the
+    keys 1. A row that sees no key is a row of no segment: out 0, as under the mask."""
+    m = mask[:, 0].astype(jnp.int32)  # [B|1, T|1, S|1]
+    if m.shape[1] == 1:  # a key mask (also one value for the whole row block)
+        kv = jnp.broadcast_to(m[:, 0, :], (batch, seq_k))
+        return jnp.ones((batch, seq_q), jnp.int32), kv
+    q = jnp.broadcast_to(m[:, :, 0], (batch, seq_q))
+    return q, jnp.ones((batch, seq_k), jnp.int32)
+
+
 # ---------------------------------------------------------------- static spans of keys
 # The chunked tier plans its blocks of rows at trace time, in Python integers, from the
 # static shift S - T; where positions make the shift runtime data, only the band's width

@@ -45,6 +45,7 @@ from hypothesis import strategies as st
 import ffpa_jax
 from conftest import HAS_GPU, interpret_flag, skip_unless_sm90
 from test_numerics import compare_all, run_attention, run_reference
+from pallas_kernels.visibility import mask_is_segments
 
 # Hypothesis draws over the whole matrix: outside the default suite; CI runs them
 # (`pytest -m slow`).
@@ -180,15 +181,28 @@ def make_pool(seed: int, size: int, limits: Limits) -> list[Config]:
 MOSAIC_MAX_HEAD_DIM = 512  # the Mosaic forward's (its backward hands larger ones on)
 
 
+MOSAIC_MASK_MAX_HEAD_DIM = 256  # masks become segment ids: the "rows" forward's
+
+
+def _mosaic_mask(cfg: Config, d: int, dv: int):
+    """`cfg`'s mask where the Mosaic tier takes it (a key or query mask shared by the heads,
+    head dims up to 256 once padded to 64), else None."""
+    if cfg.mask_shape is None or max(-(-d // 64), -(-dv // 64)) * 64 > MOSAIC_MASK_MAX_HEAD_DIM:
+        return None
+    shape = (1,) * (4 - len(cfg.mask_shape)) + tuple(cfg.mask_shape)
+    return cfg.mask_shape if mask_is_segments(shape) else None
+
+
 def mosaic_config(cfg: Config) -> Config:
-    """`cfg` as the Mosaic tier serves it: 16-bit, no bias, mask or dropout, head dims up to
-    512 (a larger one drawn becomes 512). Its backward takes part of these (D, Dv <= 128, or
+    """`cfg` as the Mosaic tier serves it: 16-bit, no bias or dropout, a mask only where it
+    is a key or query mask shared by the heads (at head dims up to 256), head dims up to 512
+    (a larger one drawn becomes 512). Its backward takes part of these (D, Dv <= 128, or
     D = Dv <= 256, more than 128 keys); forcing the tier leaves the rest of the backward to
     the rules' tier, so such draws check the pair."""
+    d, dv = min(cfg.d, MOSAIC_MAX_HEAD_DIM), min(cfg.dv, MOSAIC_MAX_HEAD_DIM)
     return dataclasses.replace(
         cfg, dtype="bfloat16" if cfg.dtype == "float32" else cfg.dtype, bias_shape=None,
-        mask_shape=None, dropout_rate=0.0, d=min(cfg.d, MOSAIC_MAX_HEAD_DIM),
-        dv=min(cfg.dv, MOSAIC_MAX_HEAD_DIM))
+        mask_shape=_mosaic_mask(cfg, d, dv), dropout_rate=0.0, d=d, dv=dv)
 
 
 def make_mosaic_pool(seed: int, size: int) -> list[Config]:
@@ -350,11 +364,16 @@ def test_fuzz_mosaic_gpu():
 
 
 def test_the_mosaic_pool_is_what_the_tier_serves():
-    """The Mosaic fuzz's pool: 16-bit, no bias, mask or dropout, head dims up to 512, and
-    still GQA, causal, T = 1, T > S, odd and large head dims, gradients."""
+    """The Mosaic fuzz's pool: 16-bit, no bias or dropout, key and query masks shared by the
+    heads (up to D = 256), head dims up to 512, and still GQA, causal, T = 1, T > S, odd and
+    large head dims, gradients."""
     pool = make_mosaic_pool(0, 50) + make_mosaic_pool(1, 50)
     assert all(c.dtype in ("bfloat16", "float16") and c.bias_shape is None
-               and c.mask_shape is None and c.dropout_rate == 0.0 for c in pool)
+               and c.dropout_rate == 0.0 for c in pool)
+    masked = [c for c in pool if c.mask_shape is not None]
+    assert masked and all(max(c.d, c.dv) <= MOSAIC_MASK_MAX_HEAD_DIM for c in masked)
+    assert all(mask_is_segments((1,) * (4 - len(c.mask_shape)) + tuple(c.mask_shape))
+               for c in masked)
     assert max(max(c.d, c.dv) for c in pool) == MOSAIC_MAX_HEAD_DIM
     assert any(c.d % 64 and c.d > 64 for c in pool) and any(c.d != c.dv for c in pool)
     assert any(c.causal and c.t > c.s for c in pool) and any(c.t == 1 for c in pool)

@@ -21,7 +21,8 @@ from pallas_kernels.mosaic.backward import mosaic_attention_backward, unsupporte
 from pallas_kernels.mosaic.config import default_backward_config
 from pallas_kernels.mosaic.common import Walk, soft_cap
 from pallas_kernels.visibility import kv_walk, q_walk
-from pallas_kernels.problem import FeatureArrays, Inputs, Problem
+from pallas_kernels.mosaic import tier as mosaic_tier
+from pallas_kernels.problem import Cotangents, FeatureArrays, Inputs, Problem, Saved
 from tuning import dispatch
 
 sd = jax.ShapeDtypeStruct
@@ -774,4 +775,83 @@ def test_the_wide_kernels_default_lowers_for_every_gqa_group(hq, hkv, d, dv, cau
         return mosaic_attention_forward(q, k, v, scale=d ** -0.5, causal=causal,
                                         config=config)
     text = jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+# Key and query masks shared by the heads reach the Mosaic kernels as segment ids.
+MASKS_AS_SEGMENTS = [(2, 1, 1, 203), (1, 1, 1, 203), (2, 1, 113, 1), (1, 1, 1, 1)]
+
+
+@pytest.mark.parametrize("mask_shape", MASKS_AS_SEGMENTS, ids=str)
+def test_a_key_or_query_mask_is_the_segment_ids_made_of_it(mask_shape):
+    """`visibility.segments_of_mask` hides exactly what the mask hides: the dense path with
+    the ids equals it with the mask, fully hidden rows included (out 0 in both)."""
+    keys = jax.random.split(jax.random.key(7), 4)
+    q = jax.random.normal(keys[0], (2, 113, 4, 40), jnp.float32)
+    k = jax.random.normal(keys[1], (2, 203, 2, 40), jnp.float32)
+    v = jax.random.normal(keys[2], (2, 203, 2, 40), jnp.float32)
+    mask = jax.random.bernoulli(keys[3], 0.6, mask_shape)
+    if mask_shape[2] > 1:
+        mask = mask.at[0, 0, 5].set(False)  # a row that sees nothing
+    assert visibility.mask_is_segments(mask_shape)
+    q_ids, kv_ids = visibility.segments_of_mask(mask, 2, 113, 203)
+    by_mask = ffpa_jax.attention(q, k, v, mask=mask, is_causal=True, implementation="xla")
+    by_ids = ffpa_jax.attention(q, k, v, is_causal=True, q_segment_ids=q_ids,
+                                kv_segment_ids=kv_ids, implementation="xla")
+    np.testing.assert_allclose(by_ids, by_mask, rtol=1e-6, atol=1e-6)
+    if mask_shape[2] > 1:
+        assert not np.any(np.asarray(by_ids[0, 5]))
+
+
+@pytest.mark.parametrize("mask_shape,served", [
+    ((2, 1, 1, 203), True), ((2, 1, 113, 1), True), ((1, 1, 1, 1), True),
+    ((2, 4, 1, 203), False), ((2, 1, 113, 203), False)])
+def test_the_tier_takes_the_masks_segment_ids_can_say(mask_shape, served, monkeypatch):
+    """Named, the tier serves a key or query mask shared by the heads (not with segment ids
+    given too, nor in the wide forward); by the rules a masked call stays off it until its
+    masks are measured against the Triton kernels'."""
+    device = _h100(monkeypatch)
+    q, kv = sd((2, 113, 4, 128), jnp.bfloat16), sd((2, 203, 2, 128), jnp.bfloat16)
+    problem = Problem.of(q, kv, kv, mask=sd(mask_shape, jnp.bool_))
+    assert bool(visibility.mask_is_segments(problem.mask_shape)) == served
+    if served:
+        named = dispatch.explain(problem, "mosaic", device=device)
+        assert (named.forward.tier, named.backward.tier) == ("mosaic", "mosaic")
+        assert named.plan.config("mosaic_fwd") == default_config(128, 128, gqa_group=2,
+                                                                 segments=True)
+    else:
+        with pytest.raises(ValueError, match="mask other than a key or query mask"):
+            dispatch.explain(problem, "mosaic", device=device)
+    ruled = dispatch.explain(problem, device=device)
+    assert (ruled.forward.tier, ruled.backward.tier) == ("pallas", "pallas")
+    assert "a mask: the Mosaic tier's is not measured yet" in ruled.forward.why
+    ids = sd((2, 113), jnp.int32), sd((2, 203), jnp.int32)
+    both = Problem.of(q, kv, kv, mask=sd((2, 1, 1, 203), jnp.bool_),
+                      features=FeatureArrays(*ids))
+    assert "mask with q_segment_ids" in " ".join(mosaic_tier.unsupported(both, "forward"))
+    wide = Problem.of(sd((2, 113, 4, 512), jnp.bfloat16), sd((2, 203, 2, 512), jnp.bfloat16),
+                      sd((2, 203, 2, 512), jnp.bfloat16), mask=sd((2, 1, 1, 203), jnp.bool_))
+    assert "mask with head dims above 256" in mosaic_tier.unsupported(wide, "forward")
+
+
+@pytest.mark.parametrize("mask_shape", MASKS_AS_SEGMENTS[:3], ids=str)
+def test_the_tier_with_a_mask_lowers_for_cuda(mask_shape, monkeypatch):
+    """The tier's forward and backward with a key or query mask lower for CUDA with the
+    kernels' segment ids (shared memory checked while lowering)."""
+    q, kv = sd((2, 113, 4, 64), jnp.bfloat16), sd((2, 203, 2, 64), jnp.bfloat16)
+    mask = sd(mask_shape, jnp.bool_)
+    problem = Problem.of(q, kv, kv, mask=mask, causal=True)
+    plan = dispatch.plan_for_tiers(problem, "mosaic", "mosaic")
+
+    def forward(q, k, v, mask):
+        return mosaic_tier.forward(plan, Inputs(q, k, v, mask=mask))
+
+    def backward(q, k, v, mask, out, lse, d_out):
+        return mosaic_tier.backward(plan, Inputs(q, k, v, mask=mask), Saved(out, lse),
+                                    Cotangents(d_out, None))
+    text = jax.jit(forward).trace(q, kv, kv, mask).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    out, lse = sd((2, 113, 4, 64), jnp.float32), sd((2, 4, 113), jnp.float32)
+    text = jax.jit(backward).trace(q, kv, kv, mask, out, lse, q).lower(
+        lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text

@@ -8,6 +8,8 @@ One place decides, for the run (`plan`) and for `python -m ffpa_jax.info` (`expl
    else the chunked tier where the dense logits would pass its workspace budget, and XLA's
    dense path below it.
 3. `implementation=None` on an NVIDIA GPU, each direction by the first rule that applies:
+   - a mask: the rules below without the Mosaic tier (its key and query masks, served as
+     segment ids where it is named, are not measured against the Triton kernels' yet);
    - segment ids up to D = 256: the fused kernels (the Mosaic ones where they measured
      faster, `SEGMENTS_MOSAIC`);
    - a sliding window narrow enough for the fused kernels' tile skipping (`narrow_window`);
@@ -218,6 +220,11 @@ def _rule(direction: str, problem: Problem, device: Device,
           mosaic: bool = True) -> tuple[Tier, str]:
     """The GPU's first applicable rule for `direction` (step 3 of the module docstring);
     `mosaic=False`: the rules without the Mosaic tier."""
+    if mosaic and problem.mask_shape is not None:
+        # The Mosaic tier takes key and query masks (as segment ids) where it is named; not
+        # measured against the Triton kernels' masks yet, so the rules without it decide.
+        tier, why = _rule(direction, problem, device, mosaic=False)
+        return tier, f"{why} (a mask: the Mosaic tier's is not measured yet)"
     if problem.segment_ids and problem.headdim <= SEGMENTS_MAX_HEADDIM:
         low, high = SEGMENTS_MOSAIC[direction]
         fused_tier = (tiers.MOSAIC if mosaic and low < problem.headdim <= high

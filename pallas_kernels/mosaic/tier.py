@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels import visibility
 from pallas_kernels.mosaic import backward as mosaic_backward
 from pallas_kernels.mosaic import tuned
 from pallas_kernels.mosaic.config import uses_wide_kernel
@@ -31,7 +32,9 @@ def unsupported(problem: Problem, direction: str) -> tuple[str, ...]:
     """What of `problem` the Mosaic tier does not compute in `direction`, by argument name
     (or what). Segment ids are served up to D = 256 in the forward (the "rows" kernel) and
     in the backward: the kernels compare the ids in their masks and walk the range of
-    blocks the ids allow (`visibility.segment_block_ranges`). Sequence lengths and sinks
+    blocks the ids allow (`visibility.segment_block_ranges`). So is a mask the same for
+    every head that is a key mask or a query mask: it becomes segment ids
+    (`visibility.segments_of_mask`), where no segment ids are given. Sequence lengths and sinks
     are served: the kernels take the lengths (`mosaic_attention_forward(features=)`, the
     backward's `inputs.features`), the forward joins the sinks on the host, and the
     backward needs nothing for them (lse counts them; their own gradient is the caller's
@@ -41,8 +44,13 @@ def unsupported(problem: Problem, direction: str) -> tuple[str, ...]:
                  if direction == "backward" else
                  f"head dims above {MAX_HEAD_DIM}" if problem.headdim > MAX_HEAD_DIM else "")
     wide = uses_wide_kernel(problem.head_dim, problem.head_dim_v)  # no segment ids there
+    mask = problem.mask_shape is not None
     missing = [name for name, lacks in (
-        ("bias", problem.has_bias), ("mask", problem.mask_shape is not None),
+        ("bias", problem.has_bias),
+        ("mask other than a key or query mask shared by the heads",
+         mask and not visibility.mask_is_segments(problem.mask_shape)),
+        ("mask with q_segment_ids", mask and problem.segment_ids),
+        ("mask with head dims above 256", mask and wide and direction == "forward"),
         ("dropout_rate", problem.has_dropout), *((name, True) for name in features),
         ("context_axis (positions)", problem.positions),
         ("float32 (16-bit only)", problem.natural),
@@ -63,12 +71,13 @@ def configs(problem: Problem, direction: str, lookup, target: Target) -> tuple[K
     fields of a tuned entry where one matches and fits the call (`tuned.tuned_config`)."""
     del target
     kernel = BACKWARD_KERNEL if direction == "backward" else KERNEL
+    segments = _segmented(problem)
     default = tuned.default_for(kernel, problem.head_dim, problem.head_dim_v,
-                                group=problem.group, segments=problem.segment_ids)
+                                group=problem.group, segments=segments)
     entry, why = lookup(kernel)
     config, note = tuned.tuned_config(kernel, default, entry, head_dim=problem.head_dim,
                                       head_dim_v=problem.head_dim_v, group=problem.group,
-                                      segments=problem.segment_ids)
+                                      segments=segments)
     if entry is None:
         why = f"built-in default (mosaic/config.py); {why}"
     elif note:
@@ -86,10 +95,27 @@ def configs(problem: Problem, direction: str, lookup, target: Target) -> tuple[K
     return (KernelChoice.of(kernel, config, why, direction, settings),)
 
 
+def _segmented(problem: Problem) -> bool:
+    """Whether the kernels compare segment ids: given, or made from a mask."""
+    return problem.segment_ids or problem.mask_shape is not None
+
+
+def _with_mask_as_segments(inputs: Inputs) -> Inputs:
+    """`inputs` with a mask (one `unsupported` lets through) turned into segment ids."""
+    if inputs.mask is None:
+        return inputs
+    q, k = inputs.q, inputs.k
+    q_ids, kv_ids = visibility.segments_of_mask(inputs.mask, q.shape[0], q.shape[1],
+                                                k.shape[1])
+    features = inputs.features._replace(q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    return inputs._replace(mask=None, features=features)
+
+
 def forward(plan: Plan, inputs: Inputs):
     """(out, lse): out in float32 when differentiated (`plan.float32_out`)."""
     problem = plan.problem
     out_dtype = jnp.float32 if plan.float32_out else None
+    inputs = _with_mask_as_segments(inputs)
     return mosaic_attention_forward(inputs.q, inputs.k, inputs.v, scale=problem.scale,
                                     causal=problem.causal, config=plan.config(KERNEL),
                                     out_dtype=out_dtype, window=problem.window,
@@ -100,6 +126,7 @@ def backward(plan: Plan, inputs: Inputs, saved: Saved, cotangents: Cotangents):
     """(dq, dk, dv, None): the tier takes no bias."""
     problem = plan.problem
     dq, dk, dv = mosaic_backward.mosaic_attention_backward(
-        inputs, saved, cotangents, scale=problem.scale, causal=problem.causal,
-        config=plan.config(BACKWARD_KERNEL), window=problem.window, softcap=problem.softcap)
+        _with_mask_as_segments(inputs), saved, cotangents, scale=problem.scale,
+        causal=problem.causal, config=plan.config(BACKWARD_KERNEL), window=problem.window,
+        softcap=problem.softcap)
     return dq, dk, dv, None
