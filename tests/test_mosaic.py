@@ -808,8 +808,8 @@ def test_a_key_or_query_mask_is_the_segment_ids_made_of_it(mask_shape):
     ((2, 4, 1, 203), False), ((2, 1, 113, 203), False)])
 def test_the_tier_takes_the_masks_segment_ids_can_say(mask_shape, served, monkeypatch):
     """Named, the tier serves a key or query mask shared by the heads (not with segment ids
-    given too, nor in the wide forward); by the rules a masked call stays off it until its
-    masks are measured against the Triton kernels'."""
+    given too, nor in the wide forward); by the rules such a mask goes to it (measured
+    faster than the Triton kernels' masks) and any other mask to the Triton kernels."""
     device = _h100(monkeypatch)
     q, kv = sd((2, 113, 4, 128), jnp.bfloat16), sd((2, 203, 2, 128), jnp.bfloat16)
     problem = Problem.of(q, kv, kv, mask=sd(mask_shape, jnp.bool_))
@@ -823,15 +823,22 @@ def test_the_tier_takes_the_masks_segment_ids_can_say(mask_shape, served, monkey
         with pytest.raises(ValueError, match="mask other than a key or query mask"):
             dispatch.explain(problem, "mosaic", device=device)
     ruled = dispatch.explain(problem, device=device)
-    assert (ruled.forward.tier, ruled.backward.tier) == ("pallas", "pallas")
-    assert "a mask: the Mosaic tier's is not measured yet" in ruled.forward.why
+    expected = "mosaic" if served else "pallas"
+    assert (ruled.forward.tier, ruled.backward.tier) == (expected, expected)
+    assert ("take it as segment ids" if served else "a mask the Mosaic tier does not take"
+            ) in ruled.forward.why
     ids = sd((2, 113), jnp.int32), sd((2, 203), jnp.int32)
     both = Problem.of(q, kv, kv, mask=sd((2, 1, 1, 203), jnp.bool_),
                       features=FeatureArrays(*ids))
     assert "mask with q_segment_ids" in " ".join(mosaic_tier.unsupported(both, "forward"))
+    assert dispatch.explain(both, device=device).forward.tier != "mosaic"
+    decode = Problem.of(sd((2, 1, 4, 128), jnp.bfloat16), sd((2, 4096, 2, 128), jnp.bfloat16),
+                        sd((2, 4096, 2, 128), jnp.bfloat16), mask=sd((2, 1, 1, 4096), jnp.bool_))
+    assert dispatch.explain(decode, device=device).forward.tier == "pallas"
     wide = Problem.of(sd((2, 113, 4, 512), jnp.bfloat16), sd((2, 203, 2, 512), jnp.bfloat16),
                       sd((2, 203, 2, 512), jnp.bfloat16), mask=sd((2, 1, 1, 203), jnp.bool_))
     assert "mask with head dims above 256" in mosaic_tier.unsupported(wide, "forward")
+    assert dispatch.explain(wide, device=device).forward.tier != "mosaic"
 
 
 @pytest.mark.parametrize("mask_shape", MASKS_AS_SEGMENTS[:3], ids=str)

@@ -8,8 +8,8 @@ One place decides, for the run (`plan`) and for `python -m ffpa_jax.info` (`expl
    else the chunked tier where the dense logits would pass its workspace budget, and XLA's
    dense path below it.
 3. `implementation=None` on an NVIDIA GPU, each direction by the first rule that applies:
-   - a mask: the rules below without the Mosaic tier (its key and query masks, served as
-     segment ids where it is named, are not measured against the Triton kernels' yet);
+   - a mask: a key or query mask shared by the heads (up to D = 256, without segment ids)
+     the Mosaic kernels, as segment ids; any other mask the rules below without them;
    - segment ids up to D = 256: the fused kernels (the Mosaic ones where they measured
      faster, `SEGMENTS_MOSAIC`);
    - a sliding window narrow enough for the fused kernels' tile skipping (`narrow_window`);
@@ -37,7 +37,7 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-from pallas_kernels import chunked_plan, compat, fused, tiers
+from pallas_kernels import chunked_plan, compat, fused, tiers, visibility
 from pallas_kernels.plan import Plan, Target
 from pallas_kernels.problem import Problem
 from pallas_kernels.tiers import TIERS, Tier
@@ -221,10 +221,7 @@ def _rule(direction: str, problem: Problem, device: Device,
     """The GPU's first applicable rule for `direction` (step 3 of the module docstring);
     `mosaic=False`: the rules without the Mosaic tier."""
     if mosaic and problem.mask_shape is not None:
-        # The Mosaic tier takes key and query masks (as segment ids) where it is named; not
-        # measured against the Triton kernels' masks yet, so the rules without it decide.
-        tier, why = _rule(direction, problem, device, mosaic=False)
-        return tier, f"{why} (a mask: the Mosaic tier's is not measured yet)"
+        return _mask_rule(direction, problem, device)
     if problem.segment_ids and problem.headdim <= SEGMENTS_MAX_HEADDIM:
         low, high = SEGMENTS_MOSAIC[direction]
         fused_tier = (tiers.MOSAIC if mosaic and low < problem.headdim <= high
@@ -245,6 +242,21 @@ def _rule(direction: str, problem: Problem, device: Device,
         return tier, why
     tier, rule = built_in_tier(direction, problem, mosaic)
     return tier, f"{rule} ({why})"
+
+
+def _mask_rule(direction: str, problem: Problem, device: Device) -> tuple[Tier, str]:
+    """A call with a mask. A key or query mask shared by the heads, without segment ids
+    and up to D = 256, runs on the Mosaic kernels as segment ids: they skip no tile for it,
+    but measured faster than the Triton kernels' dense mask reads in both directions at
+    every head dim they serve (docs/benchmarks.md). Any other mask, and the decode shapes'
+    forward (the split-KV kernels'): the rules without the Mosaic tier."""
+    decode = direction == "forward" and fused.uses_decode(problem)
+    if (visibility.mask_is_segments(problem.mask_shape) and not decode
+            and not problem.segment_ids and problem.headdim <= MOSAIC_MAX_HEADDIM):
+        return tiers.MOSAIC, ("a key or query mask shared by the heads: the Mosaic kernels "
+                              "take it as segment ids")
+    tier, why = _rule(direction, problem, device, mosaic=False)
+    return tier, f"{why} (a mask the Mosaic tier does not take)"
 
 
 def _off_gpu(problem: Problem, interpret: bool) -> tuple[Tier, str]:

@@ -16,9 +16,11 @@ import math
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
 import ffpa_jax
-from ffpa_jax.bench.cases import CONTEXT_PARALLEL, BenchCase, feature_kwargs, segment_ids
+from ffpa_jax.bench.cases import (CONTEXT_PARALLEL, BenchCase, feature_kwargs, key_lengths,
+                                   segment_ids)
 from pallas_kernels import tiers
 
 
@@ -214,19 +216,22 @@ def _ffpa_tier(implementation: str):
 # ---------------------------------------------------------------- jax.nn: cuDNN and XLA
 def _jax_nn_run(case: BenchCase, implementation: str):
     """jax.nn.dot_product_attention; a window as its local_window_size (T == S: the same
-    alignment), segment ids as the dense [T, S] mask a jax.nn user would build."""
+    alignment), segment ids as the dense [T, S] mask a jax.nn user would build, key padding
+    as its key_value_seq_lengths (cuDNN takes no [B, 1, 1, S] mask)."""
     window = (case.window, 0) if case.window else None
     dense = None
     if case.segments:
         q_ids, kv_ids = segment_ids(case)
         dense = q_ids[:, None] == kv_ids[None, :]
+    lengths = (jnp.asarray(key_lengths(case), jnp.int32) if case.mask == "keys" else None)
 
     def run(q, k, v, bias, mask, rng):
         del rng
-        m = mask  # 4-D, or None
+        m = None if lengths is not None else mask  # 4-D, or None
         if dense is not None:
             m = dense[None, None] if m is None else m & dense[None, None]
         return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=m, is_causal=case.causal,
+                                            key_value_seq_lengths=lengths,
                                             local_window_size=window,
                                             implementation=implementation)
     return run
