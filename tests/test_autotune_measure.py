@@ -227,3 +227,18 @@ def test_decode_runners_check_both_stages_against_the_reference():
     stage2 = am.tune("decode_fwd_stage2", spec, interpret=True, settings=QUICK, inputs=inputs,
                      candidates=search_space.candidates("decode_fwd_stage2", headdim=16)[:1])
     assert [r.status for r in stage2.records] == ["ok"] and stage2.records[0].error < 2e-2
+
+
+def test_a_tier_run_over_some_head_dims_keeps_the_grid_of_the_others():
+    """Re-measuring the tiers at D = 256 and 512 in a file measured at 256-1024 keeps D = 1024
+    (its entries stay) in the grid the file names; a grid of another B or H is replaced."""
+    from tuning.autotune.tiers import merged_grid
+    old = {"headdims": [256, 512, 1024], "seqlens": [1024, 4096, 16384], "causal": "true",
+           "dtypes": ["bf16"], "B": 1, "H": 32}
+    new = {"headdims": [512, 256], "seqlens": [1024, 4096, 16384], "causal": "both",
+           "dtypes": ["bf16"], "B": 1, "H": 32}
+    assert merged_grid(old, new) == {**old, "causal": "both"}
+    assert merged_grid({**old, "causal": "both"}, {**new, "causal": "true"})["causal"] == "both"
+    assert merged_grid({**old, "causal": "both"}, {**new, "causal": "both"})["causal"] == "both"
+    assert merged_grid({**old, "H": 16}, new) == new
+    assert merged_grid(None, new) == new

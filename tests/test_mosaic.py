@@ -406,19 +406,26 @@ def test_dispatcher_runs_mosaic_where_it_runs_and_serves(monkeypatch):
         assert (wide.forward.tier, wide.backward.tier) == tiers_want, d
 
 
-@pytest.mark.parametrize("d,n,causal,want", [
-    (512, 4096, True, "mosaic"), (512, 16384, False, "mosaic"), (512, 1024, False, "chunked"),
-    (128, 1024, True, "mosaic"), (64, 4096, False, "mosaic")])
-def test_the_h100_tuned_file_names_the_tier_that_measured_fastest(d, n, causal, want,
-                                                                   monkeypatch, tmp_path):
-    """The packaged H100 file's forward entries (the tier measurement of session 24, two of
-    them overruled by the end-to-end A/B: D=512 N=1024 stays chunked, D=128 N=1024 causal
-    stays mosaic) decide the forward; without the file D = 512 runs on the chunked tier."""
+H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+
+
+@pytest.mark.parametrize("gpu,d,n,causal,want", [
+    (H100, 512, 4096, True, "mosaic"), (H100, 512, 16384, False, "mosaic"),
+    (H100, 512, 1024, False, "chunked"), (H100, 128, 1024, True, "mosaic"),
+    (H100, 64, 4096, False, "mosaic"),
+    (H200, 512, 4096, True, "mosaic"), (H200, 512, 16384, False, "mosaic"),
+    (H200, 512, 1024, False, "chunked"), (H200, 512, 1024, True, "chunked"),
+    (H200, 256, 16384, True, "mosaic")])
+def test_the_tuned_files_name_the_tier_that_measured_fastest(gpu, d, n, causal, want,
+                                                             monkeypatch, tmp_path):
+    """The packaged H100 and H200 files' forward entries (the tier measurements of sessions
+    24 and 25; at D=512 N=1024 the end-to-end forward+backward overruled the Mosaic forward:
+    chunked, and on the H100 at D=128 N=1024 causal it kept mosaic) decide the forward;
+    without a file D = 512 runs on the chunked tier."""
     monkeypatch.setattr(compat, "mosaic_gpu_runs", lambda: True)
     monkeypatch.delenv("FFPA_SKIP_PERSIST_TUNED_CONFIG", raising=False)
     monkeypatch.setenv("FFPA_TUNED_CONFIG_DIR", str(tmp_path))  # empty: the packaged file
-    device = dispatch.Device(nvidia_gpu=True, name="NVIDIA H100 80GB HBM3",
-                             compute_capability="9.0")
+    device = dispatch.Device(nvidia_gpu=True, name=gpu, compute_capability="9.0")
     q = sd((1, n, 32, d), jnp.bfloat16)
     explained = dispatch.explain(Problem.of(q, q, q, causal=causal), device=device)
     assert explained.forward.tier == want

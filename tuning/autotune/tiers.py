@@ -132,6 +132,19 @@ def record(entries: list[dict], problem: Problem, direction: str, times: dict) -
         entry["tier_ms"] = {t: None if ms is None else round(ms, 4) for t, ms in times.items()}
 
 
+def merged_grid(old: dict | None, new: dict) -> dict:
+    """The file's "tier_grid" after measuring `new` on top of `old`: a run over some head
+    dims or lengths re-measures those points and keeps the others' entries, so the grid
+    names the union (causal "both" where the two runs differ). A grid of another B or H
+    describes other problems: `new` replaces it."""
+    if not old or (old.get("B"), old.get("H")) != (new["B"], new["H"]):
+        return dict(new)
+    union = {key: sorted(set(old.get(key, ())) | set(new[key]))
+             for key in ("headdims", "seqlens", "dtypes")}
+    causal = new["causal"] if old.get("causal") == new["causal"] else "both"
+    return {**union, "causal": causal, "B": new["B"], "H": new["H"]}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tuning.autotune.tiers",
                                      description=__doc__.splitlines()[0])
@@ -168,9 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         "device_name": device.device_kind, "autotune_mode": "fast", "B": args.B, "H": args.H,
         "compute_capability": str(getattr(device, "compute_capability", "")) or None}
     entries = [dict(e) for e in loaded.entries] if loaded is not None else []
-    header["tier_grid"] = {"headdims": args.headdims, "seqlens": args.seqlens,
-                           "causal": args.causal, "dtypes": args.dtypes, "B": args.B,
-                           "H": args.H}
+    header["tier_grid"] = merged_grid(header.get("tier_grid"), {
+        "headdims": args.headdims, "seqlens": args.seqlens, "causal": args.causal,
+        "dtypes": args.dtypes, "B": args.B, "H": args.H})
     causal = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
     started = time.monotonic()
     for dtype, d, n, c in itertools.product(args.dtypes, args.headdims, args.seqlens, causal):
