@@ -194,6 +194,17 @@ def call_lines(problem: Problem, implementation: str | None, device_name: str | 
                 lines += [f"    {kernel.kernel}: {_settings_text(kernel.settings)}",
                           f"      <- {kernel.why}"]
         lines += [f"    {line}" for line in tier.describe(plan, direction)]
+    if explained.vjp_forward is not None:
+        choice = explained.vjp_forward
+        lines.append(f"  forward when differentiated: {choice.tier} <- {choice.why}")
+        vjp_plan = plan.for_vjp()
+        launched = tiers.BY_NAME[choice.tier].runs(vjp_plan, "forward")
+        for kernel in plan.kernels:
+            if kernel.direction == "forward" and kernel.kernel in launched:
+                lines += [f"    {kernel.kernel}: {_settings_text(kernel.settings)}",
+                          f"      <- {kernel.why}"]
+        lines += [f"    {line}" for line in tiers.BY_NAME[choice.tier].describe(vjp_plan,
+                                                                                 "forward")]
     for name, why in explained.passed_over:
         lines.append(f"  passed over: {name} ({why})")
     backward = tiers.BY_NAME[explained.backward.tier]

@@ -71,6 +71,11 @@ class Plan:
     # The caller asked for a bitwise-reproducible backward (`deterministic=True`): the
     # dispatcher then picks only tiers whose backward adds in one order.
     deterministic: bool = False
+    # The forward's tier when JAX differentiates the call (the vjp's forward rule), where
+    # it is not `forward_tier`: a forward+backward can run faster with a slower forward
+    # whose work the backward shares (the chunked pair at D = 512: XLA reuses the chunked
+    # forward's GEMMs in the chunked backward's recomputation). None: `forward_tier`.
+    vjp_forward_tier: str | None = None
 
     def config(self, kernel: str):
         """The launch config of `kernel` in this plan (KeyError if the plan has none)."""
@@ -82,6 +87,12 @@ class Plan:
 
     def tier(self, direction: str) -> str:
         return self.forward_tier if direction == "forward" else self.backward_tier
+
+    def for_vjp(self) -> "Plan":
+        """The plan of the differentiated call's two rules: its forward on
+        `vjp_forward_tier` where one is set, writing the output in float32."""
+        return dataclasses.replace(self, forward_tier=self.vjp_forward_tier or self.forward_tier,
+                                   vjp_forward_tier=None, float32_out=True)
 
 
 # In float32 lse travels as an exact pair (hi, lo) between the directions: the forward

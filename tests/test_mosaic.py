@@ -409,19 +409,21 @@ def test_dispatcher_runs_mosaic_where_it_runs_and_serves(monkeypatch):
 H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
 
 
-@pytest.mark.parametrize("gpu,d,n,causal,want", [
-    (H100, 512, 4096, True, "mosaic"), (H100, 512, 16384, False, "mosaic"),
-    (H100, 512, 1024, False, "chunked"), (H100, 128, 1024, True, "mosaic"),
-    (H100, 64, 4096, False, "mosaic"),
-    (H200, 512, 4096, True, "mosaic"), (H200, 512, 16384, False, "mosaic"),
-    (H200, 512, 1024, False, "chunked"), (H200, 512, 1024, True, "chunked"),
-    (H200, 256, 16384, True, "mosaic")])
+@pytest.mark.parametrize("gpu,d,n,causal,want,differentiated", [
+    (H100, 512, 4096, True, "mosaic", None), (H100, 512, 16384, False, "mosaic", None),
+    (H100, 512, 1024, False, "mosaic", "chunked"), (H100, 128, 1024, True, "mosaic", None),
+    (H100, 64, 4096, False, "mosaic", None),
+    (H200, 512, 4096, True, "mosaic", None), (H200, 512, 16384, False, "mosaic", None),
+    (H200, 512, 1024, False, "mosaic", "chunked"), (H200, 512, 1024, True, "mosaic", "chunked"),
+    (H200, 256, 16384, True, "mosaic", None)])
 def test_the_tuned_files_name_the_tier_that_measured_fastest(gpu, d, n, causal, want,
-                                                             monkeypatch, tmp_path):
+                                                             differentiated, monkeypatch,
+                                                             tmp_path):
     """The packaged H100 and H200 files' forward entries (the tier measurements of sessions
-    24 and 25; at D=512 N=1024 the end-to-end forward+backward overruled the Mosaic forward:
-    chunked, and on the H100 at D=128 N=1024 causal it kept mosaic) decide the forward;
-    without a file D = 512 runs on the chunked tier."""
+    24 and 25) decide the forward; at D=512 N=1024 a differentiated call's forward runs on
+    the chunked tier, whose pair with the chunked backward measured faster end to end (on
+    the H100 at D=128 N=1024 causal the A/B kept mosaic); without a file D = 512 runs on
+    the chunked tier."""
     monkeypatch.setattr(compat, "mosaic_gpu_runs", lambda: True)
     monkeypatch.delenv("FFPA_SKIP_PERSIST_TUNED_CONFIG", raising=False)
     monkeypatch.setenv("FFPA_TUNED_CONFIG_DIR", str(tmp_path))  # empty: the packaged file
@@ -430,6 +432,7 @@ def test_the_tuned_files_name_the_tier_that_measured_fastest(gpu, d, n, causal, 
     explained = dispatch.explain(Problem.of(q, q, q, causal=causal), device=device)
     assert explained.forward.tier == want
     assert explained.forward.why.startswith("tuned entry")
+    assert explained.plan.vjp_forward_tier == differentiated
     monkeypatch.setenv("FFPA_SKIP_PERSIST_TUNED_CONFIG", "1")
     built_in = dispatch.explain(Problem.of(q, q, q, causal=causal), device=device)
     assert built_in.forward.tier == ("chunked" if d > 256 else "mosaic")

@@ -54,6 +54,10 @@ Override = Callable[[str, Problem], "dict | None"]
 
 # The kernel whose tuned entry carries a direction's "tier" field.
 TIER_KERNELS = {"forward": fused.FWD_GENERIC.name, "backward": fused.BWD_GENERIC_DKDV.name}
+# The field of a forward entry naming the forward's tier when the call is differentiated,
+# set where forward+backward in one program measured faster with it than with "tier"
+# (`vjp_forward_tier`).
+VJP_TIER_FIELD = "tier_differentiated"
 
 # A sliding window whose band is at most 1/NARROW_WINDOW_RATIO of the keys runs both
 # directions on the fused kernels, up to NARROW_WINDOW_MAX_HEADDIM: they skip hidden tiles at
@@ -121,6 +125,8 @@ class Explanation:
     passed_over: tuple[tuple[str, str], ...]
     plan: Plan
     determinism: str = ""
+    # The forward of a differentiated call, where it runs on another tier (`Plan.vjp_forward_tier`).
+    vjp_forward: TierChoice | None = None
 
     def choice(self, direction: str) -> TierChoice:
         return self.forward if direction == "forward" else self.backward
@@ -377,13 +383,40 @@ def explain(problem: Problem, implementation: str | None = None, *, interpret: b
     if dense:
         # JAX differentiates that tier's forward itself: both directions are that tier's.
         chosen = {d: dense[0] for d in DIRECTIONS}
+    vjp_forward = None
+    if implementation is None and device.nvidia_gpu and not interpret:
+        vjp_forward = vjp_forward_tier(problem, device, chosen["forward"][0],
+                                       chosen["backward"][0])
     plan = _configured(problem, {d: tier for d, (tier, _) in chosen.items()}, interpret,
-                       device, override)
+                       device, override, vjp_forward=vjp_forward and vjp_forward[0])
     plan = dataclasses.replace(plan, deterministic=ordered)
     return Explanation(forward=TierChoice(chosen["forward"][0].name, chosen["forward"][1]),
                        backward=TierChoice(chosen["backward"][0].name, chosen["backward"][1]),
                        passed_over=tuple(dict.fromkeys(passed_over)),  # once per tier and why
-                       plan=plan, determinism=determinism)
+                       plan=plan, determinism=determinism,
+                       vjp_forward=vjp_forward and TierChoice(vjp_forward[0].name,
+                                                              vjp_forward[1]))
+
+
+def vjp_forward_tier(problem: Problem, device: Device, forward: Tier,
+                     backward: Tier) -> tuple[Tier, str] | None:
+    """(the forward's tier when the call is differentiated, why), where the forward's tuned
+    entry names one other than `forward` (`VJP_TIER_FIELD`): measured end to end, a
+    forward+backward can run faster on a forward that is slower alone, when it is the
+    backward's own tier (the chunked pair at D = 512 shares GEMMs in one program,
+    docs/history.md, session 25). Only the backward's tier is taken: that is the pair
+    measured; and only where it serves this forward here."""
+    found, where = explain_entry("forward", TIER_KERNELS["forward"], **device.lookup_keys(),
+                                 **lookup_fields(problem, "forward"))
+    name = None if found is None else found.entry.get(VJP_TIER_FIELD)
+    if name is None or name == forward.name or name != backward.name:
+        return None
+    tier = tiers.BY_NAME[name]
+    if tier.differentiated_by_jax or _unavailable(tier, "forward", problem, device,
+                                                  interpret=False, deterministic=False):
+        return None
+    return tier, (f"tuned entry ({where}): forward+backward measured faster with the "
+                  f"{name} forward before the {name} backward")
 
 
 def plan(problem: Problem, implementation: str | None = None, *, interpret: bool = False,
@@ -394,18 +427,23 @@ def plan(problem: Problem, implementation: str | None = None, *, interpret: bool
 
 
 def _configured(problem: Problem, chosen, interpret: bool, device: Device,
-                override: Override | None = None) -> Plan:
-    """The plan of `chosen` ({direction: tier}) with its tiers' kernels' configs."""
+                override: Override | None = None, vjp_forward: Tier | None = None) -> Plan:
+    """The plan of `chosen` ({direction: tier}) with its tiers' kernels' configs, and those
+    of `vjp_forward`'s forward (the differentiated call's) where given."""
     target = Target(nvidia_gpu=device.nvidia_gpu, interpret=interpret,
                     multiprocessors=device.multiprocessors)
+    lookup = _lookup(problem, device, override)
+    runs = [(chosen[direction], direction) for direction in DIRECTIONS]
+    if vjp_forward is not None:
+        runs.append((vjp_forward, "forward"))
     kernels = {}
-    for direction in DIRECTIONS:
-        for choice in chosen[direction].configs(problem, direction, _lookup(problem, device,
-                                                                            override), target):
+    for tier, direction in runs:
+        for choice in tier.configs(problem, direction, lookup, target):
             kernels.setdefault((choice.kernel, choice.direction), choice)
     return Plan(problem=problem, forward_tier=chosen["forward"].name,
                 backward_tier=chosen["backward"].name, kernels=tuple(kernels.values()),
-                interpret=interpret)
+                interpret=interpret,
+                vjp_forward_tier=None if vjp_forward is None else vjp_forward.name)
 
 
 def _lookup(problem: Problem, device: Device, override: Override | None):
@@ -419,11 +457,13 @@ def _lookup(problem: Problem, device: Device, override: Override | None):
 
 
 def plan_for_tiers(problem: Problem, forward: str, backward: str, *,
-                   interpret: bool = False) -> Plan:
-    """A plan with the given tiers, their configs as a call would take them (the tier
-    autotuner and the A/B scripts measure tiers this way)."""
+                   interpret: bool = False, vjp_forward: str | None = None) -> Plan:
+    """A plan with the given tiers (and the differentiated call's forward tier), their
+    configs as a call would take them (the tier autotuner and the A/B scripts measure tiers
+    this way)."""
     chosen = {"forward": tiers.BY_NAME[forward], "backward": tiers.BY_NAME[backward]}
-    return _configured(problem, chosen, interpret, Device.current())
+    return _configured(problem, chosen, interpret, Device.current(),
+                       vjp_forward=None if vjp_forward is None else tiers.BY_NAME[vjp_forward])
 
 
 def paged_decode_configs(problem: Problem, *, interpret: bool = False):
