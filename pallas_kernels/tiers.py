@@ -53,8 +53,8 @@ class Tier:
       direction with (`lookup(kernel)` gives a tuned or built-in config dict, and why).
     - `unsupported(problem, direction)` -> the features of `problem` it cannot compute, by
       their argument names (empty: it serves the problem).
-    - `runs(plan, direction)` -> the kernels of the plan that direction launches (default:
-      every config the tier filled in for it).
+    - `runs(plan, direction)` -> the kernels (configs) of the plan that the tier launches
+      for the direction (default: none); a plan holds the configs of every tier it runs.
     - `describe(plan, direction)` -> lines for `python -m ffpa_jax.info` beyond the configs.
     - `ordered_backward`: whether its backward adds every sum in one order, so that reruns
       are bitwise equal (no floating-point atomics or reduce-adds whose order varies): what
@@ -71,8 +71,7 @@ class Tier:
     configs: Callable = _none
     unsupported: Callable = _none
     describe: Callable = lambda plan, direction: []
-    runs: Callable = lambda plan, direction: tuple(
-        c.kernel for c in plan.kernels if c.direction == direction)
+    runs: Callable = lambda plan, direction: ()
     interpretable: bool = False
     directions: tuple[str, ...] = ("forward", "backward")
     differentiated_by_jax: bool = False
@@ -116,7 +115,7 @@ XLA = Tier(
             "O(T*S) memory")
 CHUNKED = Tier(
     name="chunked", runs_on=ANYWHERE, forward=_chunked_forward, backward=_chunked_backward,
-    configs=_chunked_configs, xla_backward=True,
+    configs=_chunked_configs, runs=lambda plan, direction: (CHUNKED_KERNEL,), xla_backward=True,
     summary="blocks of queries and keys as large GEMMs with a fused step between them; "
             "memory bounded by a budget")
 PALLAS = Tier(
@@ -127,6 +126,8 @@ PALLAS = Tier(
 MOSAIC = Tier(
     name="mosaic", runs_on=SM90, forward=mosaic_tier.forward, backward=mosaic_tier.backward,
     configs=mosaic_tier.configs, unsupported=mosaic_tier.unsupported, ordered_backward=False,
+    runs=lambda plan, direction: (mosaic_tier.KERNEL if direction == "forward"
+                                  else mosaic_tier.BACKWARD_KERNEL,),
     summary="Pallas Mosaic GPU kernels for sm90 (wgmma, TMA, warp specialisation): the "
             "forward up to D = 512, the backward for D, Dv <= 128 and for D = Dv up to 256 "
             "(dQ by TMA reduce-add, in a varying order)")
