@@ -5,6 +5,7 @@ undifferentiated call keeps the faster forward."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -145,3 +146,43 @@ def test_a_training_step_at_d512_n1024_lowers_without_the_mosaic_forward(monkeyp
     assert "mosaic_gpu" in lowered(1024, differentiate=False)
     assert "mosaic_gpu" not in lowered(1024, differentiate=True)
     assert "mosaic_gpu" in lowered(4096, differentiate=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_per_use_forward_meets_the_tolerance_rule_gpu(causal, monkeypatch, tmp_path):
+    """On an sm90 GPU reading the H200 file (whatever the card: the lookup goes by the
+    device's name): D=512, N=1024, GQA 4/2, bf16. The undifferentiated call (the Mosaic
+    forward) and the differentiated one (the chunked forward and backward) each meet the
+    tolerance rule against the float64 reference, out, lse and gradients."""
+    import ffpa_jax
+    from attn_testing import (Case, assert_forward_matches, assert_matches_reference,
+                              cotangents, make_inputs, reference_vjp)
+    from conftest import skip_unless_sm90
+
+    skip_unless_sm90()
+    device = dataclasses.replace(_h200(monkeypatch, tmp_path),
+                                 multiprocessors=dispatch.Device.current().multiprocessors)
+    monkeypatch.setattr(dispatch.Device, "current", classmethod(lambda cls: device))
+    case = Case(b=1, t=1024, s=1024, hq=4, hkv=2, d=512, causal=causal)
+    q, k, v, _, _ = make_inputs(case)
+    explained = dispatch.explain(Problem.of(q, k, v, causal=causal), device=device)
+    assert (explained.forward.tier, explained.plan.vjp_forward_tier) == ("mosaic", "chunked")
+    d_out, d_lse = cotangents(case)
+    d_out = d_out.astype(q.dtype).astype(jnp.float32)
+
+    def f(q, k, v):
+        return ffpa_jax.attention(q, k, v, is_causal=causal, return_lse=True)
+
+    def differentiated(q, k, v):
+        primal, pullback = jax.vjp(f, q, k, v)
+        return primal, pullback((d_out.astype(q.dtype), d_lse))
+
+    plain = jax.jit(f)(q, k, v)
+    (out, lse), grads = jax.jit(differentiated)(q, k, v)
+    *ref_forward, ref = reference_vjp(case, q, k, v, None, None, d_out, d_lse, float64=True)
+    *xla_forward, xla = reference_vjp(case, q, k, v, None, None, d_out, d_lse, float64=False)
+    assert_forward_matches(*plain, ref_forward, xla_forward, q.dtype)
+    assert_forward_matches(out, lse, ref_forward, xla_forward, q.dtype)
+    for name, g, r, x in zip(("dq", "dk", "dv"), grads, ref, xla):
+        assert_matches_reference(name, g, r, x, q.dtype, factor=3.0)
