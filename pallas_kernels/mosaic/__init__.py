@@ -42,9 +42,10 @@ of one head (cluster_axis="q"; they walk the union of their key ranges) or
 sibling query heads of one GQA group on the same query tile
 (cluster_axis="heads").
 
-The launch grid is (heads, q tiles, batch) with heads fastest by default: CTAs that
-run together then read different K/V instead of all the same tile (the measurements
-are in docs/history.md, session 18).
+The launch grid is (heads, q tiles, batch) by default, which Pallas Mosaic GPU launches
+last dim fastest: batch, then query tiles, heads slowest, so CTAs that run together mostly
+read one head's K/V, shared in L2 (the measurements are in docs/history.md, session 18;
+session 25 corrects its reading of the order).
 
 Where the semantics go: `common.soft_cap` bends every block's scores; `common.score_mod`
 is the element-wise hook applied to the scores of blocks that need masking (causality, the

@@ -25,10 +25,14 @@ class Config:
     lowering:       "warpgroup" or "lane" Mosaic GPU lowering semantics.
     out_chunk:      columns of O written per TMA store in the epilogue
                     (None = all of Dv for 16-bit outputs, 128 for float32).
-    grid_order:     "heads" (default): heads vary fastest in the launch grid;
-                    "q": query tiles vary fastest (all CTAs that run together
-                    read the same K/V; better L2 reuse, but measured slower for
-                    both kernels' defaults).
+    grid_order:     the launch grid's order, named by its outermost (slowest) axis:
+                    Pallas Mosaic GPU launches the last grid dim fastest (it reverses
+                    the grid into CUDA's x, y, z). "heads" (default): (heads, q tiles,
+                    batch), batch fastest, then query tiles, heads slowest: CTAs
+                    that run together mostly read one head's K/V, shared in L2;
+                    "q": (q tiles, heads, batch), batch then heads fastest, query
+                    tiles slowest: CTAs that run together read different K/V
+                    (measured slower for both kernels' defaults).
     cluster_axis:   "q": a cluster is `cluster` consecutive query tiles of one
                     head (they walk the union of their key ranges); "heads": a
                     cluster is `cluster` query heads of one GQA group on the same
@@ -113,7 +117,7 @@ def default_config(
         # 64-row CTAs, Dv split over the 2 consumer warpgroups; a ring of 3 slots of
         # [2, 128, 64] (96 KiB: every ring of 128 KiB measured 1.3-2.3x slower); pairs of
         # CTAs share every K/V tile by multicast (sibling query heads of a GQA group, else
-        # neighbouring query tiles); heads fastest in the grid (docs/history.md, session 24).
+        # neighbouring query tiles); grid_order="heads" (docs/history.md, session 24).
         return Config(block_kv=128, num_stages=3, wide=True, wide_piece=64, cluster=2,
                       cluster_axis="heads" if gqa_group % 2 == 0 else "q",
                       grid_order="heads")
