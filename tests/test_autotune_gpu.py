@@ -61,6 +61,18 @@ def test_smoke_autotune_end_to_end(tmp_path):
         assert entry["tier"] in timed and entry["seqlen_q"] == 512
         assert set(entry["tier_ms"]) == set(timed)
         assert entry["tier_ms"][entry["tier"]] == min(entry["tier_ms"].values())
+    # Where the directions' winners differ the pairs were timed in one program, and a
+    # differentiated forward is named only where the backward's own pair was faster.
+    by_causal = {(e["kernel"], e["causal"]): e for e in tiered}
+    for causal in (False, True):
+        forward, backward = by_causal[("fwd_generic", causal)], by_causal[
+            ("bwd_generic_dkdv", causal)]
+        pairs = forward.get("tier_pair_ms")
+        assert (pairs is not None) == (forward["tier"] != backward["tier"])
+        if pairs:
+            own = pairs[f"{backward['tier']}/{backward['tier']}"]
+            winners = pairs[f"{forward['tier']}/{backward['tier']}"]
+            assert (forward.get("tier_differentiated") == backward["tier"]) == (own < winners)
     os.environ["FFPA_TUNED_CONFIG_DIR"] = str(tmp_path)
     clear_cache()
     try:

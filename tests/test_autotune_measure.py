@@ -242,3 +242,51 @@ def test_a_tier_run_over_some_head_dims_keeps_the_grid_of_the_others():
     assert merged_grid({**old, "causal": "both"}, {**new, "causal": "both"})["causal"] == "both"
     assert merged_grid({**old, "H": 16}, new) == new
     assert merged_grid(None, new) == new
+
+
+def test_the_tier_tool_names_a_differentiated_forward_where_the_pair_measured_faster():
+    """Where the directions' winners differ, the tool times both pairs in one program; the
+    forward entry names the backward's tier for a differentiated call only where its own
+    pair ran faster, and a re-measured entry keeps no stale choice (nor its note)."""
+    import jax.numpy as jnp
+
+    from tuning.autotune.tiers import differentiated_tier, pairs_to_time, record, record_pairs
+    from tuning.autotune.tiers import problem_of
+
+    times = {"forward": {"mosaic": 0.18, "chunked": 0.24, "pallas": 0.29},
+             "backward": {"mosaic": None, "chunked": 0.50, "pallas": 1.10}}
+    assert pairs_to_time(times) == (("mosaic", "chunked"), ("chunked", "chunked"))
+    assert differentiated_tier(times, {"mosaic/chunked": 0.71, "chunked/chunked": 0.64}) == (
+        "chunked")
+    assert differentiated_tier(times, {"mosaic/chunked": 0.60, "chunked/chunked": 0.64}) is None
+    assert differentiated_tier(times, {"mosaic/chunked": 0.71, "chunked/chunked": None}) is None
+    same = {"forward": {"chunked": 1.0, "pallas": 2.0}, "backward": {"chunked": 1.0}}
+    assert pairs_to_time(same) == () and differentiated_tier(same, {}) is None
+
+    problem = problem_of(dtype="bf16", headdim=512, seqlen=1024, causal=False, batch=1,
+                         heads=32)
+    assert problem.dtype == jnp.bfloat16
+    entries: list[dict] = []
+    for direction in ("forward", "backward"):
+        record(entries, problem, direction, times[direction])
+    record_pairs(entries, problem, times, {"mosaic/chunked": 0.71, "chunked/chunked": 0.64})
+    forward = [e for e in entries if e["direction"] == "forward"]
+    assert len(forward) == 1 and forward[0]["tier"] == "mosaic"
+    assert forward[0]["tier_differentiated"] == "chunked"
+    assert forward[0]["tier_pair_ms"] == {"mosaic/chunked": 0.71, "chunked/chunked": 0.64}
+    assert all("tier_differentiated" not in e for e in entries if e["direction"] == "backward")
+    forward[0]["tier_differentiated_measured"] = "a hand-set note"
+    record_pairs(entries, problem, same, {})
+    assert not [f for f in forward[0] if f.startswith("tier_differentiated")]
+    assert "tier_pair_ms" not in forward[0]
+
+
+def test_a_pair_of_tiers_is_timed_in_one_program():
+    """`measure_pair` compiles and times a forward and a backward together (here the chunked
+    tier's, which runs without a GPU); a pair that cannot run times as None."""
+    from tuning.autotune.tiers import measure_pair, problem_of
+
+    problem = problem_of(dtype="fp32", headdim=40, seqlen=113, causal=True, batch=1, heads=2)
+    ms = measure_pair(problem, "chunked", "chunked", min_rep_s=0.0, reps=1)
+    assert ms is not None and ms > 0
+    assert measure_pair(problem, "mosaic", "chunked", min_rep_s=0.0, reps=1) is None

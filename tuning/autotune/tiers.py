@@ -7,7 +7,12 @@ inputs (the tiers of the registry with a backward of their own that run on this 
 so each direction is compared alone. The fastest tier goes into the "tier" field of the
 entry that the dispatcher reads for that direction (`tuning.dispatch.TIER_KERNELS`:
 fwd_generic for the forward, bwd_generic_dkdv for the backward), beside "tier_ms" with every
-time; an absent entry is added with the built-in launch config. FFPA's readers ignore both
+time; an absent entry is added with the built-in launch config. Where the two directions'
+winners differ, both pairs are then timed as a differentiated call runs them, forward and
+backward in one program (`measure_pair`: XLA may share work between the two, as the
+chunked tier's GEMMs at D = 512): where the backward's tier's own pair is faster, the
+forward entry's "tier_differentiated" names it (the forward of a differentiated call,
+`tuning.dispatch.vjp_forward_tier`), beside "tier_pair_ms". FFPA's readers ignore these
 fields.
 
     python -m tuning.autotune.tiers --file tuning/configs/NVIDIA_H200.json
@@ -67,15 +72,18 @@ def _plan(problem: Problem, tier: str):
     return dataclasses.replace(plan, float32_out=True)
 
 
-def measure(problem: Problem, *, min_rep_s: float = 0.05, reps: int = 5) -> dict:
-    """{direction: {tier: ms}} of `problem` (ms None where a tier failed to run)."""
+def _arrays(problem: Problem):
+    """Random q, k, v and the output's cotangent of `problem` (seeded by its shape)."""
     keys = jax.random.split(jax.random.key(problem.head_dim * 7919 + problem.seq_q), 4)
     shape_q = (problem.batch, problem.seq_q, problem.heads_q, problem.head_dim)
     shape_k = (problem.batch, problem.seq_k, problem.heads_kv, problem.head_dim)
-    q = jax.random.normal(keys[0], shape_q, problem.dtype)
-    k = jax.random.normal(keys[1], shape_k, problem.dtype)
-    v = jax.random.normal(keys[2], shape_k, problem.dtype)
-    do = jax.random.normal(keys[3], shape_q, problem.dtype)
+    return tuple(jax.random.normal(key, shape, problem.dtype)
+                 for key, shape in zip(keys, (shape_q, shape_k, shape_k, shape_q)))
+
+
+def measure(problem: Problem, *, min_rep_s: float = 0.05, reps: int = 5) -> dict:
+    """{direction: {tier: ms}} of `problem` (ms None where a tier failed to run)."""
+    q, k, v, do = _arrays(problem)
     times: dict[str, dict[str, float | None]] = {"forward": {}, "backward": {}}
     residuals = None
     for tier in measured_tiers("forward"):
@@ -106,6 +114,48 @@ def measure(problem: Problem, *, min_rep_s: float = 0.05, reps: int = 5) -> dict
     return times
 
 
+def measure_pair(problem: Problem, forward: str, backward: str, *, min_rep_s: float = 0.05,
+                 reps: int = 5) -> float | None:
+    """ms of `forward`'s forward and `backward`'s backward of `problem` in one jitted
+    program, as a differentiated call runs them (None where it failed to run)."""
+    q, k, v, do = _arrays(problem)
+    forward_plan, backward_plan = _plan(problem, forward), _plan(problem, backward)
+
+    def step(q, k, v, do):
+        out, *rows = tiers_mod.forward(forward_plan, Inputs(q, k, v))
+        cotangents = Cotangents(do, jnp.zeros_like(rows[0]))
+        return tiers_mod.backward(backward_plan, Inputs(q, k, v), Saved(out, *rows),
+                                  cotangents)
+    try:
+        return median_ms(jax.jit(step), (q, k, v, do), min_rep_s=min_rep_s, reps=reps)
+    except Exception as exc:  # noqa: BLE001 - a pair that cannot run is not chosen
+        print(f"  pair {forward}/{backward}: {type(exc).__name__}: {str(exc)[:200]}",
+              file=sys.stderr)
+        return None
+
+
+def pairs_to_time(times: dict) -> tuple[tuple[str, str], ...]:
+    """The (forward, backward) tier pairs to time in one program: the two directions'
+    winners, and the backward's tier in both directions, where the winners differ."""
+    forward, backward = winner(times["forward"]), winner(times["backward"])
+    if forward is None or backward is None or forward == backward:
+        return ()
+    return (forward, backward), (backward, backward)
+
+
+def differentiated_tier(times: dict, pair_ms: dict[str, float | None]) -> str | None:
+    """The forward tier a differentiated call should run: the backward's where its own
+    pair ran faster than the winners' pair in one program (`pair_ms`, keyed
+    "forward/backward"), else None (the forward's winner)."""
+    pairs = pairs_to_time(times)
+    if not pairs:
+        return None
+    winners, own = ("/".join(pair) for pair in pairs)
+    if pair_ms.get(winners) is None or pair_ms.get(own) is None:
+        return None
+    return pairs[1][0] if pair_ms[own] < pair_ms[winners] else None
+
+
 def winner(times: dict[str, float | None]) -> str | None:
     ran = {tier: ms for tier, ms in times.items() if ms is not None}
     return min(ran, key=ran.get) if ran else None
@@ -116,6 +166,31 @@ def record(entries: list[dict], problem: Problem, direction: str, times: dict) -
     tier = winner(times)
     if tier is None:
         return
+    for entry in _entries_of(entries, problem, direction):
+        entry["tier"] = tier
+        entry["tier_ms"] = {t: None if ms is None else round(ms, 4) for t, ms in times.items()}
+
+
+def record_pairs(entries: list[dict], problem: Problem, times: dict,
+                 pair_ms: dict[str, float | None]) -> None:
+    """Write the differentiated call's forward tier (`differentiated_tier`) and the pairs'
+    times into the forward's entries, or clear both where no pair says so (a file
+    re-measured keeps no stale choice)."""
+    tier = differentiated_tier(times, pair_ms)
+    for entry in _entries_of(entries, problem, "forward"):
+        for field in [f for f in entry if f.startswith(dispatch.VJP_TIER_FIELD)]:
+            entry.pop(field)  # with its note (a hand-set choice's "..._measured")
+        entry.pop("tier_pair_ms", None)
+        if pair_ms:
+            entry["tier_pair_ms"] = {pair: None if ms is None else round(ms, 4)
+                                     for pair, ms in pair_ms.items()}
+        if tier is not None:
+            entry[dispatch.VJP_TIER_FIELD] = tier
+
+
+def _entries_of(entries: list[dict], problem: Problem, direction: str) -> list[dict]:
+    """The entries of `entries` that carry `direction`'s tier for `problem`, one added
+    with the built-in launch config where there is none."""
     kernel = dispatch.TIER_KERNELS[direction]
     task = Task(direction=direction, kernel=kernel, case_name="common",
                 dtype=problem.dtype_name, headdim=problem.head_dim, seqlen_q=problem.seq_q,
@@ -127,9 +202,7 @@ def record(entries: list[dict], problem: Problem, direction: str, times: dict) -
         config = default_config(kernel, headdim=problem.headdim, dtype=problem.dtype_name)
         matches = entries_for(task, config)[:1]
         entries.extend(matches)
-    for entry in matches:
-        entry["tier"] = tier
-        entry["tier_ms"] = {t: None if ms is None else round(ms, 4) for t, ms in times.items()}
+    return matches
 
 
 def merged_grid(old: dict | None, new: dict) -> dict:
@@ -195,8 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         times = measure(problem)
         for direction in ("forward", "backward"):
             record(entries, problem, direction, times[direction])
-        print(json.dumps({"dtype": dtype, "headdim": d, "seqlen": n, "causal": c, **times}),
-              flush=True)
+        pair_ms = {"/".join(pair): measure_pair(problem, *pair)
+                   for pair in pairs_to_time(times)}
+        record_pairs(entries, problem, times, pair_ms)
+        print(json.dumps({"dtype": dtype, "headdim": d, "seqlen": n, "causal": c, **times,
+                          "pairs": pair_ms}), flush=True)
         write_config_file(path, header, entries)
     print(f"wrote {path}", file=sys.stderr)
     return 0
