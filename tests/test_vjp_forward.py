@@ -110,14 +110,17 @@ def test_the_packaged_h200_file_gives_d512_n1024_a_chunked_forward_when_differen
 
 @pytest.mark.parametrize("field,why", [
     ("pallas", "a tier other than the backward's: not the measured pair"),
-    ("mosaic", "the forward's own tier")])
+    ("mosaic", "the forward's own tier"), ("no-such-tier", "not a tier"),
+    (["chunked"], "not a name")])
 def test_the_vjp_tier_is_taken_only_as_the_backwards_tier(field, why, monkeypatch, tmp_path):
     def edit(entry):
         if entry.get("tier_differentiated"):
             entry["tier_differentiated"] = field
     device = _h200(monkeypatch, tmp_path, edit)
     explained = dispatch.explain(_d512(), device=device)
-    assert explained.backward.tier == "chunked"
+    # The edited file was read (its entries decide both directions), and its field ignored.
+    assert explained.forward.why.startswith("tuned entry"), explained.forward.why
+    assert (explained.forward.tier, explained.backward.tier) == ("mosaic", "chunked")
     assert explained.vjp_forward is None, why
     assert explained.plan.vjp_forward_tier is None
 

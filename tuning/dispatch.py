@@ -20,6 +20,9 @@ One place decides, for the run (`plan`) and for `python -m ffpa_jax.info` (`expl
    or does not run here, the same rules pick again without it (`mosaic=False`: the Triton
    kernels, or the chunked tier where it beats them). Any other tier that cannot passes the
    direction to the next tier of the registry that can; the explanation says why.
+   Where the forward's tuned entry says a forward+backward in one program ran faster with
+   the backward's tier's forward ("tier_differentiated"), a differentiated call's forward
+   runs on that tier (`vjp_forward_tier`; only under `implementation=None`).
 4. `deterministic=True` (or None with XLA's `--xla_gpu_deterministic_ops` in `XLA_FLAGS`:
    `resolve_deterministic`) passes over, for the backward, a tier whose backward does not
    add in one order (`Tier.ordered_backward`), whether named or picked by a rule.
@@ -409,9 +412,10 @@ def vjp_forward_tier(problem: Problem, device: Device, forward: Tier,
     found, where = explain_entry("forward", TIER_KERNELS["forward"], **device.lookup_keys(),
                                  **lookup_fields(problem, "forward"))
     name = None if found is None else found.entry.get(VJP_TIER_FIELD)
-    if name is None or name == forward.name or name != backward.name:
+    # A malformed field (not a tier's name) is no choice: the file is data, never a crash.
+    if not isinstance(name, str) or name == forward.name or name != backward.name:
         return None
-    tier = tiers.BY_NAME[name]
+    tier = tiers.BY_NAME[name]  # the backward's tier: a registered one
     if tier.differentiated_by_jax or _unavailable(tier, "forward", problem, device,
                                                   interpret=False, deterministic=False):
         return None
