@@ -5,6 +5,7 @@ numerics run in the shared matrix on the GPU (the `tier` fixture, `-m gpu`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -872,3 +873,21 @@ def test_the_tier_with_a_mask_lowers_for_cuda(mask_shape, monkeypatch):
     text = jax.jit(backward).trace(q, kv, kv, mask, out, lse, q).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_the_kernels_lower_without_automatic_barriers():
+    """`Config(auto_barriers=False)` reaches Mosaic GPU's compiler: the forward kernel
+    lowers for CUDA to another module than with its barriers (the A/B knob of
+    docs/history.md, session 25)."""
+    q, kv = sd((1, 256, 4, 128), jnp.bfloat16), sd((1, 300, 2, 128), jnp.bfloat16)
+
+    def lowered(auto_barriers: bool) -> str:
+        config = dataclasses.replace(default_config(128, gqa_group=2),
+                                     auto_barriers=auto_barriers)
+
+        def f(q, k, v):
+            return mosaic_attention_forward(q, k, v, scale=0.125, causal=True, config=config)
+        return jax.jit(f).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+
+    with_barriers, without = lowered(True), lowered(False)
+    assert "mosaic_gpu" in without and without != with_barriers

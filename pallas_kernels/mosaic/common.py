@@ -349,4 +349,5 @@ def compiler_params(config: Config):
     )
     # Row reductions of WGMMA-layout tiles stay inside a warp (no cross-warp
     # scratch needed); the 2 KiB default would cost one pipeline stage at D=128.
-    return plgpu.CompilerParams(approx_math=True, lowering_semantics=sem, reduction_scratch_bytes=0)
+    return plgpu.CompilerParams(approx_math=True, lowering_semantics=sem, reduction_scratch_bytes=0,
+                                unsafe_no_auto_barriers=not config.auto_barriers)

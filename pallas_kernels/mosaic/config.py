@@ -23,6 +23,10 @@ class Config:
     consumer_regs / producer_regs: setmaxnreg budgets.
     reverse_causal: walk query tiles from the heaviest (last) one under causal.
     lowering:       "warpgroup" or "lane" Mosaic GPU lowering semantics.
+    auto_barriers:  False: compile with Pallas' `unsafe_no_auto_barriers` (no barriers
+                    inserted around shared-memory stores and TMA issues; the kernels'
+                    own barriers order every shared-memory access). An A/B knob,
+                    measured neither way yet (docs/history.md, session 25).
     out_chunk:      columns of O written per TMA store in the epilogue
                     (None = all of Dv for 16-bit outputs, 128 for float32).
     grid_order:     the launch grid's order, named by its outermost (slowest) axis:
@@ -66,6 +70,7 @@ class Config:
     kv_rotate: bool = False
     wide_eager_release: bool = True
     block_q: int = 64
+    auto_barriers: bool = True
 
     def __post_init__(self):
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
