@@ -255,9 +255,10 @@ def _rule(direction: str, problem: Problem, device: Device,
 
 def _mask_rule(direction: str, problem: Problem, device: Device) -> tuple[Tier, str]:
     """A call with a mask. A key or query mask shared by the heads, without segment ids
-    and up to D = 256, runs on the Mosaic kernels as segment ids: they skip no tile for it,
-    but measured faster than the Triton kernels' dense mask reads in both directions at
-    every head dim they serve (docs/benchmarks.md). Any other mask, and the decode shapes'
+    and up to D = 256, runs on the Mosaic kernels as segment ids (whose block ranges skip
+    the key tiles outside the seen keys' span: key padding's tail): measured faster than
+    the Triton kernels' dense mask reads in both directions at every head dim they serve
+    (docs/benchmarks.md). Any other mask, and the decode shapes'
     forward (the split-KV kernels'): the rules without the Mosaic tier."""
     decode = direction == "forward" and fused.uses_decode(problem)
     if (visibility.mask_is_segments(problem.mask_shape) and not decode
