@@ -703,3 +703,21 @@ def test_paged_decode_rows_run_on_the_same_values_as_the_contiguous_cache():
     assert not any(p.runs_kind("paged-decode") for name, p in peers.PEERS.items()
                    if name not in ("ffpa-contiguous", "pallas-paged"))
     assert not peers.PEERS["ffpa-contiguous"].runs_kind("decode")
+
+
+@pytest.mark.parametrize("mode,want", [("fwd", "mosaic"), ("fwdbwd", "chunked/chunked")])
+def test_the_tier_column_names_a_differentiated_calls_own_forward(mode, want, monkeypatch,
+                                                                  tmp_path):
+    """On an H200 (pretended: the column is the dispatcher's answer, nothing runs), D=512
+    N=1024: the forward row ran the Mosaic kernel, the forward+backward row the chunked
+    pair (the H200 file's tier_differentiated), and the column says so."""
+    from pallas_kernels import compat
+    from tuning import dispatch
+
+    monkeypatch.setattr(compat, "mosaic_gpu_runs", lambda: True)
+    monkeypatch.delenv("FFPA_SKIP_PERSIST_TUNED_CONFIG", raising=False)
+    monkeypatch.setenv("FFPA_TUNED_CONFIG_DIR", str(tmp_path))  # empty: the packaged file
+    h200 = dispatch.Device(nvidia_gpu=True, name="NVIDIA H200", compute_capability="9.0")
+    monkeypatch.setattr(dispatch.Device, "current", classmethod(lambda cls: h200))
+    case = make_case("self", d=512, n=1024, b=1, h=32, mode=mode)
+    assert peers.FFPA.tiers(case, False) == want

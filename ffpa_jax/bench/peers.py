@@ -200,6 +200,8 @@ def _tiers_of(implementation: str | None, *, split: bool = False):
         # The dense tier is one computation that JAX differentiates: one name.
         if case.mode == "fwd" or tiers.BY_NAME[forward].differentiated_by_jax:
             return forward
+        if explained.vjp_forward is not None:  # a differentiated call's own forward
+            forward = explained.vjp_forward.tier
         return f"{forward}/{backward}"
     return tiers_that_ran
 
