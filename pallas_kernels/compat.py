@@ -75,25 +75,6 @@ def mosaic_load(ref, *, layout):
     return _pl_mosaic.load(ref, layout=layout)
 
 
-def named_barrier(operation: str, barrier_id: int, threads: int) -> None:
-    """PTX `bar.arrive` ("arrive": count this warpgroup's threads in, do not wait) or
-    `bar.sync` ("sync": count them in and wait until `threads` have) on hardware named
-    barrier `barrier_id`, inside a Pallas Mosaic GPU kernel: Pallas has no primitive for
-    named barriers, so the instruction goes in through `inline_mgpu` and MLIR's LLVM dialect
-    (jaxlib's bindings). Mosaic GPU itself uses barrier 0 and one per warpgroup after it."""
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import llvm
-
-    assert operation in ("arrive", "sync"), operation
-
-    @_pl_mosaic.inline_mgpu()
-    def instruction(_):
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [],
-                        f"bar.{operation} {barrier_id}, {threads};", "", has_side_effects=True)
-
-    instruction()
-
-
 def mosaic_gpu_runs() -> bool:
     """Whether this JAX runs the Mosaic tier's kernels: they were built and measured on
     jax 0.11 (they lower on 0.10.2, which never ran them on a GPU)."""

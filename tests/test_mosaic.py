@@ -5,7 +5,6 @@ numerics run in the shared matrix on the GPU (the `tier` fixture, `-m gpu`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -52,13 +51,6 @@ FEATURE_CASES = [
     # The wide kernel's earlier default: 128-column ring pieces, clusters of 4 query tiles.
     ((1, 300, 260, 2, 2, 512, 512, True, Config(block_kv=128, num_stages=2, wide=True,
                                                 cluster=4, grid_order="q")), None, 30.0),
-    # The A/B knobs of session 25: the turn handed over on named barriers, without (and
-    # with) Pallas' automatic barriers.
-    ((2, 203, 300, 4, 2, 128, 128, True, Config(block_kv=128, lowering="lane",
-                                                named_schedule=True, auto_barriers=False)),
-     (100, 37), None),
-    ((1, 300, 1000, 4, 4, 64, 64, False, Config(block_kv=256, num_stages=3,
-                                                named_schedule=True)), None, 30.0),
 ]
 
 
@@ -880,42 +872,3 @@ def test_the_tier_with_a_mask_lowers_for_cuda(mask_shape, monkeypatch):
     text = jax.jit(backward).trace(q, kv, kv, mask, out, lse, q).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-
-
-def test_the_kernels_lower_without_automatic_barriers():
-    """`Config(auto_barriers=False)` reaches Mosaic GPU's compiler: the forward kernel
-    lowers for CUDA to another module than with its barriers (the A/B knob of
-    docs/history.md, session 25)."""
-    q, kv = sd((1, 256, 4, 128), jnp.bfloat16), sd((1, 300, 2, 128), jnp.bfloat16)
-
-    def lowered(auto_barriers: bool) -> str:
-        config = dataclasses.replace(default_config(128, gqa_group=2),
-                                     auto_barriers=auto_barriers)
-
-        def f(q, k, v):
-            return mosaic_attention_forward(q, k, v, scale=0.125, causal=True, config=config)
-        return jax.jit(f).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
-
-    with_barriers, without = lowered(True), lowered(False)
-    assert "mosaic_gpu" in without and without != with_barriers
-
-
-@pytest.mark.parametrize("d,causal", [(64, False), (128, True), (256, False)])
-def test_the_rows_kernel_lowers_with_the_named_barrier_hand_over(d, causal):
-    """`Config(named_schedule=True)`: the two consumer warpgroups hand the turn over on
-    hardware named barriers (PTX bar.arrive / bar.sync, ids from 4, above Mosaic GPU's own)
-    and meet on a third at the end; the default keeps Mosaic GPU's mbarriers only."""
-    q, kv = sd((1, 203, 4, d), jnp.bfloat16), sd((1, 300, 2, d), jnp.bfloat16)
-
-    def lowered(named: bool) -> str:
-        config = dataclasses.replace(default_config(d, gqa_group=2), named_schedule=named)
-
-        def f(q, k, v):
-            return mosaic_attention_forward(q, k, v, scale=d ** -0.5, causal=causal,
-                                            config=config)
-        return jax.jit(f).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
-
-    named, default = lowered(True), lowered(False)
-    for instruction in ("bar.arrive 4, 256", "bar.arrive 5, 256", "bar.sync 4, 256",
-                        "bar.sync 5, 256", "bar.sync 6, 256"):
-        assert instruction in named and instruction not in default, instruction

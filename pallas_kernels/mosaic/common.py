@@ -349,7 +349,4 @@ def compiler_params(config: Config):
     )
     # Row reductions of WGMMA-layout tiles stay inside a warp (no cross-warp
     # scratch needed); the 2 KiB default would cost one pipeline stage at D=128.
-    # The knob only where it is turned: the default compiles exactly as before it existed.
-    knob = {} if config.auto_barriers else {"unsafe_no_auto_barriers": True}
-    return plgpu.CompilerParams(approx_math=True, lowering_semantics=sem, reduction_scratch_bytes=0,
-                                **knob)
+    return plgpu.CompilerParams(approx_math=True, lowering_semantics=sem, reduction_scratch_bytes=0)

@@ -20,18 +20,9 @@ class Config:
                     through TMA multicast (1 = no cluster).
     wide:           None = automatic (D or Dv > 256 after padding).
     schedule_barrier: rows kernel only: ping-pong the two consumer warpgroups.
-    named_schedule: rows kernel, with schedule_barrier: hand the turn over by one-way
-                    tokens on two hardware named barriers (a warpgroup signals the
-                    other after issuing QKᵀ and waits for the other's signal before
-                    PV), not by both meeting at an mbarrier twice a step. An A/B
-                    knob, unmeasured (docs/history.md, session 25).
     consumer_regs / producer_regs: setmaxnreg budgets.
     reverse_causal: walk query tiles from the heaviest (last) one under causal.
     lowering:       "warpgroup" or "lane" Mosaic GPU lowering semantics.
-    auto_barriers:  False: compile with Pallas' `unsafe_no_auto_barriers` (no barriers
-                    inserted around shared-memory stores and TMA issues; the kernels'
-                    own barriers order every shared-memory access). An A/B knob,
-                    measured neither way yet (docs/history.md, session 25).
     out_chunk:      columns of O written per TMA store in the epilogue
                     (None = all of Dv for 16-bit outputs, 128 for float32).
     grid_order:     the launch grid's order, named by its outermost (slowest) axis:
@@ -75,8 +66,6 @@ class Config:
     kv_rotate: bool = False
     wide_eager_release: bool = True
     block_q: int = 64
-    auto_barriers: bool = True
-    named_schedule: bool = False
 
     def __post_init__(self):
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:

@@ -24,11 +24,6 @@ from pallas_kernels.mosaic.common import (CLUSTER, COLUMNS, LOG2E, NEG_INF, ROW,
 from pallas_kernels.mosaic.config import Config
 from pallas_kernels.visibility import segment_block_ranges
 
-# Hardware named barriers of the `named_schedule` hand-over: Mosaic GPU uses barrier 0 and
-# one per warpgroup after it (1 to 3 here), so ids from 4: two tokens and a final meeting.
-NAMED_SCHEDULE = 4
-WARPGROUP_THREADS = 128
-
 
 def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=None,
                  segment_ids=None):
@@ -86,26 +81,10 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                                               config.kv_rotate)
         collective = CLUSTER if ncl > 1 else None
 
-        named = config.schedule_barrier and config.named_schedule
-
         def sched_sync():
             if config.schedule_barrier:
                 plgpu.barrier_arrive(sched)
                 plgpu.barrier_wait(sched)
-
-        # With `named`: warpgroup w signals on NAMED_SCHEDULE + 1 - w and waits on
-        # NAMED_SCHEDULE + w, so each signal is the other's token. One signal and one wait a
-        # step, warpgroup 1 waiting once more at the start and 0 signalling once more at
-        # the end; a warpgroup signals again only after the other took its last token.
-        def sched_signal():
-            for w in range(nwg):
-                pl.when(wg == w)(lambda w=w: compat.named_barrier(
-                    "arrive", NAMED_SCHEDULE + 1 - w, nwg * WARPGROUP_THREADS))
-
-        def sched_take():
-            for w in range(nwg):
-                pl.when(wg == w)(lambda w=w: compat.named_barrier(
-                    "sync", NAMED_SCHEDULE + w, nwg * WARPGROUP_THREADS))
 
         @pl.when(wg < nwg)
         def _consumer():
@@ -132,7 +111,7 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
             def _():
                 plgpu.barrier_wait(k_bar.at[0])
 
-            pl.when(wg == 1)(sched_take if named else sched_sync)
+            pl.when(wg == 1)(sched_sync)
 
             def step(j, carry, *, masked):
                 acc, m_i, l_i = carry
@@ -140,7 +119,7 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
 
                 def qk(s_ref):
                     plgpu.wgmma(s_ref, my_q, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                    (sched_signal if named else sched_sync)()
+                    sched_sync()
                     return s_ref[...]
 
                 s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
@@ -161,12 +140,10 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                 if Dv <= 128:
                     l_i = l_i + p.sum(axis=1)
                     acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-                if config.schedule_barrier and not named:
+                if config.schedule_barrier:
                     plgpu.barrier_arrive(sched)
                 plgpu.barrier_wait(v_bar.at[slot])
-                if named:
-                    sched_take()
-                elif config.schedule_barrier:
+                if config.schedule_barrier:
                     plgpu.barrier_wait(sched)
                 if Dv > 128:
                     l_i = l_i + p.sum(axis=1)
@@ -200,18 +177,10 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_wait(v_bar.at[slot])
                 plgpu.barrier_arrive(v_free.at[slot])
-                if named:
-                    sched_signal()
-                    sched_take()
-                else:
-                    sched_sync()
-                    sched_sync()
+                sched_sync()
+                sched_sync()
 
-            if named:
-                # The last token for warpgroup 1, then both meet (O aliases Q).
-                pl.when(wg == 0)(sched_signal)
-                compat.named_barrier("sync", NAMED_SCHEDULE + 2, nwg * WARPGROUP_THREADS)
-            elif config.schedule_barrier:
+            if config.schedule_barrier:
                 pl.when(wg == 0)(sched_sync)
             else:
                 # O aliases Q of the other warpgroup: wait until both left the loop.
