@@ -170,6 +170,18 @@ def _settings_text(settings) -> str:
     return " ".join(f"{k}={v}" for k, v in settings if k != "num_ctas")
 
 
+def _tier_lines(tier, plan, direction: str) -> list[str]:
+    """The launch configs `tier` runs `direction` of `plan` with, each with why, and the
+    tier's own lines."""
+    lines = [f"    {tier.summary}; no launch configs"] if tier.differentiated_by_jax else []
+    launched = tier.runs(plan, direction)
+    for kernel in plan.kernels:
+        if kernel.direction == direction and kernel.kernel in launched:
+            lines += [f"    {kernel.kernel}: {_settings_text(kernel.settings)}",
+                      f"      <- {kernel.why}"]
+    return lines + [f"    {line}" for line in tier.describe(plan, direction)]
+
+
 def call_lines(problem: Problem, implementation: str | None, device_name: str | None,
                capability: str | None, deterministic: bool | None = None) -> list[str]:
     """What a call of `problem` runs (`tuning.dispatch.explain`): each direction's tier with
@@ -184,27 +196,12 @@ def call_lines(problem: Problem, implementation: str | None, device_name: str | 
     lines = [f"problem: {_describe(problem)}", f"implementation={implementation!r} {where}"]
     for direction in dispatch.DIRECTIONS:
         choice = explained.choice(direction)
-        tier = tiers.BY_NAME[choice.tier]
         lines.append(f"  {direction}: {choice.tier} <- {choice.why}")
-        if tier.differentiated_by_jax:
-            lines.append(f"    {tier.summary}; no launch configs")
-        launched = tier.runs(plan, direction)
-        for kernel in plan.kernels:
-            if kernel.direction == direction and kernel.kernel in launched:
-                lines += [f"    {kernel.kernel}: {_settings_text(kernel.settings)}",
-                          f"      <- {kernel.why}"]
-        lines += [f"    {line}" for line in tier.describe(plan, direction)]
+        lines += _tier_lines(tiers.BY_NAME[choice.tier], plan, direction)
     if explained.vjp_forward is not None:
         choice = explained.vjp_forward
         lines.append(f"  forward when differentiated: {choice.tier} <- {choice.why}")
-        vjp_plan = plan.for_vjp()
-        launched = tiers.BY_NAME[choice.tier].runs(vjp_plan, "forward")
-        for kernel in plan.kernels:
-            if kernel.direction == "forward" and kernel.kernel in launched:
-                lines += [f"    {kernel.kernel}: {_settings_text(kernel.settings)}",
-                          f"      <- {kernel.why}"]
-        lines += [f"    {line}" for line in tiers.BY_NAME[choice.tier].describe(vjp_plan,
-                                                                                 "forward")]
+        lines += _tier_lines(tiers.BY_NAME[choice.tier], plan.for_vjp(), "forward")
     for name, why in explained.passed_over:
         lines.append(f"  passed over: {name} ({why})")
     backward = tiers.BY_NAME[explained.backward.tier]

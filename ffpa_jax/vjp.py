@@ -50,10 +50,6 @@ def _attention(plan: Plan, inputs: Inputs):
     return out, lse
 
 
-def _vjp_plan(plan: Plan) -> Plan:
-    return plan.for_vjp()
-
-
 def _primal_value(x):
     return x.value if isinstance(x, CustomVJPPrimal) else x
 
@@ -69,7 +65,7 @@ def _cotangent(x) -> tuple[jax.Array, bool]:
 def _attention_fwd(plan: Plan, inputs: Inputs):
     inputs = jax.tree.map(_primal_value, inputs,
                           is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
-    out32, *rows = _forward(_vjp_plan(plan), inputs)
+    out32, *rows = _forward(plan.for_vjp(), inputs)
     # Rounding the float32 result here equals the kernel's own rounding on store, so the
     # primal (out, lse) is bit-identical to the undifferentiated call's (where the plan
     # runs the same forward tier both ways: a `vjp_forward_tier` differs within the
@@ -91,7 +87,7 @@ def sinks_grad(sinks, out, lse, d_out, d_lse):
 def _attention_bwd(plan: Plan, residuals, cotangents):
     inputs, saved = residuals
     (d_out, _), (d_lse, lse_unused) = map(_cotangent, cotangents)
-    plan = dataclasses.replace(_vjp_plan(plan), lse_cotangent=not lse_unused)
+    plan = dataclasses.replace(plan.for_vjp(), lse_cotangent=not lse_unused)
     dq, dk, dv, dbias = _backward(plan, inputs, saved, Cotangents(d_out, d_lse))
     features = inputs.features
     d_sinks = None

@@ -25,7 +25,6 @@ fields.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import math
@@ -68,8 +67,7 @@ def _plan(problem: Problem, tier: str):
     """The vjp's plan of `tier` in the directions it has (float32 output: the backward's
     residual); a forward-only tier's backward is the fused tier's, which is not timed."""
     backward = tier if "backward" in tiers_mod.BY_NAME[tier].directions else tiers_mod.PALLAS.name
-    plan = dispatch.plan_for_tiers(problem, tier, backward)
-    return dataclasses.replace(plan, float32_out=True)
+    return dispatch.plan_for_tiers(problem, tier, backward).for_vjp()
 
 
 def _arrays(problem: Problem):
