@@ -5,6 +5,7 @@ numerics run in the shared matrix on the GPU (the `tier` fixture, `-m gpu`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -51,6 +52,15 @@ FEATURE_CASES = [
     # The wide kernel's earlier default: 128-column ring pieces, clusters of 4 query tiles.
     ((1, 300, 260, 2, 2, 512, 512, True, Config(block_kv=128, num_stages=2, wide=True,
                                                 cluster=4, grid_order="q")), None, 30.0),
+    # Persistent launches: clusters along heads, three stages, D = 256 (O in chunks of 128
+    # columns beside Q), causal with the heaviest tile first.
+    ((2, 300, 1000, 4, 2, 128, 128, False, Config(block_kv=128, cluster=2, cluster_axis="heads",
+                                                  lowering="warpgroup", persistent=True)),
+     (100, 37), 30.0),
+    ((3, 203, 333, 4, 4, 64, 64, True, Config(block_kv=128, num_stages=3, persistent=True)),
+     None, None),
+    ((2, 1023, 113, 2, 1, 256, 256, False, Config(block_kv=64, num_stages=2, persistent=True)),
+     None, 30.0),
 ]
 
 
@@ -872,3 +882,73 @@ def test_the_tier_with_a_mask_lowers_for_cuda(mask_shape, monkeypatch):
     text = jax.jit(backward).trace(q, kv, kv, mask, out, lse, q).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_a_persistent_launch_is_refused_where_it_has_no_walk_and_skipped_where_no_room():
+    """`Config(persistent=True)`: the rows kernel only, without clusters along the query
+    tiles (refused, naming the knob); where separate Q and O tiles do not fit shared memory
+    beside the ring, the kernel launches one CTA per tile, lowering exactly as without it."""
+    with pytest.raises(ValueError, match="persistent"):
+        Config(persistent=True, cluster=2, cluster_axis="q")
+    with pytest.raises(ValueError, match="persistent"):
+        Config(persistent=True, wide=True)
+    q, kv = sd((1, 64, 2, 512), jnp.bfloat16), sd((1, 64, 2, 512), jnp.bfloat16)
+    with pytest.raises(ValueError, match="the rows kernel only"):
+        jax.eval_shape(functools.partial(mosaic_attention_forward, scale=0.1, causal=False,
+                                         config=Config(block_kv=128, persistent=True)),
+                       q, kv, kv)
+    q, kv = sd((1, 300, 2, 128), jnp.bfloat16), sd((1, 300, 2, 128), jnp.bfloat16)
+
+    def lowered(persistent):  # a ring of 3 x 128 keys leaves no room for O beside Q
+        f = functools.partial(mosaic_attention_forward, scale=0.1, causal=False,
+                              config=Config(block_kv=128, num_stages=3, persistent=persistent))
+        return jax.jit(f).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert lowered(True) == lowered(False)
+
+
+def test_a_persistent_launch_walks_every_tile_once():
+    """`Grid.tiles` of a persistent launch: the clusters' units, taken every `clusters`-th
+    from each cluster's own, cover every (query tile, batch, head) exactly once, query
+    tiles fastest; computed here by hand for a launch of 7 clusters of 2 heads."""
+    from pallas_kernels.mosaic.common import Grid
+    grid = Grid(n_q=3, Hq=8, B=2, group=4, ncl=2, cluster_axis="heads", grid_order="heads",
+                reverse=False, clusters=7)
+    units = grid.q_extent * grid.B * (grid.Hq // grid.ncl)
+    seen = []
+    for cluster in range(grid.clusters):
+        for unit in range(cluster, units, grid.clusters):
+            t, rest = unit % 3, unit // 3
+            b, pair = rest % 2, rest // 2
+            seen += [(t, 2 * pair + c, b) for c in range(2)]
+    assert sorted(seen) == sorted((t, h, b) for t in range(3) for h in range(8)
+                                  for b in range(2))
+
+
+PERSISTENT_CASES = [  # (B, T, S, Hq, Hkv, D, causal, features): more tiles than CTAs
+    (2, 4096, 4096, 8, 2, 128, False, ()),
+    (3, 2000, 3001, 8, 8, 64, False, ("lengths",)),
+    (2, 3000, 2900, 8, 4, 128, False, ("segments", "lengths")),
+    (2, 2048, 1500, 8, 4, 256, True, ("lengths",)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=str)
+def test_a_persistent_launch_equals_one_tile_per_cta_gpu(case):
+    """A persistent launch computes each tile exactly as a CTA of its own does: out and lse
+    bitwise equal to the one-tile-per-CTA launch of the same config, with clusters along
+    heads (GQA), segment ids and key lengths, where every CTA walks several tiles."""
+    b, t, s, hq, hkv, d, causal, extra = case
+    skip_unless_sm90()
+    shape = at.Case(b=b, t=t, s=s, hq=hq, hkv=hkv, d=d, dv=d, causal=causal,
+                    segments=3 if "segments" in extra else 0, sorted_ids=True,
+                    kv_lengths=(s // 3, s, s - 7)[:b] if "lengths" in extra else None)
+    q, k, v, _, _ = at.make_inputs(shape)
+    features = at.feature_arrays(at.make_features(shape))
+    base = default_config(d, gqa_group=hq // hkv, segments=shape.segments > 0)
+    results = [mosaic_attention_forward(q, k, v, scale=d ** -0.5, causal=causal,
+                                        features=features,
+                                        config=dataclasses.replace(base, persistent=p))
+               for p in (False, True)]
+    for one, persistent in zip(*results):
+        np.testing.assert_array_equal(np.asarray(persistent), np.asarray(one))

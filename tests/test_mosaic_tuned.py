@@ -183,7 +183,7 @@ def test_a_tuned_entry_reaches_the_plan_and_one_a_call_cannot_take_does_not(tmp_
         kv3 = sd((1, 4096, 8, 128), jnp.bfloat16)
         choice = _choice(dispatch.explain(Problem.of(q3, kv3, kv3, causal=True),
                                           device=device).plan, FWD)
-        assert choice.config == default_config(128, 128, gqa_group=3)
+        assert choice.config == default_config(128, 128, causal=True, gqa_group=3)
         assert "not used: its clusters of 2 query heads" in choice.why
         # With segment ids the kernels keep their default (their tiles take shared memory).
         ids = sd((1, 4096), jnp.int32)

@@ -36,6 +36,18 @@ NEG_INF = float("-inf")
 # user's mesh axis is likely to have.
 Q_TILES, HEADS, BATCH = "ffpa_mosaic_q", "ffpa_mosaic_h", "ffpa_mosaic_b"
 CLUSTER, WARPGROUPS = "ffpa_mosaic_cl", "ffpa_mosaic_wg"
+PERSISTENT = "ffpa_mosaic_sm"  # a persistent launch's one grid axis
+
+# Multiprocessors of an H100 / H200 (SXM): the persistent launch's size where JAX cannot
+# tell (lowering for CUDA on a machine without a GPU).
+HOPPER_MULTIPROCESSORS = 132
+
+
+def multiprocessors() -> int:
+    """The default device's multiprocessor count, for a persistent launch."""
+    device = jax.devices()[0]
+    count = getattr(device, "core_count", None) if device.platform == "gpu" else None
+    return int(count) if count else HOPPER_MULTIPROCESSORS
 
 WGMMA = plgpu.Layout.WGMMA
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a vector along a tile's rows
@@ -218,14 +230,22 @@ class Grid:
     cluster_axis: str
     grid_order: str
     reverse: bool
+    clusters: int = 0  # persistent launch: clusters (CTAs where ncl == 1) launched; 0: not
 
     @classmethod
-    def of(cls, config: Config, *, n_q: int, Hq: int, B: int, group: int, causal: bool):
+    def of(cls, config: Config, *, n_q: int, Hq: int, B: int, group: int, causal: bool,
+           persistent: bool = False):
         """The grid of `n_q` query tiles of every (query head, batch), with `config`'s
-        clusters, order and (causal) heaviest-first walk."""
-        return cls(n_q=n_q, Hq=Hq, B=B, group=group, ncl=config.cluster,
+        clusters, order and (causal) heaviest-first walk; `persistent`: one cluster per
+        `ncl` multiprocessors, walking the tiles in turn (`tiles`)."""
+        grid = cls(n_q=n_q, Hq=Hq, B=B, group=group, ncl=config.cluster,
                    cluster_axis=config.cluster_axis, grid_order=config.grid_order,
                    reverse=causal and config.reverse_causal)
+        if not persistent:
+            return grid
+        units = grid.q_extent * B * (Hq // grid.ncl)
+        return dataclasses.replace(
+            grid, clusters=max(1, min(units, multiprocessors() // grid.ncl)))
 
     def __post_init__(self):
         if self.ncl > 1 and self.cluster_axis == "heads" and self.group % self.ncl:
@@ -233,6 +253,8 @@ class Grid:
                 f"cluster={self.ncl} along heads needs (Hq//Hkv)={self.group} "
                 "to be a multiple of it"
             )
+        if self.clusters and self.ncl > 1 and self.cluster_axis != "heads":
+            raise ValueError("a persistent launch takes clusters along heads only")
 
     @property
     def q_extent(self):  # query tiles padded to a multiple of the q-cluster
@@ -245,6 +267,11 @@ class Grid:
         return self.q_extent // (self.ncl if (self.ncl > 1 and self.cluster_axis == "q") else 1)
 
     def kernel_kwargs(self):
+        if self.clusters:
+            kw = dict(grid=(self.clusters,), grid_names=(PERSISTENT,))
+            if self.ncl > 1:
+                kw.update(cluster=(self.ncl,), cluster_names=(CLUSTER,))
+            return kw
         nq, nh = self.q_extent, self.Hq
         if self.ncl > 1:
             if self.cluster_axis == "q":
@@ -263,6 +290,38 @@ class Grid:
             names = [f"{CLUSTER}{i}" for i in range(pos)] + [CLUSTER]
             kw.update(cluster=tuple(cluster), cluster_names=tuple(names))
         return kw
+
+    def tiles(self, body, carry):
+        """`body(indices, carry, following) -> carry` over the tiles of this CTA of a
+        persistent launch (`indices` as `indices()` returns them; `following`: (whether
+        there is a next tile, its indices)): every `clusters`-th unit from its own (query
+        tile fastest, then batch, then the cluster's heads)."""
+        assert self.clusters, "a persistent launch"
+        units = self.q_extent * self.B * (self.Hq // self.ncl)
+        me = lax.axis_index(PERSISTENT)
+        # This cluster's count of units: one more than the full rounds for the first ones.
+        count = units // self.clusters + (me < units % self.clusters).astype(jnp.int32)
+
+        def one(i, carry):
+            following = (i + 1 < count, self.unit_indices(me + (i + 1) * self.clusters))
+            return body(self.unit_indices(me + i * self.clusters), carry, following)
+        return lax.fori_loop(0, count, one, carry)
+
+    def first_tile(self):
+        """The indices of this CTA's first tile in a persistent launch."""
+        return self.unit_indices(lax.axis_index(PERSISTENT))
+
+    def unit_indices(self, unit):
+        """The indices (as `indices()`) of a persistent launch's unit."""
+        t = lax.rem(unit, jnp.int32(self.q_extent))
+        rest = lax.div(unit, jnp.int32(self.q_extent))
+        b = lax.rem(rest, jnp.int32(self.B))
+        h = lax.div(rest, jnp.int32(self.B))
+        if self.reverse:
+            t = (self.q_extent - 1) - t
+        if self.ncl > 1:
+            h = h * self.ncl + lax.axis_index(CLUSTER)
+        return t, h, b, t, 1
 
     def indices(self):
         """(q tile, q head, batch, first q tile of the cluster, #q tiles in it)."""

@@ -48,6 +48,11 @@ class Config:
     block_q:        backward: query rows per step (64; 128 for head dims up to 64,
                     where the step's scores of 64 keys x 128 rows still fit the
                     consumers' registers beside dK and dV).
+    persistent:     rows kernel: launch one CTA (cluster) per multiprocessor, each
+                    walking query tiles in turn (query tiles fastest, then batch, heads
+                    slowest), its producer loading the next tile's K/V while the
+                    consumers finish the last one. Q and O then take separate shared
+                    memory. Clusters along the query tiles are not combined with it.
     """
 
     block_kv: int = 128
@@ -66,6 +71,7 @@ class Config:
     kv_rotate: bool = False
     wide_eager_release: bool = True
     block_q: int = 64
+    persistent: bool = False
 
     def __post_init__(self):
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -82,6 +88,8 @@ class Config:
             raise ValueError("wide_piece must be 64 or 128")
         if self.block_q not in (64, 128):
             raise ValueError(f"block_q={self.block_q} must be 64 or 128")
+        if self.persistent and (self.wide or (self.cluster > 1 and self.cluster_axis == "q")):
+            raise ValueError("persistent: the rows kernel, without clusters along the queries")
 
 
 def round_up(x, m):
@@ -109,7 +117,7 @@ def default_config(
     TMA multicast. `segments`: segment ids are given (their ids' tiles in shared memory
     leave no room for three stages of 256 keys at D <= 64).
     """
-    del dtype, causal  # the same choice won for bf16/fp16 and causal/non-causal
+    del dtype  # the same choice won for bf16 and fp16
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     d = round_up(head_dim, 64)
     dv = round_up(head_dim_v, 64)
@@ -127,11 +135,17 @@ def default_config(
         clu = {}
     if max(d, dv) > 128:
         return Config(block_kv=64, num_stages=2, grid_order="heads", lowering="lane", **clu)
+    # Persistent where it measured faster: without causality or segment ids (whose tiles
+    # differ in work, which a static turn of tiles does not even out), at D <= 128
+    # (docs/history.md, session 26).
+    persistent = not causal and not segments
     if max(d, dv) > 64:
-        return Config(block_kv=128, num_stages=2, grid_order="heads", lowering="warpgroup", **clu)
+        return Config(block_kv=128, num_stages=2, grid_order="heads", lowering="warpgroup",
+                      persistent=persistent, **clu)
     if segments:
         return Config(block_kv=128, num_stages=2, grid_order="heads", lowering="lane", **clu)
-    return Config(block_kv=256, num_stages=3, grid_order="heads", lowering="lane", **clu)
+    return Config(block_kv=256, num_stages=3, grid_order="heads", lowering="lane",
+                  persistent=persistent, **clu)
 
 
 def default_backward_config(head_dim: int, head_dim_v: int | None = None,

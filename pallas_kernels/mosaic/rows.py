@@ -42,13 +42,19 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
     T = prob.T
     assert prob.block_kv == bkv
     c_exp = prob.scale * LOG2E
-    grid = Grid.of(config, n_q=cdiv(T, rows_cta), Hq=Hq, B=B, group=group, causal=prob.causal)
-    Tp = grid.q_extent * rows_cta
     out_itemsize = jnp.dtype(out_dtype).itemsize
+    has_segments = segment_ids is not None
     # float32 O in chunks of 128 columns (64 where Dv is an odd number of 64s: D = 192).
     oc = config.out_chunk or (Dv if out_itemsize == 2 else 128 if Dv % 128 == 0 else 64)
+    # Persistent where separate Q and O tiles fit beside the ring; else one tile per CTA.
+    persistent_chunk = (persistent_out_chunk(config, D, Dv, dtype, out_dtype, has_segments)
+                        if config.persistent else None)
+    persistent = persistent_chunk is not None
+    oc = persistent_chunk or oc
+    grid = Grid.of(config, n_q=cdiv(T, rows_cta), Hq=Hq, B=B, group=group, causal=prob.causal,
+                   persistent=persistent)
+    Tp = grid.q_extent * rows_cta
     assert Dv % oc == 0
-    has_segments = segment_ids is not None
     assert has_segments == prob.segments
     segments = None
     if has_segments:
@@ -72,29 +78,55 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
             exit_bar,
         ) = scoped
         wg = lax.axis_index(WARPGROUPS)
-        t, h, b, t_first, t_count = grid.indices()
-        walk = prob.with_key_end(kvlen_ref, b)  # the batch row's key length, if given
         qid_ref, kid_ref, ranges_ref = seg_refs
-        walk = walk.with_segment_range(ranges_ref, b, lax.div(t_first, jnp.int32(t_count)))
-        hk = lax.div(h, jnp.int32(group))
-        lo, hi, kv_of = cluster_walk(walk, grid, t_first, t_count, rows_cta,
-                                              config.kv_rotate)
         collective = CLUSTER if ncl > 1 else None
+
+        def tile_walk(indices):
+            """(walk, kv head, lo, hi, kv_of) of a tile (`Grid.indices`)."""
+            _, h, b, t_first, t_count = indices
+            walk = prob.with_key_end(kvlen_ref, b)  # the batch row's key length, if given
+            walk = walk.with_segment_range(ranges_ref, b, lax.div(t_first, jnp.int32(t_count)))
+            hk = lax.div(h, jnp.int32(group))
+            lo, hi, kv_of = cluster_walk(walk, grid, t_first, t_count, rows_cta,
+                                         config.kv_rotate)
+            return walk, hk, lo, hi, kv_of
+
+        def ring_slot(done, i):
+            """The ring slot of a tile's i-th block, after `done` blocks of earlier tiles
+            (None: the CTA's first and only tile)."""
+            return lax.rem(i if done is None else done + i, ns)
+
+        def walked(done, lo, hi):
+            """The ring blocks passed after a tile (None where there is no next tile)."""
+            return None if done is None else done + (hi - lo)
 
         def sched_sync():
             if config.schedule_barrier:
                 plgpu.barrier_arrive(sched)
                 plgpu.barrier_wait(sched)
 
-        @pl.when(wg < nwg)
-        def _consumer():
-            plgpu.set_max_registers(config.consumer_regs, action="increase")
-            q0 = t * rows_cta + wg * bq
-            my_q = q_smem.at[wg]
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], my_q, q_bar.at[wg])
+        def first_row(t):
+            """This warpgroup's first query row in query tile t."""
+            return t * rows_cta + wg * bq
+
+        def load_q(q0, h, b):
+            """This warpgroup's rows of Q (and their segment ids) from row q0 of query head
+            h of batch row b, into shared memory."""
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem.at[wg], q_bar.at[wg])
             if has_segments:
                 plgpu.copy_gmem_to_smem(qid_ref.at[b, pl.ds(q0, bq)], qid_smem.at[wg],
                                         q_bar.at[wg])
+
+        def consumer_tile(indices, done, following=None):
+            """One tile of the consumers. One tile per CTA (`done` None): its Q loaded
+            here. Persistent: its Q was loaded before (by the last tile, or before the
+            first); the next tile's Q loads once this one's walk is done."""
+            t, h, b, _, _ = indices
+            walk, _, lo, hi, kv_of = shared if shared is not None else tile_walk(indices)
+            q0 = first_row(t)
+            my_q = q_smem.at[wg]
+            if done is None:
+                load_q(q0, h, b)
             q_last = jnp.minimum(q0 + bq - 1, T - 1)
             mask_lo, full_hi, my_hi = consumer_walk(  # a warpgroup may hold padding rows only
                 walk, lo, q0, q_last, padding_rows=grid.q_extent * rows_cta - bq >= T)
@@ -109,13 +141,13 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
 
             @pl.when(my_hi > lo)
             def _():
-                plgpu.barrier_wait(k_bar.at[0])
+                plgpu.barrier_wait(k_bar.at[0 if done is None else ring_slot(done, 0)])
 
             pl.when(wg == 1)(sched_sync)
 
             def step(j, carry, *, masked):
                 acc, m_i, l_i = carry
-                slot = lax.rem(j - lo, ns)
+                slot = ring_slot(done, j - lo)
 
                 def qk(s_ref):
                     plgpu.wgmma(s_ref, my_q, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
@@ -151,7 +183,7 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                 # (computed outside the run_state closure: the Warpgroup lowering
                 # cannot carry literal constants through run_state)
                 has_next = j + 1 < my_hi
-                next_slot = lax.rem(j + 1 - lo, ns)
+                next_slot = ring_slot(done, j + 1 - lo)
 
                 def pv(acc_ref):
                     plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
@@ -172,13 +204,17 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
             # complete) and keep the schedule barrier in lock-step.
             @pl.loop(my_hi, hi)
             def _skip(j):
-                slot = lax.rem(j - lo, ns)
+                slot = ring_slot(done, j - lo)
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_wait(v_bar.at[slot])
                 plgpu.barrier_arrive(v_free.at[slot])
                 sched_sync()
                 sched_sync()
+
+            if following is not None:
+                has_next, (next_t, next_h, next_b, _, _) = following
+                pl.when(has_next)(lambda: load_q(first_row(next_t), next_h, next_b))
 
             if config.schedule_barrier:
                 pl.when(wg == 0)(sched_sync)
@@ -188,6 +224,10 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                 plgpu.barrier_wait(sched)
 
             (out,), lse = finalize([acc], m_i, l_i)
+            if done is not None:
+                # The last tile's O and lse stores have read their tiles (waited for
+                # here, not after them, so that they overlap this tile's last steps).
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             lse_smem.at[wg][...] = lse
             my_o = o_smem.at[wg]
             for ci in range(Dv // oc):
@@ -197,26 +237,24 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(my_o, o_ref.at[b, pl.ds(q0, bq), h, pl.ds(ci * oc, oc)])
             plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q0, bq)])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            if ncl > 1:
-                # Nobody in the cluster may exit while others can still signal it.
-                plgpu.barrier_arrive(exit_bar)
-                plgpu.barrier_wait(exit_bar)
+            if done is None:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            return walked(done, lo, hi)
 
-        @pl.when(wg == nwg)
-        def _producer():
-            plgpu.set_max_registers(config.producer_regs, action="decrease")
+        def producer_tile(indices, done, following=None):
+            _, _, b, _, _ = indices
+            _, hk, lo, hi, kv_of = shared if shared is not None else tile_walk(indices)
 
             @pl.loop(lo, hi)
             def _load(j):
                 i = j - lo
-                slot = lax.rem(i, ns)
+                slot = ring_slot(done, i)
                 kv_rows = pl.ds(kv_of(j) * bkv, bkv)
                 # K first, then V: each waits for its slot to be released, from the
                 # second turn of the ring on.
                 for ref, smem, free, bar in ((k_ref, k_smem, k_free, k_bar),
                                              (v_ref, v_smem, v_free, v_bar)):
-                    @pl.when(i >= ns)
+                    @pl.when(i >= ns if done is None else done + i >= ns)
                     def _(free=free):
                         plgpu.barrier_wait(free.at[slot])
 
@@ -225,6 +263,36 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                     if has_segments and ref is k_ref:  # the keys' ids land with K
                         plgpu.copy_gmem_to_smem(kid_ref.at[b, kv_rows], kid_smem.at[slot],
                                                 bar.at[slot])
+            return walked(done, lo, hi)
+
+        # One tile per CTA: its walk computed once for both roles. Persistent: each role
+        # walks the CTA's tiles, counting the ring blocks passed.
+        if persistent:
+            shared = None
+            run_tiles = lambda body: grid.tiles(body, jnp.int32(0))  # noqa: E731
+        else:
+            indices = grid.indices()
+            shared = tile_walk(indices)
+            run_tiles = lambda body: body(indices, None)  # noqa: E731
+
+        @pl.when(wg < nwg)
+        def _consumer():
+            plgpu.set_max_registers(config.consumer_regs, action="increase")
+            if persistent:
+                t, h, b, _, _ = grid.first_tile()
+                load_q(first_row(t), h, b)
+            run_tiles(consumer_tile)
+            if persistent:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            if ncl > 1:
+                # Nobody in the cluster may exit while others can still signal it.
+                plgpu.barrier_arrive(exit_bar)
+                plgpu.barrier_wait(exit_bar)
+
+        @pl.when(wg == nwg)
+        def _producer():
+            plgpu.set_max_registers(config.producer_regs, action="decrease")
+            run_tiles(producer_tile)
 
     def entry(q_ref, k_ref, v_ref, *refs):
         refs = list(refs)
@@ -239,10 +307,14 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
         else:
             free = lambda: plgpu.Barrier(num_arrivals=nwg, num_barriers=ns)
             exit_bar = None
+        q_and_o = (tiled_smem((nwg, bq, D), dtype), tiled_smem((nwg, bq, oc), out_dtype))
+        # One tile per CTA: O takes Q's place once the walk is done. Persistent: the next
+        # tile's Q lands while this one's O is stored.
+        q_and_o_smem = q_and_o if persistent else plgpu.RefUnion(*q_and_o)
         pl.run_scoped(
             lambda *args: kernel(q_ref, k_ref, v_ref, kvlen_ref, seg_refs, o_ref, lse_ref,
                                  args),
-            plgpu.RefUnion(tiled_smem((nwg, bq, D), dtype), tiled_smem((nwg, bq, oc), out_dtype)),
+            q_and_o_smem,
             plgpu.SMEM((nwg, bq), jnp.float32),
             tiled_smem((ns, bkv, D), dtype),
             tiled_smem((ns, bkv, Dv), dtype),
@@ -261,6 +333,29 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
     inputs = (q, k, v, *(() if kv_lengths is None else (kv_lengths,)),
               *(() if segments is None else segments))
     return launch(entry, grid, config, inputs, out_dtype=out_dtype, lse_rows=Tp)
+
+
+# Shared memory of a CTA on sm90 (227 KiB), and what a persistent launch's estimate keeps
+# free beside its tiles for barriers and the allocations' alignment.
+SMEM_BYTES = 227 * 1024
+SMEM_SLACK = 2048
+
+
+def persistent_out_chunk(config: Config, D: int, Dv: int, dtype, out_dtype,
+                         segments: bool) -> int | None:
+    """The widest O chunk (the config's, else all of Dv, 128 or 64 columns) with which a
+    persistent launch's separate Q and O tiles fit shared memory beside the K/V ring (None:
+    none)."""
+    item, out_item = jnp.dtype(dtype).itemsize, jnp.dtype(out_dtype).itemsize
+    rows = 2 * 64  # two consumer warpgroups of 64 rows
+    ring = config.num_stages * config.block_kv
+    fixed = rows * D * item + ring * (D + Dv) * item + rows * 4 + SMEM_SLACK  # Q, K/V, lse
+    if segments:
+        fixed += rows * 4 + ring * 4
+    for oc in (config.out_chunk,) if config.out_chunk else (Dv, 128, 64):
+        if Dv % oc == 0 and fixed + rows * oc * out_item <= SMEM_BYTES:
+            return oc
+    return None
 
 
 def segment_inputs(segment_ids, grid: Grid, rows_cta: int, bkv: int, *, Tp: int, keys: int):

@@ -73,7 +73,7 @@ def configs(problem: Problem, direction: str, lookup, target: Target) -> tuple[K
     kernel = BACKWARD_KERNEL if direction == "backward" else KERNEL
     segments = _segmented(problem)
     default = tuned.default_for(kernel, problem.head_dim, problem.head_dim_v,
-                                group=problem.group, segments=segments)
+                                group=problem.group, segments=segments, causal=problem.causal)
     entry, why = lookup(kernel)
     config, note = tuned.tuned_config(kernel, default, entry, head_dim=problem.head_dim,
                                       head_dim_v=problem.head_dim_v, group=problem.group,
@@ -91,7 +91,8 @@ def configs(problem: Problem, direction: str, lookup, target: Target) -> tuple[K
         name = "wide" if uses_wide_kernel(problem.head_dim, problem.head_dim_v) else "rows"
         settings = dict(kernel=name, block_kv=config.block_kv, num_stages=config.num_stages,
                         cluster=config.cluster, cluster_axis=config.cluster_axis,
-                        grid_order=config.grid_order, lowering=config.lowering)
+                        grid_order=config.grid_order, lowering=config.lowering,
+                        persistent=config.persistent)
     return (KernelChoice.of(kernel, config, why, direction, settings),)
 
 

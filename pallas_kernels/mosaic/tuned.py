@@ -23,7 +23,8 @@ BACKWARD_KERNEL = "mosaic_bwd"
 # entry was tuned on: its ring and clusters mean something else to the other kernel.
 FIELDS: dict[str, dict[str, type]] = {
     FORWARD_KERNEL: {"block_kv": int, "num_stages": int, "cluster": int, "cluster_axis": str,
-                     "grid_order": str, "lowering": str, "wide_piece": int, "wide": bool},
+                     "grid_order": str, "lowering": str, "wide_piece": int, "wide": bool,
+                     "persistent": bool},
     BACKWARD_KERNEL: {"num_stages": int, "block_q": int},
 }
 MAX_STAGES = 6
@@ -32,12 +33,13 @@ BACKWARD_WIDE_ROWS_MAX_HEAD_DIM = 64  # 128 query rows per backward step fit the
 
 
 def default_for(kernel: str, head_dim: int, head_dim_v: int, *, group: int = 1,
-                segments: bool = False) -> Config:
-    """`kernel`'s built-in config for these head dims, GQA group and segment ids (what a call
-    runs without an entry, and where the autotuner's candidates start)."""
+                segments: bool = False, causal: bool = False) -> Config:
+    """`kernel`'s built-in config for these head dims, GQA group, segment ids and causality
+    (what a call runs without an entry, and where the autotuner's candidates start)."""
     if kernel == BACKWARD_KERNEL:
         return default_backward_config(head_dim, head_dim_v, segments=segments)
-    return default_config(head_dim, head_dim_v, gqa_group=group, segments=segments)
+    return default_config(head_dim, head_dim_v, causal=causal, gqa_group=group,
+                          segments=segments)
 
 
 def config_problem(kernel: str, config: Any) -> str | None:
@@ -79,6 +81,9 @@ def tuned_config(kernel: str, default: Config, tuned: Mapping | None, *, head_di
         return default, ("not with segment ids (the entry was tuned without them, and their "
                          "tiles take shared memory)")
     fields = dict(tuned)
+    if kernel == FORWARD_KERNEL:
+        # An entry without the field was measured on one CTA per tile.
+        fields.setdefault("persistent", False)
     wide = uses_wide_kernel(head_dim, head_dim_v)
     if fields.pop("wide", wide) != wide:
         return default, ("the entry was tuned on the "
@@ -100,7 +105,7 @@ def tuned_config(kernel: str, default: Config, tuned: Mapping | None, *, head_di
 # telling first: the ring and keys per step, then clusters and the grid's order.
 _ROWS_KNOBS = (("block_kv", (64, 128, 256)), ("num_stages", (2, 3, 4)),
                ("lowering", ("lane", "warpgroup")), ("cluster", (1, 2)),
-               ("grid_order", ("heads", "q")))
+               ("grid_order", ("heads", "q")), ("persistent", (False, True)))
 _WIDE_KNOBS = (("num_stages", (2, 3, 4)), ("wide_piece", (64, 128)), ("cluster", (1, 2, 4)),
                ("grid_order", ("heads", "q")), ("block_kv", (128, 256)))
 _BACKWARD_KNOBS = (("block_q", (64, 128)), ("num_stages", (2, 3)))
@@ -123,6 +128,8 @@ def candidate_fields(kernel: str, default: Config, *, head_dim: int, head_dim_v:
     def add(fields: dict) -> None:
         if fields.get("cluster", 1) > 1 and "cluster_axis" in fields:
             fields["cluster_axis"] = "heads" if group % fields["cluster"] == 0 else "q"
+            if fields["cluster_axis"] == "q":
+                fields["persistent"] = False  # a persistent launch's clusters are heads
         if len(out) >= limit or fields in out or config_problem(kernel, fields):
             return
         if not tuned_config(kernel, default, fields, head_dim=head_dim, head_dim_v=head_dim_v,

@@ -35,6 +35,8 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
     ncl = config.cluster
     T = prob.T
     assert prob.block_kv == bkv
+    if config.persistent:
+        raise ValueError("persistent: the rows kernel only (D, Dv <= 256)")
     c_exp = prob.scale * LOG2E
     _W = config.wide_piece  # columns of one ring piece
     eager = config.wide_eager_release
