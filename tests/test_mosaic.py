@@ -929,6 +929,7 @@ PERSISTENT_CASES = [  # (B, T, S, Hq, Hkv, D, causal, features): more tiles than
     (3, 2000, 3001, 8, 8, 64, False, ("lengths",)),
     (2, 3000, 2900, 8, 4, 128, False, ("segments", "lengths")),
     (2, 2048, 1500, 8, 4, 256, True, ("lengths",)),
+    (1, 4096, 4096, 8, 4, 256, True, ("window",)),
 ]
 
 
@@ -942,13 +943,30 @@ def test_a_persistent_launch_equals_one_tile_per_cta_gpu(case):
     skip_unless_sm90()
     shape = at.Case(b=b, t=t, s=s, hq=hq, hkv=hkv, d=d, dv=d, causal=causal,
                     segments=3 if "segments" in extra else 0, sorted_ids=True,
-                    kv_lengths=(s // 3, s, s - 7)[:b] if "lengths" in extra else None)
+                    kv_lengths=(s // 3, s, s - 7)[:b] if "lengths" in extra else None,
+                    window=(1023, 0) if "window" in extra else None)
     q, k, v, _, _ = at.make_inputs(shape)
     features = at.feature_arrays(at.make_features(shape))
     base = default_config(d, gqa_group=hq // hkv, segments=shape.segments > 0)
     results = [mosaic_attention_forward(q, k, v, scale=d ** -0.5, causal=causal,
-                                        features=features,
+                                        features=features, window=shape.window,
                                         config=dataclasses.replace(base, persistent=p))
                for p in (False, True)]
     for one, persistent in zip(*results):
         np.testing.assert_array_equal(np.asarray(persistent), np.asarray(one))
+
+
+@pytest.mark.parametrize("d,causal,window,seq_q,segments,persistent", [
+    (64, False, None, 4096, False, True), (128, False, None, 4096, False, True),
+    (256, False, None, 4096, False, True), (128, False, (100, 37), 300, False, True),
+    (128, True, None, 4096, False, False), (256, True, (1023, 0), 8192, False, True),
+    (256, True, (1023, 0), 2048, False, False), (128, False, None, 4096, True, False),
+    (512, False, None, 4096, False, False)])
+def test_the_default_launch_is_persistent_where_the_tiles_are_balanced(
+        d, causal, window, seq_q, segments, persistent):
+    """The built-in config walks tiles persistently where each query tile walks about as many
+    key blocks (no causality, or a window reaching at most a quarter of the queries; session
+    26's measurements), not under causality alone, with segment ids, or at D = 512 (the
+    wide kernel)."""
+    config = default_config(d, causal=causal, window=window, seq_q=seq_q, segments=segments)
+    assert config.persistent is persistent

@@ -59,7 +59,7 @@ def mosaic_attention_forward(
     out_dtype = jnp.dtype(q.dtype if out_dtype is None else out_dtype)
     if config is None:
         config = default_config(D, Dv, q.dtype, causal, gqa_group=Hq // Hkv,
-                                segments=f.q_segment_ids is not None)
+                                segments=f.q_segment_ids is not None, window=window, seq_q=T)
     Dp, Dvp = round_up(D, 64), round_up(Dv, 64)
     wide = config.wide if config.wide is not None else uses_wide_kernel(D, Dv)
     if wide:

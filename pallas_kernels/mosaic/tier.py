@@ -73,7 +73,8 @@ def configs(problem: Problem, direction: str, lookup, target: Target) -> tuple[K
     kernel = BACKWARD_KERNEL if direction == "backward" else KERNEL
     segments = _segmented(problem)
     default = tuned.default_for(kernel, problem.head_dim, problem.head_dim_v,
-                                group=problem.group, segments=segments, causal=problem.causal)
+                                group=problem.group, segments=segments, causal=problem.causal,
+                                window=problem.window, seq_q=problem.seq_q)
     entry, why = lookup(kernel)
     config, note = tuned.tuned_config(kernel, default, entry, head_dim=problem.head_dim,
                                       head_dim_v=problem.head_dim_v, group=problem.group,

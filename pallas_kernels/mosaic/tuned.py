@@ -33,13 +33,15 @@ BACKWARD_WIDE_ROWS_MAX_HEAD_DIM = 64  # 128 query rows per backward step fit the
 
 
 def default_for(kernel: str, head_dim: int, head_dim_v: int, *, group: int = 1,
-                segments: bool = False, causal: bool = False) -> Config:
-    """`kernel`'s built-in config for these head dims, GQA group, segment ids and causality
-    (what a call runs without an entry, and where the autotuner's candidates start)."""
+                segments: bool = False, causal: bool = False,
+                window: tuple[int, int] | None = None, seq_q: int | None = None) -> Config:
+    """`kernel`'s built-in config for these head dims, GQA group, segment ids, causality,
+    window and query length (what a call runs without an entry, and where the autotuner's
+    candidates start)."""
     if kernel == BACKWARD_KERNEL:
         return default_backward_config(head_dim, head_dim_v, segments=segments)
     return default_config(head_dim, head_dim_v, causal=causal, gqa_group=group,
-                          segments=segments)
+                          segments=segments, window=window, seq_q=seq_q)
 
 
 def config_problem(kernel: str, config: Any) -> str | None:

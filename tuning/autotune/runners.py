@@ -505,7 +505,7 @@ def _mosaic_refuses(direction: str) -> Callable[[Problem], str | None]:
 
 def _mosaic_config(kernel: str, cfg: dict, spec: Problem):
     default = mosaic_tuned.default_for(kernel, spec.head_dim, spec.head_dim_v, group=spec.group,
-                                       causal=spec.causal)
+                                       causal=spec.causal, window=spec.window, seq_q=spec.seq_q)
     config, why_not = mosaic_tuned.tuned_config(kernel, default, cfg, head_dim=spec.head_dim,
                                                 head_dim_v=spec.head_dim_v, group=spec.group,
                                                 segments=False)
