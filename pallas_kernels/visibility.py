@@ -248,12 +248,15 @@ def causal_tiles(n_q: int, n_kv: int, block_m: int, block_n: int, seq_q: int, se
     return (jnp.arange(n_kv) * block_n)[None, :] <= last_row_limit[:, None]
 
 
-def segment_block_ranges(q_ids, kv_ids, *, block_m: int, block_n: int):
+def segment_block_ranges(q_ids, kv_ids, *, block_m: int, block_n: int, full: bool = False):
     """int32 [B, nq, 2]: for each query block of `block_m` rows, the key blocks
     [first, last + 1) of `block_n` keys whose id ranges (min to max) meet the block's
     ([0, 0) where none does). A cheap XLA pass over the ids ([B, nq, nk] booleans, never
     [T, S]); exact for contiguous (sorted) segments, a superset for others: the element
-    masks decide, the range only skips blocks."""
+    masks decide, the range only skips blocks. `full`: [B, nq, 4], with the run of key
+    blocks [first, end) every row of the query block sees whole by the ids (all of its
+    rows' and keys' ids one and the same; the first such block and those right after it,
+    [first, first) where there is none): the ids need no comparison there."""
     def block_min_max(ids, block):
         b, n = ids.shape
         blocks = cdiv(n, block)
@@ -269,7 +272,17 @@ def segment_block_ranges(q_ids, kv_ids, *, block_m: int, block_n: int):
     last = n_k - 1 - jnp.argmax(meet[..., ::-1], axis=-1)
     lo = jnp.where(any_meet, first, 0)
     hi = jnp.where(any_meet, last + 1, 0)
-    return jnp.stack([lo, hi], axis=-1).astype(jnp.int32)
+    if not full:
+        return jnp.stack([lo, hi], axis=-1).astype(jnp.int32)
+    same = ((q_min == q_max)[:, :, None] & (k_min == k_max)[:, None, :]
+            & (k_min[:, None, :] == q_min[:, :, None]))
+    start = jnp.argmax(same, axis=-1)
+    index = jnp.arange(n_k)
+    after = (index[None, None, :] > start[..., None]) & ~same  # the first block that is not
+    end = jnp.where(after.any(axis=-1), jnp.argmax(after, axis=-1), n_k)
+    start = jnp.where(same.any(axis=-1), start, 0)
+    end = jnp.where(same.any(axis=-1), end, 0)
+    return jnp.stack([lo, hi, start, end], axis=-1).astype(jnp.int32)
 
 
 def mask_is_segments(mask_shape) -> bool:
@@ -416,6 +429,10 @@ class BlockWalk:
     # range of blocks the host computed from the ids (`segment_block_ranges`).
     segments: bool = False
     segment_range: Any = None  # (first, end) blocks, traced int32; None: no bound
+    # (first, end) blocks the whole group sees by the ids (`segment_block_ranges(...,
+    # full=True)`): walked without the element rule where nothing else masks them. None:
+    # every block masked.
+    segment_full: Any = None
 
     @property
     def keys(self):
@@ -480,19 +497,25 @@ def kv_walk(p: BlockWalk, q_first, q_last):
         lo = jnp.minimum(_blocks_below(q_first + p.shift - left, bkv), hi)
         mask_lo = jnp.clip(div_up(jnp.maximum(q_last + p.shift - left, 0), bkv), lo, hi)
     if p.segments:
-        return _segment_walk(p, lo, hi)
+        return _segment_walk(p, lo, mask_lo, full_hi, hi)
     full_hi = jnp.clip(full_hi, mask_lo, hi)
     return lo, mask_lo, full_hi, hi
 
 
-def _segment_walk(p: BlockWalk, lo, hi):
-    """`kv_walk`'s or `q_walk`'s (lo, mask_lo, full_hi, hi) under segment ids: [lo, hi)
-    within the segments' range of blocks, every block of it masked."""
+def _segment_walk(p: BlockWalk, lo, mask_lo, full_hi, hi):
+    """`kv_walk`'s or `q_walk`'s (lo, mask_lo, full_hi, hi) under segment ids, from the
+    walk's bounds without them: [lo, hi) within the segments' range of blocks; unmasked
+    only the blocks both the bounds [mask_lo, full_hi) and the ids (`segment_full`) leave
+    whole, every other block masked."""
     if p.segment_range is not None:
         lo = jnp.maximum(lo, p.segment_range[0])
         hi = jnp.minimum(hi, p.segment_range[1])
     lo = jnp.minimum(lo, hi)
-    return lo, lo, lo, hi
+    if p.segment_full is None:
+        return lo, lo, lo, hi
+    mask_lo = jnp.clip(jnp.maximum(mask_lo, p.segment_full[0]), lo, hi)
+    full_hi = jnp.clip(jnp.minimum(full_hi, p.segment_full[1]), mask_lo, hi)
+    return lo, mask_lo, full_hi, hi
 
 
 def q_walk(p: BlockWalk, k_first, k_last, block_q: int):
@@ -525,7 +548,7 @@ def q_walk(p: BlockWalk, k_first, k_last, block_q: int):
     if not (isinstance(k_last, int) and p.key_end is None and k_last < p.S):
         full_hi = jnp.where(k_last < p.keys, full_hi, 0)
     if p.segments:
-        return _segment_walk(p, lo, hi)
+        return _segment_walk(p, lo, mask_lo, full_hi, hi)
     if isinstance(lo, int) and isinstance(hi, int) and isinstance(full_hi, int):
         return lo, mask_lo, full_hi, hi
     lo = jnp.minimum(lo, hi)

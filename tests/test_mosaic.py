@@ -266,6 +266,104 @@ def test_key_block_walk_covers_every_visible_key_and_masks_only_what_it_must():
                                                                 else kv_length))), where
 
 
+def _segment_ids(rng, b, n, kind):
+    """Segment ids [b, n] of one kind: "packed" (sorted runs, as packed documents), "keys"
+    (a key-padding mask's ids: 1 up to a length, then 0) or "random" (unsorted ids)."""
+    if kind == "packed":
+        return np.sort(rng.integers(0, 4, (b, n)), axis=1).astype(np.int32)
+    if kind == "keys":
+        lengths = rng.integers(0, n + 1, (b, 1))
+        return (np.arange(n)[None, :] < lengths).astype(np.int32)
+    return rng.integers(0, 3, (b, n)).astype(np.int32)
+
+
+def test_segment_walks_leave_unmasked_only_blocks_every_row_sees_whole():
+    """The walks under segment ids with the blocks the ids leave whole
+    (`segment_block_ranges(full=True)`), brute force against the element rule with the ids'
+    comparison, over packed, key-padding and random ids, causal or not, windows and key
+    lengths: every key a row of a tile sees lies in [lo, hi); [mask_lo, full_hi) is visible
+    whole to every row of the tile; and for packed ids and key padding some block is
+    unmasked where a whole tile sees a whole block (the ids are not compared everywhere)."""
+    rng = np.random.default_rng(2)
+    unmasked = 0
+    for trial in range(36):
+        t, s = (int(x) for x in rng.integers(1, 700, 2))
+        bkv, rows = int(rng.choice([64, 128])), 128
+        causal = bool(rng.integers(2))
+        window = None if rng.integers(3) else tuple(int(x) for x in rng.integers(0, 400, 2))
+        kv_length = _key_length(rng, s)
+        kind = ("packed", "keys", "random")[trial % 3]
+        q_ids = (np.ones((1, t), np.int32) if kind == "keys"
+                 else _segment_ids(rng, 1, t, kind))
+        kv_ids = _segment_ids(rng, 1, s, kind)
+        ranges = np.asarray(visibility.segment_block_ranges(
+            jnp.asarray(q_ids), jnp.asarray(kv_ids), block_m=rows, block_n=bkv, full=True))[0]
+        visible = _visible(t, s, causal, window, kv_length) & (q_ids[0][:, None]
+                                                               == kv_ids[0][None, :])
+        block = np.arange(s) // bkv
+        for tile in range(-(-t // rows)):
+            first, last = tile * rows, min(tile * rows + rows, t) - 1
+            walk = Walk(T=t, S=s, causal=causal, block_kv=bkv, window=window,
+                        key_end=None if kv_length is None else jnp.int32(kv_length),
+                        segments=True, segment_range=tuple(map(jnp.int32, ranges[tile, :2])),
+                        segment_full=tuple(map(jnp.int32, ranges[tile, 2:])))
+            lo, mask_lo, full_hi, hi = (int(x) for x in kv_walk(walk, jnp.int32(first),
+                                                                 jnp.int32(last)))
+            where = f"{kind} T={t} S={s} bkv={bkv} causal={causal} window={window} " \
+                    f"kv_len={kv_length} tile={tile}"
+            assert 0 <= lo <= mask_lo <= full_hi <= hi <= -(-s // bkv), where
+            seen = visible[first:last + 1]
+            outside = (block < lo) | (block >= hi)
+            assert not np.any(seen[:, outside]), where
+            whole = (block >= mask_lo) & (block < full_hi)
+            assert np.all(seen[:, whole]), where
+            unmasked += full_hi - mask_lo
+    assert unmasked > 0
+
+
+def test_segment_walks_of_the_backward_leave_unmasked_only_whole_blocks():
+    """`q_walk` under segment ids (the backward's walk over query blocks for a group of 128
+    keys) with the blocks the ids leave whole, brute force as above: every row that sees a
+    key of the group lies in [lo, hi), and the rows of [mask_lo, full_hi) see every key of
+    it."""
+    rng = np.random.default_rng(3)
+    unmasked = 0
+    for trial in range(36):
+        t, s = (int(x) for x in rng.integers(1, 700, 2))
+        bq, width = int(rng.choice([64, 128])), 128
+        causal = bool(rng.integers(2))
+        window = None if rng.integers(3) else tuple(int(x) for x in rng.integers(0, 400, 2))
+        kv_length = _key_length(rng, s)
+        kind = ("packed", "keys", "random")[trial % 3]
+        q_ids = (np.ones((1, t), np.int32) if kind == "keys"
+                 else _segment_ids(rng, 1, t, kind))
+        kv_ids = _segment_ids(rng, 1, s, kind)
+        ranges = np.asarray(visibility.segment_block_ranges(
+            jnp.asarray(kv_ids), jnp.asarray(q_ids), block_m=width, block_n=bq, full=True))[0]
+        visible = _visible(t, s, causal, window, kv_length) & (q_ids[0][:, None]
+                                                               == kv_ids[0][None, :])
+        block = np.arange(t) // bq
+        for group in range(-(-s // width)):
+            first, last = group * width, group * width + width - 1  # may pass S - 1
+            walk = Walk(T=t, S=s, causal=causal, block_kv=width, window=window,
+                        key_end=None if kv_length is None else jnp.int32(kv_length),
+                        segments=True, segment_range=tuple(map(jnp.int32, ranges[group, :2])),
+                        segment_full=tuple(map(jnp.int32, ranges[group, 2:])))
+            lo, mask_lo, full_hi, hi = (int(x) for x in q_walk(walk, jnp.int32(first),
+                                                                jnp.int32(last), bq))
+            where = f"{kind} T={t} S={s} bq={bq} causal={causal} window={window} " \
+                    f"kv_len={kv_length} group={group}"
+            assert 0 <= lo <= mask_lo <= full_hi <= hi <= -(-t // bq), where
+            seen = visible[:, first:min(last, s - 1) + 1]
+            outside = (block < lo) | (block >= hi)
+            assert not np.any(seen[outside]), where
+            whole = (block >= mask_lo) & (block < full_hi)
+            assert last < s or not whole.any(), where
+            assert np.all(seen[whole]), where
+            unmasked += full_hi - mask_lo
+    assert unmasked > 0
+
+
 def test_query_block_walk_covers_every_row_that_sees_a_key_and_masks_only_what_it_must():
     """`q_walk` (the backward's walk over query blocks for a group of keys) against the
     visibility rule, brute force: every row that sees a key of the group lies in [lo, hi);

@@ -102,10 +102,14 @@ class Walk(BlockWalk):
 
     def with_segment_range(self, ranges_ref, b, tile):
         """This walk bounded by the block range of `tile` of batch row `b` (`ranges_ref`:
-        int32 [B, tiles, 2] in global memory, `visibility.segment_block_ranges`; None: no
-        segment ids)."""
+        int32 [B, tiles, 2 or 4] in global memory, `visibility.segment_block_ranges`, with
+        the blocks the ids leave whole where it has 4 columns; None: no segment ids)."""
         if ranges_ref is None:
             return self
+        if ranges_ref.shape[-1] == 4:
+            return dataclasses.replace(
+                self, segment_range=(ranges_ref[b, tile, 0], ranges_ref[b, tile, 1]),
+                segment_full=(ranges_ref[b, tile, 2], ranges_ref[b, tile, 3]))
         return dataclasses.replace(self, segment_range=(ranges_ref[b, tile, 0],
                                                         ranges_ref[b, tile, 1]))
 

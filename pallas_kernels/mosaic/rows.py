@@ -58,7 +58,7 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
     assert has_segments == prob.segments
     segments = None
     if has_segments:
-        segments = segment_inputs(segment_ids, grid, rows_cta, bkv, Tp=Tp,
+        segments = segment_inputs(segment_ids, grid, rows_cta, bkv, Tp=Tp, head_dim=max(D, Dv),
                                   keys=prob.num_kv_blocks * bkv)
 
     def kernel(q_ref, k_ref, v_ref, kvlen_ref, seg_refs, o_ref, lse_ref, scoped):
@@ -358,13 +358,23 @@ def persistent_out_chunk(config: Config, D: int, Dv: int, dtype, out_dtype,
     return None
 
 
-def segment_inputs(segment_ids, grid: Grid, rows_cta: int, bkv: int, *, Tp: int, keys: int):
+# The widest head dim (after padding) whose walk under segment ids runs the blocks the ids
+# leave whole without comparing them: 1.15-1.27x the forward with a key-padding mask or
+# packed ids at D <= 128 on the H100, 0.96x at D = 256 (docs/history.md, session 26).
+UNMASKED_SEGMENT_BLOCKS_MAX_HEAD_DIM = 128
+
+
+def segment_inputs(segment_ids, grid: Grid, rows_cta: int, bkv: int, *, Tp: int, keys: int,
+                   head_dim: int):
     """The kernel's segment inputs: q ids int32 [B, Tp] and kv ids int32 [B, keys] (padded:
     the padding rows' outputs are dropped and the padding keys masked by the key count),
     and each cluster's range of key blocks (`visibility.segment_block_ranges` over the
-    rows of a cluster, [B, clusters along the queries, 2]; (0, 0) for clusters past T)."""
+    rows of a cluster, [B, clusters along the queries, 2]; (0, 0) for clusters past T), up
+    to `UNMASKED_SEGMENT_BLOCKS_MAX_HEAD_DIM` with the blocks the ids leave whole (4
+    columns)."""
     rows = rows_cta * grid.q_extent // grid.n_q_clusters  # a cluster's rows
     ranges = segment_block_ranges(*(x.astype(jnp.int32) for x in segment_ids), block_m=rows,
-                                  block_n=bkv)
+                                  block_n=bkv,
+                                  full=head_dim <= UNMASKED_SEGMENT_BLOCKS_MAX_HEAD_DIM)
     ranges = jnp.pad(ranges, ((0, 0), (0, grid.n_q_clusters - ranges.shape[1]), (0, 0)))
     return (*padded_ids(segment_ids, Tp, keys), ranges)
