@@ -277,46 +277,59 @@ def _segment_ids(rng, b, n, kind):
     return rng.integers(0, 3, (b, n)).astype(np.int32)
 
 
+def _random_segment_problem(rng, trial):
+    """A random problem under segment ids for the walks' brute-force tests: (T, S, causal,
+    window, key length, the kind of ids, q ids [T], kv ids [S], and which keys each row
+    sees [T, S] by the element rule with the ids' comparison). The kind cycles with
+    `trial`; key padding gives every row the id 1."""
+    t, s = (int(x) for x in rng.integers(1, 700, 2))
+    causal = bool(rng.integers(2))
+    window = None if rng.integers(3) else tuple(int(x) for x in rng.integers(0, 400, 2))
+    kv_length = _key_length(rng, s)
+    kind = ("packed", "keys", "random")[trial % 3]
+    q_ids = np.ones((1, t), np.int32) if kind == "keys" else _segment_ids(rng, 1, t, kind)
+    kv_ids = _segment_ids(rng, 1, s, kind)
+    visible = _visible(t, s, causal, window, kv_length) & (q_ids[0][:, None]
+                                                           == kv_ids[0][None, :])
+    return t, s, causal, window, kv_length, kind, q_ids, kv_ids, visible
+
+
+def _segment_walk_record(t, s, causal, window, kv_length, block: int, ranges):
+    """The kernels' `Walk` of one group under segment ids, from its row of
+    `segment_block_ranges(..., full=True)`."""
+    return Walk(T=t, S=s, causal=causal, block_kv=block, window=window,
+                key_end=None if kv_length is None else jnp.int32(kv_length), segments=True,
+                segment_range=tuple(map(jnp.int32, ranges[:2])),
+                segment_full=tuple(map(jnp.int32, ranges[2:])))
+
+
 def test_segment_walks_leave_unmasked_only_blocks_every_row_sees_whole():
     """The walks under segment ids with the blocks the ids leave whole
     (`segment_block_ranges(full=True)`), brute force against the element rule with the ids'
     comparison, over packed, key-padding and random ids, causal or not, windows and key
     lengths: every key a row of a tile sees lies in [lo, hi); [mask_lo, full_hi) is visible
-    whole to every row of the tile; and for packed ids and key padding some block is
-    unmasked where a whole tile sees a whole block (the ids are not compared everywhere)."""
+    whole to every row of the tile; and some block is unmasked somewhere (the ids are not
+    compared everywhere)."""
     rng = np.random.default_rng(2)
     unmasked = 0
     for trial in range(36):
-        t, s = (int(x) for x in rng.integers(1, 700, 2))
+        problem = _random_segment_problem(rng, trial)
+        t, s, causal, window, kv_length, kind, q_ids, kv_ids, visible = problem
         bkv, rows = int(rng.choice([64, 128])), 128
-        causal = bool(rng.integers(2))
-        window = None if rng.integers(3) else tuple(int(x) for x in rng.integers(0, 400, 2))
-        kv_length = _key_length(rng, s)
-        kind = ("packed", "keys", "random")[trial % 3]
-        q_ids = (np.ones((1, t), np.int32) if kind == "keys"
-                 else _segment_ids(rng, 1, t, kind))
-        kv_ids = _segment_ids(rng, 1, s, kind)
         ranges = np.asarray(visibility.segment_block_ranges(
             jnp.asarray(q_ids), jnp.asarray(kv_ids), block_m=rows, block_n=bkv, full=True))[0]
-        visible = _visible(t, s, causal, window, kv_length) & (q_ids[0][:, None]
-                                                               == kv_ids[0][None, :])
         block = np.arange(s) // bkv
         for tile in range(-(-t // rows)):
             first, last = tile * rows, min(tile * rows + rows, t) - 1
-            walk = Walk(T=t, S=s, causal=causal, block_kv=bkv, window=window,
-                        key_end=None if kv_length is None else jnp.int32(kv_length),
-                        segments=True, segment_range=tuple(map(jnp.int32, ranges[tile, :2])),
-                        segment_full=tuple(map(jnp.int32, ranges[tile, 2:])))
+            walk = _segment_walk_record(t, s, causal, window, kv_length, bkv, ranges[tile])
             lo, mask_lo, full_hi, hi = (int(x) for x in kv_walk(walk, jnp.int32(first),
                                                                  jnp.int32(last)))
             where = f"{kind} T={t} S={s} bkv={bkv} causal={causal} window={window} " \
                     f"kv_len={kv_length} tile={tile}"
             assert 0 <= lo <= mask_lo <= full_hi <= hi <= -(-s // bkv), where
             seen = visible[first:last + 1]
-            outside = (block < lo) | (block >= hi)
-            assert not np.any(seen[:, outside]), where
-            whole = (block >= mask_lo) & (block < full_hi)
-            assert np.all(seen[:, whole]), where
+            assert not np.any(seen[:, (block < lo) | (block >= hi)]), where
+            assert np.all(seen[:, (block >= mask_lo) & (block < full_hi)]), where
             unmasked += full_hi - mask_lo
     assert unmasked > 0
 
@@ -325,38 +338,26 @@ def test_segment_walks_of_the_backward_leave_unmasked_only_whole_blocks():
     """`q_walk` under segment ids (the backward's walk over query blocks for a group of 128
     keys) with the blocks the ids leave whole, brute force as above: every row that sees a
     key of the group lies in [lo, hi), and the rows of [mask_lo, full_hi) see every key of
-    it."""
+    it (none of them padding)."""
     rng = np.random.default_rng(3)
     unmasked = 0
     for trial in range(36):
-        t, s = (int(x) for x in rng.integers(1, 700, 2))
+        problem = _random_segment_problem(rng, trial)
+        t, s, causal, window, kv_length, kind, q_ids, kv_ids, visible = problem
         bq, width = int(rng.choice([64, 128])), 128
-        causal = bool(rng.integers(2))
-        window = None if rng.integers(3) else tuple(int(x) for x in rng.integers(0, 400, 2))
-        kv_length = _key_length(rng, s)
-        kind = ("packed", "keys", "random")[trial % 3]
-        q_ids = (np.ones((1, t), np.int32) if kind == "keys"
-                 else _segment_ids(rng, 1, t, kind))
-        kv_ids = _segment_ids(rng, 1, s, kind)
         ranges = np.asarray(visibility.segment_block_ranges(
             jnp.asarray(kv_ids), jnp.asarray(q_ids), block_m=width, block_n=bq, full=True))[0]
-        visible = _visible(t, s, causal, window, kv_length) & (q_ids[0][:, None]
-                                                               == kv_ids[0][None, :])
         block = np.arange(t) // bq
         for group in range(-(-s // width)):
             first, last = group * width, group * width + width - 1  # may pass S - 1
-            walk = Walk(T=t, S=s, causal=causal, block_kv=width, window=window,
-                        key_end=None if kv_length is None else jnp.int32(kv_length),
-                        segments=True, segment_range=tuple(map(jnp.int32, ranges[group, :2])),
-                        segment_full=tuple(map(jnp.int32, ranges[group, 2:])))
+            walk = _segment_walk_record(t, s, causal, window, kv_length, width, ranges[group])
             lo, mask_lo, full_hi, hi = (int(x) for x in q_walk(walk, jnp.int32(first),
                                                                 jnp.int32(last), bq))
             where = f"{kind} T={t} S={s} bq={bq} causal={causal} window={window} " \
                     f"kv_len={kv_length} group={group}"
             assert 0 <= lo <= mask_lo <= full_hi <= hi <= -(-t // bq), where
             seen = visible[:, first:min(last, s - 1) + 1]
-            outside = (block < lo) | (block >= hi)
-            assert not np.any(seen[outside]), where
+            assert not np.any(seen[(block < lo) | (block >= hi)]), where
             whole = (block >= mask_lo) & (block < full_hi)
             assert last < s or not whole.any(), where
             assert np.all(seen[whole]), where
