@@ -294,13 +294,29 @@ def _random_segment_problem(rng, trial):
     return t, s, causal, window, kv_length, kind, q_ids, kv_ids, visible
 
 
+# `segment_block_ranges(..., full=True)` as one compiled program per shape (its eager
+# operations would compile one by one).
+_full_ranges = jax.jit(functools.partial(visibility.segment_block_ranges, full=True),
+                       static_argnames=("block_m", "block_n"))
+
+
 def _segment_walk_record(t, s, causal, window, kv_length, block: int, ranges):
-    """The kernels' `Walk` of one group under segment ids, from its row of
-    `segment_block_ranges(..., full=True)`."""
+    """The kernels' `Walk` under segment ids for every group at once (element-wise, as the
+    walks are), from `segment_block_ranges(..., full=True)`'s rows [groups, 4], padded to
+    16 groups by repeating the last, so that the walks' jnp operations compile once."""
+    ranges = jnp.asarray(np.pad(ranges, ((0, 16 - len(ranges)), (0, 0)), mode="edge"))
     return Walk(T=t, S=s, causal=causal, block_kv=block, window=window,
                 key_end=None if kv_length is None else jnp.int32(kv_length), segments=True,
-                segment_range=tuple(map(jnp.int32, ranges[:2])),
-                segment_full=tuple(map(jnp.int32, ranges[2:])))
+                segment_range=(ranges[:, 0], ranges[:, 1]),
+                segment_full=(ranges[:, 2], ranges[:, 3]))
+
+
+def _groups(firsts, lasts, walked):
+    """The walk's (lo, mask_lo, full_hi, hi) of the groups [firsts[i], lasts[i]] (padded to
+    16 as `_segment_walk_record` pads their ranges), as numpy rows of `len(firsts)`."""
+    n = len(firsts)
+    firsts, lasts = (jnp.asarray(np.pad(x, (0, 16 - n), mode="edge")) for x in (firsts, lasts))
+    return [np.broadcast_to(np.asarray(x), (16,))[:n] for x in walked(firsts, lasts)]
 
 
 def test_segment_walks_leave_unmasked_only_blocks_every_row_sees_whole():
@@ -312,18 +328,18 @@ def test_segment_walks_leave_unmasked_only_blocks_every_row_sees_whole():
     compared everywhere)."""
     rng = np.random.default_rng(2)
     unmasked = 0
-    for trial in range(36):
+    for trial in range(24):
         problem = _random_segment_problem(rng, trial)
         t, s, causal, window, kv_length, kind, q_ids, kv_ids, visible = problem
         bkv, rows = int(rng.choice([64, 128])), 128
-        ranges = np.asarray(visibility.segment_block_ranges(
-            jnp.asarray(q_ids), jnp.asarray(kv_ids), block_m=rows, block_n=bkv, full=True))[0]
+        ranges = np.asarray(_full_ranges(q_ids, kv_ids, block_m=rows, block_n=bkv))[0]
         block = np.arange(s) // bkv
-        for tile in range(-(-t // rows)):
-            first, last = tile * rows, min(tile * rows + rows, t) - 1
-            walk = _segment_walk_record(t, s, causal, window, kv_length, bkv, ranges[tile])
-            lo, mask_lo, full_hi, hi = (int(x) for x in kv_walk(walk, jnp.int32(first),
-                                                                 jnp.int32(last)))
+        firsts = np.arange(0, t, rows, dtype=np.int32)
+        lasts = np.minimum(firsts + rows, t).astype(np.int32) - 1
+        walk = _segment_walk_record(t, s, causal, window, kv_length, bkv, ranges)
+        bounds = _groups(firsts, lasts, lambda f, la: kv_walk(walk, f, la))
+        for tile, (first, last) in enumerate(zip(firsts, lasts)):
+            lo, mask_lo, full_hi, hi = (int(x[tile]) for x in bounds)
             where = f"{kind} T={t} S={s} bkv={bkv} causal={causal} window={window} " \
                     f"kv_len={kv_length} tile={tile}"
             assert 0 <= lo <= mask_lo <= full_hi <= hi <= -(-s // bkv), where
@@ -341,18 +357,18 @@ def test_segment_walks_of_the_backward_leave_unmasked_only_whole_blocks():
     it (none of them padding)."""
     rng = np.random.default_rng(3)
     unmasked = 0
-    for trial in range(36):
+    for trial in range(24):
         problem = _random_segment_problem(rng, trial)
         t, s, causal, window, kv_length, kind, q_ids, kv_ids, visible = problem
         bq, width = int(rng.choice([64, 128])), 128
-        ranges = np.asarray(visibility.segment_block_ranges(
-            jnp.asarray(kv_ids), jnp.asarray(q_ids), block_m=width, block_n=bq, full=True))[0]
+        ranges = np.asarray(_full_ranges(kv_ids, q_ids, block_m=width, block_n=bq))[0]
         block = np.arange(t) // bq
-        for group in range(-(-s // width)):
-            first, last = group * width, group * width + width - 1  # may pass S - 1
-            walk = _segment_walk_record(t, s, causal, window, kv_length, width, ranges[group])
-            lo, mask_lo, full_hi, hi = (int(x) for x in q_walk(walk, jnp.int32(first),
-                                                                jnp.int32(last), bq))
+        firsts = np.arange(0, s, width, dtype=np.int32)
+        lasts = (firsts + width - 1).astype(np.int32)  # may pass S - 1
+        walk = _segment_walk_record(t, s, causal, window, kv_length, width, ranges)
+        bounds = _groups(firsts, lasts, lambda f, la: q_walk(walk, f, la, bq))
+        for group, (first, last) in enumerate(zip(firsts, lasts)):
+            lo, mask_lo, full_hi, hi = (int(x[group]) for x in bounds)
             where = f"{kind} T={t} S={s} bq={bq} causal={causal} window={window} " \
                     f"kv_len={kv_length} group={group}"
             assert 0 <= lo <= mask_lo <= full_hi <= hi <= -(-t // bq), where

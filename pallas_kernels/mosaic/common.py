@@ -44,8 +44,9 @@ HOPPER_MULTIPROCESSORS = 132
 
 
 def multiprocessors() -> int:
-    """The default device's multiprocessor count, for a persistent launch."""
-    device = jax.devices()[0]
+    """This process's first device's multiprocessor count, for a persistent launch (a local
+    device: under `jax.distributed` the first global one may be another host's)."""
+    device = jax.local_devices()[0]
     count = getattr(device, "core_count", None) if device.platform == "gpu" else None
     return int(count) if count else HOPPER_MULTIPROCESSORS
 
