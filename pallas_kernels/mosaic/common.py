@@ -248,9 +248,8 @@ class Grid:
                    reverse=causal and config.reverse_causal)
         if not persistent:
             return grid
-        units = grid.q_extent * B * (Hq // grid.ncl)
         return dataclasses.replace(
-            grid, clusters=max(1, min(units, multiprocessors() // grid.ncl)))
+            grid, clusters=max(1, min(grid.units, multiprocessors() // grid.ncl)))
 
     def __post_init__(self):
         if self.ncl > 1 and self.cluster_axis == "heads" and self.group % self.ncl:
@@ -258,8 +257,11 @@ class Grid:
                 f"cluster={self.ncl} along heads needs (Hq//Hkv)={self.group} "
                 "to be a multiple of it"
             )
-        if self.clusters and self.ncl > 1 and self.cluster_axis != "heads":
-            raise ValueError("a persistent launch takes clusters along heads only")
+
+    @property
+    def units(self):
+        """A persistent launch's units of work: (query tile, batch row, cluster of heads)."""
+        return self.q_extent * self.B * (self.Hq // self.ncl)
 
     @property
     def q_extent(self):  # query tiles padded to a multiple of the q-cluster
@@ -302,10 +304,10 @@ class Grid:
         there is a next tile, its indices)): every `clusters`-th unit from its own (query
         tile fastest, then batch, then the cluster's heads)."""
         assert self.clusters, "a persistent launch"
-        units = self.q_extent * self.B * (self.Hq // self.ncl)
         me = lax.axis_index(PERSISTENT)
         # This cluster's count of units: one more than the full rounds for the first ones.
-        count = units // self.clusters + (me < units % self.clusters).astype(jnp.int32)
+        count = (self.units // self.clusters
+                 + (me < self.units % self.clusters).astype(jnp.int32))
 
         def one(i, carry):
             following = (i + 1 < count, self.unit_indices(me + (i + 1) * self.clusters))

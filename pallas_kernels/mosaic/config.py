@@ -157,7 +157,7 @@ def balanced_tiles(causal: bool, window: tuple[int, int] | None, seq_q: int | No
     or causal with a window whose left side spans at most a quarter of the queries (only
     the first tiles, within its reach of the start, walk fewer). Causal without a window,
     the last tile walks all keys and the first one: a static turn of tiles leaves some
-    multiprocessors idle (measured 0.75-0.95x)."""
+    multiprocessors idle (measured slower: docs/history.md, session 26)."""
     if not causal:
         return True
     return window is not None and seq_q is not None and 4 * window[0] <= seq_q

@@ -91,10 +91,13 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                                          config.kv_rotate)
             return walk, hk, lo, hi, kv_of
 
+        def ring_index(done, i):
+            """The ring position of a tile's i-th block, after `done` blocks of earlier
+            tiles (None: the CTA's first and only tile)."""
+            return i if done is None else done + i
+
         def ring_slot(done, i):
-            """The ring slot of a tile's i-th block, after `done` blocks of earlier tiles
-            (None: the CTA's first and only tile)."""
-            return lax.rem(i if done is None else done + i, ns)
+            return lax.rem(ring_index(done, i), ns)
 
         def walked(done, lo, hi):
             """The ring blocks passed after a tile (None where there is no next tile)."""
@@ -254,7 +257,7 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                 # second turn of the ring on.
                 for ref, smem, free, bar in ((k_ref, k_smem, k_free, k_bar),
                                              (v_ref, v_smem, v_free, v_bar)):
-                    @pl.when(i >= ns if done is None else done + i >= ns)
+                    @pl.when(ring_index(done, i) >= ns)
                     def _(free=free):
                         plgpu.barrier_wait(free.at[slot])
 
@@ -359,8 +362,8 @@ def persistent_out_chunk(config: Config, D: int, Dv: int, dtype, out_dtype,
 
 
 # The widest head dim (after padding) whose walk under segment ids runs the blocks the ids
-# leave whole without comparing them: 1.15-1.27x the forward with a key-padding mask or
-# packed ids at D <= 128 on the H100, 0.96x at D = 256 (docs/history.md, session 26).
+# leave whole without comparing them: faster there, not at D = 256 (docs/history.md,
+# session 26).
 UNMASKED_SEGMENT_BLOCKS_MAX_HEAD_DIM = 128
 
 
