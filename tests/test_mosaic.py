@@ -1021,22 +1021,87 @@ def test_a_persistent_launch_is_refused_where_it_has_no_walk_and_skipped_where_n
     assert lowered(True) == lowered(False)
 
 
-def test_a_persistent_launch_walks_every_tile_once():
-    """`Grid.tiles` of a persistent launch: the clusters' units, taken every `clusters`-th
-    from each cluster's own, cover every (query tile, batch, head) exactly once, query
-    tiles fastest; computed here by hand for a launch of 7 clusters of 2 heads."""
+def _persistent_walks(grid):
+    """Run `Grid.tiles` of a persistent launch for every CTA (vmapped over the launch's and
+    the cluster's axes, as the kernel's axis indices): [CTA, round, (tile, head, batch)] of
+    the tiles visited, -1 past a CTA's last, and whether every `following` named the next
+    visit."""
+    from pallas_kernels.mosaic.common import CLUSTER, PERSISTENT
+    most = -(-grid.units // grid.clusters)
+
+    def cta():
+        def body(indices, carry, following):
+            seen, i, expected, agrees = carry
+            t, h, b = indices[:3]
+            here = jnp.stack([t, h, b])
+            agrees &= jnp.all(expected == here) | (i == 0)
+            has_next, after = following
+            expected = jnp.where(has_next, jnp.stack(after[:3]), -1)
+            return seen.at[i].set(here), i + 1, expected, agrees
+        init = (jnp.full((most, 3), -1, jnp.int32), jnp.int32(0), jnp.full((3,), -1, jnp.int32),
+                jnp.bool_(True))
+        seen, count, last_following, agrees = grid.tiles(body, init)
+        return seen, agrees & jnp.all(last_following == -1)
+
+    if grid.ncl > 1:
+        cta = jax.vmap(cta, axis_name=CLUSTER, axis_size=grid.ncl)
+    seen, agrees = jax.vmap(cta, axis_name=PERSISTENT, axis_size=grid.clusters)()
+    return np.asarray(seen).reshape(-1, most, 3), bool(np.all(agrees))
+
+
+@pytest.mark.parametrize("levels", [0, 1, 2, 3])
+@pytest.mark.parametrize("n_q,Hq,B,ncl,clusters", [
+    (3, 8, 2, 2, 7),    # 24 units: 3 rounds of 7 and 3 (an odd last round, mirrored)
+    (5, 4, 3, 1, 8),    # 60 units: 7 rounds of 8 and 4
+    (4, 6, 1, 1, 12),   # 24 units: 2 whole rounds
+    (2, 2, 1, 1, 9),    # fewer units than CTAs
+])
+def test_a_persistent_launch_walks_every_tile_once(levels, n_q, Hq, B, ncl, clusters):
+    """`Grid.tiles` of a persistent launch, run for every CTA: every (query tile, head,
+    batch) exactly once, each CTA's `following` the tile it takes next, in both unit
+    orders (query tile fastest; by levels of 1-3 tiles, the last group shorter where they
+    do not divide the tiles, rounds mirrored)."""
     from pallas_kernels.mosaic.common import Grid
-    grid = Grid(n_q=3, Hq=8, B=2, group=4, ncl=2, cluster_axis="heads", grid_order="heads",
-                reverse=False, clusters=7)
-    units = grid.q_extent * grid.B * (grid.Hq // grid.ncl)
-    seen = []
-    for cluster in range(grid.clusters):
-        for unit in range(cluster, units, grid.clusters):
-            t, rest = unit % 3, unit // 3
-            b, pair = rest % 2, rest // 2
-            seen += [(t, 2 * pair + c, b) for c in range(2)]
-    assert sorted(seen) == sorted((t, h, b) for t in range(3) for h in range(8)
-                                  for b in range(2))
+    grid = Grid(n_q=n_q, Hq=Hq, B=B, group=2 * ncl, ncl=ncl, cluster_axis="heads",
+                grid_order="heads", reverse=True, clusters=clusters, levels=levels)
+    seen, agrees = _persistent_walks(grid)
+    visits = [tuple(v) for cta in seen for v in cta if v[0] >= 0]
+    assert sorted(visits) == sorted((t, h, b) for t in range(n_q) for h in range(Hq)
+                                    for b in range(B))
+    assert agrees
+
+
+@pytest.mark.parametrize("n_q,Hq,B,ncl", [
+    (32, 32, 4, 1),  # causal D = 128, B = 4, H = 32, N = 4096 (one CTA per SM)
+    (32, 32, 1, 1),  # causal D = 256, B = 1
+    (64, 32, 1, 2),  # causal GQA 32/8, N = 8192 (clusters of two heads)
+    (16, 32, 4, 1),  # causal D = 128, N = 2048
+])
+def test_persistent_levels_balance_causal_tiles(n_q, Hq, B, ncl):
+    """Causal tiles differ in work (tile t of T = S walks t + 1 key blocks). The persistent
+    launch of unbalanced tiles (`Grid.of(..., balanced=False)`, 132 multiprocessors) takes
+    them by levels: each CTA's total within 4% of the mean, and a round's CTAs take 4 or
+    more tiles of each head they touch on average (they share its K/V in L2). Taken query
+    tile fastest in turn, the busiest CTA of the GQA launch walks 1.5x the mean (session
+    26's 0.75x)."""
+    from pallas_kernels.mosaic.common import Grid
+
+    def walk(balanced):
+        config = Config(cluster=ncl, cluster_axis="heads") if ncl > 1 else Config()
+        grid = Grid.of(config, n_q=n_q, Hq=Hq, B=B, group=2 * ncl, causal=True,
+                       persistent=True, balanced=balanced)
+        seen, _ = _persistent_walks(grid)
+        work = np.where(seen[..., 0] >= 0, seen[..., 0] + 1, 0).sum(axis=1)
+        sharing = [len(heads) / len(set(heads)) for heads in (
+            [(h // ncl, b) for t, h, b in seen[:, i] if t >= 0] for i in range(seen.shape[1]))
+            if heads]
+        return work.max() / work.mean(), np.mean(sharing)
+
+    busiest, sharing = walk(balanced=False)
+    assert busiest <= 1.04
+    assert sharing >= 4
+    if (n_q, ncl) == (64, 2):
+        assert walk(balanced=True)[0] >= 1.5
 
 
 PERSISTENT_CASES = [  # (B, T, S, Hq, Hkv, D, causal, features): more tiles than CTAs
@@ -1075,13 +1140,16 @@ def test_a_persistent_launch_equals_one_tile_per_cta_gpu(case):
     (64, False, None, 4096, False, True), (128, False, None, 4096, False, True),
     (256, False, None, 4096, False, True), (128, False, (100, 37), 300, False, True),
     (128, True, None, 4096, False, False), (256, True, (1023, 0), 8192, False, True),
-    (256, True, (1023, 0), 2048, False, False), (128, False, None, 4096, True, False),
+    (128, True, (1023, 0), 2048, False, False), (128, True, (511, 0), 2048, False, True),
+    (64, True, None, 4096, False, True), (256, True, None, 4096, False, True),
+    (256, True, (1023, 0), 2048, False, True), (128, False, None, 4096, True, False),
     (512, False, None, 4096, False, False)])
-def test_the_default_launch_is_persistent_where_the_tiles_are_balanced(
+def test_the_default_launch_is_persistent_where_it_measured_faster(
         d, causal, window, seq_q, segments, persistent):
     """The built-in config walks tiles persistently where each query tile walks about as many
     key blocks (no causality, or a window reaching at most a quarter of the queries; session
-    26's measurements), not under causality alone, with segment ids, or at D = 512 (the
-    wide kernel)."""
+    26's measurements), and under causality alone at head dims up to 64 and from 129 to 256
+    (by levels, session 27), not at 65-128 causal, with segment ids, or at D = 512 (the wide
+    kernel)."""
     config = default_config(d, causal=causal, window=window, seq_q=seq_q, segments=segments)
     assert config.persistent is persistent

@@ -37,6 +37,12 @@ NEG_INF = float("-inf")
 Q_TILES, HEADS, BATCH = "ffpa_mosaic_q", "ffpa_mosaic_h", "ffpa_mosaic_b"
 CLUSTER, WARPGROUPS = "ffpa_mosaic_cl", "ffpa_mosaic_wg"
 PERSISTENT = "ffpa_mosaic_sm"  # a persistent launch's one grid axis
+# By levels (`Grid.levels`), a persistent launch takes its query tiles in groups of
+# ceil(LEVEL_SHARING · heads / CTAs) neighbouring tiles of each (batch, head cluster), so
+# that a round's CTAs share each head's K/V reads in L2 (with one tile of every head per
+# level, a round of B·H >= 128 heads streamed every head's K/V from memory; 8 measured
+# against 4: docs/history.md, session 27).
+LEVEL_SHARING = 8
 
 # Multiprocessors of an H100 / H200 (SXM): the persistent launch's size where JAX cannot
 # tell (lowering for CUDA on a machine without a GPU).
@@ -236,20 +242,29 @@ class Grid:
     grid_order: str
     reverse: bool
     clusters: int = 0  # persistent launch: clusters (CTAs where ncl == 1) launched; 0: not
+    # A persistent launch's units by levels (`unit_indices`) for tiles of unequal work
+    # (causal without a narrow window): the number of neighbouring query tiles of one head
+    # taken together; 0: query tile fastest.
+    levels: int = 0
 
     @classmethod
     def of(cls, config: Config, *, n_q: int, Hq: int, B: int, group: int, causal: bool,
-           persistent: bool = False):
+           persistent: bool = False, balanced: bool = True):
         """The grid of `n_q` query tiles of every (query head, batch), with `config`'s
         clusters, order and (causal) heaviest-first walk; `persistent`: one cluster per
-        `ncl` multiprocessors, walking the tiles in turn (`tiles`)."""
+        `ncl` multiprocessors, walking the tiles in turn (`tiles`), by levels where the
+        tiles are not `balanced` (`config.balanced_tiles`)."""
         grid = cls(n_q=n_q, Hq=Hq, B=B, group=group, ncl=config.cluster,
                    cluster_axis=config.cluster_axis, grid_order=config.grid_order,
                    reverse=causal and config.reverse_causal)
         if not persistent:
             return grid
-        return dataclasses.replace(
-            grid, clusters=max(1, min(grid.units, multiprocessors() // grid.ncl)))
+        clusters = max(1, min(grid.units, multiprocessors() // grid.ncl))
+        levels = 0
+        if not balanced:
+            heads = grid.units // grid.q_extent
+            levels = min(grid.q_extent, cdiv(LEVEL_SHARING * heads, clusters))
+        return dataclasses.replace(grid, clusters=clusters, levels=levels)
 
     def __post_init__(self):
         if self.ncl > 1 and self.cluster_axis == "heads" and self.group % self.ncl:
@@ -301,29 +316,55 @@ class Grid:
     def tiles(self, body, carry):
         """`body(indices, carry, following) -> carry` over the tiles of this CTA of a
         persistent launch (`indices` as `indices()` returns them; `following`: (whether
-        there is a next tile, its indices)): every `clusters`-th unit from its own (query
-        tile fastest, then batch, then the cluster's heads)."""
+        there is a next tile, its indices)): one unit of each round of `clusters` units
+        (`unit_indices`), the cluster's own position in the round (mirrored in odd rounds
+        by levels, so that who took a round's heaviest tile takes the next one's lightest)."""
         assert self.clusters, "a persistent launch"
         me = lax.axis_index(PERSISTENT)
-        # This cluster's count of units: one more than the full rounds for the first ones.
-        count = (self.units // self.clusters
-                 + (me < self.units % self.clusters).astype(jnp.int32))
+        rounds, rest = divmod(self.units, self.clusters)
+        # The last, partial round's units are positions 0..rest-1 (mirrored: from the end).
+        in_last = (me < rest) if not (self.levels and rounds % 2) else (
+            self.clusters - 1 - me < rest)
+        count = rounds + in_last.astype(jnp.int32)
 
         def one(i, carry):
-            following = (i + 1 < count, self.unit_indices(me + (i + 1) * self.clusters))
-            return body(self.unit_indices(me + i * self.clusters), carry, following)
+            following = (i + 1 < count, self.unit_indices(self.unit_of(me, i + 1)))
+            return body(self.unit_indices(self.unit_of(me, i)), carry, following)
         return lax.fori_loop(0, count, one, carry)
+
+    def unit_of(self, me, i):
+        """The unit cluster `me` of a persistent launch takes in round `i`."""
+        if self.levels:
+            me = jnp.where(lax.rem(i, 2) == 1, self.clusters - 1 - me, me)
+        return me + i * self.clusters
 
     def first_tile(self):
         """The indices of this CTA's first tile in a persistent launch."""
         return self.unit_indices(lax.axis_index(PERSISTENT))
 
     def unit_indices(self, unit):
-        """The indices (as `indices()`) of a persistent launch's unit."""
-        t = lax.rem(unit, jnp.int32(self.q_extent))
-        rest = lax.div(unit, jnp.int32(self.q_extent))
-        b = lax.rem(rest, jnp.int32(self.B))
-        h = lax.div(rest, jnp.int32(self.B))
+        """The indices (as `indices()`) of a persistent launch's unit: query tile fastest,
+        then batch, then the cluster of heads (consecutive units share K/V); by levels, the
+        query tiles in groups of `levels` (the last group may be shorter): group slowest,
+        then the cluster of heads, then batch, then the group's tiles (a round's units walk
+        about as many key blocks, and each head's K/V serves `levels` of them)."""
+        if self.levels:
+            g, heads = self.levels, self.units // self.q_extent
+            whole = self.q_extent // g  # groups of g tiles; then one of q_extent % g
+            in_whole = unit < whole * g * heads
+            size = jnp.where(in_whole, g, self.q_extent % g or g)
+            rest = jnp.where(in_whole, lax.rem(unit, jnp.int32(g * heads)),
+                             unit - whole * g * heads)
+            t = jnp.where(in_whole, lax.div(unit, jnp.int32(g * heads)), whole) * g + lax.rem(
+                rest, size)
+            rest = lax.div(rest, size)
+            b = lax.rem(rest, jnp.int32(self.B))
+            h = lax.div(rest, jnp.int32(self.B))
+        else:
+            t = lax.rem(unit, jnp.int32(self.q_extent))
+            rest = lax.div(unit, jnp.int32(self.q_extent))
+            b = lax.rem(rest, jnp.int32(self.B))
+            h = lax.div(rest, jnp.int32(self.B))
         if self.reverse:
             t = (self.q_extent - 1) - t
         if self.ncl > 1:

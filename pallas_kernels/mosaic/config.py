@@ -118,7 +118,8 @@ def default_config(
     CTAs of sibling query heads are paired in a cluster and share K/V tiles by
     TMA multicast. `segments`: segment ids are given (their ids' tiles in shared memory
     leave no room for three stages of 256 keys at D <= 64). `causal`, `window` and `seq_q`
-    (the query length) decide whether the launch is persistent (`balanced_tiles`).
+    (the query length) decide whether the launch is persistent and in which order
+    (`balanced_tiles`).
     """
     del dtype  # the same choice won for bf16 and fp16
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
@@ -136,10 +137,12 @@ def default_config(
         clu = dict(cluster=2, cluster_axis="heads")
     else:
         clu = {}
-    # Persistent where it measured faster: where the query tiles walk about as many key
-    # blocks each, which a static turn of tiles over the multiprocessors keeps busy alike
-    # (docs/history.md, session 26); not with segment ids (their ranges differ per tile).
-    persistent = not segments and balanced_tiles(causal, window, seq_q)
+    # Persistent where it measured faster (docs/history.md, sessions 26-27): query tiles of
+    # about equal work walked in turn; causal ones (unequal) by levels (`Grid.levels`), but
+    # at head dims 65-128, where causal tiles one CTA each measured faster; not with segment
+    # ids (their ranges differ per tile; not measured).
+    persistent = not segments and (balanced_tiles(causal, window, seq_q)
+                                   or not 64 < max(d, dv) <= 128)
     if max(d, dv) > 128:
         return Config(block_kv=64, num_stages=2, grid_order="heads", lowering="lane",
                       persistent=persistent, **clu)
@@ -156,8 +159,9 @@ def balanced_tiles(causal: bool, window: tuple[int, int] | None, seq_q: int | No
     """Whether a call's query tiles walk about as many key blocks each: without causality,
     or causal with a window whose left side spans at most a quarter of the queries (only
     the first tiles, within its reach of the start, walk fewer). Causal without a window,
-    the last tile walks all keys and the first one: a static turn of tiles leaves some
-    multiprocessors idle (measured slower: docs/history.md, session 26)."""
+    the last tile walks all keys and the first one: a persistent launch takes such tiles by
+    levels (`Grid.levels`); in turn, query tile fastest, they left multiprocessors idle
+    (docs/history.md, sessions 26-27)."""
     if not causal:
         return True
     return window is not None and seq_q is not None and 4 * window[0] <= seq_q

@@ -21,7 +21,7 @@ from pallas_kernels.mosaic.common import (CLUSTER, COLUMNS, LOG2E, NEG_INF, ROW,
                                           finalize, iota, launch, padded_ids, same_segment,
                                           score_mod, soft_cap, softmax_update, tiled_smem,
                                           walk_kv)
-from pallas_kernels.mosaic.config import Config
+from pallas_kernels.mosaic.config import Config, balanced_tiles
 from pallas_kernels.visibility import segment_block_ranges
 
 
@@ -52,7 +52,7 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
     persistent = persistent_chunk is not None
     oc = persistent_chunk or oc
     grid = Grid.of(config, n_q=cdiv(T, rows_cta), Hq=Hq, B=B, group=group, causal=prob.causal,
-                   persistent=persistent)
+                   persistent=persistent, balanced=balanced_tiles(prob.causal, prob.window, T))
     Tp = grid.q_extent * rows_cta
     assert Dv % oc == 0
     assert has_segments == prob.segments
