@@ -150,7 +150,7 @@ def contract_chunks(load_a, load_b, n_chunks: int, *, dynamic: bool, shape: tupl
     `scale`) adds `dot(a, b) * scale` instead, which Triton does not fuse: each
     chain then spans one chunk and the chunks are summed by round-to-nearest
     float32 FMAs, within XLA's error, at the price of waiting for every chunk's
-    MMA (forward up to 1.6x slower at D >= 512; docs/benchmarks.md, "lse accuracy").
+    MMA (the forward measured slower at D >= 512; docs/benchmarks.md, "lse accuracy").
 
     `compensated` (float32) sums the chunks' products exactly instead, as a (hi, lo)
     pair (Knuth's TwoSum; each product has several uses, so Triton fuses none), and

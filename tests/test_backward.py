@@ -334,6 +334,7 @@ _FLOAT32_FUZZ_DRAWS = {
 }
 
 
+@pytest.mark.slow  # replays of fuzz draws: with the CPU fuzz (-m slow), and on the GPU
 @pytest.mark.parametrize("draw", sorted(_FLOAT32_FUZZ_DRAWS))
 def test_grad_float32_fuzz_draws(draw, kernel_mode):
     from test_fuzz import Config, check_example

@@ -1082,8 +1082,8 @@ def test_persistent_levels_balance_causal_tiles(n_q, Hq, B, ncl):
     launch of unbalanced tiles (`Grid.of(..., balanced=False)`, 132 multiprocessors) takes
     them by levels: each CTA's total within 4% of the mean, and a round's CTAs take 4 or
     more tiles of each head they touch on average (they share its K/V in L2). Taken query
-    tile fastest in turn, the busiest CTA of the GQA launch walks 1.5x the mean (session
-    26's 0.75x)."""
+    tile fastest in turn, the busiest CTA of the GQA launch walks 1.5x the mean (why session
+    26 kept causal launches off the persistent kernel: docs/history.md)."""
     from pallas_kernels.mosaic.common import Grid
 
     def walk(balanced):

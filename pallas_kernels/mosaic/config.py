@@ -127,7 +127,7 @@ def default_config(
     dv = round_up(head_dim_v, 64)
     if uses_wide_kernel(head_dim, head_dim_v):
         # 64-row CTAs, Dv split over the 2 consumer warpgroups; a ring of 3 slots of
-        # [2, 128, 64] (96 KiB: every ring of 128 KiB measured 1.3-2.3x slower); pairs of
+        # [2, 128, 64] (96 KiB: every ring of 128 KiB measured slower); pairs of
         # CTAs share every K/V tile by multicast (sibling query heads of a GQA group, else
         # neighbouring query tiles); grid_order="heads" (docs/history.md, session 24).
         return Config(block_kv=128, num_stages=3, wide=True, wide_piece=64, cluster=2,
