@@ -206,10 +206,15 @@ def test_grad_under_jit_and_vmap_and_compile_cache(kernel_mode):
                 "wo": jax.random.normal(k2, (heads, d, d)) * d ** -0.5}
 
     def apply(params, x):
-        qkv = jnp.einsum("btc,cnhd->nbthd", x, params["wqkv"]).astype(jnp.bfloat16)
+        # float32 projections at full precision (no TF32 on a GPU): the vmapped and the
+        # looped steps then differ only in the order of float32 sums (and where that flips
+        # a bfloat16 rounding of q, k or v; measured 2e-5 of the values on the CPU).
+        qkv = jnp.einsum("btc,cnhd->nbthd", x, params["wqkv"],
+                         precision="highest").astype(jnp.bfloat16)
         out = ffpa_jax.attention(qkv[0], qkv[1], qkv[2], is_causal=True,
                                  implementation="pallas", interpret=interpret)
-        return jnp.einsum("bthd,hdc->btc", out.astype(jnp.float32), params["wo"])
+        return jnp.einsum("bthd,hdc->btc", out.astype(jnp.float32), params["wo"],
+                          precision="highest")
 
     def loss(params, x):
         return jnp.mean(apply(params, x) ** 2)
@@ -221,7 +226,7 @@ def test_grad_under_jit_and_vmap_and_compile_cache(kernel_mode):
     looped = [jax.grad(loss)(params, xs[i]) for i in range(3)]
     for key in params:
         np.testing.assert_allclose(np.asarray(grads[key]), np.stack([g[key] for g in looped]),
-                                   rtol=2e-2, atol=2e-4)
+                                   rtol=1e-3, atol=1e-5)
     step(params, xs + 1.0)
     assert step._cache_size() == 1
 

@@ -225,9 +225,11 @@ def test_sown_weights_dtype_follows_force_fp32_for_softmax(kernel_mode, force_fp
             ["intermediates"]["attention_weights"][0] for m in mods]
     assert sown[0].dtype == (jnp.float32 if force_fp32 else jnp.bfloat16)  # Flax's rule
     assert sown[1].dtype == sown[0].dtype and sown[1].shape == sown[0].shape == (2, 2, 12, 12)
-    # Flax rounds its logits to bf16 before the softmax, ours stay float32: within a bf16 ulp
+    # Flax rounds its logits to bf16 before the softmax (2^-9 of each, on logits of a few
+    # units here), ours stay float32: each weight within a few percent of Flax's, relative
+    # (2.4% measured on the CPU), small weights included.
     np.testing.assert_allclose(np.asarray(sown[1], np.float32),
-                               np.asarray(sown[0], np.float32), rtol=0, atol=5e-3)
+                               np.asarray(sown[0], np.float32), rtol=4e-2, atol=0)
 
 
 # ------------------------------------------------------------------------ dropout
