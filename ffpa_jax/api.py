@@ -107,8 +107,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
         per process; needs a GPU, else a one-time warning). On the dense tier there is
         nothing to tune: it is ignored with a one-time warning. See docs/tuning.md. Not
         applied to context-parallel calls (their blocks take the tuned or built-in configs).
-        It tunes the Triton kernels only: the Mosaic tier's configs are built in, and the
-        chunked tier sizes its blocks from its workspace budget.
+        It tunes the fused kernels (the Triton ones, and on sm90 the Mosaic ones' tuned
+        fields); the chunked tier sizes its blocks from its workspace budget.
       context_axis: inside a `jax.shard_map`, the mesh axis the sequence dim of query,
         key, value (and of the segment ids) is split over: each device passes its shard
         and gets its shard of out (and of lse, [B, Hq, T_local]); the result is exact

@@ -29,7 +29,7 @@ One place decides, for the run (`plan`) and for `python -m ffpa_jax.info` (`expl
 Then each chosen tier fills the plan with its kernels' configs (`Tier.configs`): for the
 Triton kernels the runtime autotune's winner, else the tuned entry, else the built-in default
 (`select.kernel_config`); the chunked tier sizes its blocks from its workspace budget and the
-Mosaic tier takes its built-in configs.
+Mosaic tier takes its built-in configs with a tuned entry's fields (`mosaic/tuned.py`).
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ NARROW_WINDOW_MAX_HEADDIM = 512
 # Segment ids (packed sequences) up to D = SEGMENTS_MAX_HEADDIM: the fused kernels skip the
 # other segments' tiles, where the tuned tiers were measured without segments and the
 # chunked tier's blocks walk them all. Of the fused kernels the Mosaic ones measured faster
-# over (low, high] of SEGMENTS_MOSAIC, per direction: the forward from D = 128, the
-# backward at D = 256 (its D <= 128 kernel was slower than the Triton kernels';
+# over (low, high] of SEGMENTS_MOSAIC, per direction: the forward above D = 64, the
+# backward above D = 128 (its D <= 128 kernel was slower than the Triton kernels';
 # docs/benchmarks.md, sessions 21 and 22).
 SEGMENTS_MAX_HEADDIM = 256
 SEGMENTS_MOSAIC = {"forward": (64, 256), "backward": (128, 256)}
