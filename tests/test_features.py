@@ -95,12 +95,11 @@ def run_case(case: Case, tier: str, mode: str = "interpret", *, eager: bool = Fa
     return out, lse
 
 
-def check_grads(case: Case, tier: str, mode: str = "interpret"):
-    """out and lse, then dq, dk, dv, dbias and dsinks (factor 3) of `case` on `tier`, one
-    jitted forward and backward, against float64; returns (out, lse, gradients)."""
-    inputs = make_inputs(case)
+def _forward_and_vjp(case: Case, tier: str, mode: str, inputs, features):
+    """(out, lse, [dq, dk, dv, dbias, dsinks], sinks, d_out, d_lse) of `case` on `tier`:
+    one jitted forward and backward with the case's cotangents (d_out in the inputs'
+    dtype)."""
     q, k, v, bias, mask = inputs
-    features = make_features(case)
     f, arrays = _attention(case, tier, mode, features)
     sinks = arrays.pop("sinks", None)
     d_out, d_lse = cotangents(case)
@@ -112,7 +111,16 @@ def check_grads(case: Case, tier: str, mode: str = "interpret"):
             lambda q, k, v, bias, sinks: f(q, k, v, bias, mask, dict(arrays, sinks=sinks)),
             q, k, v, bias, sinks)
         return out, lse, vjp((d_out, d_lse))
-    out, lse, got = forward_and_vjp(q, k, v, bias, sinks, d_out, d_lse)
+    return (*forward_and_vjp(q, k, v, bias, sinks, d_out, d_lse), sinks, d_out, d_lse)
+
+
+def check_grads(case: Case, tier: str, mode: str = "interpret"):
+    """out and lse, then dq, dk, dv, dbias and dsinks (factor 3) of `case` on `tier`, one
+    jitted forward and backward, against float64; returns (out, lse, gradients)."""
+    inputs = make_inputs(case)
+    q, k, v, bias, mask = inputs
+    features = make_features(case)
+    out, lse, got, sinks, d_out, d_lse = _forward_and_vjp(case, tier, mode, inputs, features)
     d_out32 = d_out.astype(jnp.float32)
     *ref_forward, ref = reference_vjp(case, q, k, v, bias, mask, d_out32, d_lse, float64=True,
                                       features=features)
@@ -168,19 +176,11 @@ def test_the_xla_path_is_the_reference(case):
     """`implementation="xla"` through the public API (every feature as jax.nn-style
     arguments) is the same-precision reference the matrix measures the tiers against: out,
     lse and every gradient bitwise equal."""
-    q, k, v, bias, mask = make_inputs(case)
+    inputs = make_inputs(case)
+    q, k, v, bias, mask = inputs
     features = make_features(case)
-    f, arrays = _attention(case, "xla", "interpret", features)
-    sinks = arrays.pop("sinks", None)
-    d_out, d_lse = cotangents(case)
-
-    @jax.jit
-    def forward_and_vjp(q, k, v, bias, sinks, d_out, d_lse):
-        (out, lse), vjp = jax.vjp(
-            lambda q, k, v, bias, sinks: f(q, k, v, bias, mask, dict(arrays, sinks=sinks)),
-            q, k, v, bias, sinks)
-        return out, lse, vjp((d_out, d_lse))
-    out, lse, got = forward_and_vjp(q, k, v, bias, sinks, d_out.astype(q.dtype), d_lse)
+    out, lse, got, _, d_out, d_lse = _forward_and_vjp(case, "xla", "interpret", inputs,
+                                                      features)
     *want_forward, want = reference_vjp(case, q, k, v, bias, mask, d_out.astype(jnp.float32),
                                         d_lse, float64=False, features=features)
     for name, g, w in zip(["out", "lse", "dq", "dk", "dv", "dbias", "dsinks"],
