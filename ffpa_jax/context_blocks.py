@@ -36,6 +36,10 @@ HIDDEN, FULL, PARTIAL = visibility.BLOCK_HIDDEN, visibility.BLOCK_FULL, visibili
 RING = "ring"
 ALL_GATHER = "all_gather"
 STRATEGIES = (RING, ALL_GATHER)
+# The fused kernels draw dropout in tiles of 128 keys: a block's first key must be a
+# multiple of it (each ring block starts at a key piece, or a round's part of one; the
+# all-gather's at key 0).
+DROPOUT_KEY_ALIGNMENT = 128
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,9 +28,6 @@ from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
 # ALL_GATHER_MAX_BYTES.
 ALL_GATHER_MIN_GROUP = 4
 ALL_GATHER_MAX_BYTES = 2 << 30
-# The fused kernels draw dropout in tiles of 128 keys: a block's first key must be a
-# multiple of it (each ring block starts at a key piece; the all-gather's at key 0).
-DROPOUT_KEY_ALIGNMENT = 128
 
 
 def whole_problem(problem: Problem, parts: int) -> Problem:
@@ -40,10 +37,10 @@ def whole_problem(problem: Problem, parts: int) -> Problem:
 
 
 def ring_dropout_ok(problem: Problem, parts: int, layout: str) -> bool:
-    """Whether the ring's key pieces start at multiples of DROPOUT_KEY_ALIGNMENT."""
+    """Whether the ring's key pieces start at multiples of cb.DROPOUT_KEY_ALIGNMENT."""
     pieces = 2 if layout == ZIGZAG else 1
     return (not problem.has_dropout
-            or (problem.seq_k // parts // pieces) % DROPOUT_KEY_ALIGNMENT == 0)
+            or (problem.seq_k // parts // pieces) % cb.DROPOUT_KEY_ALIGNMENT == 0)
 
 
 def choose_strategy(problem: Problem, parts: int, layout: str,
@@ -68,10 +65,10 @@ def _dropout_message(problem: Problem, parts: int, layout: str) -> str:
     piece = problem.seq_k // parts // pieces
     what = "half" if pieces == 2 else "block"
     return (f"context_strategy='ring' with dropout needs each shard's key {what} to be a "
-            f"multiple of {DROPOUT_KEY_ALIGNMENT} keys (the kernels draw the keep "
-            f"decisions in tiles of {DROPOUT_KEY_ALIGNMENT} keys at global positions); it is "
+            f"multiple of {cb.DROPOUT_KEY_ALIGNMENT} keys (the kernels draw the keep "
+            f"decisions in tiles of {cb.DROPOUT_KEY_ALIGNMENT} keys at global positions); it is "
             f"{piece} (S = {problem.seq_k} over {parts} shards, {layout} layout). Make the "
-            f"sequence a multiple of {DROPOUT_KEY_ALIGNMENT * parts * pieces}, or pass "
+            f"sequence a multiple of {cb.DROPOUT_KEY_ALIGNMENT * parts * pieces}, or pass "
             "context_strategy='all_gather' (or None).")
 
 

@@ -7,7 +7,9 @@ it, so the transfer overlaps the compute) and computes its (query piece, key pie
 merged into its rows by lse. Backward: K and V go around again with their gradient
 accumulators: at step s shard i adds its blocks' dK, dV to the accumulator of shard
 (i − s) mod P, received from shard i − 1 while it computed them; after P steps one more
-send brings each accumulator home.
+send brings each accumulator home. Where those float32 accumulators are large, the keys go
+around in several rounds (`rounds`), each a ring of one part of every key piece, so that a
+shard holds the accumulators of that part only.
 
 Every block's relation (hidden, fully or partly visible by causality and the window) is a
 function of the step and the shard; where it differs between shards or steps it is taken at
@@ -19,13 +21,22 @@ outside the branches (a shard skipping a block never skips a transfer).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 from ffpa_jax import context_blocks as cb
 from ffpa_jax.context_blocks import FULL, HIDDEN, PARTIAL, Block, ContextCall, Rows
-from pallas_kernels import compat
+from pallas_kernels import chunked_plan, compat
 from pallas_kernels.problem import Cotangents, Inputs, Saved
+
+# The backward holds the float32 dK and dV of the keys in flight three times over (the
+# accumulators received, the ones sent on, this step's part): the keys go around in as
+# many rounds (a power of two) as keep one round's accumulators within a share of the
+# workspace budget (`round_bytes`), the one memory knob of the blocks' temporaries. Each
+# round halves the blocks' keys, which costs time where they are already short.
+ROUND_SHARE = 2  # the accumulators of a round: at most 1 / ROUND_SHARE of the budget
 
 
 def _send_on(x, call: ContextCall):
@@ -40,11 +51,51 @@ def _shard(call: ContextCall):
     return 0 if call.parts == 1 else jax.lax.axis_index(call.axis)
 
 
-def relations(call: ContextCall, a: int, b: int) -> set[int]:
-    """The relations block (query piece a, key piece b) takes over every step and shard."""
+def relations(call: ContextCall, a: int, b: int, keys: "_Keys | None" = None) -> set[int]:
+    """The relations block (query piece a, key piece b, or the part `keys` of it) takes over
+    every step and shard."""
     qp, kp = call.q_pieces, call.k_pieces
-    return {call.relation(qp.start(i, a), qp.size, kp.start((i - s) % call.parts, b), kp.size)
+    keys = keys or _Keys(0, kp.size)
+    return {call.relation(qp.start(i, a), qp.size,
+                          kp.start((i - s) % call.parts, b) + keys.offset, keys.size)
             for i in range(call.parts) for s in range(call.parts)}
+
+
+class _Keys(NamedTuple):
+    """The part of every key piece one round of the ring moves: `size` keys from `offset`."""
+
+    offset: int
+    size: int
+
+    def of(self, x, kp, b: int):
+        """This part of key piece b of a shard's array x (sequence axis 1; None stays)."""
+        if x is None:
+            return None
+        start = b * kp.size + self.offset
+        if start == 0 and self.size == x.shape[1]:
+            return x
+        return jax.lax.slice_in_dim(x, start, start + self.size, axis=1)
+
+
+def round_bytes() -> int:
+    """The most bytes of float32 dK and dV one round of the backward holds (ROUND_SHARE)."""
+    return chunked_plan.budget_from_env() // ROUND_SHARE
+
+
+def rounds(call: ContextCall) -> int:
+    """The backward's rounds (see ROUND_SHARE): each a whole number of keys, starting at a
+    multiple of the dropout tiles where the call draws dropout."""
+    problem, kp = call.problem, call.k_pieces
+    accumulators = (4 * problem.batch * kp.local * problem.heads_kv
+                    * (problem.head_dim + problem.head_dim_v))
+    limit = round_bytes()
+    count = 1
+    while accumulators > count * limit and kp.size % (2 * count) == 0:
+        size = kp.size // (2 * count)
+        if problem.has_dropout and size % cb.DROPOUT_KEY_ALIGNMENT:
+            break
+        count *= 2
+    return count
 
 
 def _dispatch(relation, present: set[int], branches: dict, *operands):
@@ -60,31 +111,32 @@ class _Pair:
     """Block (query piece a, key piece b) at step `step` of the ring on shard `me`: its
     relation, its static shapes and its inputs."""
 
-    def __init__(self, call: ContextCall, inputs: Inputs, kv, a: int, b: int, me, step):
-        self.call, self.a, self.b = call, a, b
+    def __init__(self, call: ContextCall, inputs: Inputs, held, a: int, b: int, me, step,
+                 keys: _Keys):
+        """`held`: (k, v, kv segment ids) of the part `keys` of key piece b held now."""
+        self.call, self.a, self.b, self.keys = call, a, b, keys
         qp, kp = call.q_pieces, call.k_pieces
         source = (me - step) % call.parts
-        self.r0, self.c0 = qp.start(me, a), kp.start(source, b)
-        k, v, kv_ids = kv
+        self.r0, self.c0 = qp.start(me, a), kp.start(source, b) + keys.offset
+        k, v, kv_ids = held
         f = inputs.features
         features = f._replace(
             q_segment_ids=(None if f.q_segment_ids is None
                            else qp.local_slice(f.q_segment_ids, a, 1)),
-            kv_segment_ids=None if kv_ids is None else kp.local_slice(kv_ids, b, 1),
-            sinks=None, positions=cb.positions(self.r0, self.c0, call.shift))
-        self.inputs = inputs._replace(q=qp.local_slice(inputs.q, a, 1),
-                                      k=kp.local_slice(k, b, 1), v=kp.local_slice(v, b, 1),
+            kv_segment_ids=kv_ids, sinks=None,
+            positions=cb.positions(self.r0, self.c0, call.shift))
+        self.inputs = inputs._replace(q=qp.local_slice(inputs.q, a, 1), k=k, v=v,
                                       features=features)
-        self.present = relations(call, a, b)
-        relation = call.relation(self.r0, qp.size, self.c0, kp.size)
-        hidden = cb.hidden_by_data(self.r0, self.c0, qp.size, kp.size, features)
+        self.present = relations(call, a, b, keys)
+        relation = call.relation(self.r0, qp.size, self.c0, keys.size)
+        hidden = cb.hidden_by_data(self.r0, self.c0, qp.size, keys.size, features)
         if hidden is not None:
             relation = jnp.where(hidden, HIDDEN, relation)
             self.present = self.present | {HIDDEN}
         self.relation = relation
 
     def block(self, relation: int) -> Block:
-        return Block(self.call.q_pieces.size, self.call.k_pieces.size, relation)
+        return Block(self.call.q_pieces.size, self.keys.size, relation)
 
 
 def forward(call: ContextCall, inputs: Inputs) -> Rows:
@@ -96,14 +148,17 @@ def forward(call: ContextCall, inputs: Inputs) -> Rows:
     start = jax.tree.map(lambda x: compat.vary_like(x, inputs.q), start)
     kv = (inputs.k, inputs.v, inputs.features.kv_segment_ids)
     me = _shard(call)
+    kp = call.k_pieces
+    keys = _Keys(0, kp.size)
 
     def step(carry, s):
         kv, accs = carry
         following = _send_on(kv, call)
         accs = list(accs)
         for a in range(qp.count):
-            for b_ in range(call.k_pieces.count):
-                pair = _Pair(call, inputs, kv, a, b_, me, s)
+            for b_ in range(kp.count):
+                held = tuple(keys.of(x, kp, b_) for x in kv)
+                pair = _Pair(call, inputs, held, a, b_, me, s, keys)
                 branches = {HIDDEN: lambda acc: acc}
                 for rel in (FULL, PARTIAL):
                     branches[rel] = (lambda acc, rel=rel, pair=pair: cb.merge(
@@ -123,24 +178,54 @@ def backward(call: ContextCall, inputs: Inputs, saved: Saved, cotangents: Cotang
     float32) from the merged out and lse of its rows (`saved`)."""
     qp, kp = call.q_pieces, call.k_pieces
     q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
-    zeros = lambda x: compat.vary_like(jnp.zeros(x.shape, jnp.float32), q)
-    dqs = tuple(zeros(qp.local_slice(q, a, 1)) for a in range(qp.count))
-    dkv = (zeros(k), zeros(v))
-    dbias = None if bias is None else zeros(bias)
-    kv = (k, v, inputs.features.kv_segment_ids)
+    dqs = tuple(_zeros(qp.local_slice(q, a, 1), q) for a in range(qp.count))
+    dbias = None if bias is None else _zeros(bias, q)
+    count = rounds(call)
+    size = kp.size // count
+    dks = [[None] * count for _ in range(kp.count)]
+    dvs = [[None] * count for _ in range(kp.count)]
+    for r in range(count):
+        keys = _Keys(r * size, size)
+        dqs, dbias, home = _backward_round(call, inputs, saved, cotangents, lse_cotangent,
+                                           keys, (dqs, dbias))
+        for b_, (dk_b, dv_b) in enumerate(home):
+            dks[b_][r], dvs[b_][r] = dk_b, dv_b
+    dq = jnp.concatenate(dqs, axis=1)
+    return (dq.astype(q.dtype), _whole(dks).astype(k.dtype), _whole(dvs).astype(v.dtype),
+            dbias)
+
+
+def _zeros(x, q):
+    """float32 zeros of x's shape, varying like q."""
+    return compat.vary_like(jnp.zeros(x.shape, jnp.float32), q)
+
+
+def _whole(parts):
+    """A shard's array from its [key piece][round] parts."""
+    return jnp.concatenate([x for piece in parts for x in piece], axis=1)
+
+
+def _backward_round(call: ContextCall, inputs: Inputs, saved: Saved, cotangents: Cotangents,
+                    lse_cotangent: bool, keys: _Keys, acc):
+    """One ring of the part `keys` of every key piece: (dqs, dbias) `acc` with its blocks
+    added, and the part's (dk, dv) per key piece, home."""
+    qp, kp = call.q_pieces, call.k_pieces
+    ids = inputs.features.kv_segment_ids
+    held = tuple(tuple(keys.of(x, kp, b_) for x in (inputs.k, inputs.v, ids))
+                 for b_ in range(kp.count))
+    dkv = tuple((_zeros(k_b, inputs.q), _zeros(v_b, inputs.q)) for k_b, v_b, _ in held)
     me = _shard(call)
 
     def step(carry, s):
-        kv, dkv, dqs, dbias = carry
-        following = _send_on(kv, call)
+        held, dkv, dqs, dbias = carry
+        following = _send_on(held, call)
         received = _send_on(dkv, call)  # the accumulators of the keys held now
-        parts_k = [zeros(kp.local_slice(k, b_, 1)) for b_ in range(kp.count)]
-        parts_v = [zeros(kp.local_slice(v, b_, 1)) for b_ in range(kp.count)]
+        parts = [[_zeros(k_b, inputs.q), _zeros(v_b, inputs.q)] for k_b, v_b, _ in held]
         dqs = list(dqs)
         for a in range(qp.count):
             rows_saved, rows_cot = cb.piece_rows(qp, a, saved, cotangents)
             for b_ in range(kp.count):
-                pair = _Pair(call, inputs, kv, a, b_, me, s)
+                pair = _Pair(call, inputs, held[b_], a, b_, me, s, keys)
 
                 def run(acc, rel, pair=pair, rows_saved=rows_saved, rows_cot=rows_cot):
                     grads = cb.block_backward(call, pair.block(rel), pair.inputs, rows_saved,
@@ -149,18 +234,16 @@ def backward(call: ContextCall, inputs: Inputs, saved: Saved, cotangents: Cotang
                 branches = {HIDDEN: lambda acc: acc,
                             FULL: lambda acc, run=run: run(acc, FULL),
                             PARTIAL: lambda acc, run=run: run(acc, PARTIAL)}
-                dqs[a], parts_k[b_], parts_v[b_], dbias = _dispatch(
+                dqs[a], parts[b_][0], parts[b_][1], dbias = _dispatch(
                     pair.relation, pair.present, branches,
-                    (dqs[a], parts_k[b_], parts_v[b_], dbias))
-        part = (jnp.concatenate(parts_k, axis=1), jnp.concatenate(parts_v, axis=1))
-        dkv = jax.tree.map(jnp.add, received, part)
+                    (dqs[a], parts[b_][0], parts[b_][1], dbias))
+        dkv = jax.tree.map(jnp.add, received, tuple(map(tuple, parts)))
         return (following, dkv, tuple(dqs), dbias), None
 
-    carry = (kv, dkv, dqs, dbias)
+    dqs, dbias = acc
+    carry = (held, dkv, dqs, dbias)
     (_, dkv, dqs, dbias), _ = jax.lax.scan(step, carry, jax.lax.iota(jnp.int32, call.parts))
-    dk, dv = _send_on(dkv, call)  # each accumulator home
-    dq = jnp.concatenate(dqs, axis=1)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias
+    return dqs, dbias, _send_on(dkv, call)  # each accumulator home
 
 
 def _accumulate(acc, grads):

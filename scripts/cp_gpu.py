@@ -12,7 +12,8 @@ profiler trace. Results land under $OUT (default ./gpu_out).
   CP_BENCH=name,name runs only the named benchmark configurations.
 - bench: forward+backward time of the plain call on 1 GPU against the context-parallel
   call on several: D=512, H=8, causal, zigzag, N=131072 on 1 and 4 GPUs (and on 4 with the
-  chunked tier's workspace budget at 1 GiB, `env` of a configuration); GQA 32/8, D=128,
+  ring backward's keys in other numbers of rounds, `ring_round_mib`, and the chunked
+  tier's workspace budget at 1 or 2 GiB, `env` of a configuration); GQA 32/8, D=128,
   causal, N=131072 on 1 and 2 GPUs (the rule's strategy, and the ring forced). Each
   configuration runs in a process of its own (its peak memory is its own): TF/s per GPU,
   per-GPU peak memory, and the ratios, in $OUT/cp_bench.json.
@@ -38,12 +39,22 @@ OUT = pathlib.Path(os.environ.get("OUT", "./gpu_out"))
 # (name, dict): one benchmark configuration; "gpus" 1 is the plain call.
 BIG = dict(d=512, hq=8, hkv=8, n=131072, causal=True, layout="zigzag")
 GQA = dict(d=128, hq=32, hkv=8, n=131072, causal=True, layout="zigzag")
+BUDGET_1G = {"FFPA_CHUNKED_BUDGET_MIB": "1024"}
 BENCH = [
     ("d512-h8-n128k-1gpu", dict(BIG, gpus=1)),
     ("d512-h8-n128k-4gpu", dict(BIG, gpus=4)),
+    # The backward's keys in one round (the rule's at the default budget: the float32 dK,
+    # dV of a whole shard in flight), two and four (`ring_round_mib`: the bytes of a round's
+    # accumulators in MiB, context_ring.round_bytes).
+    ("d512-h8-n128k-4gpu-2-rounds", dict(BIG, gpus=4, ring_round_mib=512)),
+    ("d512-h8-n128k-4gpu-4-rounds", dict(BIG, gpus=4, ring_round_mib=256)),
     # Each GPU's chunked blocks keep the tier's whole workspace budget (4 GiB): a quarter of
-    # it, for the per-GPU memory against the one-GPU run (issue 32's 40%).
-    ("d512-h8-n128k-4gpu-budget1g", dict(BIG, gpus=4, env={"FFPA_CHUNKED_BUDGET_MIB": "1024"})),
+    # it, for the per-GPU memory against the one-GPU run (issue 32's 40%); the rule then
+    # runs the backward in two rounds.
+    ("d512-h8-n128k-4gpu-budget1g", dict(BIG, gpus=4, env=BUDGET_1G)),
+    ("d512-h8-n128k-4gpu-4-rounds-budget1g", dict(BIG, gpus=4, ring_round_mib=256,
+                                                  env=BUDGET_1G)),
+    ("d512-h8-n128k-4gpu-budget2g", dict(BIG, gpus=4, env={"FFPA_CHUNKED_BUDGET_MIB": "2048"})),
     ("gqa32.8-d128-n128k-1gpu", dict(GQA, gpus=1)),
     # The local blocks of a context-parallel call run the Triton kernels (the Mosaic tier
     # takes no positions): the one-GPU call on the same tier, for the scaling ratio.
@@ -53,7 +64,8 @@ BENCH = [
 ]
 BENCH_1M = [("d512-h8-n1m-4gpu", dict(BIG, n=1048576, gpus=4, iters=1))]
 RATIOS = [("d512-h8-n128k", "d512-h8-n128k-1gpu", "d512-h8-n128k-4gpu"),
-          ("d512-h8-n128k-budget1g", "d512-h8-n128k-1gpu", "d512-h8-n128k-4gpu-budget1g"),
+          *((f"d512-h8-n128k-{v}", "d512-h8-n128k-1gpu", f"d512-h8-n128k-4gpu-{v}")
+            for v in ("2-rounds", "4-rounds", "budget1g", "4-rounds-budget1g", "budget2g")),
           ("gqa32.8-d128-n128k", "gqa32.8-d128-n128k-1gpu", "gqa32.8-d128-n128k-2gpu"),
           ("gqa32.8-d128-n128k-same-tier", "gqa32.8-d128-n128k-1gpu-pallas",
            "gqa32.8-d128-n128k-2gpu"),
@@ -81,6 +93,13 @@ def gpu_cases(gpus: int):
                    features=features, **kw),
             CPCase(f"{gpus}gpu/{tier}/contiguous-ring-dropout", features=("dropout",), **kw),
             CPCase(f"{gpus}gpu/{tier}/jit-auto-default", strategy=None, mode=JIT_AUTO, **kw),
+            # the backward's keys in rounds (context_ring.rounds)
+            CPCase(f"{gpus}gpu/{tier}/zigzag-ring-features-4-rounds", layout="zigzag",
+                   features=features, ring_rounds=4, **kw),
+            CPCase(f"{gpus}gpu/{tier}/contiguous-ring-dropout-2-rounds",
+                   features=("dropout",), ring_rounds=2, **kw),
+            CPCase(f"{gpus}gpu/{tier}/zigzag-ring-causal-bf16-2-rounds", layout="zigzag",
+                   dtype="bfloat16", ring_rounds=2, **kw),
         ]
     return cases
 
@@ -130,6 +149,9 @@ def bench_one(config: dict, trace_dir: str | None = None) -> dict:
     from jax.sharding import PartitionSpec as P
 
     import ffpa_jax
+    from ffpa_jax import context_ring
+    if "ring_round_mib" in config:
+        context_ring.round_bytes = lambda: int(config["ring_round_mib"] * 2**20)
     gpus, n = config["gpus"], config["n"]
     devices = jax.devices()[:gpus]
     mesh = jax.make_mesh((gpus,), ("cp",), devices=devices,

@@ -62,6 +62,9 @@ class CPCase:
     # > 0: the chunked tier's workspace budget in MiB ($FFPA_CHUNKED_BUDGET_MIB while the
     # case is traced): small blocks, so that a shard's rows and keys are walked in loops.
     chunk_budget_mib: float = 0.0
+    # > 0: the ring backward's rounds (context_ring.round_bytes while the case is traced, so
+    # small that these shapes go around in `ring_rounds` rounds).
+    ring_rounds: int = 0
 
     @property
     def parts(self) -> int:
@@ -239,9 +242,14 @@ def _results(result):
 
 
 def _rule(case: CPCase, a: dict, got) -> str | None:
-    """The tolerance rule of attn_testing against the float64 reference (None: passed)."""
+    """The tolerance rule of attn_testing against the float64 reference (None: passed).
+    The reference here is plain attention: 16-bit cases take no features (float32 cases
+    compare with the unsharded call, features and all)."""
     from attn_testing import Case, assert_forward_matches, assert_matches_reference, \
         reference_vjp
+    if case.features:
+        raise ValueError(f"{case.name}: a {case.dtype} case with features "
+                         f"{case.features}; the float64 reference here has none")
     ref_case = Case(b=case.b, t=case.t, s=case.t, hq=case.hq, hkv=case.hkv, d=case.d,
                     causal=case.causal, dtype=case.dtype)
     args = (ref_case, a["q"], a["k"], a["v"], None, None, a["d_out"], a["d_lse"])
@@ -367,7 +375,7 @@ def run_case(case: CPCase, references: dict | None = None) -> dict:
     if lacking:
         return dict(skip=lacking)
     try:
-        with _chunk_budget(case.chunk_budget_mib):
+        with _chunk_budget(case.chunk_budget_mib), _ring_rounds(case):
             return _run_case(case, references, start)
     except Exception as e:  # noqa: BLE001  (reported; the test shows it)
         return dict(error=f"{type(e).__name__}: {e}"[:2000], trace=traceback.format_exc()[-3000:])
@@ -388,6 +396,34 @@ def _chunk_budget(mib: float):
             del os.environ[BUDGET_ENV]
         else:
             os.environ[BUDGET_ENV] = before
+
+
+@contextlib.contextmanager
+def _ring_rounds(case: CPCase):
+    """context_ring.round_bytes such that the case's float32 dK, dV per shard go around in
+    `case.ring_rounds` rounds (the rule then halves the key pieces that many times: the
+    case's pieces must divide)."""
+    from ffpa_jax import context_ring
+    if not case.ring_rounds:
+        yield
+        return
+    local = case.t // case.parts
+    accumulators = 4 * case.b * local * case.hkv * 2 * case.d
+    before, rule = context_ring.round_bytes, context_ring.rounds
+    context_ring.round_bytes = lambda: accumulators // case.ring_rounds
+
+    def recorded(call):
+        count = rule(call)
+        ROUNDS_SEEN.append(count)
+        return count
+    context_ring.rounds = recorded
+    try:
+        yield
+    finally:
+        context_ring.round_bytes, context_ring.rounds = before, rule
+
+
+ROUNDS_SEEN: list[int] = []  # the rounds of the backwards traced under `_ring_rounds`
 
 
 def _run_case(case: CPCase, references: dict | None, start: float) -> dict:
@@ -411,6 +447,9 @@ def _run_case(case: CPCase, references: dict | None, start: float) -> dict:
         report["rel"] = _rel(got, references[key])
     else:
         report["rule"] = _rule(case, a, got)
+    if case.ring_rounds:
+        report["rounds"] = sorted(set(ROUNDS_SEEN))
+        ROUNDS_SEEN.clear()
     report["seconds"] = round(time.time() - start, 1)
     return report
 

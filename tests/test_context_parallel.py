@@ -54,7 +54,10 @@ def _tier_cases(tier: str, interpret: bool) -> list[CPCase]:
         # that must vary over the context axis as the shard's data does (check_vma).
         CPCase(f"{tier}/zigzag-ring-causal-small-blocks", layout="zigzag", t=512, hq=2, hkv=1,
                d=8, chunk_budget_mib=0.002, **kw)]
-    return [*small, CPCase(f"{tier}/{layout}-ring-causal", layout=layout, **kw),
+    rounds = [] if interpret else [
+        CPCase(f"{tier}/zigzag-ring-causal-2-rounds", layout="zigzag", t=512, hq=2, hkv=1,
+               d=8, chunk_budget_mib=0.002, ring_rounds=2, **kw)]
+    return [*small, *rounds, CPCase(f"{tier}/{layout}-ring-causal", layout=layout, **kw),
             CPCase(f"{tier}/contiguous-allgather-features", strategy="all_gather",
                    features=FEATURES, **kw),
             CPCase(f"{tier}/jit-auto-default", strategy=None, mode=JIT_AUTO, **kw)]
@@ -73,6 +76,10 @@ CASES = [
     CPCase("contiguous-ring-window-both-mask", causal=False, b=2,
            features=("window_both", "segments", "mask")),
     CPCase("contiguous-ring-dropout", **DROP),
+    # The backward's keys in rounds of a part of every key piece (context_ring.rounds).
+    CPCase("zigzag-ring-4-rounds-features", layout="zigzag", features=FEATURES, b=2,
+           ring_rounds=4),
+    CPCase("contiguous-ring-2-rounds-dropout", **dict(DROP, t=1024), ring_rounds=2),
     CPCase("zigzag-allgather-dropout", layout="zigzag", strategy="all_gather",
            features=("dropout",)),
     CPCase("bf16-zigzag-allgather", layout="zigzag", strategy="all_gather",
@@ -138,6 +145,8 @@ def test_matches_unsharded_call(cpu_report, name):
     if "skip" in entry:
         pytest.skip(entry["skip"])
     assert "error" not in entry, f"{name}: {entry['error']}\n{entry.get('trace', '')}"
+    if case.ring_rounds:
+        assert entry["rounds"] == [case.ring_rounds], f"{name}: {entry}"
     if case.dtype == "float32":
         assert entry["rel"] <= 1e-5, f"{name}: {entry}"
     else:
@@ -218,6 +227,37 @@ def test_strategy_rule():
     assert choose(odd, 4, "contiguous") == "all_gather"
     with pytest.raises(ValueError, match="multiple of 128"):
         choose(odd, 4, "contiguous", "ring")
+
+
+def test_ring_rounds_rule(monkeypatch):
+    """The backward's rounds: the fewest (a power of two) that keep one round's float32
+    dK, dV within half the workspace budget ($FFPA_CHUNKED_BUDGET_MIB), each round a whole
+    number of keys per piece, starting at a multiple of 128 keys under dropout."""
+    from ffpa_jax import context_ring
+    from ffpa_jax.context_blocks import ContextCall
+    from pallas_kernels.chunked_plan import BUDGET_ENV
+
+    def rounds(parts=4, layout="zigzag", **kw):
+        call = ContextCall(problem=_problem(**kw), axis="cp", parts=parts, layout=layout,
+                           strategy="ring")
+        return context_ring.rounds(call)
+    n = dict(seq_q=131072, seq_k=131072, head_dim=512, head_dim_v=512)
+    # a shard's dK + dV: 4 bytes x 32768 keys x 8 heads x (512 + 512) = 1 GiB
+    monkeypatch.delenv(BUDGET_ENV, raising=False)
+    assert rounds(**n) == 1  # the default budget, 4 GiB
+    monkeypatch.setenv(BUDGET_ENV, "2047")
+    assert rounds(**n) == 2
+    monkeypatch.setenv(BUDGET_ENV, "512")
+    assert rounds(**n) == 4
+    assert rounds(**n, layout="contiguous") == 4
+    # 6 keys per piece (zigzag, 4 shards of 12): halved once, then odd
+    assert rounds(seq_q=48, seq_k=48, head_dim=2**22, head_dim_v=2**22) == 2
+    # 256 keys per piece whose dK + dV are 8 x half the budget: eight rounds; under dropout
+    # two of 128 keys, not four of 64
+    drop = dict(seq_q=4 * 512, seq_k=4 * 512, dropout_rate=0.1, head_dim=2**16,
+                head_dim_v=2**16)
+    assert rounds(**drop) == 2
+    assert rounds(**{**drop, "dropout_rate": 0.0}) == 8
 
 
 def _smap(fn, n=1):
