@@ -42,6 +42,9 @@ GQA = dict(d=128, hq=32, hkv=8, n=131072, causal=True, layout="zigzag")
 BUDGET_1G = {"FFPA_CHUNKED_BUDGET_MIB": "1024"}
 BENCH = [
     ("d512-h8-n128k-1gpu", dict(BIG, gpus=1)),
+    # The blocks of a context-parallel call take positions, which the Mosaic forward does
+    # not: they run the chunked tier both ways, the one-GPU call the Mosaic forward.
+    ("d512-h8-n128k-1gpu-chunked", dict(BIG, gpus=1, implementation="chunked")),
     ("d512-h8-n128k-4gpu", dict(BIG, gpus=4)),
     # The backward's keys in one round (the rule's at the default budget: the float32 dK,
     # dV of a whole shard in flight), two and four (`ring_round_mib`: the bytes of a round's
@@ -64,6 +67,7 @@ BENCH = [
 ]
 BENCH_1M = [("d512-h8-n1m-4gpu", dict(BIG, n=1048576, gpus=4, iters=1))]
 RATIOS = [("d512-h8-n128k", "d512-h8-n128k-1gpu", "d512-h8-n128k-4gpu"),
+          ("d512-h8-n128k-same-tier", "d512-h8-n128k-1gpu-chunked", "d512-h8-n128k-4gpu"),
           *((f"d512-h8-n128k-{v}", "d512-h8-n128k-1gpu", f"d512-h8-n128k-4gpu-{v}")
             for v in ("2-rounds", "4-rounds", "budget1g", "4-rounds-budget1g", "budget2g")),
           ("gqa32.8-d128-n128k", "gqa32.8-d128-n128k-1gpu", "gqa32.8-d128-n128k-2gpu"),
