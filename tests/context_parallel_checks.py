@@ -115,7 +115,7 @@ def _statics(case: CPCase) -> dict:
     kw = dict(is_causal=case.causal, return_lse=True, implementation=case.tier,
               interpret=case.interpret)
     if "window" in f:
-        kw["local_window_size"] = (case.t // 3, 0)
+        kw["local_window_size"] = (case.t // 6, 0)  # short of the packed segments
     if "window_both" in f:
         kw["local_window_size"] = (case.t // 8, case.t // 6)
     if "softcap" in f:
@@ -242,19 +242,32 @@ def _results(result):
 
 
 def _rule(case: CPCase, a: dict, got) -> str | None:
-    """The tolerance rule of attn_testing against the float64 reference (None: passed).
-    The reference here is plain attention: 16-bit cases take no features (float32 cases
-    compare with the unsharded call, features and all)."""
+    """The tolerance rule of attn_testing against the float64 reference, the case's features
+    and dropout's keep decisions given to it as to the call (None: passed)."""
     from attn_testing import Case, assert_forward_matches, assert_matches_reference, \
         reference_vjp
-    if case.features:
-        raise ValueError(f"{case.name}: a {case.dtype} case with features "
-                         f"{case.features}; the float64 reference here has none")
+    kw = _statics(case)
     ref_case = Case(b=case.b, t=case.t, s=case.t, hq=case.hq, hkv=case.hkv, d=case.d,
                     causal=case.causal, dtype=case.dtype)
-    args = (ref_case, a["q"], a["k"], a["v"], None, None, a["d_out"], a["d_lse"])
-    out64, lse64, grads64 = reference_vjp(*args, float64=True)
-    out_x, lse_x, grads_x = reference_vjp(*args, float64=False)
+    features = dict(a["seq"], **{name: a["shared"][name] for name in
+                                 ("query_seq_lengths", "key_value_seq_lengths")
+                                 if name in a["shared"]})
+    features.update({name: kw[name] for name in ("local_window_size", "logits_soft_cap")
+                     if name in kw})
+    if "sinks" in a["diff"]:
+        features["sinks"] = a["diff"]["sinks"]
+    rate = kw.get("dropout_rate", 0.0)
+    keep = None
+    if rate:
+        shape = (case.b, case.hq, case.t, case.t)
+        keep = jnp.broadcast_to(ffpa_jax.dropout_mask(
+            a["shared"]["dropout_rng"], shape, rate,
+            broadcast=kw.get("dropout_broadcast", False)), shape)
+    args = (ref_case, a["q"], a["k"], a["v"], a["diff"].get("bias"), a["shared"].get("mask"),
+            a["d_out"], a["d_lse"])
+    refs = dict(keep=keep, rate=rate, features=features)
+    out64, lse64, grads64 = reference_vjp(*args, float64=True, **refs)
+    out_x, lse_x, grads_x = reference_vjp(*args, float64=False, **refs)
     out, lse, dq, dk, dv, _ = got
     try:
         assert_forward_matches(out, lse, (out64, lse64), (out_x, lse_x), case.dtype)

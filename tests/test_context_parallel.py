@@ -4,7 +4,8 @@ CPU: one subprocess with 8 fake CPU devices (XLA_FLAGS must be set before JAX st
 every case of `CASES` once (tests/context_parallel_checks.py); each test reads its case's
 report. Each case compares out, lse and the gradients (of q, k, v, and of the sinks and a
 broadcast bias where given) with the unsharded call of the same tier: float32 within 1e-5
-of the values' scale; bfloat16 by the tolerance rule against the float64 reference. The
+of the values' scale; bfloat16 by the tolerance rule against the float64 reference (given
+the case's features and dropout's keep mask as the call is). The
 cases cover both layouts, both strategies, causal or not, GQA, segments, windows, lengths,
 sinks, the soft cap, dropout (a mask per batch row and head, or one shared by all), 4 and 8
 devices, shard_map with and without check_vma, and jit on sequence-sharded inputs (Auto and
@@ -84,6 +85,12 @@ CASES = [
            features=("dropout",)),
     CPCase("bf16-zigzag-allgather", layout="zigzag", strategy="all_gather",
            dtype="bfloat16"),
+    # bf16 by the tolerance rule, the features and dropout's keep mask given to the float64
+    # reference as to the call (no segments here: rows of a few packed tokens leave the
+    # window nothing to hide)
+    CPCase("bf16-zigzag-ring-features", layout="zigzag", b=2, dtype="bfloat16",
+           features=("window", "lengths", "sinks", "softcap", "bias")),
+    CPCase("bf16-contiguous-ring-dropout", dtype="bfloat16", **DROP),
     CPCase("jit-auto-ring", mode=JIT_AUTO),
     CPCase("jit-auto-allgather", strategy="all_gather", mode=JIT_AUTO),
     CPCase("jit-explicit-rule", strategy=None, mode=JIT_EXPLICIT),
