@@ -70,27 +70,24 @@ CASES = [
     CPCase("zigzag-ring-causal", layout="zigzag"),
     CPCase("zigzag-ring-full", layout="zigzag", causal=False),
     CPCase("zigzag-allgather-causal", layout="zigzag", strategy="all_gather"),
-    CPCase("zigzag-ring-features-novma", layout="zigzag", features=FEATURES,
-           check_vma=False, b=2),
+    # ... the backward's keys in four rounds (context_ring.rounds)
+    CPCase("zigzag-ring-features-novma-4-rounds", layout="zigzag", features=FEATURES,
+           check_vma=False, b=2, ring_rounds=4),
     CPCase("zigzag-allgather-features", layout="zigzag", strategy="all_gather",
            features=FEATURES, b=2),
     CPCase("contiguous-ring-window-both-mask", causal=False, b=2,
            features=("window_both", "segments", "mask")),
-    CPCase("contiguous-ring-dropout", **DROP),
-    # The backward's keys in rounds of a part of every key piece (context_ring.rounds).
-    CPCase("zigzag-ring-4-rounds-features", layout="zigzag", features=FEATURES, b=2,
-           ring_rounds=4),
-    CPCase("contiguous-ring-2-rounds-dropout", **dict(DROP, t=1024), ring_rounds=2),
+    # two rounds of 128 keys (the dropout tiles)
+    CPCase("contiguous-ring-dropout-2-rounds", **dict(DROP, t=1024), ring_rounds=2),
     CPCase("zigzag-allgather-dropout", layout="zigzag", strategy="all_gather",
            features=("dropout",)),
-    CPCase("bf16-zigzag-allgather", layout="zigzag", strategy="all_gather",
-           dtype="bfloat16"),
     # bf16 by the tolerance rule, the features and dropout's keep mask given to the float64
     # reference as to the call (no segments here: rows of a few packed tokens leave the
     # window nothing to hide)
+    CPCase("bf16-zigzag-allgather-dropout", layout="zigzag", strategy="all_gather",
+           dtype="bfloat16", features=("dropout",)),
     CPCase("bf16-zigzag-ring-features", layout="zigzag", b=2, dtype="bfloat16",
            features=("window", "lengths", "sinks", "softcap", "bias")),
-    CPCase("bf16-contiguous-ring-dropout", dtype="bfloat16", **DROP),
     CPCase("jit-auto-ring", mode=JIT_AUTO),
     CPCase("jit-auto-allgather", strategy="all_gather", mode=JIT_AUTO),
     CPCase("jit-explicit-rule", strategy=None, mode=JIT_EXPLICIT),
