@@ -131,7 +131,10 @@ def _case_id(c: PagedCase) -> str:
             + ("-sinks" if c.sinks else ""))
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+# The plain first case with `-m slow`: the fourth takes 16-key pages with a window, a soft
+# cap and sinks.
+@pytest.mark.parametrize("case", [pytest.param(CASES[0], marks=pytest.mark.slow), *CASES[1:]],
+                         ids=_case_id)
 def test_paged_kernels_match_reference(case, kernel_mode):
     check_paged(case, implementation="pallas", interpret=interpret_flag(kernel_mode))
 

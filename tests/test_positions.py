@@ -256,9 +256,10 @@ def _hidden(case: Case, rows, keys) -> bool:
     return case.causal and c0 > r0 + nr - 1 + case.s - case.t
 
 
-# The interpreted Pallas kernels with dropout and a mask are the slowest of the matrix; the
-# Pallas tier's blocks keep their other cases here, and tests/test_context_parallel.py's.
-_SLOW_POSITIONS = {("causal-dropout-mask", "pallas")}
+# The interpreted Pallas kernels with dropout and a mask, and the zigzag pieces, are the
+# slowest of the matrix; the Pallas tier's blocks keep their other cases here, and
+# tests/test_context_parallel.py's.
+_SLOW_POSITIONS = {("causal-dropout-mask", "pallas"), ("zigzag-causal", "pallas")}
 
 
 @pytest.mark.parametrize("name,tier", [
