@@ -22,9 +22,11 @@ def fake_devices_env(devices: int) -> dict:
                 PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
 
 
-def worker_report(test_file: str, devices: int, timeout: int) -> dict:
-    """The JSON that `python test_file --worker` prints last, run on `devices` devices."""
-    proc = subprocess.run([sys.executable, str(pathlib.Path(test_file).resolve()), "--worker"],
+def worker_report(test_file: str, devices: int, timeout: int, args: tuple = ()) -> dict:
+    """The JSON that `python test_file --worker *args` prints last, run on `devices`
+    devices."""
+    proc = subprocess.run([sys.executable, str(pathlib.Path(test_file).resolve()), "--worker",
+                           *args],
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env=fake_devices_env(devices))
     assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
