@@ -51,16 +51,6 @@ def _shard(call: ContextCall):
     return 0 if call.parts == 1 else jax.lax.axis_index(call.axis)
 
 
-def relations(call: ContextCall, a: int, b: int, keys: "_Keys | None" = None) -> set[int]:
-    """The relations block (query piece a, key piece b, or the part `keys` of it) takes over
-    every step and shard."""
-    qp, kp = call.q_pieces, call.k_pieces
-    keys = keys or _Keys(0, kp.size)
-    return {call.relation(qp.start(i, a), qp.size,
-                          kp.start((i - s) % call.parts, b) + keys.offset, keys.size)
-            for i in range(call.parts) for s in range(call.parts)}
-
-
 class _Keys(NamedTuple):
     """The part of every key piece one round of the ring moves: `size` keys from `offset`."""
 
@@ -75,6 +65,16 @@ class _Keys(NamedTuple):
         if start == 0 and self.size == x.shape[1]:
             return x
         return jax.lax.slice_in_dim(x, start, start + self.size, axis=1)
+
+
+def relations(call: ContextCall, a: int, b: int, keys: _Keys | None = None) -> set[int]:
+    """The relations block (query piece a, key piece b, or the part `keys` of it) takes over
+    every step and shard."""
+    qp, kp = call.q_pieces, call.k_pieces
+    keys = keys or _Keys(0, kp.size)
+    return {call.relation(qp.start(i, a), qp.size,
+                          kp.start((i - s) % call.parts, b) + keys.offset, keys.size)
+            for i in range(call.parts) for s in range(call.parts)}
 
 
 def round_bytes() -> int:
@@ -155,10 +155,10 @@ def forward(call: ContextCall, inputs: Inputs) -> Rows:
         kv, accs = carry
         following = _send_on(kv, call)
         accs = list(accs)
+        held = [tuple(keys.of(x, kp, b_) for x in kv) for b_ in range(kp.count)]
         for a in range(qp.count):
             for b_ in range(kp.count):
-                held = tuple(keys.of(x, kp, b_) for x in kv)
-                pair = _Pair(call, inputs, held, a, b_, me, s, keys)
+                pair = _Pair(call, inputs, held[b_], a, b_, me, s, keys)
                 branches = {HIDDEN: lambda acc: acc}
                 for rel in (FULL, PARTIAL):
                     branches[rel] = (lambda acc, rel=rel, pair=pair: cb.merge(
