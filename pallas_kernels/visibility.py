@@ -433,6 +433,9 @@ class BlockWalk:
     # full=True)`): walked without the element rule where nothing else masks them. None:
     # every block masked.
     segment_full: Any = None
+    # A block of a longer sequence (`FeatureArrays.positions`): where its row 0 sits among
+    # its keys, traced int32 (the positions' shift). None: S - T.
+    row_shift: Any = None
 
     @property
     def keys(self):
@@ -444,9 +447,10 @@ class BlockWalk:
         return div_up(self.S, self.block_kv)
 
     @property
-    def shift(self) -> int:
-        """Where row 0 sits among the keys (bottom-right alignment)."""
-        return self.S - self.T
+    def shift(self):
+        """Where row 0 sits among the keys: bottom-right alignment (S - T), or a block's
+        runtime shift (`row_shift`)."""
+        return self.S - self.T if self.row_shift is None else self.row_shift
 
     @property
     def right(self) -> int | None:

@@ -9,7 +9,9 @@ profiler trace. Results land under $OUT (default ./gpu_out).
   float64) on 2 or 4 GPUs: $OUT/cp_tests_<n>gpu.json, one line per case printed (a tier
   that cannot place blocks of a sequence yet says so and is skipped).
   CP_CASES=part,part runs only the cases whose names contain one of the parts.
-  CP_BENCH=name,name runs only the named benchmark configurations.
+  CP_BENCH=name,name runs only the named benchmark configurations; CP_BENCH_TIMEOUT (seconds,
+  default 1800) bounds each configuration's process, which is killed past it (a `timeout`
+  around this script would leave that process holding the GPUs).
 - bench: forward+backward time of the plain call on 1 GPU against the context-parallel
   call on several: D=512, H=8, causal, zigzag, N=131072 on 1 and 4 GPUs (and on 4 with the
   ring backward's keys in other numbers of rounds, `ring_round_mib`, and the chunked
@@ -24,6 +26,7 @@ profiler trace. Results land under $OUT (default ./gpu_out).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -42,8 +45,7 @@ GQA = dict(d=128, hq=32, hkv=8, n=131072, causal=True, layout="zigzag")
 BUDGET_1G = {"FFPA_CHUNKED_BUDGET_MIB": "1024"}
 BENCH = [
     ("d512-h8-n128k-1gpu", dict(BIG, gpus=1)),
-    # The blocks of a context-parallel call take positions, which the Mosaic forward does
-    # not: they run the chunked tier both ways, the one-GPU call the Mosaic forward.
+    # The chunked tier both ways, for comparison.
     ("d512-h8-n128k-1gpu-chunked", dict(BIG, gpus=1, implementation="chunked")),
     ("d512-h8-n128k-4gpu", dict(BIG, gpus=4)),
     # The backward's keys in one round (the rule's at the default budget: the float32 dK,
@@ -59,13 +61,14 @@ BENCH = [
                                                   env=BUDGET_1G)),
     ("d512-h8-n128k-4gpu-budget2g", dict(BIG, gpus=4, env={"FFPA_CHUNKED_BUDGET_MIB": "2048"})),
     ("gqa32.8-d128-n128k-1gpu", dict(GQA, gpus=1)),
-    # The local blocks of a context-parallel call run the Triton kernels (the Mosaic tier
-    # takes no positions): the one-GPU call on the same tier, for the scaling ratio.
+    # The Triton kernels alone, for comparison.
     ("gqa32.8-d128-n128k-1gpu-pallas", dict(GQA, gpus=1, implementation="pallas")),
     ("gqa32.8-d128-n128k-2gpu", dict(GQA, gpus=2)),
     ("gqa32.8-d128-n128k-2gpu-ring", dict(GQA, gpus=2, strategy="ring")),
 ]
-BENCH_1M = [("d512-h8-n1m-4gpu", dict(BIG, n=1048576, gpus=4, iters=1))]
+BENCH_1M = [("d512-h8-n1m-4gpu", dict(BIG, n=1048576, gpus=4, iters=1)),
+            ("d512-h8-n1m-4gpu-chunked", dict(BIG, n=1048576, gpus=4, iters=1,
+                                              implementation="chunked"))]
 RATIOS = [("d512-h8-n128k", "d512-h8-n128k-1gpu", "d512-h8-n128k-4gpu"),
           ("d512-h8-n128k-same-tier", "d512-h8-n128k-1gpu-chunked", "d512-h8-n128k-4gpu"),
           *((f"d512-h8-n128k-{v}", "d512-h8-n128k-1gpu", f"d512-h8-n128k-4gpu-{v}")
@@ -105,6 +108,34 @@ def gpu_cases(gpus: int):
             CPCase(f"{gpus}gpu/{tier}/zigzag-ring-causal-bf16-2-rounds", layout="zigzag",
                    dtype="bfloat16", ring_rounds=2, **kw),
         ]
+    # The Mosaic tier (sm90, 16-bit): the layouts and strategies, causal or not, a window
+    # reaching both ways (off-diagonal blocks partly visible), its features, rounds; D = 256
+    # (the backward's halves kernel); the dispatcher's choice block by block at D = 512.
+    bf16 = dict(shape, dtype="bfloat16", tier="mosaic")
+    served = ("window", "segments", "lengths", "sinks", "softcap")
+    cases += [
+        CPCase(f"{gpus}gpu/mosaic/zigzag-ring-causal-bf16", layout="zigzag", **bf16),
+        CPCase(f"{gpus}gpu/mosaic/contiguous-ring-causal-bf16", **bf16),
+        CPCase(f"{gpus}gpu/mosaic/contiguous-ring-bf16", causal=False, **bf16),
+        CPCase(f"{gpus}gpu/mosaic/contiguous-allgather-causal-bf16", strategy="all_gather",
+               **bf16),
+        CPCase(f"{gpus}gpu/mosaic/zigzag-allgather-causal-bf16", layout="zigzag",
+               strategy="all_gather", **bf16),
+        CPCase(f"{gpus}gpu/mosaic/zigzag-ring-features-bf16", layout="zigzag",
+               features=served, **bf16),
+        CPCase(f"{gpus}gpu/mosaic/contiguous-ring-window-both-bf16", causal=False,
+               features=("window_both", "softcap"), **bf16),
+        CPCase(f"{gpus}gpu/mosaic/zigzag-ring-causal-2-rounds-bf16", layout="zigzag",
+               ring_rounds=2, **bf16),
+        CPCase(f"{gpus}gpu/mosaic/zigzag-ring-causal-d256-bf16", layout="zigzag",
+               **dict(bf16, d=256)),
+        CPCase(f"{gpus}gpu/mosaic/jit-auto-default-bf16", strategy=None, mode=JIT_AUTO,
+               **bf16),
+        CPCase(f"{gpus}gpu/dispatch/zigzag-ring-causal-d512-bf16", layout="zigzag",
+               **dict(bf16, tier=None, d=512, hkv=8)),
+        CPCase(f"{gpus}gpu/dispatch/contiguous-allgather-causal-bf16", strategy="all_gather",
+               **dict(bf16, tier=None)),
+    ]
     return cases
 
 
@@ -181,8 +212,11 @@ def bench_one(config: dict, trace_dir: str | None = None) -> dict:
         return jnp.sum(attn(q, k, v).astype(jnp.float32) * d_out)
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     start = time.perf_counter()
-    jax.block_until_ready(step(q, k, v, d_out))
+    with _tiers_traced() as ran:
+        jax.block_until_ready(step(q, k, v, d_out))
     compile_s = time.perf_counter() - start
+    print(f"first call (compile and run) {compile_s:.1f} s; tiers {sorted(ran)}",
+          file=sys.stderr, flush=True)
     times = []
     for _ in range(config.get("iters", 3)):
         start = time.perf_counter()
@@ -196,7 +230,28 @@ def bench_one(config: dict, trace_dir: str | None = None) -> dict:
     return dict(config, seconds=seconds, first_call_s=compile_s, times=times,
                 tflops_per_gpu=flops(config) / seconds / gpus / 1e12,
                 peak_gib_per_gpu=[round(p / 2**30, 2) for p in peaks],
-                device=devices[0].device_kind)
+                device=devices[0].device_kind, tiers=sorted(ran))
+
+
+@contextlib.contextmanager
+def _tiers_traced():
+    """The set of "direction tier TxS causal" the traced call's tiers ran (each block of a
+    context-parallel call is a problem of its own)."""
+    from pallas_kernels import tiers
+    ran, real = set(), (tiers.forward, tiers.backward)
+
+    def record(direction, call):
+        def wrapped(plan, *args):
+            p = plan.problem
+            tier = plan.forward_tier if direction == "forward" else plan.backward_tier
+            ran.add(f"{direction} {tier} {p.seq_q}x{p.seq_k}{' causal' if p.causal else ''}")
+            return call(plan, *args)
+        return wrapped
+    tiers.forward, tiers.backward = record("forward", real[0]), record("backward", real[1])
+    try:
+        yield ran
+    finally:
+        tiers.forward, tiers.backward = real
 
 
 def _gpus_here() -> int:
@@ -224,8 +279,17 @@ def run_bench(configs) -> dict:
             continue
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
                    **config.get("env", {}))
-        proc = subprocess.run([sys.executable, __file__, "--bench-one", json.dumps(config)],
-                              capture_output=True, text=True, env=env, cwd=ROOT)
+        limit = float(os.environ.get("CP_BENCH_TIMEOUT", 1800))
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--bench-one", json.dumps(config)],
+                                  capture_output=True, text=True, env=env, cwd=ROOT,
+                                  timeout=limit)
+        except subprocess.TimeoutExpired as e:
+            said = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+            results[name] = dict(config, error=f"killed after {limit:.0f} s", stderr=said[-3000:])
+            print(f"{name}: killed after {limit:.0f} s; it had said:\n{said[-1500:]}", flush=True)
+            path.write_text(json.dumps(results, indent=1))
+            continue
         if proc.returncode:
             results[name] = dict(config, error=proc.stderr[-3000:])
             print(f"{name}: ERROR\n{proc.stderr[-3000:]}", flush=True)

@@ -52,7 +52,7 @@ class CPCase:
     d: int = 16
     dtype: str = "float32"
     features: tuple[str, ...] = ()
-    tier: str = "xla"
+    tier: str | None = "xla"  # None: the dispatcher's choice, block by block
     interpret: bool = False
     check_vma: bool = True
     mode: str = SHARD_MAP
@@ -308,10 +308,11 @@ def gathers_q(entry: dict) -> list[str]:
 
 def tier_lacks_positions(tier: str) -> str | None:
     """Why `tier` cannot run context-parallel blocks yet (None: it can): what the tier
-    registry says of a block problem (`Problem.positions`)."""
+    registry says of placing a causal block problem (`Problem.positions`). Only what it says
+    of positions counts: the probe's other traits (float32, its sizes) are no case's."""
     problem = _probe_problem()
     missing = sorted({m for d in ("forward", "backward")
-                      for m in tiers.BY_NAME[tier].unsupported(problem, d)})
+                      for m in tiers.BY_NAME[tier].unsupported(problem, d) if "positions" in m})
     return f"the {tier} tier does not implement {', '.join(missing)} yet" if missing else None
 
 
@@ -384,7 +385,7 @@ def run_case(case: CPCase, references: dict | None = None) -> dict:
     unsharded results by their semantics (cases that differ in layout or strategy only
     share one)."""
     start = time.time()
-    lacking = None if case.tier == "xla" else tier_lacks_positions(case.tier)
+    lacking = None if case.tier in ("xla", None) else tier_lacks_positions(case.tier)
     if lacking:
         return dict(skip=lacking)
     try:

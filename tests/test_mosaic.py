@@ -16,7 +16,7 @@ import pytest
 import attn_testing as at
 import ffpa_jax
 from conftest import HAS_GPU, skip_unless_sm90
-from pallas_kernels import compat, visibility
+from pallas_kernels import compat, tiers, visibility
 from pallas_kernels.mosaic import Config, default_config, mosaic_attention_forward
 from pallas_kernels.mosaic.backward import mosaic_attention_backward, unsupported_head_dims
 from pallas_kernels.mosaic.config import default_backward_config
@@ -492,6 +492,37 @@ def test_outputs_vary_over_a_shard_maps_axes_as_q():
     with jax.set_mesh(mesh):
         jax.jit(sharded).trace(*inputs)
     assert seen == dict(q={"data"}, out={"data"}, lse={"data"})
+
+
+@pytest.mark.parametrize("d,features", [(64, False), (256, True)])
+def test_backward_gradients_vary_over_a_shard_maps_axes_as_q(d, features):
+    """The backward inside a user's shard_map that checks varying manual axes: its launch
+    (`pl.kernel` over a Mosaic mesh) takes its outputs' types as declared, and jax 0.11
+    refused undeclared ones there ("manual_axis_type ... must not be None": every
+    context-parallel block on the tier, on 4 H100s, session 29). dq, dk, dv vary as q,
+    replicated lengths and segment ids given too."""
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    spec = jax.sharding.PartitionSpec("data")
+    seen = {}
+    lengths = jnp.asarray([200], jnp.int32) if features else None
+    ids = jnp.zeros((1, 256), jnp.int32) if features else None
+
+    def local(q, k, v, out, lse, d_out):
+        f = FeatureArrays(q_segment_ids=ids, kv_segment_ids=ids, kv_lengths=lengths)
+        grads = mosaic_attention_backward(Inputs(q, k, v, features=f), (out, lse),
+                                          (d_out, None), scale=0.125, causal=True)
+        seen.update({name: compat.varying_axes(g) for name, g in zip(("dq", "dk", "dv"),
+                                                                     grads)})
+        return grads
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 6, out_specs=(spec,) * 3)
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    q = sd((1, 256, 4, d), jnp.bfloat16, sharding=sharding)
+    inputs = [q, q, q, sd((1, 256, 4, d), jnp.float32, sharding=sharding),
+              sd((1, 4, 256), jnp.float32, sharding=sharding), q]
+    with jax.set_mesh(mesh):
+        text = jax.jit(sharded).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    assert seen == dict(dq={"data"}, dk={"data"}, dv={"data"})
 
 
 def test_default_configs_by_head_size():
@@ -997,6 +1028,66 @@ def test_the_tier_with_a_mask_lowers_for_cuda(mask_shape, monkeypatch):
     text = jax.jit(backward).trace(q, kv, kv, mask, out, lse, q).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("d,options", [
+    (128, dict(causal=True)), (128, dict(window=(100, 30), softcap=30.0)),
+    (64, dict(causal=True, features=FeatureArrays(kv_lengths=sd((2,), jnp.int32)))),
+    (256, dict(causal=True)), (512, dict(causal=True))])
+def test_a_block_of_a_longer_sequence_runs_on_mosaic(d, options, monkeypatch):
+    """Context parallelism's blocks (`Problem.positions`): the kernels walk and mask by the
+    positions' runtime shift, so the dispatcher picks the tier for them as for any problem
+    (by its rules: the chunked tier above D = 256), and both directions lower for CUDA with
+    the positions as one more kernel input (the backward where it takes the head dims)."""
+    device = _h100(monkeypatch)
+    problem = dataclasses.replace(_problem(d=d, **options), positions=True, return_lse=True)
+    wide = d > 256
+    assert mosaic_tier.unsupported(problem, "forward") == ()
+    ruled = dispatch.explain(problem, device=device)
+    assert ruled.forward.tier == ("chunked" if wide else "mosaic")
+    # One tile of keys still runs the backward on mosaic: a block's δ is the whole rows'.
+    assert mosaic_tier.unsupported(dataclasses.replace(problem, seq_k=64), "backward") == (
+        mosaic_tier.unsupported(problem, "backward"))
+    q, kv = sd((2, 512, 8, d), jnp.bfloat16), sd((2, 512, 2, d), jnp.bfloat16)
+    positions = sd((3,), jnp.int32)
+    lengths = sd((2,), jnp.int32) if "features" in options else None
+
+    def inputs(q, k, v, positions, lengths):
+        return Inputs(q, k, v, features=FeatureArrays(kv_lengths=lengths, positions=positions))
+    plan = dataclasses.replace(dispatch.plan_for_tiers(
+        problem, "mosaic", "chunked" if wide else "mosaic"), float32_out=True)
+
+    def forward(*args):
+        return tiers.forward(plan, inputs(*args))
+
+    def backward(q, k, v, positions, lengths, out, lse, d_out):
+        return tiers.backward(plan, inputs(q, k, v, positions, lengths), Saved(out, lse),
+                              Cotangents(d_out, lse))
+    args = (q, kv, kv, positions, lengths)
+    text = jax.jit(forward).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    if wide:
+        return
+    out, lse = sd((2, 512, 8, d), jnp.float32), sd((2, 8, 512), jnp.float32)
+    text = jax.jit(backward).trace(*args, out, lse, q).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_a_walk_takes_a_blocks_runtime_shift():
+    """`Walk.with_positions`: causality and the window take the positions' shift (row 0 of
+    a block sits at key `shift`), the walk's key blocks with it; without positions S - T."""
+    walk = Walk(T=256, S=512, causal=True, block_kv=128)
+    assert walk.shift == 256
+    placed = walk.with_positions(jnp.asarray([512, 0, 512 - 0 + 0], jnp.int32))
+    assert int(placed.shift) == 512
+    lo, mask_lo, full_hi, hi = kv_walk(placed, 0, 63)
+    assert (int(lo), int(full_hi), int(hi)) == (0, 4, 4)  # every key seen, none masked
+    early = walk.with_positions(jnp.asarray([0, 256, -256], jnp.int32))
+    lo, mask_lo, full_hi, hi = kv_walk(early, 0, 63)
+    assert (int(lo), int(full_hi), int(hi)) == (0, 0, 0)  # rows before every key see none
+    lo, mask_lo, full_hi, hi = kv_walk(early, 256, 319)
+    assert (int(full_hi), int(hi)) == (0, 1)  # the diagonal's block, masked
 
 
 def test_a_persistent_launch_is_refused_where_it_has_no_walk_and_skipped_where_no_room():

@@ -33,21 +33,23 @@ from pallas_kernels.mosaic.common import (COLUMNS, LOG2E, ROW, WGMMA, Walk, iota
                                           same_segment, score_mod, soft_cap, soft_cap_grad,
                                           tiled_smem, walk_kv)
 from pallas_kernels.mosaic.config import Config, default_backward_config, round_up
-from pallas_kernels.mosaic.forward import pad_axes
+from pallas_kernels.mosaic.forward import kernel_positions, pad_axes
 
 KEYS_PER_WG = 64
 ROWS_MAX_HEAD_DIM = 128  # this module's kernel; larger head dims: `halves_backward`
 
 
 def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_lengths=None,
-                  segment_ids=None):
+                  segment_ids=None, positions=None):
     """(dq float32 [B, Tp, Hq, D], dk [B, S8, Hkv, D], dv [B, S8, Hkv, Dv]) of padded arrays:
     q/do [B, T8, Hq, D|Dv], k/v [B, S8, Hkv, D|Dv] (D, Dv in {64, 128}); `rows` = (lse2, δ):
     lse2 = lse·log2(e) with +inf on rows that see no key (their P is 0), δ = rowsum(dO ∘ O)
     − dlse, both float32 [B, Hq, Tp] (Tp: T rounded up to 64, padded with +inf and 0);
     `prob` the true lengths and the semantics (its block_kv unused: the walk is over query
     blocks, `visibility.q_walk`); `kv_lengths` int32 [B] or None: each batch row's key length;
-    `segment_ids` None or (q ids [B, T], kv ids [B, S]) (`prob.segments` says which)."""
+    `segment_ids` None or (q ids [B, T], kv ids [B, S]) (`prob.segments` says which);
+    `positions` None or int32 [3], the arrays' place in a longer sequence
+    (`Walk.with_positions`)."""
     _, _, Hq, D = q.shape
     Dv = v.shape[3]
     dtype = q.dtype
@@ -191,7 +193,8 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
         plgpu.Barrier(num_arrivals=2),  # both consumers out of the walk
     )
     dq, dk, dv = launch(kernel, scratch, (q, k, v, do, *rows), stream, prob=prob,
-                        config=config, kv_lengths=kv_lengths, segment_ids=segment_ids)
+                        config=config, kv_lengths=kv_lengths, segment_ids=segment_ids,
+                        positions=positions)
     return dq * scale, dk, dv
 
 
@@ -244,7 +247,8 @@ def mosaic_attention_backward(inputs, saved, cotangents, *, scale: float, causal
         pad_axes(q, {1: T8, 3: Dp}), pad_axes(k, {1: S8, 3: Dp}), pad_axes(v, {1: S8, 3: Dvp}),
         pad_axes(d_out.astype(q.dtype), {1: T8, 3: Dvp}), (lse2, delta), walk, config=config,
         kv_lengths=None if kv_lengths is None else kv_lengths.astype(jnp.int32),
-        segment_ids=None if q_ids is None else (q_ids, inputs.features.kv_segment_ids))
+        segment_ids=None if q_ids is None else (q_ids, inputs.features.kv_segment_ids),
+        positions=kernel_positions(inputs.features.positions))
     dq = dq[:, :T, :, :D].astype(q.dtype)
     return tuple(compat.vary_like(x, q) for x in (dq, dk[:, :S, :, :D], dv[:, :S, :, :Dv]))
 

@@ -16,7 +16,7 @@ dQ[:, c] = dS K[:, c], added to the float32 dQ buffer with a TMA reduce-add. Eac
 warpgroup takes the operand it computed from its registers (Pᵀ for warpgroup 0, dSᵀ for
 warpgroup 1) and the other's from shared memory, so both run 2.5 of the step's five
 matmuls. Pᵀ passes twice: in 16 bits as dV's operand, and in float32 for dSᵀ
-(`exact_p`; 16 bits raised dq's error by up to 1.4x: docs/benchmarks.md), as
+(16 bits raised dq's error by up to 1.4x: docs/benchmarks.md), as
 Pᵀ ∘ d(capped)/d(raw) under the soft cap. With segment ids only the 16-bit one fits. Masks
 (causality, windows, lengths, segment ids) are applied to Sᵀ by warpgroup 0 only: a hidden
 key's P is 0, and so is its dS.
@@ -57,10 +57,10 @@ def _swizzle(columns: int, dtype) -> int:
 
 
 def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_lengths=None,
-                    segment_ids=None, exact_p: bool = True):
+                    segment_ids=None, positions=None):
     """(dq float32 [B, Tp, Hq, D], dk [B, S8, Hkv, D], dv [B, S8, Hkv, D]) of padded arrays,
-    as `backward.rows_backward` takes them, for 128 < D = Dv <= 256 (multiples of 64);
-    `exact_p`: dSᵀ from a float32 Pᵀ (else its 16-bit copy; always so with segment ids)."""
+    as `backward.rows_backward` takes them, for 128 < D = Dv <= 256 (multiples of 64). dSᵀ
+    comes from a float32 Pᵀ, or with segment ids from its 16-bit copy."""
     _, _, Hq, D = q.shape
     Dv = v.shape[3]
     if D != Dv or D % 64 or not 128 < D <= MAX_HEAD_DIM:
@@ -78,7 +78,7 @@ def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_
     scale, softcap = prob.scale, prob.softcap
     c_exp = scale * LOG2E
     stream = Stream.of(q, v, config, block_k=bk, prob=prob, segment_ids=segment_ids)
-    exact_p = exact_p and not stream.segments  # no room for both the ids and a float32 Pᵀ
+    exact_p = not stream.segments  # no room for both the ids and a float32 Pᵀ
 
     def kernel(cta, refs, scoped):
         dq_ref, dk_ref, dv_ref = refs[-3:]
@@ -263,5 +263,6 @@ def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_
         plgpu.Barrier(num_arrivals=2),  # both out of the walk; both halves of dK, dV stored
     )
     dq, dk, dv = launch(kernel, scratch, (q, k, v, do, *rows), stream, prob=prob,
-                        config=config, kv_lengths=kv_lengths, segment_ids=segment_ids)
+                        config=config, kv_lengths=kv_lengths, segment_ids=segment_ids,
+                        positions=positions)
     return dq * scale, dk, dv

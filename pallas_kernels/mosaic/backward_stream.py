@@ -16,6 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import compat
 from pallas_kernels.mosaic.common import WARPGROUPS, Walk, cdiv, compiler_params, padded_ids
 from pallas_kernels.mosaic.config import Config
 from pallas_kernels.visibility import q_walk, segment_block_ranges
@@ -84,10 +85,11 @@ class Cta(NamedTuple):
         return self.blocks[3] - self.blocks[0]
 
     @classmethod
-    def locate(cls, prob: Walk, stream: Stream, kvlen_ref, ranges_ref) -> "Cta":
+    def locate(cls, prob: Walk, stream: Stream, kvlen_ref, pos_ref, ranges_ref) -> "Cta":
         b = lax.axis_index(BATCH)
         kt = lax.axis_index(K_TILES)
-        walk = prob.with_key_end(kvlen_ref, b).with_segment_range(ranges_ref, b, kt)
+        walk = prob.with_key_end(kvlen_ref, b).with_positions(pos_ref)
+        walk = walk.with_segment_range(ranges_ref, b, kt)
         k0 = kt * stream.block_k
         return cls(lax.axis_index(WARPGROUPS), b, lax.axis_index(KV_HEADS), k0, walk,
                    q_walk(walk, k0, k0 + stream.block_k - 1, stream.block_q))
@@ -133,7 +135,7 @@ def produce(stream: Stream, cta: Cta, refs: tuple, tiles: tuple, row_scratch: tu
 
 
 def launch(kernel, scratch: tuple, arrays: tuple, stream: Stream, *, prob: Walk,
-           config: Config, kv_lengths=None, segment_ids=None):
+           config: Config, kv_lengths=None, segment_ids=None, positions=None):
     """(dq float32 [B, Tp, Hq, D], dk, dv) of `kernel(cta, refs, scoped)` on the grid (KV
     heads, key blocks, batch) with three warpgroups; refs = (q, k, v, do, lse, δ, key
     lengths or None, (q ids, kv ids, ranges) or Nones, dq buffer, dk, dv), `scoped` the
@@ -149,20 +151,28 @@ def launch(kernel, scratch: tuple, arrays: tuple, stream: Stream, *, prob: Walk,
     def entry(*refs):
         refs = list(refs)
         kvlen = refs.pop(6) if kv_lengths is not None else None
+        pos = refs.pop(6) if positions is not None else None
         seg = tuple(refs.pop(6) for _ in range(3)) if segments else (None,) * 3
         refs = (*refs[:6], kvlen, seg, *refs[6:])
-        cta = Cta.locate(prob, stream, kvlen, seg[2])
+        cta = Cta.locate(prob, stream, kvlen, pos, seg[2])
         pl.run_scoped(lambda *scoped: kernel(cta, refs, scoped), *scratch,
                       collective_axes=WARPGROUPS)
 
     mesh = plgpu.Mesh(grid=(Hkv, n_kt, B), grid_names=(KV_HEADS, K_TILES, BATCH),
                       num_threads=3, thread_name=WARPGROUPS)
+    # Inside a shard_map that checks varying manual axes, this launch (unlike the forward's
+    # `plgpu.kernel`) takes its outputs' types as declared: they vary as q does. It takes no
+    # varying ref: the dQ accumulator stays typed alike on every shard (the caller's
+    # `vary_like` types what it read out of it).
+    inputs = (*arrays, *(() if kv_lengths is None else (kv_lengths,)),
+              *(() if positions is None else (positions,)), *segments)
+    inputs = tuple(compat.vary_like(x, q) for x in inputs)
     dq_acc = jax.new_ref(jnp.zeros((B, Tp, Hq, D), jnp.float32))
     dk, dv = pl.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct((B, S8, Hkv, D), q.dtype),
-                  jax.ShapeDtypeStruct((B, S8, Hkv, Dv), q.dtype)),
+        out_type=(compat.output_struct((B, S8, Hkv, D), q.dtype, q),
+                  compat.output_struct((B, S8, Hkv, Dv), q.dtype, q)),
         mesh=mesh,
         compiler_params=compiler_params(config),
-    )(*arrays, *(() if kv_lengths is None else (kv_lengths,)), *segments, dq_acc)
+    )(*inputs, dq_acc)
     return dq_acc[...], dk, dv

@@ -120,6 +120,14 @@ class Walk(BlockWalk):
         return dataclasses.replace(self, segment_range=(ranges_ref[b, tile, 0],
                                                         ranges_ref[b, tile, 1]))
 
+    def with_positions(self, positions_ref):
+        """This walk for a block of a longer sequence (`positions_ref`: int32 [3] (row0,
+        col0, shift) in global memory, `FeatureArrays.positions`; None: not a block):
+        causality and the window take the block's runtime shift."""
+        if positions_ref is None:
+            return self
+        return dataclasses.replace(self, row_shift=positions_ref[2])
+
     def with_key_end(self, lengths_ref, b):
         """This walk for batch row `b` of a call with key lengths (`lengths_ref`: int32 [B]
         in global memory, or None)."""

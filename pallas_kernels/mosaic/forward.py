@@ -20,6 +20,12 @@ def pad_axes(x, sizes):
     return jnp.pad(x, pads)
 
 
+def kernel_positions(positions):
+    """`FeatureArrays.positions` as the kernels take them (int32 [3] in global memory, read
+    by `Walk.with_positions`), or None."""
+    return None if positions is None else jnp.asarray(positions).astype(jnp.int32)
+
+
 def mosaic_attention_forward(
     q, k, v, *, scale: float, causal: bool, config: Config | None = None, out_dtype=None,
     window: tuple[int, int] | None = None, softcap: float | None = None,
@@ -31,10 +37,10 @@ def mosaic_attention_forward(
     walk a batch row's keys up to its key length; after them rows past a query length are
     set to out 0 and lse -inf, and the sinks join each row's denominator as one more block
     of keys, in float32), and its segment ids as q_segment_ids and kv_segment_ids (head
-    dims up to 256: the "rows" kernel). See the module docstring."""
+    dims up to 256: the "rows" kernel), and its positions (a block of a longer sequence:
+    causality and the window take the positions' runtime shift). See the module
+    docstring."""
     f = FeatureArrays() if features is None else features
-    if f.positions is not None:
-        raise NotImplementedError("the Mosaic kernels take no positions")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError("q, k, v must be [B, T|S, H, D]")
     B, T, Hq, D = q.shape
@@ -90,7 +96,7 @@ def mosaic_attention_forward(
         out_dtype = jnp.dtype(jnp.float32)
     out, lse = fwd(qp, kp, vp, walk, config=config, out_dtype=out_dtype,
                    kv_lengths=None if kv_lengths is None else kv_lengths.astype(jnp.int32),
-                   **segments)
+                   positions=kernel_positions(f.positions), **segments)
     if Dvp != Dv or T8 != T:
         out = out[:, :T, :, :Dv]
     if lse.shape[-1] != T:

@@ -26,9 +26,11 @@ from pallas_kernels.visibility import segment_block_ranges
 
 
 def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=None,
-                 segment_ids=None):
+                 segment_ids=None, positions=None):
     # prob.T, prob.S: true lengths; the arrays may be padded to multiples of 8 (TMA tiling).
     # `segment_ids`: None, or (q ids [B, T], kv ids [B, S]) (prob.segments says which).
+    # `positions`: None, or int32 [3] placing the arrays in a longer sequence
+    # (`Walk.with_positions`).
     B, Tq, Hq, D = q.shape
     _, _, Hkv, Dv = v.shape
     dtype = q.dtype
@@ -61,7 +63,7 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
         segments = segment_inputs(segment_ids, grid, rows_cta, bkv, Tp=Tp, head_dim=max(D, Dv),
                                   keys=prob.num_kv_blocks * bkv)
 
-    def kernel(q_ref, k_ref, v_ref, kvlen_ref, seg_refs, o_ref, lse_ref, scoped):
+    def kernel(q_ref, k_ref, v_ref, kvlen_ref, pos_ref, seg_refs, o_ref, lse_ref, scoped):
         (
             (q_smem, o_smem),
             lse_smem,
@@ -84,7 +86,8 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
         def tile_walk(indices):
             """(walk, kv head, lo, hi, kv_of) of a tile (`Grid.indices`)."""
             _, h, b, t_first, t_count = indices
-            walk = prob.with_key_end(kvlen_ref, b)  # the batch row's key length, if given
+            # the batch row's key length and the block's place, if given
+            walk = prob.with_key_end(kvlen_ref, b).with_positions(pos_ref)
             walk = walk.with_segment_range(ranges_ref, b, lax.div(t_first, jnp.int32(t_count)))
             hk = lax.div(h, jnp.int32(group))
             lo, hi, kv_of = cluster_walk(walk, grid, t_first, t_count, rows_cta,
@@ -300,6 +303,7 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
     def entry(q_ref, k_ref, v_ref, *refs):
         refs = list(refs)
         kvlen_ref = refs.pop(0) if kv_lengths is not None else None
+        pos_ref = refs.pop(0) if positions is not None else None
         seg_refs = tuple(refs.pop(0) for _ in range(3)) if has_segments else (None,) * 3
         o_ref, lse_ref = refs
         if ncl > 1:
@@ -315,8 +319,8 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
         # tile's Q lands while this one's O is stored.
         q_and_o_smem = q_and_o if persistent else plgpu.RefUnion(*q_and_o)
         pl.run_scoped(
-            lambda *args: kernel(q_ref, k_ref, v_ref, kvlen_ref, seg_refs, o_ref, lse_ref,
-                                 args),
+            lambda *args: kernel(q_ref, k_ref, v_ref, kvlen_ref, pos_ref, seg_refs, o_ref,
+                                 lse_ref, args),
             q_and_o_smem,
             plgpu.SMEM((nwg, bq), jnp.float32),
             tiled_smem((ns, bkv, D), dtype),
@@ -334,6 +338,7 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
         )
 
     inputs = (q, k, v, *(() if kv_lengths is None else (kv_lengths,)),
+              *(() if positions is None else (positions,)),
               *(() if segments is None else segments))
     return launch(entry, grid, config, inputs, out_dtype=out_dtype, lse_rows=Tp)
 

@@ -38,7 +38,10 @@ def unsupported(problem: Problem, direction: str) -> tuple[str, ...]:
     are served: the kernels take the lengths (`mosaic_attention_forward(features=)`, the
     backward's `inputs.features`), the forward joins the sinks on the host, and the
     backward needs nothing for them (lse counts them; their own gradient is the caller's
-    closed form)."""
+    closed form). So is a block of a longer sequence (context parallelism,
+    `Problem.positions`): the kernels walk and mask by the positions' runtime shift
+    (`Walk.with_positions`), and the backward takes δ from the whole rows' O and dO as it
+    does for any call."""
     features = [name for name in problem.features if name not in SERVED_FEATURES]
     head_dims = (mosaic_backward.unsupported_head_dims(problem.head_dim, problem.head_dim_v)
                  if direction == "backward" else
@@ -52,7 +55,6 @@ def unsupported(problem: Problem, direction: str) -> tuple[str, ...]:
         ("mask with q_segment_ids", mask and problem.segment_ids),
         ("mask with head dims above 256", mask and wide and direction == "forward"),
         ("dropout_rate", problem.has_dropout), *((name, True) for name in features),
-        ("context_axis (positions)", problem.positions),
         ("float32 (16-bit only)", problem.natural),
         (head_dims, bool(head_dims)),
         ("q_segment_ids with head dims above 256", problem.segment_ids and wide
@@ -60,9 +62,11 @@ def unsupported(problem: Problem, direction: str) -> tuple[str, ...]:
         ("scale 0", problem.scale == 0.0),
         # Rows whose keys all fit one tile: the fused kernels form δ from their own P and dP
         # there, which makes a row of one key's dq exactly 0 as XLA's (docs/history.md,
-        # session 10); this kernel takes δ from O and dO, a few ulps off.
+        # session 10); this kernel takes δ from O and dO, a few ulps off. A block of a longer
+        # sequence takes δ from the whole rows' O and dO on every tier.
         (f"key lengths up to {ONE_TILE_KEYS} (the fused kernels' exact one-tile δ)",
-         direction == "backward" and problem.seq_k <= ONE_TILE_KEYS)) if lacks]
+         direction == "backward" and problem.seq_k <= ONE_TILE_KEYS
+         and not problem.positions)) if lacks]
     return tuple(missing)
 
 

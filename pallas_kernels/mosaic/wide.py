@@ -23,7 +23,8 @@ from pallas_kernels.mosaic.common import (CLUSTER, LOG2E, NEG_INF, ROW, WARPGROU
 from pallas_kernels.mosaic.config import Config
 
 
-def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=None):
+def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=None,
+                 positions=None):
     B, Tq, Hq, D = q.shape  # D multiple of 256; Tq = T rounded up to 8
     _, _, Hkv, Dv = v.shape  # Dv multiple of 256
     dtype = q.dtype
@@ -51,7 +52,7 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
     oc = min(config.out_chunk or _W, _W)
     assert dvh % oc == 0
 
-    def kernel(q_ref, k_ref, v_ref, kvlen_ref, o_ref, lse_ref, scoped):
+    def kernel(q_ref, k_ref, v_ref, kvlen_ref, pos_ref, o_ref, lse_ref, scoped):
         (
             (q_smem, o_smem),
             ring,
@@ -68,7 +69,8 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
         wg = lax.axis_index(WARPGROUPS)
         other = 1 - wg
         t, h, b, t_first, t_count = grid.indices()
-        walk = prob.with_key_end(kvlen_ref, b)  # the batch row's key length, if given
+        # the batch row's key length and the block's place, if given
+        walk = prob.with_key_end(kvlen_ref, b).with_positions(pos_ref)
         hk = lax.div(h, jnp.int32(group))
         lo, hi, kv_of = cluster_walk(walk, grid, t_first, t_count, bq,
                                               config.kv_rotate)
@@ -236,7 +238,10 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                         )
 
     def entry(q_ref, k_ref, v_ref, *refs):
-        kvlen_ref, o_ref, lse_ref = refs if kv_lengths is not None else (None, *refs)
+        refs = list(refs)
+        kvlen_ref = refs.pop(0) if kv_lengths is not None else None
+        pos_ref = refs.pop(0) if positions is not None else None
+        o_ref, lse_ref = refs
         if ncl > 1:
             free = plgpu.ClusterBarrier(collective_axes=(CLUSTER,), num_arrivals=2, num_barriers=ns)
             exit_bar = plgpu.ClusterBarrier(collective_axes=(CLUSTER,), num_arrivals=2)
@@ -244,7 +249,7 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
             free = plgpu.Barrier(num_arrivals=2, num_barriers=ns)
             exit_bar = None
         pl.run_scoped(
-            lambda *args: kernel(q_ref, k_ref, v_ref, kvlen_ref, o_ref, lse_ref, args),
+            lambda *args: kernel(q_ref, k_ref, v_ref, kvlen_ref, pos_ref, o_ref, lse_ref, args),
             plgpu.RefUnion(tiled_smem((bq, D), dtype), tiled_smem((2, bq, oc), out_dtype)),
             tiled_smem((ns, 2, bkv, _W), dtype),
             tiled_smem((2, bq, hk_cols), dtype),
@@ -259,6 +264,7 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
             collective_axes=WARPGROUPS,
         )
 
-    inputs = (q, k, v) if kv_lengths is None else (q, k, v, kv_lengths)
+    inputs = (q, k, v, *(() if kv_lengths is None else (kv_lengths,)),
+              *(() if positions is None else (positions,)))
     return launch(entry, grid, config, inputs, out_dtype=out_dtype, lse_rows=Tp)
 
