@@ -539,7 +539,8 @@ def q_walk(p: BlockWalk, k_first, k_last, block_q: int):
         # Row q sees key k only if k <= q + shift + right: rows from k_first - shift - right
         # see some key of the group, rows from k_last - shift - right every key.
         edge = p.shift + right
-        lo = _blocks_below(k_first - edge, block_q)
+        # At most n: a block's runtime shift may place keys after every row.
+        lo = jnp.minimum(_blocks_below(k_first - edge, block_q), n)
         mask_lo = div_up(jnp.maximum(k_last - edge, 0), block_q)
     if p.window is not None:
         # Row q sees key k only if k >= q + shift - left: rows up to k_last + left - shift

@@ -208,11 +208,11 @@ def test_kernels_with_sequence_lengths_lower_for_cuda(case):
     assert "mosaic_gpu" in text
 
 
-def _visible(t, s, causal, window, kv_length=None):
+def _visible(t, s, causal, window, kv_length=None, shift=None):
     """bool [T, S] by the rule of `pallas_kernels.visibility` (its own functions, on numpy
-    arrays)."""
+    arrays); `shift` a block's place (`FeatureArrays.positions`), None: S - T."""
     rows, cols = np.arange(t), np.arange(s)
-    shift = visibility.default_shift(t, s)
+    shift = visibility.default_shift(t, s) if shift is None else shift
     seen = np.ones((t, s), bool)
     if causal:
         seen &= visibility.causal_visible(rows, cols, shift)
@@ -229,20 +229,29 @@ def _key_length(rng, s):
     return None if rng.integers(3) == 0 else int(rng.integers(0, s + 1))
 
 
+def _block_shift(rng, t, s):
+    """None (S - T) or, half the time, the runtime shift of a block of a longer sequence
+    (row 0 anywhere from before the first key to past the last)."""
+    return None if rng.integers(2) else int(rng.integers(-t - 64, s + 64))
+
+
 def test_key_block_walk_covers_every_visible_key_and_masks_only_what_it_must():
     """`kv_walk` against the visibility rule, brute force over groups of rows (every group
     of a problem at once: the walk's bounds are element-wise): every key a row sees lies in
     [lo, hi); the blocks [mask_lo, full_hi) are visible whole to every row of the group (no
-    mask needed); blocks outside [lo, hi) hold no visible key."""
+    mask needed); blocks outside [lo, hi) hold no visible key. Half the problems are blocks
+    of a longer sequence (a runtime shift, `Walk.with_positions`)."""
     rng = np.random.default_rng(0)
-    for _ in range(120):
+    for _ in range(160):
         t, s = (int(x) for x in rng.integers(1, 400, 2))
         bkv = int(rng.choice([64, 128, 256]))
         causal = bool(rng.integers(2))
         window = None if rng.integers(4) == 0 else tuple(int(x) for x in rng.integers(0, 300, 2))
         kv_length = _key_length(rng, s)
+        shift = _block_shift(rng, t, s)
         walk = Walk(T=t, S=s, causal=causal, block_kv=bkv, window=window,
-                    key_end=None if kv_length is None else jnp.int32(kv_length))
+                    key_end=None if kv_length is None else jnp.int32(kv_length),
+                    row_shift=None if shift is None else jnp.int32(shift))
         firsts = np.arange(0, t, int(rng.integers(1, 64)), dtype=np.int32)
         lasts = np.minimum(firsts + rng.integers(0, 128, firsts.size), t - 1).astype(np.int32)
         # One shape for every problem (padded by repeating the last group): the walk's jnp
@@ -250,12 +259,13 @@ def test_key_block_walk_covers_every_visible_key_and_masks_only_what_it_must():
         padded = [np.pad(x, (0, 400 - x.size), mode="edge") for x in (firsts, lasts)]
         lo, mask_lo, full_hi, hi = (x[:firsts.size] for x in np.broadcast_arrays(
             padded[0], *kv_walk(walk, *map(jnp.asarray, padded)))[1:])
-        where = f"T={t} S={s} bkv={bkv} causal={causal} window={window} kv_len={kv_length}"
+        where = (f"T={t} S={s} bkv={bkv} causal={causal} window={window} kv_len={kv_length} "
+                 f"shift={shift}")
         assert np.all((0 <= lo) & (lo <= mask_lo) & (mask_lo <= full_hi) & (full_hi <= hi)
                       & (hi <= -(-s // bkv))), where
         # Per group and key: how many of its rows see the key (prefix sums over the rows).
-        seen = np.concatenate([np.zeros((1, s), int),
-                               np.cumsum(_visible(t, s, causal, window, kv_length), axis=0)])
+        seen = np.concatenate([np.zeros((1, s), int), np.cumsum(
+            _visible(t, s, causal, window, kv_length, shift), axis=0)])
         count = seen[lasts + 1] - seen[firsts]
         block = np.arange(s) // bkv
         outside = (block < lo[:, None]) | (block >= hi[:, None])
@@ -385,29 +395,32 @@ def test_query_block_walk_covers_every_row_that_sees_a_key_and_masks_only_what_i
     """`q_walk` (the backward's walk over query blocks for a group of keys) against the
     visibility rule, brute force: every row that sees a key of the group lies in [lo, hi);
     the blocks [mask_lo, full_hi) see every key of the group (and none of them is padding);
-    blocks outside [lo, hi) see none."""
+    blocks outside [lo, hi) see none. Half the problems are blocks of a longer sequence (a
+    runtime shift)."""
     rng = np.random.default_rng(1)
-    for _ in range(120):
+    for _ in range(160):
         t, s = (int(x) for x in rng.integers(1, 400, 2))
         bq = int(rng.choice([64, 128]))
         causal = bool(rng.integers(2))
         window = None if rng.integers(4) == 0 else tuple(int(x) for x in rng.integers(0, 300, 2))
         kv_length = _key_length(rng, s)
+        shift = _block_shift(rng, t, s)
         walk = Walk(T=t, S=s, causal=causal, block_kv=128, window=window,
-                    key_end=None if kv_length is None else jnp.int32(kv_length))
+                    key_end=None if kv_length is None else jnp.int32(kv_length),
+                    row_shift=None if shift is None else jnp.int32(shift))
         width = int(rng.choice([64, 128]))
         firsts = np.arange(0, s, width, dtype=np.int32)
         lasts = (firsts + width - 1).astype(np.int32)  # may pass S - 1: padding keys
         padded = [np.pad(x, (0, 400 - x.size), mode="edge") for x in (firsts, lasts)]
         lo, mask_lo, full_hi, hi = (x[:firsts.size] for x in np.broadcast_arrays(
             padded[0], *q_walk(walk, *map(jnp.asarray, padded), bq))[1:])
-        where = f"T={t} S={s} bq={bq} causal={causal} window={window} kv_len={kv_length}"
+        where = (f"T={t} S={s} bq={bq} causal={causal} window={window} kv_len={kv_length} "
+                 f"shift={shift}")
         assert np.all((0 <= lo) & (lo <= mask_lo) & (mask_lo <= full_hi) & (full_hi <= hi)
                       & (hi <= -(-t // bq))), where
         # Per group and row: how many of the group's keys the row sees.
-        seen = np.concatenate([np.zeros((t, 1), int),
-                               np.cumsum(_visible(t, s, causal, window, kv_length), axis=1)],
-                              axis=1)
+        seen = np.concatenate([np.zeros((t, 1), int), np.cumsum(
+            _visible(t, s, causal, window, kv_length, shift), axis=1)], axis=1)
         count = seen[:, np.minimum(lasts, s - 1) + 1] - seen[:, firsts]  # [T, groups]
         block = (np.arange(t) // bq)[:, None]
         outside = (block < lo[None]) | (block >= hi[None])
