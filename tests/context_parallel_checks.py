@@ -342,6 +342,63 @@ def positioned_block_matches_dense(tier: str, interpret: bool) -> bool:
 
 
 @contextlib.contextmanager
+def simulated_h100():
+    """While inside, the dispatcher sees an H100 whose JAX runs the Mosaic kernels (tuned
+    files left out), so that a call on CPU devices plans the Mosaic tier and lowers for
+    CUDA; nothing runs."""
+    from pallas_kernels import compat
+    from tuning import dispatch
+    device = dispatch.Device(nvidia_gpu=True, name="Simulated H100", compute_capability="9.0")
+    saved = (compat.mosaic_gpu_runs, dispatch.Device.current,
+             os.environ.get("FFPA_SKIP_PERSIST_TUNED_CONFIG"))
+    compat.mosaic_gpu_runs = lambda: True
+    dispatch.Device.current = classmethod(lambda cls: device)
+    os.environ["FFPA_SKIP_PERSIST_TUNED_CONFIG"] = "1"
+    try:
+        yield
+    finally:
+        compat.mosaic_gpu_runs, dispatch.Device.current = saved[:2]
+        if saved[2] is None:
+            del os.environ["FFPA_SKIP_PERSIST_TUNED_CONFIG"]
+        else:
+            os.environ["FFPA_SKIP_PERSIST_TUNED_CONFIG"] = saved[2]
+
+
+def mosaic_lowering_report(devices: int = 4) -> dict:
+    """Whether a context-parallel call with its blocks on the Mosaic tier lowers for CUDA
+    (forward and backward, a simulated H100, `devices` CPU devices) inside a shard_map: the
+    ring with zigzag, and the all-gather. Each entry: the number of Mosaic GPU kernel calls
+    in the lowered program, or the error. (Under jit alone, sequence-sharded inputs are
+    split when the program is partitioned, which lowering for CUDA here does not reach.)"""
+    mesh = jax.make_mesh((devices,), (AXIS,), devices=jax.devices()[:devices],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    split = NamedSharding(mesh, P(None, AXIS))
+    q = jax.ShapeDtypeStruct((1, 256 * devices, 8, 128), jnp.bfloat16, sharding=split)
+    kv = jax.ShapeDtypeStruct((1, 256 * devices, 2, 128), jnp.bfloat16, sharding=split)
+
+    def in_shard_map(**kw):
+        return jax.shard_map(
+            lambda q, k, v: ffpa_jax.attention(q, k, v, is_causal=True, context_axis=AXIS,
+                                               implementation="mosaic", **kw),
+            mesh=mesh, in_specs=(P(None, AXIS),) * 3, out_specs=P(None, AXIS))
+    calls = dict(
+        ring_zigzag=in_shard_map(context_layout="zigzag", context_strategy="ring"),
+        all_gather=in_shard_map(context_strategy="all_gather"))
+    report = {}
+    with simulated_h100(), jax.set_mesh(mesh):
+        for name, attn in calls.items():
+            def loss(q, k, v, attn=attn):
+                return jnp.sum(attn(q, k, v).astype(jnp.float32))
+            try:
+                text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
+                    lowering_platforms=("cuda",)).as_text()
+                report[name] = text.count("mosaic_gpu")
+            except Exception as e:  # noqa: BLE001  (reported; the test shows it)
+                report[name] = f"{type(e).__name__}: {e}"[:1500]
+    return report
+
+
+@contextlib.contextmanager
 def standin_tier(name: str = "chunked"):
     """The tier `name` replaced, while inside, by a stand-in for a tier with a backward of
     its own that places blocks of a sequence: the dense forward, and a backward that takes

@@ -145,6 +145,9 @@ def _worker(slow: bool) -> None:
     report = {case.name: run_case(case, references) for case in chosen(CASES)}
     with standin_tier(STANDIN):
         report.update({case.name: run_case(case, {}) for case in chosen(STANDIN_CASES)})
+    if slow:
+        from context_parallel_checks import mosaic_lowering_report
+        report[MOSAIC_LOWERING] = mosaic_lowering_report()
     print(json.dumps(report))
 
 
@@ -181,6 +184,21 @@ def test_matches_unsharded_call(request, name):
             assert not gathers_q(entry), f"{name}: {entry}"
         batch = "'data'" if case.data > 1 else "None"
         assert entry["out_spec"].startswith(f"({batch}, 'cp'"), f"{name}: {entry}"
+
+
+MOSAIC_LOWERING = "mosaic-lowering"
+
+
+@pytest.mark.slow
+def test_blocks_on_the_mosaic_tier_lower_for_cuda(cpu_report_slow):
+    """A context-parallel call whose blocks run on the Mosaic tier (a simulated H100, the
+    kernels taking the blocks' positions) lowers for CUDA, forward and backward, in a
+    shard_map's ring and all-gather (the traces that raised on the GPUs until the
+    backward's outputs were declared varying)."""
+    report = cpu_report_slow[MOSAIC_LOWERING]
+    for name, kernels in report.items():
+        assert isinstance(kernels, int) and kernels > 0, f"{name}: {kernels}"
+    assert set(report) == {"ring_zigzag", "all_gather"}
 
 
 # ---------------------------------------------------------------- in-process
