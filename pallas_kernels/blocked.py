@@ -201,9 +201,8 @@ def _inputs(problem: Problem, inputs: Inputs) -> list:
     arrays (segment ids, lengths, positions; the sinks join the merged rows, not a
     block)."""
     f = inputs.features
-    positions = None if f.positions is None else jnp.asarray(f.positions).astype(jnp.int32)
     visible = [x for x in (f.q_segment_ids, f.kv_segment_ids, f.q_lengths, f.kv_lengths,
-                           positions) if x is not None]
+                           f.kernel_positions()) if x is not None]
     return ([x for x in (inputs.bias, inputs.mask) if x is not None]
             + kernel_inputs.seed_inputs(problem.dropout_rate, inputs.seed) + visible)
 

@@ -80,7 +80,7 @@ def feature_inputs(features, *, block_m: int, block_n: int, over_kv: bool = True
     if features.sinks is not None:
         out.append(features.sinks.astype(jnp.float32))
     if features.positions is not None:
-        out.append(jnp.asarray(features.positions).astype(jnp.int32))
+        out.append(features.kernel_positions())
     return out
 
 

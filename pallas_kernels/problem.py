@@ -180,6 +180,10 @@ class FeatureArrays(NamedTuple):
     # key i + shift (causality and the window), and dropout draws at global indices.
     positions: Any = None
 
+    def kernel_positions(self):
+        """`positions` as kernels take them (int32 [3]), or None."""
+        return None if self.positions is None else jnp.asarray(self.positions).astype(jnp.int32)
+
     def without_sinks(self) -> "FeatureArrays":
         """The visibility arrays alone (what the probabilities' recomputation reads: lse
         counts the sinks already)."""

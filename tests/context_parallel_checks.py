@@ -346,22 +346,16 @@ def simulated_h100():
     """While inside, the dispatcher sees an H100 whose JAX runs the Mosaic kernels (tuned
     files left out), so that a call on CPU devices plans the Mosaic tier and lowers for
     CUDA; nothing runs."""
+    import pytest
+
     from pallas_kernels import compat
     from tuning import dispatch
     device = dispatch.Device(nvidia_gpu=True, name="Simulated H100", compute_capability="9.0")
-    saved = (compat.mosaic_gpu_runs, dispatch.Device.current,
-             os.environ.get("FFPA_SKIP_PERSIST_TUNED_CONFIG"))
-    compat.mosaic_gpu_runs = lambda: True
-    dispatch.Device.current = classmethod(lambda cls: device)
-    os.environ["FFPA_SKIP_PERSIST_TUNED_CONFIG"] = "1"
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compat, "mosaic_gpu_runs", lambda: True)
+        patch.setattr(dispatch.Device, "current", classmethod(lambda cls: device))
+        patch.setenv("FFPA_SKIP_PERSIST_TUNED_CONFIG", "1")
         yield
-    finally:
-        compat.mosaic_gpu_runs, dispatch.Device.current = saved[:2]
-        if saved[2] is None:
-            del os.environ["FFPA_SKIP_PERSIST_TUNED_CONFIG"]
-        else:
-            os.environ["FFPA_SKIP_PERSIST_TUNED_CONFIG"] = saved[2]
 
 
 def mosaic_lowering_report(devices: int = 4) -> dict:

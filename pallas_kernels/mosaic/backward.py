@@ -33,7 +33,7 @@ from pallas_kernels.mosaic.common import (COLUMNS, LOG2E, ROW, WGMMA, Walk, iota
                                           same_segment, score_mod, soft_cap, soft_cap_grad,
                                           tiled_smem, walk_kv)
 from pallas_kernels.mosaic.config import Config, default_backward_config, round_up
-from pallas_kernels.mosaic.forward import kernel_positions, pad_axes
+from pallas_kernels.mosaic.forward import pad_axes
 
 KEYS_PER_WG = 64
 ROWS_MAX_HEAD_DIM = 128  # this module's kernel; larger head dims: `halves_backward`
@@ -248,7 +248,7 @@ def mosaic_attention_backward(inputs, saved, cotangents, *, scale: float, causal
         pad_axes(d_out.astype(q.dtype), {1: T8, 3: Dvp}), (lse2, delta), walk, config=config,
         kv_lengths=None if kv_lengths is None else kv_lengths.astype(jnp.int32),
         segment_ids=None if q_ids is None else (q_ids, inputs.features.kv_segment_ids),
-        positions=kernel_positions(inputs.features.positions))
+        positions=inputs.features.kernel_positions())
     dq = dq[:, :T, :, :D].astype(q.dtype)
     return tuple(compat.vary_like(x, q) for x in (dq, dk[:, :S, :, :D], dv[:, :S, :, :Dv]))
 

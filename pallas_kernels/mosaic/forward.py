@@ -20,12 +20,6 @@ def pad_axes(x, sizes):
     return jnp.pad(x, pads)
 
 
-def kernel_positions(positions):
-    """`FeatureArrays.positions` as the kernels take them (int32 [3] in global memory, read
-    by `Walk.with_positions`), or None."""
-    return None if positions is None else jnp.asarray(positions).astype(jnp.int32)
-
-
 def mosaic_attention_forward(
     q, k, v, *, scale: float, causal: bool, config: Config | None = None, out_dtype=None,
     window: tuple[int, int] | None = None, softcap: float | None = None,
@@ -96,7 +90,7 @@ def mosaic_attention_forward(
         out_dtype = jnp.dtype(jnp.float32)
     out, lse = fwd(qp, kp, vp, walk, config=config, out_dtype=out_dtype,
                    kv_lengths=None if kv_lengths is None else kv_lengths.astype(jnp.int32),
-                   positions=kernel_positions(f.positions), **segments)
+                   positions=f.kernel_positions(), **segments)
     if Dvp != Dv or T8 != T:
         out = out[:, :T, :, :Dv]
     if lse.shape[-1] != T:
