@@ -91,22 +91,24 @@ class ContextCall:
 
 class Block(NamedTuple):
     """A block's static shape: `rows` queries against `keys` keys, fully visible (FULL) or
-    partly (PARTIAL)."""
+    partly (PARTIAL); a partly visible block's shift where it is the same wherever the block
+    runs (its tier may plan by it: `Problem.positions_shift`), else None."""
 
     rows: int
     keys: int
     relation: int
+    shift: int | None = None
 
 
 def block_problem(problem: Problem, block: Block) -> Problem:
     """The problem of one block: its shapes, its place given at run time (positions), the
-    causal and window masks only where the block is partly visible, lse always (blocks
-    merge by it)."""
+    causal and window masks (and a shift known at trace time) only where the block is partly
+    visible, lse always (blocks merge by it)."""
     partial = block.relation == PARTIAL
     return dataclasses.replace(
         problem, seq_q=block.rows, seq_k=block.keys, positions=True, return_lse=True,
         causal=problem.causal and partial, window=problem.window if partial else None,
-        sinks=False)
+        positions_shift=block.shift if partial else None, sinks=False)
 
 
 @functools.lru_cache(maxsize=256)

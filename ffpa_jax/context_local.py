@@ -159,8 +159,7 @@ class SequenceSplit:
             return False
         call = self.call(plan, None, parts)
         blocks = ([context_gather.whole_block(call, 0)] if call.strategy == ALL_GATHER else
-                  [cb.Block(call.q_pieces.size, call.k_pieces.size, r)
-                   for r in context_ring.relations(call, 0, 0) if r != cb.HIDDEN])
+                  context_ring.blocks(call, 0, 0))
         return all(not cb.unsupported(call, block) for block in blocks)
 
     def __call__(self, plan: Plan, axis: str, parts: int, inputs: Inputs,

@@ -38,6 +38,13 @@ from pallas_kernels.problem import Cotangents, Inputs, Saved
 # round halves the blocks' keys, which costs time where they are already short.
 ROUND_SHARE = 2  # the accumulators of a round: at most 1 / ROUND_SHARE of the budget
 
+# At step 0 every shard holds its own keys. A block partly visible there whose shift is the
+# same on every shard (a causal ring's diagonal blocks, where T = S) runs as a branch of its
+# own that passes the shift to its tier at trace time (`Block.shift`): the chunked tier then
+# skips what causality hides, as in an unsplit call, where a runtime shift makes it compute
+# the whole block and mask it.
+PARTIAL_AT_HOME = 3
+
 
 def _send_on(x, call: ContextCall):
     """`x` (a pytree) from every shard to the next one around the axis."""
@@ -67,14 +74,42 @@ class _Keys(NamedTuple):
         return jax.lax.slice_in_dim(x, start, start + self.size, axis=1)
 
 
-def relations(call: ContextCall, a: int, b: int, keys: _Keys | None = None) -> set[int]:
-    """The relations block (query piece a, key piece b, or the part `keys` of it) takes over
-    every step and shard."""
+def _relations_at(call: ContextCall, a: int, b: int, keys: _Keys, steps) -> set[int]:
     qp, kp = call.q_pieces, call.k_pieces
-    keys = keys or _Keys(0, kp.size)
     return {call.relation(qp.start(i, a), qp.size,
                           kp.start((i - s) % call.parts, b) + keys.offset, keys.size)
-            for i in range(call.parts) for s in range(call.parts)}
+            for i in range(call.parts) for s in steps}
+
+
+def home_shift(call: ContextCall, a: int, b: int, keys: _Keys | None = None) -> int | None:
+    """The shift of block (query piece a, key piece b, or the part `keys` of it) at step 0
+    where it is partly visible there and the same on every shard (`PARTIAL_AT_HOME`), else
+    None."""
+    qp, kp = call.q_pieces, call.k_pieces
+    keys = keys or _Keys(0, kp.size)
+    shifts = {qp.start(i, a) - kp.start(i, b) - keys.offset + call.shift
+              for i in range(call.parts)}
+    if len(shifts) > 1 or _relations_at(call, a, b, keys, [0]) != {PARTIAL}:
+        return None
+    return shifts.pop()
+
+
+def relations(call: ContextCall, a: int, b: int, keys: _Keys | None = None) -> set[int]:
+    """The relations block (query piece a, key piece b, or the part `keys` of it) takes over
+    every step and shard (PARTIAL_AT_HOME: PARTIAL at step 0 with its `home_shift`)."""
+    keys = keys or _Keys(0, call.k_pieces.size)
+    if home_shift(call, a, b, keys) is None:
+        return _relations_at(call, a, b, keys, range(call.parts))
+    return _relations_at(call, a, b, keys, range(1, call.parts)) | {PARTIAL_AT_HOME}
+
+
+def blocks(call: ContextCall, a: int, b: int) -> list[Block]:
+    """The static blocks that block (query piece a, key piece b) runs as (hidden: none)."""
+    keys = _Keys(0, call.k_pieces.size)
+    shift = home_shift(call, a, b, keys)
+    return [Block(call.q_pieces.size, keys.size, PARTIAL, shift) if r == PARTIAL_AT_HOME
+            else Block(call.q_pieces.size, keys.size, r)
+            for r in sorted(relations(call, a, b, keys)) if r != HIDDEN]
 
 
 def round_bytes() -> int:
@@ -99,11 +134,12 @@ def rounds(call: ContextCall) -> int:
 
 
 def _dispatch(relation, present: set[int], branches: dict, *operands):
-    """The branch of `relation` (HIDDEN, FULL, PARTIAL; traced or static) over `operands`;
-    only the relations in `present` get code of their own."""
+    """The branch of `relation` (HIDDEN, FULL, PARTIAL, PARTIAL_AT_HOME; traced or static)
+    over `operands`; only the relations in `present` get code of their own."""
     if len(present) == 1:
         return branches[next(iter(present))](*operands)
-    table = [branches[r] if r in present else branches[HIDDEN] for r in (HIDDEN, FULL, PARTIAL)]
+    table = [branches[r] if r in present else branches[HIDDEN]
+             for r in (HIDDEN, FULL, PARTIAL, PARTIAL_AT_HOME)]
     return jax.lax.switch(relation, table, *operands)
 
 
@@ -128,7 +164,10 @@ class _Pair:
         self.inputs = inputs._replace(q=qp.local_slice(inputs.q, a, 1), k=k, v=v,
                                       features=features)
         self.present = relations(call, a, b, keys)
+        self.home_shift = home_shift(call, a, b, keys)
         relation = call.relation(self.r0, qp.size, self.c0, keys.size)
+        if self.home_shift is not None:
+            relation = jnp.where(step == 0, PARTIAL_AT_HOME, relation)
         hidden = cb.hidden_by_data(self.r0, self.c0, qp.size, keys.size, features)
         if hidden is not None:
             relation = jnp.where(hidden, HIDDEN, relation)
@@ -136,6 +175,9 @@ class _Pair:
         self.relation = relation
 
     def block(self, relation: int) -> Block:
+        """The static block of a branch (`relation`: FULL, PARTIAL or PARTIAL_AT_HOME)."""
+        if relation == PARTIAL_AT_HOME:
+            return Block(self.call.q_pieces.size, self.keys.size, PARTIAL, self.home_shift)
         return Block(self.call.q_pieces.size, self.keys.size, relation)
 
 
@@ -160,7 +202,7 @@ def forward(call: ContextCall, inputs: Inputs) -> Rows:
             for b_ in range(kp.count):
                 pair = _Pair(call, inputs, held[b_], a, b_, me, s, keys)
                 branches = {HIDDEN: lambda acc: acc}
-                for rel in (FULL, PARTIAL):
+                for rel in (FULL, PARTIAL, PARTIAL_AT_HOME):
                     branches[rel] = (lambda acc, rel=rel, pair=pair: cb.merge(
                         acc, cb.block_forward(call, pair.block(rel), pair.inputs)))
                 accs[a] = _dispatch(pair.relation, pair.present, branches, accs[a])
@@ -231,9 +273,9 @@ def _backward_round(call: ContextCall, inputs: Inputs, saved: Saved, cotangents:
                     grads = cb.block_backward(call, pair.block(rel), pair.inputs, rows_saved,
                                               rows_cot, lse_cotangent)
                     return _accumulate(acc, grads)
-                branches = {HIDDEN: lambda acc: acc,
-                            FULL: lambda acc, run=run: run(acc, FULL),
-                            PARTIAL: lambda acc, run=run: run(acc, PARTIAL)}
+                branches = {HIDDEN: lambda acc: acc}
+                for rel in (FULL, PARTIAL, PARTIAL_AT_HOME):
+                    branches[rel] = lambda acc, run=run, rel=rel: run(acc, rel)
                 dqs[a], parts[b_][0], parts[b_][1], dbias = _dispatch(
                     pair.relation, pair.present, branches,
                     (dqs[a], parts[b_][0], parts[b_][1], dbias))

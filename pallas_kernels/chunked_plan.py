@@ -7,9 +7,10 @@ see no key (causality, the window) are never planned; with a window narrower tha
 block reads only the band of keys its rows can see (`visibility`'s static spans).
 
 A block of a longer sequence (`Problem.positions`) sits among its keys by a runtime shift:
-the plan cannot tell which rows see which keys, so every row block runs against all keys
-(the element masks decide), or under a window narrower than S against its band, whose
-width does not depend on the shift and whose start is found at run time (`key_start`).
+unless that shift is known at trace time (`Problem.positions_shift`), the plan cannot tell
+which rows see which keys, so every row block runs against all keys (the element masks
+decide), or under a window narrower than S against its band, whose width does not depend
+on the shift and whose start is found at run time (`key_start`).
 """
 
 from __future__ import annotations
@@ -106,8 +107,8 @@ def block_sizes(problem: Problem, direction: str, budget_bytes: int = DEFAULT_BU
     per_element = problem.batch * problem.heads_q * bytes_per_element(problem.dtype, direction)
     t, s = problem.seq_q, problem.seq_k
     area = max(1, budget_bytes // per_element)  # (query, key) elements per block and head
-    # (Positions make causality's skipping a runtime matter: no cap then.)
-    cap = causal_rows_cap(t) if problem.causal and not problem.positions else t
+    # (A runtime shift makes causality's skipping a runtime matter: no cap then.)
+    cap = causal_rows_cap(t) if problem.causal and problem.static_shift is not None else t
     if problem.window is not None:
         cap = min(cap, window_rows_cap(problem.window_band))
     if direction == "forward":
@@ -167,9 +168,11 @@ def key_start(problem: Problem, group: Group, r0, shift=None):
     """The first key of the block at row `r0` (int or traced): 0, or with a band the left
     end of the window of its first row, moved left where the band would pass S (so that
     the block's `group.keys` keys stay in range and still hold every key it sees); `shift`:
-    the positions' runtime shift (None: S - T)."""
+    the positions' runtime shift, used where the problem's is not static (None: S - T)."""
     if not group.band:
         return 0
+    if problem.static_shift is not None:
+        shift = problem.static_shift
     return visibility.band_start(r0, group.keys, seq_q=problem.seq_q, seq_k=problem.seq_k,
                                  window=problem.window, shift=shift, align=band_align(problem))
 
@@ -178,13 +181,14 @@ def groups(problem: Problem, block_q: int) -> list[Group]:
     """The query blocks of `block_q` rows in row order, grouped; blocks that see no key are
     left out."""
     t, s = problem.seq_q, problem.seq_k
-    span = dict(seq_q=t, seq_k=s, causal=problem.causal, window=problem.window)
+    shift = problem.static_shift
+    span = dict(seq_q=t, seq_k=s, causal=problem.causal, window=problem.window, shift=shift)
     band = dict(seq_k=s, causal=problem.causal, window=problem.window,
                 align=band_align(problem))
     full, tail = divmod(t, block_q)
     blocks = [(i * block_q, block_q) for i in range(full)] + ([(full * block_q, tail)]
                                                               if tail else [])
-    if problem.positions:  # the shift is runtime data: every block, every key (or band)
+    if shift is None:  # the shift is runtime data: every block, every key (or band)
         blocks = [(r0, n, s) for r0, n in blocks]
     else:
         blocks = [(r0, n, visibility.key_limit(r0 + n, **span)) for r0, n in blocks
@@ -196,7 +200,7 @@ def groups(problem: Problem, block_q: int) -> list[Group]:
         return [Group(first=run[0][0], rows=run[0][1], count=len(run),
                       keys=visibility.band_keys(run[0][1], **band), band=True)
                 for run in runs if run]
-    if visibility.right_reach(problem.causal, problem.window) is None or problem.positions:
+    if visibility.right_reach(problem.causal, problem.window) is None or shift is None:
         runs = [[b for b in blocks if b[1] == block_q], [b for b in blocks if b[1] != block_q]]
     else:
         per = max(1, math.ceil(len(blocks) / MAX_CAUSAL_GROUPS))

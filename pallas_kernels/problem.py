@@ -56,6 +56,10 @@ class Problem:
     # The arrays are a block of a longer sequence (context parallelism): runtime positions
     # place its rows and keys in the whole (`FeatureArrays.positions`).
     positions: bool = False
+    # With positions: the shift (`FeatureArrays.positions[2]`) where every run of the block
+    # has the same one, so that a tier may plan by it at trace time (the chunked tier skips
+    # the row and key blocks causality hides); None: the shift is runtime data only.
+    positions_shift: int | None = None
     # The caller returns lse: the fused forward then rounds q·kᵀ per head-dim chunk, which
     # keeps lse within XLA's error at large D and costs speed (numerics.contract_chunks).
     return_lse: bool = False
@@ -96,6 +100,12 @@ class Problem:
         if all(getattr(self, name) == value for name, value in shapes.items()):
             return self
         return dataclasses.replace(self, **shapes)
+
+    @property
+    def static_shift(self) -> int | None:
+        """Where row 0 sits among the keys, if known at trace time: S - T, or for a block of a
+        longer sequence `positions_shift` (None: only at run time)."""
+        return self.positions_shift if self.positions else self.seq_k - self.seq_q
 
     @property
     def natural(self) -> bool:

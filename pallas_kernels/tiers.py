@@ -163,7 +163,8 @@ def backward(plan: Plan, inputs: Inputs, saved: Saved, cotangents: Cotangents):
 
 
 def _check_positions(problem: Problem, inputs: Inputs) -> None:
-    """The positions' rules: given iff the problem says so, int32[3], never with sinks (the
+    """The positions' rules: given iff the problem says so, int32[3], a shift equal to
+    `Problem.positions_shift` where both are known, never with sinks (the
     caller joins them once it has merged the blocks), and with dropout a key offset col0
     that is a multiple of `dropout.POSITION_ALIGN` (checked where col0 is known at trace
     time; a traced col0 must keep the rule all the same)."""
@@ -172,10 +173,19 @@ def _check_positions(problem: Problem, inputs: Inputs) -> None:
         raise ValueError(f"Problem.positions is {problem.positions} but FeatureArrays.positions "
                          f"is {'given' if positions is not None else 'None'}; they go together")
     if positions is None:
+        if problem.positions_shift is not None:
+            raise ValueError(f"Problem.positions_shift is {problem.positions_shift} without "
+                             "positions; it is the shift of a block of a longer sequence")
         return
     if jnp.shape(positions) != (3,):
         raise ValueError(f"FeatureArrays.positions must be int32[3] (row0, col0, shift); got "
                          f"shape {jnp.shape(positions)}")
+    known = problem.positions_shift
+    if known is not None and not isinstance(positions, jax.core.Tracer):
+        shift = int(np.asarray(positions)[2])
+        if shift != known:
+            raise ValueError(f"Problem.positions_shift is {known} but the positions' shift "
+                             f"(positions[2]) is {shift}; a tier plans by the first")
     if inputs.features.sinks is not None or problem.sinks:
         raise ValueError("sinks cannot be given with positions (FeatureArrays.positions): a "
                          "block holds only some of each row's keys, so the caller joins the "

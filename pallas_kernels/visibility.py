@@ -307,8 +307,9 @@ def segments_of_mask(mask, batch: int, seq_q: int, seq_k: int):
 
 # ---------------------------------------------------------------- static spans of keys
 # The chunked tier plans its blocks of rows at trace time, in Python integers, from the
-# static shift S - T; where positions make the shift runtime data, only the band's width
-# (which does not depend on the shift) is planned, and its start found at run time.
+# static shift (S - T, or a block's `Problem.positions_shift`); where positions make the
+# shift runtime data only, only the band's width (which does not depend on the shift) is
+# planned, and its start found at run time.
 
 
 def right_reach(causal: bool, window) -> int | None:
@@ -320,13 +321,15 @@ def right_reach(causal: bool, window) -> int | None:
     return reach
 
 
-def key_limit(r1: int, *, seq_q: int, seq_k: int, causal: bool, window) -> int:
+def key_limit(r1: int, *, seq_q: int, seq_k: int, causal: bool, window,
+              shift: int | None = None) -> int:
     """Keys [0, limit) that rows [., r1) can see: causality and the window's right side hide
-    the rest."""
+    the rest. `shift` (static) None: S - T."""
     reach = right_reach(causal, window)
     if reach is None:
         return seq_k
-    return max(0, min(seq_k, r1 + default_shift(seq_q, seq_k) + reach))
+    shift = default_shift(seq_q, seq_k) if shift is None else shift
+    return max(0, min(seq_k, r1 + shift + reach))
 
 
 def band_keys(rows: int, *, seq_k: int, causal: bool, window, align: int = 1) -> int:
@@ -358,11 +361,14 @@ def band_start(r0, keys: int, *, seq_q: int, seq_k: int, window, shift=None, ali
 
 
 def rows_see_a_key(r0: int, rows: int, *, seq_q: int, seq_k: int, causal: bool,
-                   window) -> bool:
-    """Whether any of rows [r0, r0 + rows) sees a key by causality and the window."""
-    limit = key_limit(r0 + rows, seq_q=seq_q, seq_k=seq_k, causal=causal, window=window)
-    if window is not None:  # the first key of the block's last row's window
-        return limit > 0 and r0 + rows - 1 + default_shift(seq_q, seq_k) - window[0] < seq_k
+                   window, shift: int | None = None) -> bool:
+    """Whether any of rows [r0, r0 + rows) sees a key by causality and the window (`shift`
+    static, None: S - T)."""
+    shift = default_shift(seq_q, seq_k) if shift is None else shift
+    limit = key_limit(r0 + rows, seq_q=seq_q, seq_k=seq_k, causal=causal, window=window,
+                      shift=shift)
+    if window is not None:  # the first key of the block's first row's window
+        return limit > 0 and r0 + shift - window[0] < seq_k
     return limit > 0
 
 

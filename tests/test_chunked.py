@@ -81,6 +81,80 @@ def test_groups_cover_every_row_that_sees_a_key(t, s, block_q, causal):
         assert len(planned) <= 2 * chunked_plan.MAX_CAUSAL_GROUPS
 
 
+@pytest.mark.parametrize("t,s", [(113, 203), (256, 128), (203, 113)])
+@pytest.mark.parametrize("shift", [-150, -64, 0, 37])
+@pytest.mark.parametrize("window", [None, (20, 0)])
+def test_groups_of_a_block_with_a_known_shift_skip_what_it_hides(t, s, shift, window):
+    """A block of a longer sequence whose shift is known at trace time
+    (`Problem.positions_shift`) is planned by it: every key a row sees is in its block's
+    keys (brute force over the element rule), no block of rows that see nothing runs, and
+    causal blocks hold fewer (row, key) pairs than the runtime-shift plan's every row
+    against every key."""
+    block_q = 32
+    problem = dataclasses.replace(_problem(t=t, s=s, causal=True), positions=True,
+                                  positions_shift=shift, window=window)
+    rows, cols = np.arange(t)[:, None], np.arange(s)[None, :]
+    sees = cols <= rows + shift
+    if window is not None:
+        sees &= cols >= rows + shift - window[0]
+    planned = groups(problem, block_q)
+    area = 0
+    covered = np.zeros((t, s), bool)
+    for g in planned:
+        for start in g.starts:
+            first = chunked_plan.key_start(problem, g, start)
+            covered[start:start + g.rows, first:first + g.keys] = True
+            area += g.rows * g.keys
+            assert sees[start:start + g.rows].any(), "a block of rows that see nothing ran"
+    assert not (sees & ~covered).any(), "a key a row sees is outside its block"
+    runtime = groups(dataclasses.replace(problem, positions_shift=None), block_q)
+    runtime_area = sum(g.rows * g.count * g.keys for g in runtime)
+    # (Under a window both plans read each row block's band: the known shift drops the
+    # blocks that see nothing.)
+    assert area < runtime_area if window is None else area <= runtime_area
+
+
+@pytest.mark.parametrize("window", [None, (30, 0)])
+def test_a_block_with_a_known_shift_computes_as_with_a_runtime_one(window, monkeypatch):
+    """The chunked tier on a causal block of a longer sequence, in several row and key
+    blocks: with its shift known at trace time (planned by it) and as runtime data only,
+    out, lse and the gradients agree with each other and with the dense tier's (float32)."""
+    monkeypatch.setenv(chunked_plan.BUDGET_ENV, "0.002")
+    from pallas_kernels import tiers
+    from pallas_kernels.problem import Cotangents, Saved
+    rng = np.random.default_rng(11)
+    t, s, shift = 96, 160, -24
+    q, k, v = (jnp.asarray(rng.standard_normal(shape, np.float32))
+               for shape in ((1, t, 2, 16), (1, s, 1, 16), (1, s, 1, 16)))
+    d_out = jnp.asarray(rng.standard_normal((1, t, 2, 16), np.float32))
+    inputs = Inputs(q, k, v, features=FeatureArrays(
+        positions=jnp.asarray([200, 200 - shift, shift], jnp.int32)))
+    problem = Problem(batch=1, seq_q=t, seq_k=s, heads_q=2, heads_kv=1, head_dim=16,
+                      head_dim_v=16, dtype=jnp.float32, scale=0.25, causal=True,
+                      window=window, positions=True, return_lse=True)
+    results = []
+    for tier, known in (("xla", None), ("chunked", None), ("chunked", shift)):
+        plan = dataclasses.replace(
+            tuning.plan_for_tiers(dataclasses.replace(problem, positions_shift=known),
+                                  tier, tier), float32_out=True)
+        out, lse, *_ = tiers.forward(plan, inputs)
+        saved = Saved(out, lse, jnp.zeros_like(lse))
+        grads = (tiers.backward(plan, inputs, saved, Cotangents(d_out, jnp.zeros_like(lse)))
+                 if tier == "chunked" else None)
+        results.append((out, lse, grads))
+    (want_out, want_lse, _), runtime, known = results
+    assert np.isneginf(np.asarray(want_lse)).any(), "no row that sees nothing: a weak case"
+    for out, lse, _ in (runtime, known):
+        np.testing.assert_allclose(out, want_out, atol=1e-5)
+        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+        finite = np.isfinite(np.asarray(want_lse))
+        np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want_lse)[finite],
+                                   rtol=1e-5)
+    for got, want in zip(known[2][:3], runtime[2][:3], strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+        assert np.abs(np.asarray(want)).max() > 0.1
+
+
 @pytest.mark.slow
 def test_workspace_stays_under_the_budget_at_16k():
     """XLA's memory analysis of the chunked tier at T = S = 16384, D = 512, H = 32 (compiled

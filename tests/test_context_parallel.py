@@ -305,6 +305,30 @@ def _smap(fn, n=1):
     return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
 
 
+def test_the_rings_diagonal_blocks_carry_their_shift():
+    """At the ring's first step each shard holds its own keys: a causal ring's diagonal
+    blocks (T = S) run with their shift known at trace time (0, or minus a round's key
+    offset), on every shard alike; blocks whose shift differs by shard (T != S) or that are
+    not partly visible there do not."""
+    from ffpa_jax import context_ring
+    from ffpa_jax.context_blocks import PARTIAL, Block, ContextCall
+
+    def call(layout, t, s):
+        problem = Problem(batch=1, seq_q=t, seq_k=s, heads_q=2, heads_kv=1, head_dim=8,
+                          head_dim_v=8, dtype=jnp.float32, scale=1.0, causal=True)
+        return ContextCall(problem=problem, axis="cp", parts=4, layout=layout, strategy="ring")
+    zig = call("zigzag", 1024, 1024)
+    assert [context_ring.home_shift(zig, a, b) for a in (0, 1) for b in (0, 1)] == [
+        0, None, None, 0]
+    half = zig.k_pieces.size // 2  # two rounds: each diagonal block's keys in two parts
+    assert [context_ring.home_shift(zig, 1, 1, context_ring._Keys(r * half, half))
+            for r in (0, 1)] == [0, -half]
+    assert Block(128, 128, PARTIAL, 0) in context_ring.blocks(zig, 0, 0)
+    assert context_ring.home_shift(call("contiguous", 1024, 1024), 0, 0) == 0
+    assert context_ring.home_shift(call("contiguous", 1024, 2048), 0, 0) is None
+    assert PARTIAL not in {b.relation for b in context_ring.blocks(zig, 1, 0)}
+
+
 def test_argument_errors():
     q = jnp.zeros((1, 16, 2, 8))
     with pytest.raises(ValueError, match="not an axis of an enclosing shard_map"):
