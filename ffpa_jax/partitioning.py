@@ -57,6 +57,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from pallas_kernels import compat
 from pallas_kernels.problem import Cotangents, FeatureArrays, Inputs, Saved
 
 # Roles of the arrays that cross the kernel boundary (see `_spec`).
@@ -449,7 +450,8 @@ class ShardLocal:
                 mesh = q_sharding.mesh
             batch_axes, head_axes, seq = decide(arg_shapes)
             in_shardings, out_shardings = shardings_for(mesh, batch_axes, head_axes, seq)
-            lower = functools.partial(self._local, layout, batch_axes, head_axes, seq)
+            lower = compat.lowerable_by_custom_partitioning(
+                functools.partial(self._local, layout, batch_axes, head_axes, seq))
             return mesh, lower, out_shardings, in_shardings
 
         def infer(mesh, arg_shapes, result_shape):

@@ -104,3 +104,32 @@ def vary_like(x, ref):
         return x
     missing = varying_axes(ref) - varying_axes(x)
     return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
+
+
+def _internal_refs_discharged(closed):
+    """A closed jaxpr whose internally created mutable arrays are plain values (what
+    `jax.jit` does before it lowers)."""
+    from jax._src.interpreters import pxla
+    discharge = getattr(pxla, "_discharge_internal_refs", None)
+    if discharge is not None:
+        return discharge(closed)
+    from jax._src.state.discharge import discharge_state
+    return discharge_state(closed)
+
+
+def lowerable_by_custom_partitioning(fn):
+    """`fn` with the mutable arrays it creates and consumes inside discharged to values.
+    Pallas' kernel launchers create such arrays on JAX 0.11 (the Mosaic kernels' outputs);
+    `jax.jit` discharges them where it lowers a program, but custom_partitioning lowers a
+    partition's function as traced and refuses their effect ("Cannot lower jaxpr with
+    effects: ... InternalMutableArrayEffect")."""
+    from jax._src import core as jax_core
+
+    def run(*args):
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        if not any(isinstance(e, jax_core.InternalMutableArrayEffect) for e in closed.effects):
+            return fn(*args)
+        closed = _internal_refs_discharged(closed)
+        outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(args))
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+    return run

@@ -340,6 +340,53 @@ def test_user_shard_map_with_default_check_vma_gpu():
         assert _rel_diff(g, w) <= 1e-5
 
 
+def internal_refs_report() -> dict:
+    """A custom_partitioning op (4 devices) whose partition's function creates and
+    consumes a mutable array inside, as Pallas' Mosaic GPU launchers do on JAX 0.11:
+    lowered as traced ("as-traced") and through `compat.lowerable_by_custom_partitioning`
+    ("discharged"). Each entry: the values, or the error."""
+    from jax.experimental.custom_partitioning import custom_partitioning
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from pallas_kernels import compat
+
+    def doubled(x):
+        ref = jax.new_ref(jnp.zeros_like(x))
+        ref[...] += 2 * x
+        return ref[...]
+
+    def build(wrap):
+        op = custom_partitioning(lambda x: 2 * x)
+
+        def partition(mesh, arg_shapes, result_shape):
+            sharding = arg_shapes[0].sharding
+            return sharding.mesh, wrap(doubled), sharding, (sharding,)
+        op.def_partition(partition=partition, sharding_rule="i j -> i j",
+                         infer_sharding_from_operands=lambda m, a, r: a[0].sharding)
+        return op
+    mesh = jax.make_mesh((len(jax.devices()),), ("x",),
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    x = jax.device_put(jnp.arange(16.0).reshape(8, 2), NamedSharding(mesh, P("x")))
+    report = {}
+    for name, wrap in (("as-traced", lambda f: f),
+                       ("discharged", compat.lowerable_by_custom_partitioning)):
+        try:
+            report[name] = np.asarray(jax.jit(build(wrap))(x)).tolist()
+        except Exception as e:  # reported, asserted by the test
+            report[name] = f"{type(e).__name__}: {str(e)[-300:]}"
+    return report
+
+
+def test_a_partition_that_creates_mutable_arrays_lowers(cpu_report):
+    """custom_partitioning refuses a partition function with internal mutable arrays (the
+    control; where JAX's Mosaic GPU kernels made a sharded call under jit fail on GPUs);
+    through `compat.lowerable_by_custom_partitioning` it lowers and computes."""
+    entry = cpu_report["internal_refs"]
+    assert "Cannot lower jaxpr with effects" in str(entry["as-traced"]), entry["as-traced"]
+    assert entry["discharged"] == (2 * np.arange(16.0).reshape(8, 2)).tolist()
+
+
 if __name__ == "__main__" and "--worker" in sys.argv:
     jnp.zeros(())  # start the backend with the XLA_FLAGS the parent set
-    print(json.dumps(run_checks(interpret=True)))
+    print(json.dumps(dict(run_checks(interpret=True), internal_refs=internal_refs_report())))
