@@ -48,6 +48,9 @@ BENCH = [
     # The chunked tier both ways, for comparison.
     ("d512-h8-n128k-1gpu-chunked", dict(BIG, gpus=1, implementation="chunked")),
     ("d512-h8-n128k-4gpu", dict(BIG, gpus=4)),
+    # The same on 2 GPUs (a machine of two).
+    ("d512-h8-n128k-2gpu", dict(BIG, gpus=2)),
+    ("d512-h8-n128k-2gpu-budget1g", dict(BIG, gpus=2, env=BUDGET_1G)),
     # The backward's keys in one round (the rule's at the default budget: the float32 dK,
     # dV of a whole shard in flight), two and four (`ring_round_mib`: the bytes of a round's
     # accumulators in MiB, context_ring.round_bytes).
@@ -70,6 +73,8 @@ BENCH_1M = [("d512-h8-n1m-4gpu", dict(BIG, n=1048576, gpus=4, iters=1)),
             ("d512-h8-n1m-4gpu-chunked", dict(BIG, n=1048576, gpus=4, iters=1,
                                               implementation="chunked"))]
 RATIOS = [("d512-h8-n128k", "d512-h8-n128k-1gpu", "d512-h8-n128k-4gpu"),
+          ("d512-h8-n128k-2gpu", "d512-h8-n128k-1gpu", "d512-h8-n128k-2gpu"),
+          ("d512-h8-n128k-2gpu-budget1g", "d512-h8-n128k-1gpu", "d512-h8-n128k-2gpu-budget1g"),
           ("d512-h8-n128k-same-tier", "d512-h8-n128k-1gpu-chunked", "d512-h8-n128k-4gpu"),
           *((f"d512-h8-n128k-{v}", "d512-h8-n128k-1gpu", f"d512-h8-n128k-4gpu-{v}")
             for v in ("2-rounds", "4-rounds", "budget1g", "4-rounds-budget1g", "budget2g")),
