@@ -18,6 +18,7 @@ from ffpa_jax import context_gather, context_ring
 from ffpa_jax.context_blocks import ALL_GATHER, RING, ContextCall
 from ffpa_jax.layout import CONTIGUOUS, ZIGZAG
 from pallas_kernels import compat
+from pallas_kernels import tiers as pallas_tiers
 from pallas_kernels.plan import Plan, row_outputs
 from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
 
@@ -25,7 +26,12 @@ from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
 # the compute waits for; the ring holds two shards of them and overlaps their transfer with
 # the compute. The all-gather is chosen where K/V are a small part of a shard's work and
 # memory: at least ALL_GATHER_MIN_GROUP query heads per KV head, and all of K and V within
-# ALL_GATHER_MAX_BYTES.
+# ALL_GATHER_MAX_BYTES; under causality or a window only where its blocks' tiers skip what
+# those hide by a runtime shift (`gather_blocks_skip`): each of its blocks is a query piece
+# against every key, whose place differs by shard, and a tier that cannot skip by it
+# computes the whole block (the ring's blocks are fully visible or, on the diagonal, know
+# their shift). At GQA 8/1, D = 512, N = 65536 on 2 H200s, with the backward on the chunked
+# tier, the ring ran 1.53x the all-gather (docs/benchmarks.md).
 ALL_GATHER_MIN_GROUP = 4
 ALL_GATHER_MAX_BYTES = 2 << 30
 
@@ -44,11 +50,12 @@ def ring_dropout_ok(problem: Problem, parts: int, layout: str) -> bool:
 
 
 def choose_strategy(problem: Problem, parts: int, layout: str,
-                    strategy: str | None = None) -> str:
+                    strategy: str | None = None, gather_skips=True) -> str:
     """The strategy of a call over `parts` shards (`problem`: the whole call's): `strategy`
     when given (a ValueError where the ring cannot keep dropout's keep decisions), else the
-    all-gather for few KV heads and K/V within ALL_GATHER_MAX_BYTES, or where dropout needs
-    it, else the ring."""
+    all-gather for few KV heads and K/V within ALL_GATHER_MAX_BYTES (under causality or a
+    window only where `gather_skips`, a bool or a function giving it: `gather_blocks_skip`),
+    or where dropout needs it, else the ring."""
     if strategy is not None:
         if strategy == RING and not ring_dropout_ok(problem, parts, layout):
             raise ValueError(_dropout_message(problem, parts, layout))
@@ -56,8 +63,26 @@ def choose_strategy(problem: Problem, parts: int, layout: str,
     kv_bytes = (problem.batch * problem.seq_k * problem.heads_kv
                 * (problem.head_dim + problem.head_dim_v) * jnp.dtype(problem.dtype).itemsize)
     if problem.group >= ALL_GATHER_MIN_GROUP and kv_bytes <= ALL_GATHER_MAX_BYTES:
-        return ALL_GATHER
+        hides = problem.causal or problem.window is not None
+        if not hides or (gather_skips() if callable(gather_skips) else gather_skips):
+            return ALL_GATHER
     return RING if ring_dropout_ok(problem, parts, layout) else ALL_GATHER
+
+
+def gather_blocks_skip(problem: Problem, parts: int, layout: str, *,
+                       implementation: str | None = None, interpret: bool = False,
+                       deterministic: bool | None = None,
+                       tiers: tuple[str, str] | None = None) -> bool:
+    """Whether the all-gather's blocks of the whole call `problem` (a query piece against
+    every key) run on tiers that skip, in both directions, what causality and the window
+    hide by the block's runtime shift (`Tier.skips_by_runtime_shift`); `tiers` (forward,
+    backward) where a plan names them, else the dispatcher's under `implementation`."""
+    call = ContextCall(problem=problem, axis=None, parts=parts, layout=layout,
+                       strategy=ALL_GATHER, implementation=implementation,
+                       interpret=interpret, tiers=tiers, deterministic=deterministic)
+    plan = call.plan(context_gather.whole_block(call, 0))
+    return all(pallas_tiers.BY_NAME[plan.tier(direction)].skips_by_runtime_shift
+               for direction in ("forward", "backward"))
 
 
 def _dropout_message(problem: Problem, parts: int, layout: str) -> str:
@@ -144,10 +169,14 @@ class SequenceSplit:
     @staticmethod
     def call(plan: Plan, axis: str | None, parts: int) -> ContextCall:
         problem = plan.problem
+        tiers = (plan.forward_tier, plan.backward_tier)
+        skips = lambda: gather_blocks_skip(problem, parts, CONTIGUOUS,  # noqa: E731
+                                           interpret=plan.interpret, tiers=tiers)
         return ContextCall(problem=problem, axis=axis, parts=parts, layout=CONTIGUOUS,
-                           strategy=choose_strategy(problem, parts, CONTIGUOUS),
+                           strategy=choose_strategy(problem, parts, CONTIGUOUS,
+                                                    gather_skips=skips),
                            interpret=plan.interpret, deterministic=plan.deterministic,
-                           tiers=(plan.forward_tier, plan.backward_tier))
+                           tiers=tiers)
 
     def supports(self, plan: Plan, parts: int) -> bool:
         problem = plan.problem

@@ -258,8 +258,10 @@ def _check_features(*, batched: bool, b: int, t: int, s: int, hq: int, q_segment
 
 
 def _check_context(problem: Problem, context_axis: Any, context_layout: Any,
-                   context_strategy: Any) -> Context | None:
-    """The context-parallel options of a call whose (shard's) problem is `problem`."""
+                   context_strategy: Any, **placement) -> Context | None:
+    """The context-parallel options of a call whose (shard's) problem is `problem`;
+    `placement`: the call's implementation, interpret and deterministic (the strategy rule
+    asks where the all-gather's blocks would run)."""
     if context_layout not in LAYOUTS:
         raise ValueError(f"context_layout must be one of {_names(LAYOUTS)}; got "
                          f"{context_layout!r}.")
@@ -288,7 +290,10 @@ def _check_context(problem: Problem, context_axis: Any, context_layout: Any,
             "the sequence and pass no context_axis).") from None
     context_local.check_split(problem, parts, context_layout)
     whole = context_local.whole_problem(problem, parts)
-    strategy = context_local.choose_strategy(whole, parts, context_layout, context_strategy)
+    skips = lambda: context_local.gather_blocks_skip(  # noqa: E731
+        whole, parts, context_layout, **placement)
+    strategy = context_local.choose_strategy(whole, parts, context_layout, context_strategy,
+                                             gather_skips=skips)
     return Context(context_axis, parts, context_layout, strategy)
 
 
@@ -390,7 +395,9 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, d
                       q_lengths=query_seq_lengths is not None,
                       kv_lengths=key_value_seq_lengths is not None, sinks=sinks is not None,
                       return_lse=bool(return_lse))
-    context = _check_context(problem, context_axis, context_layout, context_strategy)
+    context = _check_context(problem, context_axis, context_layout, context_strategy,
+                             implementation=implementation, interpret=bool(interpret),
+                             deterministic=deterministic)
     return Call(problem=problem, batched=batched, autotune=autotune_mode, context=context)
 
 

@@ -61,6 +61,10 @@ class Tier:
       `deterministic=True` asks for. `xla_backward`: its backward is, in part or whole,
       XLA's own operations (the chunked tier's GEMMs, the dense tier), as reproducible as
       XLA makes them (bitwise under `--xla_gpu_deterministic_ops`).
+    - `skips_by_runtime_shift`: whether, for a block of a longer sequence whose place is
+      runtime data (`FeatureArrays.positions`), its kernels skip the tiles causality and the
+      window hide by that shift (else it plans by `Problem.positions_shift` where given, and
+      otherwise computes the whole block and masks it).
     """
 
     name: str
@@ -77,6 +81,7 @@ class Tier:
     differentiated_by_jax: bool = False
     ordered_backward: bool = True
     xla_backward: bool = False
+    skips_by_runtime_shift: bool = False
 
 
 def _chunked_configs(problem: Problem, direction: str, lookup, target: Target):
@@ -121,11 +126,13 @@ CHUNKED = Tier(
 PALLAS = Tier(
     name="pallas", runs_on=NVIDIA_GPU, interpretable=True, forward=fused.forward,
     backward=fused.backward, configs=fused.configs, describe=fused.describe, runs=fused.runs,
+    skips_by_runtime_shift=True,
     summary="the fused Pallas kernels lowered to Triton (forward, backward, decode)")
 
 MOSAIC = Tier(
     name="mosaic", runs_on=SM90, forward=mosaic_tier.forward, backward=mosaic_tier.backward,
     configs=mosaic_tier.configs, unsupported=mosaic_tier.unsupported, ordered_backward=False,
+    skips_by_runtime_shift=True,
     runs=lambda plan, direction: (mosaic_tier.KERNEL if direction == "forward"
                                   else mosaic_tier.BACKWARD_KERNEL,),
     summary="Pallas Mosaic GPU kernels for sm90 (wgmma, TMA, warp specialisation): the "

@@ -42,6 +42,8 @@ OUT = pathlib.Path(os.environ.get("OUT", "./gpu_out"))
 # (name, dict): one benchmark configuration; "gpus" 1 is the plain call.
 BIG = dict(d=512, hq=8, hkv=8, n=131072, causal=True, layout="zigzag")
 GQA = dict(d=128, hq=32, hkv=8, n=131072, causal=True, layout="zigzag")
+# The Gemma-shaped model's global layers (8 query heads, 1 KV head, D = 512).
+GQA512 = dict(d=512, hq=8, hkv=1, n=65536, causal=True, layout="zigzag")
 BUDGET_1G = {"FFPA_CHUNKED_BUDGET_MIB": "1024"}
 BENCH = [
     ("d512-h8-n128k-1gpu", dict(BIG, gpus=1)),
@@ -68,6 +70,9 @@ BENCH = [
     ("gqa32.8-d128-n128k-1gpu-pallas", dict(GQA, gpus=1, implementation="pallas")),
     ("gqa32.8-d128-n128k-2gpu", dict(GQA, gpus=2)),
     ("gqa32.8-d128-n128k-2gpu-ring", dict(GQA, gpus=2, strategy="ring")),
+    ("gqa8.1-d512-n64k-1gpu", dict(GQA512, gpus=1)),
+    ("gqa8.1-d512-n64k-2gpu", dict(GQA512, gpus=2)),
+    ("gqa8.1-d512-n64k-2gpu-ring", dict(GQA512, gpus=2, strategy="ring")),
 ]
 BENCH_1M = [("d512-h8-n1m-4gpu", dict(BIG, n=1048576, gpus=4, iters=1)),
             ("d512-h8-n1m-4gpu-chunked", dict(BIG, n=1048576, gpus=4, iters=1,
@@ -82,7 +87,9 @@ RATIOS = [("d512-h8-n128k", "d512-h8-n128k-1gpu", "d512-h8-n128k-4gpu"),
           ("gqa32.8-d128-n128k-same-tier", "gqa32.8-d128-n128k-1gpu-pallas",
            "gqa32.8-d128-n128k-2gpu"),
           ("gqa32.8-d128-n128k-ring", "gqa32.8-d128-n128k-1gpu",
-           "gqa32.8-d128-n128k-2gpu-ring")]
+           "gqa32.8-d128-n128k-2gpu-ring"),
+          ("gqa8.1-d512-n64k", "gqa8.1-d512-n64k-1gpu", "gqa8.1-d512-n64k-2gpu"),
+          ("gqa8.1-d512-n64k-ring", "gqa8.1-d512-n64k-1gpu", "gqa8.1-d512-n64k-2gpu-ring")]
 
 
 # ---------------------------------------------------------------- tests

@@ -266,6 +266,23 @@ def test_strategy_rule():
     assert choose(odd, 4, "contiguous") == "all_gather"
     with pytest.raises(ValueError, match="multiple of 128"):
         choose(odd, 4, "contiguous", "ring")
+    # Few KV heads under causality or a window: the all-gather only where its blocks' tiers
+    # skip what those hide by a runtime shift (else the ring); without them, either way.
+    for hidden in (dict(causal=True), dict(window=(64, 0))):
+        assert choose(_problem(heads_kv=2, **hidden), 4, "zigzag", gather_skips=False) == "ring"
+        assert choose(_problem(heads_kv=2, **hidden), 4, "zigzag",
+                      gather_skips=lambda: True) == "all_gather"
+    assert choose(_problem(heads_kv=2), 4, "zigzag", gather_skips=False) == "all_gather"
+
+
+@pytest.mark.parametrize("implementation,interpret,skips", [
+    ("chunked", False, False), ("xla", False, False), ("pallas", True, True)])
+def test_whether_the_all_gathers_blocks_skip(implementation, interpret, skips):
+    """The all-gather's blocks (a query piece against every key, its place runtime data)
+    skip by their runtime shift on the fused kernels, not on the chunked or dense tiers."""
+    problem = _problem(heads_kv=2, causal=True, seq_q=1024, seq_k=1024)
+    assert context_local.gather_blocks_skip(problem, 4, "zigzag", implementation=implementation,
+                                            interpret=interpret) is skips
 
 
 def test_ring_rounds_rule(monkeypatch):
