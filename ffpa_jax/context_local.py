@@ -18,7 +18,6 @@ from ffpa_jax import context_gather, context_ring
 from ffpa_jax.context_blocks import ALL_GATHER, RING, ContextCall
 from ffpa_jax.layout import CONTIGUOUS, ZIGZAG
 from pallas_kernels import compat
-from pallas_kernels import tiers as pallas_tiers
 from pallas_kernels.plan import Plan, row_outputs
 from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
 
@@ -80,9 +79,7 @@ def gather_blocks_skip(problem: Problem, parts: int, layout: str, *,
     call = ContextCall(problem=problem, axis=None, parts=parts, layout=layout,
                        strategy=ALL_GATHER, implementation=implementation,
                        interpret=interpret, tiers=tiers, deterministic=deterministic)
-    plan = call.plan(context_gather.whole_block(call, 0))
-    return all(pallas_tiers.BY_NAME[plan.tier(direction)].skips_by_runtime_shift
-               for direction in ("forward", "backward"))
+    return cb.skips_by_runtime_shift(call, context_gather.whole_block(call, 0))
 
 
 def _dropout_message(problem: Problem, parts: int, layout: str) -> str:

@@ -42,7 +42,8 @@ ROUND_SHARE = 2  # the accumulators of a round: at most 1 / ROUND_SHARE of the b
 # same on every shard (a causal ring's diagonal blocks, where T = S) runs as a branch of its
 # own that passes the shift to its tier at trace time (`Block.shift`): the chunked tier then
 # skips what causality hides, as in an unsplit call, where a runtime shift makes it compute
-# the whole block and mask it.
+# the whole block and mask it. Blocks whose tiers skip by the runtime shift anyway (the
+# Mosaic and Triton kernels) keep one partly visible branch: one kernel fewer to compile.
 PARTIAL_AT_HOME = 3
 
 
@@ -83,13 +84,14 @@ def _relations_at(call: ContextCall, a: int, b: int, keys: _Keys, steps) -> set[
 
 def home_shift(call: ContextCall, a: int, b: int, keys: _Keys | None = None) -> int | None:
     """The shift of block (query piece a, key piece b, or the part `keys` of it) at step 0
-    where it is partly visible there and the same on every shard (`PARTIAL_AT_HOME`), else
-    None."""
+    where it is partly visible there, the same on every shard, and of use to its tiers
+    (`PARTIAL_AT_HOME`), else None."""
     qp, kp = call.q_pieces, call.k_pieces
     keys = keys or _Keys(0, kp.size)
     shifts = {qp.start(i, a) - kp.start(i, b) - keys.offset + call.shift
               for i in range(call.parts)}
-    if len(shifts) > 1 or _relations_at(call, a, b, keys, [0]) != {PARTIAL}:
+    if (len(shifts) > 1 or _relations_at(call, a, b, keys, [0]) != {PARTIAL}
+            or cb.skips_by_runtime_shift(call, Block(qp.size, keys.size, PARTIAL))):
         return None
     return shifts.pop()
 

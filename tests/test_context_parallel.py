@@ -19,6 +19,7 @@ the argument checks, a one-device shard_map, and that a tier's positions guard i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -325,10 +326,11 @@ def _smap(fn, n=1):
 def test_the_rings_diagonal_blocks_carry_their_shift():
     """At the ring's first step each shard holds its own keys: a causal ring's diagonal
     blocks (T = S) run with their shift known at trace time (0, or minus a round's key
-    offset), on every shard alike; blocks whose shift differs by shard (T != S) or that are
-    not partly visible there do not."""
+    offset), on every shard alike, where their tiers cannot skip by a runtime shift (here
+    the CPU's dense or chunked tier); blocks whose shift differs by shard (T != S) or that
+    are not partly visible there do not."""
     from ffpa_jax import context_ring
-    from ffpa_jax.context_blocks import PARTIAL, Block, ContextCall
+    from ffpa_jax.context_blocks import FULL, PARTIAL, Block, ContextCall
 
     def call(layout, t, s):
         problem = Problem(batch=1, seq_q=t, seq_k=s, heads_q=2, heads_kv=1, head_dim=8,
@@ -344,6 +346,10 @@ def test_the_rings_diagonal_blocks_carry_their_shift():
     assert context_ring.home_shift(call("contiguous", 1024, 1024), 0, 0) == 0
     assert context_ring.home_shift(call("contiguous", 1024, 2048), 0, 0) is None
     assert PARTIAL not in {b.relation for b in context_ring.blocks(zig, 1, 0)}
+    # The fused kernels skip by the runtime shift: their diagonal keeps the one branch.
+    fused = dataclasses.replace(zig, implementation="pallas", interpret=True)
+    assert context_ring.home_shift(fused, 0, 0) is None
+    assert context_ring.blocks(fused, 0, 0) == [Block(128, 128, FULL), Block(128, 128, PARTIAL)]
 
 
 def test_argument_errors():
