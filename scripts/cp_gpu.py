@@ -15,8 +15,9 @@ profiler trace. Results land under $OUT (default ./gpu_out).
 - bench: forward+backward time of the plain call on 1 GPU against the context-parallel
   call on several: D=512, H=8, causal, zigzag, N=131072 on 1 and 4 GPUs (and on 4 with the
   ring backward's keys in other numbers of rounds, `ring_round_mib`, and the chunked
-  tier's workspace budget at 1 or 2 GiB, `env` of a configuration); GQA 32/8, D=128,
-  causal, N=131072 on 1 and 2 GPUs (the rule's strategy, and the ring forced). Each
+  tier's workspace budget at 1 or 2 GiB, `env` of a configuration; the same on 2 GPUs);
+  GQA 32/8, D=128, causal, N=131072 on 1 and 2 GPUs (the rule's strategy, and the ring
+  forced); GQA 8/1, D=512, N=65536 (the Gemma-shaped model's global layers) likewise. Each
   configuration runs in a process of its own (its peak memory is its own): TF/s per GPU,
   per-GPU peak memory, and the ratios, in $OUT/cp_bench.json.
 - bench1m: D=512, H=8, causal, zigzag, N=1,048,576 on 4 GPUs (minutes: a stage of its own).
