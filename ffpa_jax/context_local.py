@@ -29,8 +29,7 @@ from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
 # those hide by a runtime shift (`gather_blocks_skip`): each of its blocks is a query piece
 # against every key, whose place differs by shard, and a tier that cannot skip by it
 # computes the whole block (the ring's blocks are fully visible or, on the diagonal, know
-# their shift). At GQA 8/1, D = 512, N = 65536 on 2 H200s, with the backward on the chunked
-# tier, the ring ran 1.53x the all-gather (docs/benchmarks.md).
+# their shift; the measurement is in docs/benchmarks.md).
 ALL_GATHER_MIN_GROUP = 4
 ALL_GATHER_MAX_BYTES = 2 << 30
 

@@ -96,11 +96,11 @@ def home_shift(call: ContextCall, a: int, b: int, keys: _Keys | None = None) -> 
     return shifts.pop()
 
 
-def relations(call: ContextCall, a: int, b: int, keys: _Keys | None = None) -> set[int]:
+def relations(call: ContextCall, a: int, b: int, keys: _Keys, home: int | None) -> set[int]:
     """The relations block (query piece a, key piece b, or the part `keys` of it) takes over
-    every step and shard (PARTIAL_AT_HOME: PARTIAL at step 0 with its `home_shift`)."""
-    keys = keys or _Keys(0, call.k_pieces.size)
-    if home_shift(call, a, b, keys) is None:
+    every step and shard, given its `home_shift` (PARTIAL_AT_HOME: PARTIAL at step 0 with
+    that shift)."""
+    if home is None:
         return _relations_at(call, a, b, keys, range(call.parts))
     return _relations_at(call, a, b, keys, range(1, call.parts)) | {PARTIAL_AT_HOME}
 
@@ -111,7 +111,7 @@ def blocks(call: ContextCall, a: int, b: int) -> list[Block]:
     shift = home_shift(call, a, b, keys)
     return [Block(call.q_pieces.size, keys.size, PARTIAL, shift) if r == PARTIAL_AT_HOME
             else Block(call.q_pieces.size, keys.size, r)
-            for r in sorted(relations(call, a, b, keys)) if r != HIDDEN]
+            for r in sorted(relations(call, a, b, keys, shift)) if r != HIDDEN]
 
 
 def round_bytes() -> int:
@@ -165,8 +165,8 @@ class _Pair:
             positions=cb.positions(self.r0, self.c0, call.shift))
         self.inputs = inputs._replace(q=qp.local_slice(inputs.q, a, 1), k=k, v=v,
                                       features=features)
-        self.present = relations(call, a, b, keys)
         self.home_shift = home_shift(call, a, b, keys)
+        self.present = relations(call, a, b, keys, self.home_shift)
         relation = call.relation(self.r0, qp.size, self.c0, keys.size)
         if self.home_shift is not None:
             relation = jnp.where(step == 0, PARTIAL_AT_HOME, relation)

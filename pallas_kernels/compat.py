@@ -127,9 +127,9 @@ def lowerable_by_custom_partitioning(fn):
 
     def run(*args):
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-        if not any(isinstance(e, jax_core.InternalMutableArrayEffect) for e in closed.effects):
-            return fn(*args)
-        closed = _internal_refs_discharged(closed)
+        if any(isinstance(e, jax_core.InternalMutableArrayEffect) for e in closed.effects):
+            closed = _internal_refs_discharged(closed)
+        # (the traced program itself, not `fn` traced again: once per partition is enough)
         outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(args))
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
     return run

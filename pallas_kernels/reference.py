@@ -39,17 +39,13 @@ def accumulation_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
 
 
-def _shift(t: int, s: int, shift):
-    return visibility.default_shift(t, s) if shift is None else shift
-
-
 def causal_keep(t: int, s: int, rows=None, cols=None, shift=None) -> jax.Array:
     """bool [T, S]: query i sees key j iff j <= i + (S - T) (bottom-right aligned); at the
     query rows `rows` and key columns `cols` only when given ([R, C]); `shift` (may be
     traced) replaces S - T for a block of a longer sequence (`FeatureArrays.positions`)."""
     rows = jnp.arange(t) if rows is None else jnp.asarray(rows)
     cols = jnp.arange(s) if cols is None else jnp.asarray(cols)
-    return visibility.causal_visible(rows, cols, _shift(t, s, shift))
+    return visibility.causal_visible(rows, cols, visibility.shift_or_default(shift, t, s))
 
 
 def window_keep(t: int, s: int, window: tuple[int, int], rows=None, cols=None,
@@ -59,7 +55,7 @@ def window_keep(t: int, s: int, window: tuple[int, int], rows=None, cols=None,
     same as jax.nn's window when T == S); `shift` as in `causal_keep`."""
     rows = jnp.arange(t) if rows is None else jnp.asarray(rows)
     cols = jnp.arange(s) if cols is None else jnp.asarray(cols)
-    return visibility.window_visible(rows, cols, window, _shift(t, s, shift))
+    return visibility.window_visible(rows, cols, window, visibility.shift_or_default(shift, t, s))
 
 
 def feature_keep(t: int, s: int, rows, cols, *, window=None, q_segment_ids=None,
@@ -70,7 +66,7 @@ def feature_keep(t: int, s: int, rows, cols, *, window=None, q_segment_ids=None,
     lengths [B]; `shift` as in `causal_keep`."""
     segments = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
     keep = visibility.feature_visible(
-        jnp.asarray(rows), jnp.asarray(cols), shift=_shift(t, s, shift),
+        jnp.asarray(rows), jnp.asarray(cols), shift=visibility.shift_or_default(shift, t, s),
         window=window, segments=segments,
         q_len=None if q_lengths is None else q_lengths[:, None],
         kv_len=None if kv_lengths is None else kv_lengths[:, None])

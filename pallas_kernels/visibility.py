@@ -85,6 +85,11 @@ def default_shift(seq_q: int, seq_k: int) -> int:
     return seq_k - seq_q
 
 
+def shift_or_default(shift, seq_q: int, seq_k: int):
+    """`shift` (static or traced), or S - T where it is None."""
+    return default_shift(seq_q, seq_k) if shift is None else shift
+
+
 def shift_of(seq_q: int, seq_k: int, positions=None):
     """Where row 0 sits among the keys: S - T, a Python int (static), or where `positions`
     (int32[3] (row0, col0, shift), an array or a kernel's ref) place the rows and keys as a
@@ -151,7 +156,7 @@ def causal_kv_blocks(q_start, block_m: int, block_n: int, seq_q: int, seq_k: int
     Blocks [0, n_unmasked) are visible to every row of the tile; blocks [n_unmasked,
     n_total) are partly visible and need the element-wise causal mask; later blocks are
     skipped."""
-    shift = default_shift(seq_q, seq_k) if shift is None else shift
+    shift = shift_or_default(shift, seq_q, seq_k)
     # Keys visible to the last (valid) row and to the first row, as counts >= 0,
     # so the integer divisions below never see a negative operand.
     keys_last_row = jnp.maximum(jnp.minimum(q_start + block_m - 1, seq_q - 1) + shift + 1, 0)
@@ -167,7 +172,7 @@ def causal_q_blocks(kv_start, block_m: int, block_n: int, seq_q: int, seq_k: int
     Query blocks before `first` see none of these keys (skipped); blocks in
     [first, first_unmasked) see some (element-wise causal mask); blocks from
     `first_unmasked` on see all of them."""
-    shift = default_shift(seq_q, seq_k) if shift is None else shift
+    shift = shift_or_default(shift, seq_q, seq_k)
     n_q = cdiv(seq_q, block_m)
     first = jnp.minimum(jnp.maximum(kv_start - shift, 0) // block_m, n_q)
     all_visible_from = jnp.maximum(kv_start + block_n - 1 - shift, 0)
@@ -236,7 +241,7 @@ def causal_tiles(n_q: int, n_kv: int, block_m: int, block_n: int, seq_q: int, se
                  shift=None):
     """bool [n_q, n_kv]: whether tile (query block i, key block j) holds a key that
     causality lets one of its rows see (`shift` None: S - T)."""
-    shift = default_shift(seq_q, seq_k) if shift is None else shift
+    shift = shift_or_default(shift, seq_q, seq_k)
     # Tile (i, j) holds a visible key iff its first key j·bn is at most the limit of its
     # last row, i·bm + bm - 1 + S - T. Clamping that row to T - 1 (rows past T are padding)
     # would change nothing, as a tile's first key is below S; and the clamp, `jnp.minimum`,
@@ -328,7 +333,7 @@ def key_limit(r1: int, *, seq_q: int, seq_k: int, causal: bool, window,
     reach = right_reach(causal, window)
     if reach is None:
         return seq_k
-    shift = default_shift(seq_q, seq_k) if shift is None else shift
+    shift = shift_or_default(shift, seq_q, seq_k)
     return max(0, min(seq_k, r1 + shift + reach))
 
 
@@ -351,7 +356,7 @@ def band_start(r0, keys: int, *, seq_q: int, seq_k: int, window, shift=None, ali
     rows from `r0` (int or traced) see: the left end of the window of row r0, rounded down
     to a multiple of `align`, moved left where the band would pass S (so that the band
     stays in range and still holds every key the rows see); `shift` None: S - T."""
-    shift = default_shift(seq_q, seq_k) if shift is None else shift
+    shift = shift_or_default(shift, seq_q, seq_k)
     start = r0 + shift - window[0]
     if align > 1:
         start = start // align * align
@@ -364,7 +369,7 @@ def rows_see_a_key(r0: int, rows: int, *, seq_q: int, seq_k: int, causal: bool,
                    window, shift: int | None = None) -> bool:
     """Whether any of rows [r0, r0 + rows) sees a key by causality and the window (`shift`
     static, None: S - T)."""
-    shift = default_shift(seq_q, seq_k) if shift is None else shift
+    shift = shift_or_default(shift, seq_q, seq_k)
     limit = key_limit(r0 + rows, seq_q=seq_q, seq_k=seq_k, causal=causal, window=window,
                       shift=shift)
     if window is not None:  # the first key of the block's first row's window

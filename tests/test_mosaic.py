@@ -511,8 +511,8 @@ def test_outputs_vary_over_a_shard_maps_axes_as_q():
 def test_backward_gradients_vary_over_a_shard_maps_axes_as_q(d, features):
     """The backward inside a user's shard_map that checks varying manual axes: its launch
     (`pl.kernel` over a Mosaic mesh) takes its outputs' types as declared, and jax 0.11
-    refused undeclared ones there ("manual_axis_type ... must not be None": every
-    context-parallel block on the tier, on 4 H100s, session 29). dq, dk, dv vary as q,
+    refused undeclared ones there ("manual_axis_type ... must not be None", which stopped
+    every context-parallel block on the tier). dq, dk, dv vary as q,
     replicated lengths and segment ids given too."""
     mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     spec = jax.sharding.PartitionSpec("data")
