@@ -61,9 +61,12 @@ device's peak memory (`memory_stats()`; n/a on a CPU).
 
 `--devices N` trains with each sequence split along its length over the first N devices (a
 1-D mesh "seq"; --seq-len a multiple of N), the parameters and optimizer state replicated:
-context parallelism, with nothing changed in the model, since ffpa_jax's attention, given
-query, key and value sharded along the sequence under jit, runs over the devices by itself
-(the model's other layers work token by token, so they follow the tokens' sharding). The
+context parallelism. ffpa_jax's attention runs in a `shard_map` over "seq" with
+`context_axis="seq"` (each device computes its shard's rows; the model's other layers work
+token by token, so they follow the tokens' sharding). ffpa_jax would also split query, key
+and value sharded along the sequence under jit by itself, but through JAX's
+custom_partitioning, which lowers the kernels of every layer again while XLA compiles (a
+many-layer model compiled for minutes); the shard_map lowers them as one device does. The
 batches and the initial values are those of one device, so the losses agree with a
 one-device run's to rounding; the peak memory is printed per device. The loss check runs on
 one device. `--json PATH` writes the run's record as one JSON object (also when the device
@@ -121,6 +124,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -195,6 +199,7 @@ class GemmaLikeConfig:
     ffpa_implementation: str | None = None   # ffpa_jax's: None or a tier's name
     interpret: bool = False         # ffpa_jax's Pallas kernels in the interpreter
     jaxnn_implementation: str = "auto"       # "auto" (cuDNN where it can) or "xla"
+    context_axis: str | None = None  # the mesh axis the sequence is split over (see attend)
 
 
 def layer_kinds(cfg: GemmaLikeConfig) -> tuple[LayerKind, ...]:
@@ -290,10 +295,21 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kind: LayerKind,
     """Causal attention of one layer; q [B, T, Hq, D], k and v [B, T, Hkv, D]."""
     window = window_argument(kind)
     if cfg.attention == "ffpa":
-        return ffpa_jax.attention(q, k, v, scale=1.0, is_causal=True,
-                                  local_window_size=window,
-                                  implementation=cfg.ffpa_implementation,
-                                  interpret=cfg.interpret)
+        def ffpa(q, k, v, **context):
+            return ffpa_jax.attention(q, k, v, scale=1.0, is_causal=True,
+                                      local_window_size=window,
+                                      implementation=cfg.ffpa_implementation,
+                                      interpret=cfg.interpret, **context)
+        if cfg.context_axis is None:
+            return ffpa(q, k, v)
+        # The sequence split over the mesh axis: each device computes its shard's rows
+        # (context parallelism). Under jit alone ffpa_jax would split sequence-sharded
+        # q, k, v itself, through JAX's custom_partitioning, which lowers the kernels of
+        # every layer's call again while XLA compiles; in a shard_map they are lowered as
+        # on one device (docs/benchmarks.md: the model's compile time).
+        spec = P(None, cfg.context_axis)
+        return jax.shard_map(functools.partial(ffpa, context_axis=cfg.context_axis),
+                             in_specs=(spec,) * 3, out_specs=spec)(q, k, v)
     if cfg.attention != "jax.nn":
         raise ValueError(f"attention must be one of {ATTENTION_CHOICES}; got {cfg.attention!r}")
     implementation, _ = jaxnn_implementation(kind, cfg.dtype, cfg.jaxnn_implementation)
@@ -477,9 +493,11 @@ def run_steps(cfg: GemmaLikeConfig, init, data_key: jax.Array, tx: optax.Gradien
     losses of every step [steps, batch, seq_len] (float64). With a `mesh` (see
     `sequence_mesh`) the tokens are split along the sequence over its devices and the
     parameters and optimizer state replicated: the model's sharding follows the tokens',
-    and ffpa_jax's attention, given sequence-sharded q, k, v under jit, runs context-parallel
-    by itself. The same batches and initial values either way, so the losses agree to
+    and ffpa_jax's attention runs context-parallel in a shard_map over the mesh's axis
+    (`attend`). The same batches and initial values either way, so the losses agree to
     rounding."""
+    if mesh is not None:
+        cfg = dataclasses.replace(cfg, context_axis=mesh.axis_names[0])
     graphdef, params = initial_params(cfg, init)
     state = (params, tx.init(params))
     keys = jax.random.split(data_key, steps)

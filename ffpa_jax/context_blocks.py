@@ -214,13 +214,13 @@ def _per_row(x):
     return jnp.swapaxes(x, 1, 2)[..., None]
 
 
-def piece_rows(pieces: Pieces, piece: int, saved: Saved, cotangents: Cotangents):
-    """(saved, cotangents) of the rows of query piece `piece` of this shard."""
-    lo = None if saved.lse_lo is None else pieces.local_slice(saved.lse_lo, piece, 2)
-    return (Saved(pieces.local_slice(saved.out, piece, 1),
-                  pieces.local_slice(saved.lse, piece, 2), lo),
-            Cotangents(pieces.local_slice(cotangents.d_out, piece, 1),
-                       pieces.local_slice(cotangents.d_lse, piece, 2)))
+def piece_rows(pieces: Pieces, piece: int, saved: Saved, cotangents: Cotangents, after=None):
+    """(saved, cotangents) of the rows of query piece `piece` of this shard; with `after`
+    (a traced int32 zero), slices made no earlier than that value."""
+    def rows(x, axis):
+        return None if x is None else pieces.local_slice(x, piece, axis, after)
+    return (Saved(rows(saved.out, 1), rows(saved.lse, 2), rows(saved.lse_lo, 2)),
+            Cotangents(rows(cotangents.d_out, 1), rows(cotangents.d_lse, 2)))
 
 
 def joined_rows(pieces: list[Rows]) -> Rows:

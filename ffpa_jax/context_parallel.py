@@ -80,7 +80,10 @@ def _attention_fwd(call: ContextCall, inputs: Inputs):
     inputs = jax.tree.map(_primal_value, inputs,
                           is_leaf=lambda x: isinstance(x, jax.custom_derivatives.CustomVJPPrimal))
     rows = context_local.forward(call, inputs)
-    return _outputs(rows, inputs.q.dtype), (inputs, Saved(rows.out, rows.hi, rows.lo))
+    outputs = _outputs(rows, inputs.q.dtype)
+    # The backward reads out in the output's dtype, as the unsharded call's does: the
+    # residual is the output itself, not a float32 copy twice its size.
+    return outputs, (inputs, Saved(outputs[0], rows.hi, rows.lo))
 
 
 def _attention_bwd(call: ContextCall, residuals, cts):

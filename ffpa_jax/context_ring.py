@@ -65,14 +65,15 @@ class _Keys(NamedTuple):
     offset: int
     size: int
 
-    def of(self, x, kp, b: int):
-        """This part of key piece b of a shard's array x (sequence axis 1; None stays)."""
+    def of(self, x, kp, b: int, zero=None):
+        """This part of key piece b of a shard's array x (sequence axis 1; None stays);
+        with `zero` (see `_zero_after`), a slice made no earlier than that value."""
         if x is None:
             return None
         start = b * kp.size + self.offset
         if start == 0 and self.size == x.shape[1]:
             return x
-        return jax.lax.slice_in_dim(x, start, start + self.size, axis=1)
+        return _slice_after(x, start, self.size, 1, zero)
 
 
 def _relations_at(call: ContextCall, a: int, b: int, keys: _Keys, steps) -> set[int]:
@@ -222,26 +223,52 @@ def backward(call: ContextCall, inputs: Inputs, saved: Saved, cotangents: Cotang
     float32) from the merged out and lse of its rows (`saved`)."""
     qp, kp = call.q_pieces, call.k_pieces
     q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
-    dqs = tuple(_zeros(qp.local_slice(q, a, 1), q) for a in range(qp.count))
-    dbias = None if bias is None else _zeros(bias, q)
+    zero = _zero_after(saved.lse)
+    dqs = tuple(_zeros(qp.local_slice(q, a, 1), q, zero) for a in range(qp.count))
+    dbias = None if bias is None else _zeros(bias, q, zero)
     count = rounds(call)
     size = kp.size // count
     dks = [[None] * count for _ in range(kp.count)]
     dvs = [[None] * count for _ in range(kp.count)]
     for r in range(count):
         keys = _Keys(r * size, size)
+        if r:
+            zero = _zero_after(dqs[0])
         dqs, dbias, home = _backward_round(call, inputs, saved, cotangents, lse_cotangent,
-                                           keys, (dqs, dbias))
-        for b_, (dk_b, dv_b) in enumerate(home):
-            dks[b_][r], dvs[b_][r] = dk_b, dv_b
+                                           keys, (dqs, dbias), zero)
+        for b_, (dk_b, dv_b) in enumerate(home):  # final: in the inputs' dtypes already
+            dks[b_][r], dvs[b_][r] = dk_b.astype(k.dtype), dv_b.astype(v.dtype)
     dq = jnp.concatenate(dqs, axis=1)
-    return (dq.astype(q.dtype), _whole(dks).astype(k.dtype), _whole(dvs).astype(v.dtype),
-            dbias)
+    return dq.astype(q.dtype), _whole(dks), _whole(dvs), dbias
 
 
-def _zeros(x, q):
-    """float32 zeros of x's shape, varying like q."""
-    return compat.vary_like(jnp.zeros(x.shape, jnp.float32), q)
+# What a round of the backward starts from (its key slices, its zero accumulators, its
+# query pieces' rows of out and its cotangent) depends on the inputs alone, so XLA's
+# scheduler is free to make it anywhere, and made every round's up front and held them all
+# through the forward: 16 GiB more per GPU at N = 1M on 4 GPUs, which defeats the rounds.
+# They are made from `_zero_after` a value of the round before (of the forward, for the
+# first), a dependence no simplification removes (an optimization barrier does not order
+# the schedule: XLA expands it away before scheduling).
+
+
+def _zero_after(x):
+    """An int32 zero that XLA can compute only once x is: min(isnan(x's first element), 0)."""
+    first = jax.lax.slice(x.reshape(-1), (0,), (1,))
+    return jnp.minimum(jnp.isnan(first).astype(jnp.int32), 0)[0]
+
+
+def _slice_after(x, start: int, size: int, axis: int, zero=None):
+    """x[start : start + size] along `axis`, made no earlier than `zero` (or a static slice
+    without it)."""
+    if zero is None:
+        return jax.lax.slice_in_dim(x, start, start + size, axis=axis)
+    return jax.lax.dynamic_slice_in_dim(x, zero + start, size, axis=axis)
+
+
+def _zeros(x, q, zero=None):
+    """float32 zeros of x's shape, varying like q; made no earlier than `zero`."""
+    value = jnp.zeros((), jnp.float32) if zero is None else zero.astype(jnp.float32)
+    return compat.vary_like(jnp.broadcast_to(value, x.shape), q)
 
 
 def _whole(parts):
@@ -250,14 +277,17 @@ def _whole(parts):
 
 
 def _backward_round(call: ContextCall, inputs: Inputs, saved: Saved, cotangents: Cotangents,
-                    lse_cotangent: bool, keys: _Keys, acc):
+                    lse_cotangent: bool, keys: _Keys, acc, zero):
     """One ring of the part `keys` of every key piece: (dqs, dbias) `acc` with its blocks
-    added, and the part's (dk, dv) per key piece, home."""
+    added, and the part's (dk, dv) per key piece, home. What it starts from is made no
+    earlier than `zero`."""
     qp, kp = call.q_pieces, call.k_pieces
     ids = inputs.features.kv_segment_ids
-    held = tuple(tuple(keys.of(x, kp, b_) for x in (inputs.k, inputs.v, ids))
+    held = tuple(tuple(keys.of(x, kp, b_, zero) for x in (inputs.k, inputs.v, ids))
                  for b_ in range(kp.count))
-    dkv = tuple((_zeros(k_b, inputs.q), _zeros(v_b, inputs.q)) for k_b, v_b, _ in held)
+    dkv = tuple((_zeros(k_b, inputs.q, zero), _zeros(v_b, inputs.q, zero))
+                for k_b, v_b, _ in held)
+    rows = [cb.piece_rows(qp, a, saved, cotangents, zero) for a in range(qp.count)]
     me = _shard(call)
 
     def step(carry, s):
@@ -267,7 +297,7 @@ def _backward_round(call: ContextCall, inputs: Inputs, saved: Saved, cotangents:
         parts = [[_zeros(k_b, inputs.q), _zeros(v_b, inputs.q)] for k_b, v_b, _ in held]
         dqs = list(dqs)
         for a in range(qp.count):
-            rows_saved, rows_cot = cb.piece_rows(qp, a, saved, cotangents)
+            rows_saved, rows_cot = rows[a]
             for b_ in range(kp.count):
                 pair = _Pair(call, inputs, held[b_], a, b_, me, s, keys)
 

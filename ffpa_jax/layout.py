@@ -88,10 +88,13 @@ class Pieces:
         chunk = shard if piece == 0 else 2 * self.parts - 1 - shard
         return chunk * self.size
 
-    def local_slice(self, x, piece: int, axis: int):
-        """Piece `piece` of a shard's array `x` along `axis` (static)."""
+    def local_slice(self, x, piece: int, axis: int, after=None):
+        """Piece `piece` of a shard's array `x` along `axis` (static); with `after`, a traced
+        int32 zero added to the start, a slice XLA makes no earlier than that value."""
         if self.count == 1:
             return x
+        if after is not None:
+            return jax.lax.dynamic_slice_in_dim(x, after + piece * self.size, self.size, axis)
         return jax.lax.slice_in_dim(x, piece * self.size, (piece + 1) * self.size, axis=axis)
 
     def natural(self, x, axis: int):

@@ -19,7 +19,8 @@ profiler trace. Results land under $OUT (default ./gpu_out).
   GQA 32/8, D=128, causal, N=131072 on 1 and 2 GPUs (the rule's strategy, and the ring
   forced); GQA 8/1, D=512, N=65536 (the Gemma-shaped model's global layers) likewise. Each
   configuration runs in a process of its own (its peak memory is its own): TF/s per GPU,
-  per-GPU peak memory, and the ratios, in $OUT/cp_bench.json.
+  per-GPU peak memory, XLA's planned memory, the times to lower, compile and run once, and
+  the ratios, in $OUT/cp_bench.json. A program planned beyond a GPU's memory is not run.
 - bench1m: D=512, H=8, causal, zigzag, N=1,048,576 on 4 GPUs (minutes: a stage of its own).
 - trace: a JAX profiler trace of one forward+backward of a small ring (4 GPUs, N=32768,
   D=128, H=8, zigzag) in $OUT/cp_trace (TensorBoard / Perfetto).
@@ -28,6 +29,7 @@ profiler trace. Results land under $OUT (default ./gpu_out).
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
 import pathlib
@@ -66,6 +68,12 @@ BENCH = [
     ("d512-h8-n128k-4gpu-4-rounds-budget1g", dict(BIG, gpus=4, ring_round_mib=256,
                                                   env=BUDGET_1G)),
     ("d512-h8-n128k-4gpu-budget2g", dict(BIG, gpus=4, env={"FFPA_CHUNKED_BUDGET_MIB": "2048"})),
+    ("d512-h8-n128k-4gpu-budget2g-2-rounds", dict(BIG, gpus=4, ring_round_mib=512,
+                                                  env={"FFPA_CHUNKED_BUDGET_MIB": "2048"})),
+    ("d512-h8-n128k-4gpu-budget1.5g", dict(BIG, gpus=4,
+                                           env={"FFPA_CHUNKED_BUDGET_MIB": "1536"})),
+    ("d512-h8-n128k-4gpu-budget1.75g", dict(BIG, gpus=4,
+                                            env={"FFPA_CHUNKED_BUDGET_MIB": "1792"})),
     ("gqa32.8-d128-n128k-1gpu", dict(GQA, gpus=1)),
     # The Triton kernels alone, for comparison.
     ("gqa32.8-d128-n128k-1gpu-pallas", dict(GQA, gpus=1, implementation="pallas")),
@@ -83,7 +91,8 @@ RATIOS = [("d512-h8-n128k", "d512-h8-n128k-1gpu", "d512-h8-n128k-4gpu"),
           ("d512-h8-n128k-2gpu-budget1g", "d512-h8-n128k-1gpu", "d512-h8-n128k-2gpu-budget1g"),
           ("d512-h8-n128k-same-tier", "d512-h8-n128k-1gpu-chunked", "d512-h8-n128k-4gpu"),
           *((f"d512-h8-n128k-{v}", "d512-h8-n128k-1gpu", f"d512-h8-n128k-4gpu-{v}")
-            for v in ("2-rounds", "4-rounds", "budget1g", "4-rounds-budget1g", "budget2g")),
+            for v in ("2-rounds", "4-rounds", "budget1g", "4-rounds-budget1g", "budget2g",
+                      "budget2g-2-rounds", "budget1.5g", "budget1.75g")),
           ("gqa32.8-d128-n128k", "gqa32.8-d128-n128k-1gpu", "gqa32.8-d128-n128k-2gpu"),
           ("gqa32.8-d128-n128k-same-tier", "gqa32.8-d128-n128k-1gpu-pallas",
            "gqa32.8-d128-n128k-2gpu"),
@@ -223,13 +232,36 @@ def bench_one(config: dict, trace_dir: str | None = None) -> dict:
 
     def loss(q, k, v, d_out):
         return jnp.sum(attn(q, k, v).astype(jnp.float32) * d_out)
-    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    # A configuration killed past its time limit says where it was (lowering, XLA's
+    # compile, or the run), from the stacks dumped shortly before.
+    limit = float(os.environ.get("CP_BENCH_TIMEOUT", 1800))
+    faulthandler.dump_traceback_later(max(10.0, limit - 20.0), exit=False)
+    stages = {}
     start = time.perf_counter()
     with _tiers_traced() as ran:
-        jax.block_until_ready(step(q, k, v, d_out))
-    compile_s = time.perf_counter() - start
-    print(f"first call (compile and run) {compile_s:.1f} s; tiers {sorted(ran)}",
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v, d_out)
+    stages["lower_s"] = time.perf_counter() - start
+    print(f"lowered in {stages['lower_s']:.1f} s; tiers {sorted(ran)}", file=sys.stderr,
+          flush=True)
+    start = time.perf_counter()
+    step = lowered.compile()
+    stages["compile_s"] = time.perf_counter() - start
+    planned = step.memory_analysis()
+    planned = {name: round(getattr(planned, f"{name}_size_in_bytes") / 2**30, 2)
+               for name in ("argument", "output", "temp")} if planned else {}
+    print(f"compiled in {stages['compile_s']:.1f} s; XLA's plan per GPU in GiB: {planned}",
           file=sys.stderr, flush=True)
+    # A program that cannot fit is not run: where one GPU runs out of memory, the others
+    # wait for it in their collectives until killed.
+    limit_gib = min((d.memory_stats() or {}).get("bytes_limit", 2**62) for d in devices) / 2**30
+    if planned and sum(planned.values()) > limit_gib:
+        raise SystemExit(f"XLA plans {sum(planned.values()):.2f} GiB per GPU ({planned}), "
+                         f"more than the {limit_gib:.2f} GiB a GPU can give: not run")
+    start = time.perf_counter()
+    jax.block_until_ready(step(q, k, v, d_out))
+    stages["first_run_s"] = time.perf_counter() - start
+    compile_s = sum(stages.values())
+    print(f"first run {stages['first_run_s']:.1f} s", file=sys.stderr, flush=True)
     times = []
     for _ in range(config.get("iters", 3)):
         start = time.perf_counter()
@@ -240,7 +272,9 @@ def bench_one(config: dict, trace_dir: str | None = None) -> dict:
         with jax.profiler.trace(trace_dir):
             jax.block_until_ready(step(q, k, v, d_out))
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in devices]
-    return dict(config, seconds=seconds, first_call_s=compile_s, times=times,
+    faulthandler.cancel_dump_traceback_later()
+    return dict(config, seconds=seconds, first_call_s=compile_s, **stages, planned_gib=planned,
+                times=times,
                 tflops_per_gpu=flops(config) / seconds / gpus / 1e12,
                 peak_gib_per_gpu=[round(p / 2**30, 2) for p in peaks],
                 device=devices[0].device_kind, tiers=sorted(ran))

@@ -392,6 +392,39 @@ def mosaic_lowering_report(devices: int = 4) -> dict:
     return report
 
 
+def ring_rounds_memory_report(devices: int = 4, rounds=(1, 4)) -> dict:
+    """XLA's planned temporaries (MiB per device, CPU) of a context-parallel ring's forward
+    and backward on the chunked tier (zigzag, causal, bf16, T = 512 per device, H = 8,
+    D = 512: the float32 dK and dV of a shard, "accumulators", dominate) with the backward
+    in each number of `rounds`."""
+    from ffpa_jax import context_ring
+    mesh = jax.make_mesh((devices,), (AXIS,), devices=jax.devices()[:devices],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    split = NamedSharding(mesh, P(None, AXIS))
+    t, h, d = 512 * devices, 8, 512
+    x = jax.ShapeDtypeStruct((1, t, h, d), jnp.bfloat16, sharding=split)
+    accumulators = 4 * (t // devices) * h * 2 * d
+    attn = jax.shard_map(
+        lambda q, k, v: ffpa_jax.attention(q, k, v, is_causal=True, context_axis=AXIS,
+                                           context_layout="zigzag", context_strategy="ring",
+                                           implementation="chunked"),
+        mesh=mesh, in_specs=(P(None, AXIS),) * 3, out_specs=P(None, AXIS))
+
+    def loss(q, k, v, d_out):
+        return jnp.sum(attn(q, k, v).astype(jnp.float32) * d_out)
+    report = {"accumulators": accumulators / 2**20}
+    before = context_ring.round_bytes
+    try:
+        for count in rounds:
+            context_ring.round_bytes = lambda count=count: accumulators // count
+            compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x, x).lower(
+                ).compile()
+            report[str(count)] = compiled.memory_analysis().temp_size_in_bytes / 2**20
+    finally:
+        context_ring.round_bytes = before
+    return report
+
+
 @contextlib.contextmanager
 def standin_tier(name: str = "chunked"):
     """The tier `name` replaced, while inside, by a stand-in for a tier with a backward of

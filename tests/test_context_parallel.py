@@ -149,6 +149,9 @@ def _worker(slow: bool) -> None:
     if slow:
         from context_parallel_checks import mosaic_lowering_report
         report[MOSAIC_LOWERING] = mosaic_lowering_report()
+    else:
+        from context_parallel_checks import ring_rounds_memory_report
+        report[ROUNDS_MEMORY] = ring_rounds_memory_report()
     print(json.dumps(report))
 
 
@@ -200,6 +203,20 @@ def test_blocks_on_the_mosaic_tier_lower_for_cuda(cpu_report_slow):
     for name, kernels in report.items():
         assert isinstance(kernels, int) and kernels > 0, f"{name}: {kernels}"
     assert set(report) == {"ring_zigzag", "all_gather"}
+
+
+ROUNDS_MEMORY = "ring-rounds-memory"
+
+
+def test_the_ring_backward_in_rounds_holds_less(cpu_report):
+    """The rounds hold one round's float32 dK, dV (about three times: received, sent on,
+    this step's) instead of the whole shard's: four rounds save about 2.25 times the
+    accumulators' size in XLA's plan, and at least once that size. (Each round's slices and
+    zero accumulators once were made up front and held together, and four rounds saved an
+    eighth of it.)"""
+    report = cpu_report[ROUNDS_MEMORY]
+    saved = report["1"] - report["4"]
+    assert saved >= report["accumulators"], report
 
 
 # ---------------------------------------------------------------- in-process
