@@ -65,8 +65,8 @@ context parallelism. ffpa_jax's attention runs in a `shard_map` over "seq" with
 `context_axis="seq"` (each device computes its shard's rows; the model's other layers work
 token by token, so they follow the tokens' sharding). ffpa_jax would also split query, key
 and value sharded along the sequence under jit by itself, but through JAX's
-custom_partitioning, which lowers the kernels of every layer again while XLA compiles (a
-many-layer model compiled for minutes); the shard_map lowers them as one device does. The
+custom_partitioning, which lowers the kernels of every layer again while XLA compiles
+(docs/benchmarks.md); the shard_map lowers them as one device does. The
 batches and the initial values are those of one device, so the losses agree with a
 one-device run's to rounding; the peak memory is printed per device. The loss check runs on
 one device. `--json PATH` writes the run's record as one JSON object (also when the device

@@ -245,10 +245,10 @@ def backward(call: ContextCall, inputs: Inputs, saved: Saved, cotangents: Cotang
 # What a round of the backward starts from (its key slices, its zero accumulators, its
 # query pieces' rows of out and its cotangent) depends on the inputs alone, so XLA's
 # scheduler is free to make it anywhere, and made every round's up front and held them all
-# through the forward: 16 GiB more per GPU at N = 1M on 4 GPUs, which defeats the rounds.
-# They are made from `_zero_after` a value of the round before (of the forward, for the
-# first), a dependence no simplification removes (an optimization barrier does not order
-# the schedule: XLA expands it away before scheduling).
+# through the forward, which defeats the rounds (docs/context_parallel.md). They are made
+# from `_zero_after` a value of the round before (of the forward, for the first), a
+# dependence no simplification removes (an optimization barrier does not order the
+# schedule: XLA expands it away before scheduling).
 
 
 def _zero_after(x):
