@@ -21,6 +21,7 @@ outside the branches (a shard skipping a block never skips a transfer).
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import jax
@@ -36,7 +37,11 @@ from pallas_kernels.problem import Cotangents, Inputs, Saved
 # many rounds (a power of two) as keep one round's accumulators within a share of the
 # workspace budget (`round_bytes`), the one memory knob of the blocks' temporaries. Each
 # round halves the blocks' keys, which costs time where they are already short.
+# $FFPA_RING_ROUNDS (a power of two) asks for a number of rounds instead, to trade the
+# accumulators' memory for time apart from the blocks' budget; a malformed value leaves the
+# rule in charge.
 ROUND_SHARE = 2  # the accumulators of a round: at most 1 / ROUND_SHARE of the budget
+ROUNDS_ENV = "FFPA_RING_ROUNDS"
 
 # At step 0 every shard holds its own keys. A block partly visible there whose shift is the
 # same on every shard (a causal ring's diagonal blocks, where T = S) runs as a branch of its
@@ -120,15 +125,27 @@ def round_bytes() -> int:
     return chunked_plan.budget_from_env() // ROUND_SHARE
 
 
+def rounds_from_env() -> int | None:
+    """$FFPA_RING_ROUNDS when it is a power of two (1, 2, 4, ...), else None. Read when a
+    call is traced."""
+    raw = os.environ.get(ROUNDS_ENV, "").strip()
+    if not raw.isdigit() or int(raw) < 1 or int(raw) & (int(raw) - 1):
+        return None
+    return int(raw)
+
+
 def rounds(call: ContextCall) -> int:
-    """The backward's rounds (see ROUND_SHARE): each a whole number of keys, starting at a
-    multiple of the dropout tiles where the call draws dropout."""
+    """The backward's rounds (see ROUND_SHARE), or as many as $FFPA_RING_ROUNDS asks for:
+    each a whole number of keys, starting at a multiple of the dropout tiles where the call
+    draws dropout (so at most as many as the key pieces can be split into)."""
     problem, kp = call.problem, call.k_pieces
     accumulators = (4 * problem.batch * kp.local * problem.heads_kv
                     * (problem.head_dim + problem.head_dim_v))
-    limit = round_bytes()
+    requested, limit = rounds_from_env(), round_bytes()
+    wanted = ((lambda count: count < requested) if requested is not None
+              else (lambda count: accumulators > count * limit))
     count = 1
-    while accumulators > count * limit and kp.size % (2 * count) == 0:
+    while wanted(count) and kp.size % (2 * count) == 0:
         size = kp.size // (2 * count)
         if problem.has_dropout and size % cb.DROPOUT_KEY_ALIGNMENT:
             break

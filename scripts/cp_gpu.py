@@ -14,8 +14,8 @@ profiler trace. Results land under $OUT (default ./gpu_out).
   around this script would leave that process holding the GPUs).
 - bench: forward+backward time of the plain call on 1 GPU against the context-parallel
   call on several: D=512, H=8, causal, zigzag, N=131072 on 1 and 4 GPUs (and on 4 with the
-  ring backward's keys in other numbers of rounds, `ring_round_mib`, and the chunked
-  tier's workspace budget at 1 or 2 GiB, `env` of a configuration; the same on 2 GPUs);
+  ring backward's keys in other numbers of rounds, $FFPA_RING_ROUNDS, and the chunked
+  tier's workspace budget at 1 to 2 GiB, `env` of a configuration; the same on 2 GPUs);
   GQA 32/8, D=128, causal, N=131072 on 1 and 2 GPUs (the rule's strategy, and the ring
   forced); GQA 8/1, D=512, N=65536 (the Gemma-shaped model's global layers) likewise. Each
   configuration runs in a process of its own (its peak memory is its own): TF/s per GPU,
@@ -48,6 +48,7 @@ GQA = dict(d=128, hq=32, hkv=8, n=131072, causal=True, layout="zigzag")
 # The Gemma-shaped model's global layers (8 query heads, 1 KV head, D = 512).
 GQA512 = dict(d=512, hq=8, hkv=1, n=65536, causal=True, layout="zigzag")
 BUDGET_1G = {"FFPA_CHUNKED_BUDGET_MIB": "1024"}
+ROUNDS_2, ROUNDS_4 = {"FFPA_RING_ROUNDS": "2"}, {"FFPA_RING_ROUNDS": "4"}
 BENCH = [
     ("d512-h8-n128k-1gpu", dict(BIG, gpus=1)),
     # The chunked tier both ways, for comparison.
@@ -57,19 +58,17 @@ BENCH = [
     ("d512-h8-n128k-2gpu", dict(BIG, gpus=2)),
     ("d512-h8-n128k-2gpu-budget1g", dict(BIG, gpus=2, env=BUDGET_1G)),
     # The backward's keys in one round (the rule's at the default budget: the float32 dK,
-    # dV of a whole shard in flight), two and four (`ring_round_mib`: the bytes of a round's
-    # accumulators in MiB, context_ring.round_bytes).
-    ("d512-h8-n128k-4gpu-2-rounds", dict(BIG, gpus=4, ring_round_mib=512)),
-    ("d512-h8-n128k-4gpu-4-rounds", dict(BIG, gpus=4, ring_round_mib=256)),
+    # dV of a whole shard in flight), two and four ($FFPA_RING_ROUNDS).
+    ("d512-h8-n128k-4gpu-2-rounds", dict(BIG, gpus=4, env=ROUNDS_2)),
+    ("d512-h8-n128k-4gpu-4-rounds", dict(BIG, gpus=4, env=ROUNDS_4)),
     # Each GPU's chunked blocks keep the tier's whole workspace budget (4 GiB): a quarter of
     # it, for the per-GPU memory against the one-GPU run (issue 32's 40%); the rule then
     # runs the backward in two rounds.
     ("d512-h8-n128k-4gpu-budget1g", dict(BIG, gpus=4, env=BUDGET_1G)),
-    ("d512-h8-n128k-4gpu-4-rounds-budget1g", dict(BIG, gpus=4, ring_round_mib=256,
-                                                  env=BUDGET_1G)),
+    ("d512-h8-n128k-4gpu-4-rounds-budget1g", dict(BIG, gpus=4, env={**BUDGET_1G, **ROUNDS_4})),
     ("d512-h8-n128k-4gpu-budget2g", dict(BIG, gpus=4, env={"FFPA_CHUNKED_BUDGET_MIB": "2048"})),
-    ("d512-h8-n128k-4gpu-budget2g-2-rounds", dict(BIG, gpus=4, ring_round_mib=512,
-                                                  env={"FFPA_CHUNKED_BUDGET_MIB": "2048"})),
+    ("d512-h8-n128k-4gpu-budget2g-2-rounds",
+     dict(BIG, gpus=4, env={"FFPA_CHUNKED_BUDGET_MIB": "2048", **ROUNDS_2})),
     ("d512-h8-n128k-4gpu-budget1.5g", dict(BIG, gpus=4,
                                            env={"FFPA_CHUNKED_BUDGET_MIB": "1536"})),
     ("d512-h8-n128k-4gpu-budget1.75g", dict(BIG, gpus=4,
@@ -206,9 +205,6 @@ def bench_one(config: dict, trace_dir: str | None = None) -> dict:
     from jax.sharding import PartitionSpec as P
 
     import ffpa_jax
-    from ffpa_jax import context_ring
-    if "ring_round_mib" in config:
-        context_ring.round_bytes = lambda: int(config["ring_round_mib"] * 2**20)
     gpus, n = config["gpus"], config["n"]
     devices = jax.devices()[:gpus]
     mesh = jax.make_mesh((gpus,), ("cp",), devices=devices,

@@ -332,6 +332,20 @@ def test_ring_rounds_rule(monkeypatch):
                 head_dim_v=2**16)
     assert rounds(**drop) == 2
     assert rounds(**{**drop, "dropout_rate": 0.0}) == 8
+    # $FFPA_RING_ROUNDS asks for a number, within what the pieces can be split into; a
+    # malformed value leaves the rule in charge
+    monkeypatch.setenv(BUDGET_ENV, "2048")
+    assert rounds(**n) == 1
+    monkeypatch.setenv(context_ring.ROUNDS_ENV, "2")
+    assert rounds(**n) == 2
+    monkeypatch.setenv(context_ring.ROUNDS_ENV, "1")
+    assert rounds(**n, layout="contiguous") == 1
+    monkeypatch.setenv(context_ring.ROUNDS_ENV, "8")
+    assert rounds(**drop) == 2 and rounds(**n) == 8
+    assert rounds(seq_q=48, seq_k=48, head_dim=8, head_dim_v=8) == 2
+    for malformed in ("3", "0", "-2", "two", "", "2.0"):
+        monkeypatch.setenv(context_ring.ROUNDS_ENV, malformed)
+        assert rounds(**n) == 1, malformed
 
 
 def _smap(fn, n=1):
