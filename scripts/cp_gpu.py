@@ -2,7 +2,8 @@
 profiler trace. Results land under $OUT (default ./gpu_out).
 
     OUT=... python scripts/cp_gpu.py [stages]     stages: tests (= tests2 tests4), bench,
-                                                  bench1m, trace (default: tests bench trace)
+                                                  bench1m, trace, model (default: tests
+                                                  bench trace)
 
 - tests2, tests4: the cases of tests/context_parallel_checks.py on the GPUs' tiers (pallas,
   chunked, xla; float32 against the unsharded call, bfloat16 by the tolerance rule against
@@ -24,6 +25,8 @@ profiler trace. Results land under $OUT (default ./gpu_out).
 - bench1m: D=512, H=8, causal, zigzag, N=1,048,576 on 4 GPUs (minutes: a stage of its own).
 - trace: a JAX profiler trace of one forward+backward of a small ring (4 GPUs, N=32768,
   D=128, H=8, zigzag) in $OUT/cp_trace (TensorBoard / Perfetto).
+- model: the Gemma-shaped model (examples/gemma_like.py) with its sequence over 1, 2 and 4
+  GPUs at CP_MODEL_SEQ tokens (32768 by default): compile time, tokens/s, peak memory.
 """
 
 from __future__ import annotations
@@ -365,6 +368,38 @@ def run_trace() -> None:
           f"{result['seconds'] * 1e3:.1f} ms")
 
 
+def run_model() -> None:
+    """The Gemma-shaped model (examples/gemma_like.py) at CP_MODEL_SEQ tokens (default 32768)
+    on 1, 2 and 4 GPUs (those the machine has), each run a process of its own bounded by
+    CP_BENCH_TIMEOUT: its compile time, tokens/s, peak memory per GPU, and the speed-up over
+    one GPU; records in $OUT/gemma_<n>gpu.json."""
+    seq = os.environ.get("CP_MODEL_SEQ", "32768")
+    limit = float(os.environ.get("CP_BENCH_TIMEOUT", 1800))
+    here, records = _gpus_here(), {}
+    for gpus in (1, 2, 4):
+        if gpus > here:
+            continue
+        path = OUT / f"gemma_{gpus}gpu.json"
+        command = [sys.executable, str(ROOT / "examples" / "gemma_like.py"), "--seq-len", seq,
+                   "--steps", "10", "--no-check", "--devices", str(gpus), "--json", str(path)]
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
+                                  timeout=limit)
+        except subprocess.TimeoutExpired:
+            print(f"{gpus} GPU(s): killed after {limit:.0f} s", flush=True)
+            continue
+        if proc.returncode or not path.exists():
+            print(f"{gpus} GPU(s): exit {proc.returncode}\n{proc.stderr[-2000:]}", flush=True)
+            continue
+        r = records[gpus] = json.loads(path.read_text())
+        peaks = [round(b / 2**30, 2) for b in r.get("peak_memory_bytes") or []]
+        speedup = ("" if 1 not in records or not r.get("tokens_per_s") else
+                   f", {r['tokens_per_s'] / records[1]['tokens_per_s']:.2f}x one GPU")
+        print(f"{gpus} GPU(s): compile {r.get('compile_s', 0):.1f} s, "
+              f"{r.get('tokens_per_s') or 0:,.0f} tokens/s{speedup}, peak {peaks} GiB",
+              flush=True)
+
+
 def main(argv) -> None:
     if argv[:1] == ["--bench-one"]:
         print(json.dumps(bench_one(json.loads(argv[1]))))
@@ -382,9 +417,11 @@ def main(argv) -> None:
             run_bench(BENCH_1M)
         elif stage == "trace":
             run_trace()
+        elif stage == "model":
+            run_model()
         else:
-            raise SystemExit(f"unknown stage {stage!r}: tests, tests2, tests4, bench, bench1m "
-                             "or trace")
+            raise SystemExit(f"unknown stage {stage!r}: tests, tests2, tests4, bench, bench1m, "
+                             "trace or model")
 
 
 if __name__ == "__main__":
