@@ -54,17 +54,83 @@ def choose_strategy(problem: Problem, parts: int, layout: str,
     all-gather for few KV heads and K/V within ALL_GATHER_MAX_BYTES (under causality or a
     window only where `gather_skips`, a bool or a function giving it: `gather_blocks_skip`),
     or where dropout needs it, else the ring."""
+    return explain_strategy(problem, parts, layout, strategy, gather_skips)[0]
+
+
+def explain_strategy(problem: Problem, parts: int, layout: str,
+                     strategy: str | None = None, gather_skips=True) -> tuple[str, str]:
+    """(`choose_strategy`'s strategy, why)."""
     if strategy is not None:
         if strategy == RING and not ring_dropout_ok(problem, parts, layout):
             raise ValueError(_dropout_message(problem, parts, layout))
-        return strategy
+        return strategy, f"context_strategy={strategy!r} given"
     kv_bytes = (problem.batch * problem.seq_k * problem.heads_kv
                 * (problem.head_dim + problem.head_dim_v) * jnp.dtype(problem.dtype).itemsize)
-    if problem.group >= ALL_GATHER_MIN_GROUP and kv_bytes <= ALL_GATHER_MAX_BYTES:
-        hides = problem.causal or problem.window is not None
-        if not hides or (gather_skips() if callable(gather_skips) else gather_skips):
-            return ALL_GATHER
-    return RING if ring_dropout_ok(problem, parts, layout) else ALL_GATHER
+    group = f"{problem.group} query head{'' if problem.group == 1 else 's'} per KV head"
+    kv = f"K and V {kv_bytes / 2**20:g} MiB"
+    if problem.group < ALL_GATHER_MIN_GROUP:
+        why = f"{group} (the all-gather takes at least {ALL_GATHER_MIN_GROUP})"
+    elif kv_bytes > ALL_GATHER_MAX_BYTES:
+        why = f"{kv} (the all-gather takes at most {ALL_GATHER_MAX_BYTES / 2**20:g})"
+    elif not (problem.causal or problem.window is not None):
+        return ALL_GATHER, f"{group} and {kv}: few KV heads, little to gather"
+    elif gather_skips() if callable(gather_skips) else gather_skips:
+        return ALL_GATHER, (f"{group} and {kv}: few KV heads, little to gather; its blocks' "
+                            "tiers skip what causality and the window hide by a runtime shift")
+    else:
+        why = (f"{group} and {kv}, but the all-gather's blocks would run on a tier that "
+               "computes what causality and the window hide (it cannot skip by a runtime "
+               "shift)")
+    if ring_dropout_ok(problem, parts, layout):
+        return RING, why
+    return ALL_GATHER, (f"{why}; but the ring's key pieces would not start at multiples of "
+                        f"{cb.DROPOUT_KEY_ALIGNMENT} keys, which dropout needs")
+
+
+def explain(problem: Problem, parts: int, layout: str, strategy: str | None = None, *,
+            implementation: str | None = None, deterministic: bool | None = None) -> list[str]:
+    """What a context-parallel call of the whole call `problem` over `parts` devices runs on
+    JAX's device, in lines: the strategy and why, each kind of block with its tier, and the
+    ring backward's rounds and why (`python -m ffpa_jax.info --context-parallel`). A
+    ValueError where the call cannot be split so."""
+    if problem.seq_q % parts or problem.seq_k % parts:
+        raise ValueError(f"T = {problem.seq_q} and S = {problem.seq_k} must split evenly over "
+                         f"{parts} devices")
+    check_split(dataclasses.replace(problem, seq_q=problem.seq_q // parts,
+                                    seq_k=problem.seq_k // parts), parts, layout)
+    skips = lambda: gather_blocks_skip(problem, parts, layout,  # noqa: E731
+                                       implementation=implementation,
+                                       deterministic=deterministic)
+    chosen, why = explain_strategy(problem, parts, layout, strategy, gather_skips=skips)
+    call = ContextCall(problem=problem, axis=None, parts=parts, layout=layout,
+                       strategy=chosen, implementation=implementation,
+                       deterministic=deterministic)
+    lines = [f"context parallelism: the sequence over {parts} devices, {layout} layout",
+             f"  strategy: {chosen} <- {why}"]
+    qp, kp = call.q_pieces, call.k_pieces
+    if chosen == ALL_GATHER:
+        forward = backward = {context_gather.whole_block(call, a) for a in range(qp.count)}
+    else:
+        forward = {block for a in range(qp.count) for b in range(kp.count)
+                   for block in context_ring.blocks(call, a, b)}
+        backward = context_ring.backward_blocks(call)
+    for direction, kinds in (("forward", forward), ("backward", backward)):
+        for block in sorted(kinds, key=lambda b: (b.rows, b.keys, b.relation,
+                                                  b.shift is not None, b.shift or 0)):
+            lines.append(f"  {direction} block {block.rows} x {block.keys}, "
+                         f"{_visibility(block)}: {call.plan(block).tier(direction)}")
+    if chosen == RING:
+        count, why = context_ring.explain_rounds(call)
+        lines.append(f"  backward rounds: {count} <- {why}")
+    return lines
+
+
+def _visibility(block: cb.Block) -> str:
+    if block.relation == cb.FULL:
+        return "fully visible"
+    if block.shift is not None:
+        return f"partly visible (its shift {block.shift} known when traced)"
+    return "partly visible (its place given at run time)"
 
 
 def gather_blocks_skip(problem: Problem, parts: int, layout: str, *,

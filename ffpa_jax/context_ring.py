@@ -111,9 +111,10 @@ def relations(call: ContextCall, a: int, b: int, keys: _Keys, home: int | None) 
     return _relations_at(call, a, b, keys, range(1, call.parts)) | {PARTIAL_AT_HOME}
 
 
-def blocks(call: ContextCall, a: int, b: int) -> list[Block]:
-    """The static blocks that block (query piece a, key piece b) runs as (hidden: none)."""
-    keys = _Keys(0, call.k_pieces.size)
+def blocks(call: ContextCall, a: int, b: int, keys: _Keys | None = None) -> list[Block]:
+    """The static blocks that block (query piece a, key piece b; or the part `keys` of the
+    key piece, a round of the backward) runs as (hidden: none)."""
+    keys = _Keys(0, call.k_pieces.size) if keys is None else keys
     shift = home_shift(call, a, b, keys)
     return [Block(call.q_pieces.size, keys.size, PARTIAL, shift) if r == PARTIAL_AT_HOME
             else Block(call.q_pieces.size, keys.size, r)
@@ -138,6 +139,11 @@ def rounds(call: ContextCall) -> int:
     """The backward's rounds (see ROUND_SHARE), or as many as $FFPA_RING_ROUNDS asks for:
     each a whole number of keys, starting at a multiple of the dropout tiles where the call
     draws dropout (so at most as many as the key pieces can be split into)."""
+    return explain_rounds(call)[0]
+
+
+def explain_rounds(call: ContextCall) -> tuple[int, str]:
+    """(`rounds(call)`, why)."""
     problem, kp = call.problem, call.k_pieces
     accumulators = (4 * problem.batch * kp.local * problem.heads_kv
                     * (problem.head_dim + problem.head_dim_v))
@@ -150,7 +156,26 @@ def rounds(call: ContextCall) -> int:
         if problem.has_dropout and size % cb.DROPOUT_KEY_ALIGNMENT:
             break
         count *= 2
-    return count
+    if requested is not None:
+        why = f"${ROUNDS_ENV}={requested}"
+    else:
+        why = (f"a shard's float32 dK, dV are {accumulators / 2**20:g} MiB, a round holds at "
+               f"most {limit / 2**20:g} MiB (1/{ROUND_SHARE} of the workspace budget, "
+               f"${chunked_plan.BUDGET_ENV})")
+    if wanted(count):
+        why += (f"; each key piece ({kp.size} keys) splits into {count} at most"
+                + (f" (whole tiles of {cb.DROPOUT_KEY_ALIGNMENT} keys under dropout)"
+                   if problem.has_dropout else ""))
+    return count, why
+
+
+def backward_blocks(call: ContextCall) -> set[Block]:
+    """Every static block the backward runs, over its rounds."""
+    count = rounds(call)
+    size = call.k_pieces.size // count
+    return {block for r in range(count) for a in range(call.q_pieces.count)
+            for b in range(call.k_pieces.count)
+            for block in blocks(call, a, b, _Keys(r * size, size))}
 
 
 def _dispatch(relation, present: set[int], branches: dict, *operands):

@@ -10,7 +10,9 @@ reads for this device, and, for a shape (q [B, T, Hq, D]; `--kv-heads`, `--kv-le
 and tier each direction runs and every launch config a call would use, each with why: the
 tuned entry it matched, or the built-in default or rule. `--device-name` (and
 `--compute-capability`) answer for that GPU's tuned file from any machine. Runtime autotune
-(`autotune="fast"`) is not shown: it measures at trace time.
+(`autotune="fast"`) is not shown: it measures at trace time. `--context-parallel P` (with
+`--context-layout`, `--context-strategy`) adds the call with its sequence split over P
+devices: the strategy, each kind of block with its tier, and the ring backward's rounds.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import tuning
-from ffpa_jax import validation
+from ffpa_jax import context_local, validation
 from ffpa_jax.backend import default_backend_is_nvidia_gpu
 from pallas_kernels import tiers
 from pallas_kernels.problem import DTYPES, Problem
@@ -84,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "lookup's same-capability fallback")
     parser.add_argument("--deterministic", choices=("true", "false"), default=None,
                         help="as attention()'s argument (default None: XLA_FLAGS decides)")
+    parser.add_argument("--context-parallel", type=int, default=None, metavar="P",
+                        help="also the call with its sequence split over P devices "
+                             "(context_axis): its strategy, blocks and their tiers, and the "
+                             "ring backward's rounds, each with why (JAX's device)")
+    parser.add_argument("--context-layout", choices=("contiguous", "zigzag"),
+                        default="contiguous", help="as attention()'s context_layout")
+    parser.add_argument("--context-strategy", choices=("ring", "all_gather"), default=None,
+                        help="as attention()'s context_strategy (default None: the rule)")
     return parser
 
 
@@ -235,6 +245,21 @@ def _wrap(line: str) -> list[str]:
     return out + [rest]
 
 
+def _context_lines(parser, args, problem: Problem, deterministic: bool | None) -> list[str]:
+    """`context_local.explain`'s lines for --context-parallel (JAX's device only: the
+    blocks' plans are the dispatcher's for it)."""
+    if args.device_name is not None:
+        parser.error("--context-parallel answers for JAX's device: drop --device-name")
+    if args.context_parallel < 1:
+        parser.error(f"--context-parallel must be at least 1; got {args.context_parallel}")
+    try:
+        return context_local.explain(problem, args.context_parallel, args.context_layout,
+                                     args.context_strategy, implementation=args.implementation,
+                                     deterministic=deterministic)
+    except ValueError as err:
+        parser.error(str(err))
+
+
 def _tuned_file(device_name: str | None, capability: str | None) -> str | None:
     if device_name is None and default_backend_is_nvidia_gpu():
         device_name, capability = tuning.current_device()
@@ -258,10 +283,13 @@ def main(argv: list[str] | None = None) -> int:
                            args.compute_capability, deterministic)
         path = _tuned_file(args.device_name, args.compute_capability)
         lines += [line.replace(path, "the tuned file") if path else line for line in calls]
+        if args.context_parallel is not None:
+            lines += _context_lines(parser, args, problem, deterministic)
     elif any(v is not None for v in (args.kv_heads, args.kv_len, args.dv, args.bias,
-                                     args.mask, args.implementation, args.deterministic)):
-        parser.error("--kv-heads, --kv-len, --dv, --bias, --mask, --implementation and "
-                     "--deterministic describe a call: give its --shape too")
+                                     args.mask, args.implementation, args.deterministic,
+                                     args.context_parallel, args.context_strategy)):
+        parser.error("--kv-heads, --kv-len, --dv, --bias, --mask, --implementation, "
+                     "--deterministic and --context-* describe a call: give its --shape too")
     for line in lines:
         print("\n".join(_wrap(line)))
     return 0

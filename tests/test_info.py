@@ -120,6 +120,52 @@ def test_bad_arguments_are_refused(env):
     assert info("--kv-heads", "4", env=env).returncode == 2  # a call needs its --shape
 
 
+def test_a_context_parallel_call_says_its_strategy_blocks_and_rounds(env):
+    """--context-parallel: 4096 tokens over 4 devices in zigzag order are pieces of 512;
+    GQA 8/2 at D=64 gathers 2 MiB of K and V, but causal blocks on the chunked tier cannot
+    skip by their runtime place, so the ring; its diagonal blocks know their shift; a
+    shard's float32 dK, dV (1024 keys x 2 heads x 128 x 4 bytes = 1 MiB) fit one round of
+    the default budget, and FFPA_RING_ROUNDS=2 halves the backward's blocks' keys."""
+    args = ("--shape", "1,4096,8,64", "--kv-heads", "2", "--causal", "--implementation",
+            "chunked", "--context-parallel", "4", "--context-layout", "zigzag")
+    run = info(*args, env=env)
+    assert run.returncode == 0, run.stderr
+    assert all(len(line) <= 100 for line in run.stdout.splitlines()), run.stdout
+    flat = unfolded(run.stdout)
+    assert "context parallelism: the sequence over 4 devices, zigzag layout" in flat
+    assert ("strategy: ring <- 4 query heads per KV head and K and V 2 MiB, but the "
+            "all-gather's blocks would run on a tier that computes what causality") in flat
+    for direction in ("forward", "backward"):
+        assert f"{direction} block 512 x 512, fully visible: chunked" in flat
+        assert (f"{direction} block 512 x 512, partly visible (its shift 0 known when "
+                "traced): chunked") in flat
+    assert ("backward rounds: 1 <- a shard's float32 dK, dV are 1 MiB, a round holds at most "
+            "2048 MiB") in flat
+    halves = info(*args, env=dict(env, FFPA_RING_ROUNDS="2"))
+    assert halves.returncode == 0, halves.stderr
+    flat = unfolded(halves.stdout)
+    assert "backward rounds: 2 <- $FFPA_RING_ROUNDS=2" in flat
+    assert "backward block 512 x 256, fully visible: chunked" in flat
+    for shift in (0, -256):
+        assert (f"backward block 512 x 256, partly visible (its shift {shift} known when "
+                "traced): chunked") in flat
+    gather = info("--shape", "1,4096,8,64", "--kv-heads", "2", "--context-parallel", "4",
+                  env=env)
+    assert gather.returncode == 0, gather.stderr
+    flat = unfolded(gather.stdout)
+    assert ("strategy: all_gather <- 4 query heads per KV head and K and V 2 MiB: few KV "
+            "heads, little to gather") in flat
+    assert "forward block 1024 x 4096, fully visible: xla" in flat
+    assert "backward rounds" not in flat
+    uneven = info("--shape", "1,4095,8,64", "--context-parallel", "4", env=env)
+    assert uneven.returncode == 2
+    assert "T = 4095 and S = 4095 must split evenly over 4 devices" in uneven.stderr
+    named = info("--shape", "1,4096,8,64", "--context-parallel", "4", "--device-name", DEVICE,
+                 env=env)
+    assert named.returncode == 2 and "answers for JAX's device" in named.stderr
+    assert info("--context-parallel", "4", env=env).returncode == 2
+
+
 def test_a_path_longer_than_a_line_folds_after_a_slash():
     from ffpa_jax import info as info_module
     path = "/tmp/" + "/".join(f"folder{i:02d}" for i in range(14))
