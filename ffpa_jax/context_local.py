@@ -10,6 +10,7 @@ that mesh axis instead of being gathered.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 
@@ -98,9 +99,8 @@ def explain(problem: Problem, parts: int, layout: str, strategy: str | None = No
                          f"{parts} devices")
     check_split(dataclasses.replace(problem, seq_q=problem.seq_q // parts,
                                     seq_k=problem.seq_k // parts), parts, layout)
-    skips = lambda: gather_blocks_skip(problem, parts, layout,  # noqa: E731
-                                       implementation=implementation,
-                                       deterministic=deterministic)
+    skips = functools.partial(gather_blocks_skip, problem, parts, layout,
+                              implementation=implementation, deterministic=deterministic)
     chosen, why = explain_strategy(problem, parts, layout, strategy, gather_skips=skips)
     call = ContextCall(problem=problem, axis=None, parts=parts, layout=layout,
                        strategy=chosen, implementation=implementation,
@@ -232,8 +232,8 @@ class SequenceSplit:
     def call(plan: Plan, axis: str | None, parts: int) -> ContextCall:
         problem = plan.problem
         tiers = (plan.forward_tier, plan.backward_tier)
-        skips = lambda: gather_blocks_skip(problem, parts, CONTIGUOUS,  # noqa: E731
-                                           interpret=plan.interpret, tiers=tiers)
+        skips = functools.partial(gather_blocks_skip, problem, parts, CONTIGUOUS,
+                                  interpret=plan.interpret, tiers=tiers)
         return ContextCall(problem=problem, axis=axis, parts=parts, layout=CONTIGUOUS,
                            strategy=choose_strategy(problem, parts, CONTIGUOUS,
                                                     gather_skips=skips),

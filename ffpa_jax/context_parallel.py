@@ -122,9 +122,10 @@ class _Split:
 
     def __call__(self, call: ContextCall, axis: str, parts: int, inputs: Inputs,
                  saved: Saved | None = None, cotangents: Cotangents | None = None):
-        skips = lambda: context_local.gather_blocks_skip(  # noqa: E731
-            call.problem, parts, call.layout, implementation=call.implementation,
-            interpret=call.interpret, deterministic=call.deterministic, tiers=call.tiers)
+        skips = functools.partial(
+            context_local.gather_blocks_skip, call.problem, parts, call.layout,
+            implementation=call.implementation, interpret=call.interpret,
+            deterministic=call.deterministic, tiers=call.tiers)
         strategy = context_local.choose_strategy(call.problem, parts, call.layout,
                                                  call.strategy, gather_skips=skips)
         call = dataclasses.replace(call, axis=axis, parts=parts, strategy=strategy)

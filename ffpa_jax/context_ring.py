@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from ffpa_jax import context_blocks as cb
 from ffpa_jax.context_blocks import FULL, HIDDEN, PARTIAL, Block, ContextCall, Rows
+from ffpa_jax.layout import slice_after
 from pallas_kernels import chunked_plan, compat
 from pallas_kernels.problem import Cotangents, Inputs, Saved
 
@@ -78,7 +79,7 @@ class _Keys(NamedTuple):
         start = b * kp.size + self.offset
         if start == 0 and self.size == x.shape[1]:
             return x
-        return _slice_after(x, start, self.size, 1, zero)
+        return slice_after(x, start, self.size, 1, zero)
 
 
 def _relations_at(call: ContextCall, a: int, b: int, keys: _Keys, steps) -> set[int]:
@@ -297,14 +298,6 @@ def _zero_after(x):
     """An int32 zero that XLA can compute only once x is: min(isnan(x's first element), 0)."""
     first = jax.lax.slice(x.reshape(-1), (0,), (1,))
     return jnp.minimum(jnp.isnan(first).astype(jnp.int32), 0)[0]
-
-
-def _slice_after(x, start: int, size: int, axis: int, zero=None):
-    """x[start : start + size] along `axis`, made no earlier than `zero` (or a static slice
-    without it)."""
-    if zero is None:
-        return jax.lax.slice_in_dim(x, start, start + size, axis=axis)
-    return jax.lax.dynamic_slice_in_dim(x, zero + start, size, axis=axis)
 
 
 def _zeros(x, q, zero=None):

@@ -64,6 +64,14 @@ def _check_parts(parts) -> None:
         raise ValueError(f"parts must be a positive int (the number of shards); got {parts!r}")
 
 
+def slice_after(x, start: int, size: int, axis: int, after=None):
+    """x[start : start + size] along `axis`; with `after`, a traced int32 zero added to the
+    start, a slice XLA can make only once that value is known (a static slice without it)."""
+    if after is None:
+        return jax.lax.slice_in_dim(x, start, start + size, axis=axis)
+    return jax.lax.dynamic_slice_in_dim(x, after + start, size, axis=axis)
+
+
 @dataclasses.dataclass(frozen=True)
 class Pieces:
     """The contiguous pieces of one shard of a sequence of `parts` shards of `local`
@@ -93,9 +101,7 @@ class Pieces:
         int32 zero added to the start, a slice XLA makes no earlier than that value."""
         if self.count == 1:
             return x
-        if after is not None:
-            return jax.lax.dynamic_slice_in_dim(x, after + piece * self.size, self.size, axis)
-        return jax.lax.slice_in_dim(x, piece * self.size, (piece + 1) * self.size, axis=axis)
+        return slice_after(x, piece * self.size, self.size, axis, after)
 
     def natural(self, x, axis: int):
         """All shards' arrays gathered in shard order (`x`, the sequence along `axis`) put

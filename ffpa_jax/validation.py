@@ -7,6 +7,7 @@ a problem every layer reads) and the call's own options.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Any, NamedTuple
@@ -290,8 +291,8 @@ def _check_context(problem: Problem, context_axis: Any, context_layout: Any,
             "the sequence and pass no context_axis).") from None
     context_local.check_split(problem, parts, context_layout)
     whole = context_local.whole_problem(problem, parts)
-    skips = lambda: context_local.gather_blocks_skip(  # noqa: E731
-        whole, parts, context_layout, **placement)
+    skips = functools.partial(context_local.gather_blocks_skip, whole, parts, context_layout,
+                              **placement)
     strategy = context_local.choose_strategy(whole, parts, context_layout, context_strategy,
                                              gather_skips=skips)
     return Context(context_axis, parts, context_layout, strategy)
