@@ -56,8 +56,11 @@ local_window_size=(W - 1, 0) in local layers)` with the GQA keys and values as t
 arguments and implementation="cudnn" where cuDNN takes the layer (a GPU, float16/bfloat16,
 head dim <= 256 from Hopper on, 128 before: the local layers), "xla" otherwise (the global
 layers, every layer on a CPU). The run prints what each layer kind ran, the compile time
-and the first step apart, the median and mean time of the other steps, tokens/s and the
-device's peak memory (`memory_stats()`; n/a on a CPU).
+and the first step apart, the median and mean time of the other steps (each waited for:
+its loss read before the next is dispatched), tokens/s from that median, tokens/s with the
+same steps dispatched back to back and waited for once (the device's pace, which a training
+loop that reads its loss only now and then runs at), and the device's peak memory
+(`memory_stats()`; n/a on a CPU).
 
 `--devices N` trains with each sequence split along its length over the first N devices (a
 1-D mesh "seq"; --seq-len a multiple of N), the parameters and optimizer state replicated:
@@ -66,7 +69,11 @@ context parallelism. ffpa_jax's attention runs in a `shard_map` over "seq" with
 token by token, so they follow the tokens' sharding). ffpa_jax would also split query, key
 and value sharded along the sequence under jit by itself, but through JAX's
 custom_partitioning, which lowers the kernels of every layer again while XLA compiles
-(docs/benchmarks.md); the shard_map lowers them as one device does. The
+(docs/benchmarks.md); the shard_map lowers them as one device does. With ffpa the tokens
+are put in ffpa_jax.zigzag's order by default (`--context-layout zigzag`: each device
+holds an early and a late chunk of every sequence, so the causal global layers' work is
+even over the devices; the positions follow the tokens, and attention is told the
+layout); `--context-layout contiguous` keeps them in order. The
 batches and the initial values are those of one device, so the losses agree with a
 one-device run's to rounding; the peak memory is printed per device. The loss check runs on
 one device. `--json PATH` writes the run's record as one JSON object (also when the device
@@ -200,6 +207,11 @@ class GemmaLikeConfig:
     interpret: bool = False         # ffpa_jax's Pallas kernels in the interpreter
     jaxnn_implementation: str = "auto"       # "auto" (cuDNN where it can) or "xla"
     context_axis: str | None = None  # the mesh axis the sequence is split over (see attend)
+    # How the sequence lies over that axis's `context_parts` devices: "contiguous" (device i
+    # holds the i-th part) or "zigzag" (the tokens come in ffpa_jax.zigzag's order, so that
+    # each device holds an early and a late chunk and causal attention's work is even).
+    context_layout: str = "contiguous"
+    context_parts: int = 1
 
 
 def layer_kinds(cfg: GemmaLikeConfig) -> tuple[LayerKind, ...]:
@@ -308,7 +320,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kind: LayerKind,
         # every layer's call again while XLA compiles; in a shard_map they are lowered as
         # on one device (docs/benchmarks.md: the model's compile time).
         spec = P(None, cfg.context_axis)
-        return jax.shard_map(functools.partial(ffpa, context_axis=cfg.context_axis),
+        return jax.shard_map(functools.partial(ffpa, context_axis=cfg.context_axis,
+                                               context_layout=cfg.context_layout),
                              in_specs=(spec,) * 3, out_specs=spec)(q, k, v)
     if cfg.attention != "jax.nn":
         raise ValueError(f"attention must be one of {ATTENTION_CHOICES}; got {cfg.attention!r}")
@@ -390,6 +403,9 @@ class GemmaLike(nnx.Module):
         dtype = jnp.dtype(self.cfg.dtype)
         x = self.embed(tokens) * jnp.asarray(math.sqrt(self.cfg.d_model), dtype)
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+        if self.cfg.context_layout == "zigzag" and self.cfg.context_parts > 1:
+            # The tokens come in zigzag order (run_steps): so do their positions.
+            positions = ffpa_jax.zigzag(positions, self.cfg.context_parts, axis=0)
         for block in self.blocks:
             x = block(x, positions)
         logits = self.embed.attend(self.final_norm(x))
@@ -471,8 +487,11 @@ class ProgressBar:
 class Timings:
     compile_s: float
     first_step_s: float
-    step_s: list[float]             # the steps after the first
+    step_s: list[float]             # the steps after the first, each waited for
     losses: list[float]
+    # The mean step of the same number of steps dispatched back to back and waited for once
+    # (None: not measured); see run_steps.
+    back_to_back_step_s: float | None = None
 
     @property
     def median_step_s(self) -> float | None:
@@ -488,23 +507,38 @@ def sequence_mesh(devices: int) -> jax.sharding.Mesh:
 
 def run_steps(cfg: GemmaLikeConfig, init, data_key: jax.Array, tx: optax.GradientTransformation,
               *, steps: int, batch: int, seq_len: int, progress: bool = False,
-              mesh: jax.sharding.Mesh | None = None) -> tuple[Timings, np.ndarray]:
+              mesh: jax.sharding.Mesh | None = None,
+              back_to_back: bool = False) -> tuple[Timings, np.ndarray]:
     """Train `steps` steps from `init` with `tx`; returns the timings and the per-token
-    losses of every step [steps, batch, seq_len] (float64). With a `mesh` (see
+    losses of every step [steps, batch, seq_len] (float64). Each step is waited for (its
+    loss read) before the next is dispatched, so its time includes the host's dispatch and
+    the loss's copy, which a training loop that reads its loss only now and then hides
+    behind the device's work. With `back_to_back`, the steps after the first are then run
+    again on the trained state that way (dispatched in turn, waited for once) and their mean
+    is `Timings.back_to_back_step_s`. With a `mesh` (see
     `sequence_mesh`) the tokens are split along the sequence over its devices and the
     parameters and optimizer state replicated: the model's sharding follows the tokens',
     and ffpa_jax's attention runs context-parallel in a shard_map over the mesh's axis
     (`attend`). The same batches and initial values either way, so the losses agree to
     rounding."""
+    parts = 1
     if mesh is not None:
-        cfg = dataclasses.replace(cfg, context_axis=mesh.axis_names[0])
+        parts = mesh.devices.size
+        cfg = dataclasses.replace(cfg, context_axis=mesh.axis_names[0], context_parts=parts)
+    zigzagged = cfg.context_layout == "zigzag" and parts > 1
     graphdef, params = initial_params(cfg, init)
     state = (params, tx.init(params))
     keys = jax.random.split(data_key, steps)
 
     def split_batch(key):
         tokens = synthetic_tokens(key, batch=batch, length=seq_len + 1, vocab=cfg.vocab)
-        return tokens[:, :-1], tokens[:, 1:]
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        if zigzagged:
+            # Every layer but attention works token by token, and attention is told the
+            # order (context_layout): the model computes what it computes in the natural
+            # order, its per-token losses in this one.
+            inputs, targets = (ffpa_jax.zigzag(x, parts, axis=1) for x in (inputs, targets))
+        return inputs, targets
 
     if mesh is None:
         batch_of = jax.jit(split_batch)
@@ -526,12 +560,23 @@ def run_steps(cfg: GemmaLikeConfig, init, data_key: jax.Array, tx: optax.Gradien
             loss = float(loss)  # waits for the step
             seconds.append(time.perf_counter() - start)
             losses.append(loss)
+            if zigzagged:
+                token_losses = ffpa_jax.unzigzag(token_losses, parts, axis=1)
             per_token.append(np.asarray(token_losses, np.float64))
             if bar:
                 bar.update(i + 1, f"loss {loss:.4f}  {1e3 * seconds[-1]:.1f} ms/step")
         if bar:
             bar.close()
-    return Timings(compile_s, seconds[0], seconds[1:], losses), np.stack(per_token)
+        back_to_back_s = None
+        if back_to_back and steps > 1:
+            batches = jax.block_until_ready([batch_of(key) for key in keys[1:]])
+            start = time.perf_counter()
+            for inputs, targets in batches:
+                state, loss, _ = compiled(state, inputs, targets)
+            jax.block_until_ready((state, loss))
+            back_to_back_s = (time.perf_counter() - start) / len(batches)
+    return (Timings(compile_s, seconds[0], seconds[1:], losses, back_to_back_s),
+            np.stack(per_token))
 
 
 # ------------------------------------------------------------------ the loss check
@@ -708,7 +753,11 @@ def print_timings(timings: Timings, batch: int, seq_len: int, vocab: int,
         median = timings.median_step_s
         print(f"step time: median {1e3 * median:.2f} ms, mean "
               f"{1e3 * float(np.mean(timings.step_s)):.2f} ms over {len(timings.step_s)} steps")
-        print(f"tokens/s: {batch * seq_len / median:,.0f}")
+        print(f"tokens/s: {batch * seq_len / median:,.0f} (the median step, each waited for)")
+    if timings.back_to_back_step_s:
+        print(f"tokens/s: {batch * seq_len / timings.back_to_back_step_s:,.0f} with the "
+              f"{len(timings.step_s)} steps dispatched back to back (mean step "
+              f"{1e3 * timings.back_to_back_step_s:.2f} ms): the device's pace")
     else:
         print("step time: n/a (a single step: the first, reported above)")
     print(f"peak device memory: {peak_memory_text(devices)}")
@@ -759,6 +808,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="train with each sequence split along its length over the first N "
                           "devices (context parallelism; parameters replicated); --seq-len "
                           "must be a multiple of N. The loss check stays on one device")
+    run.add_argument("--context-layout", choices=("zigzag", "contiguous"), default=None,
+                     help="with --devices N > 1 and ffpa: how the sequence lies over the "
+                          "devices: zigzag (each device an early and a late chunk, causal work "
+                          "balanced; --seq-len a multiple of 2N) or contiguous (device i the "
+                          "i-th part). Default: zigzag for ffpa; jax.nn takes contiguous only")
     run.add_argument("--json", metavar="PATH",
                      help="also write the run's record (devices, attention, timings, tokens/s, "
                           "peak memory per device, losses, the check's verdict; or that it "
@@ -851,6 +905,15 @@ def config_from_args(args, parser: argparse.ArgumentParser) -> tuple[GemmaLikeCo
     if seq_len % args.devices:
         parser.error(f"--seq-len {seq_len} is not a multiple of --devices {args.devices} (the "
                      "sequence is split evenly over the devices)")
+    layout = args.context_layout or ("zigzag" if args.attention == "ffpa" else "contiguous")
+    if layout == "zigzag" and args.attention != "ffpa":
+        parser.error("--context-layout zigzag needs --attention ffpa (jax.nn's attention does "
+                     "not know the order)")
+    if layout == "zigzag" and args.devices > 1 and seq_len % (2 * args.devices):
+        parser.error(f"--seq-len {seq_len} is not a multiple of 2 x --devices {args.devices} "
+                     "(the zigzag layout splits the sequence into 2N chunks); or pass "
+                     "--context-layout contiguous")
+    cfg = dataclasses.replace(cfg, context_layout=layout)
     if args.devices > jax.device_count():
         parser.error(f"--devices {args.devices}: there are {jax.device_count()} devices")
     run = dict(seq_len=seq_len, steps=_given_or(args.steps, preset.steps),
@@ -867,13 +930,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     device, devices = jax.devices()[0], run["devices"]
     where = (f"{device.device_kind} ({jax.default_backend()})" if devices == 1 else
              f"{devices} x {device.device_kind} ({jax.default_backend()}), the sequence "
-             f"sharded over the {devices} devices")
+             f"sharded over the {devices} devices ({cfg.context_layout})")
     print(f"device: {where}; attention {cfg.attention}; {run['steps']} steps of "
           f"{run['batch']} x {run['seq_len']} tokens, Adam lr {run['lr']:g}")
     init = float32_init(cfg, run["seed"])
     ran = print_model(cfg, init, run["batch"], run["seq_len"])
     record = {"device_kind": device.device_kind, "backend": jax.default_backend(),
               "devices": devices, "attention": cfg.attention, "layer_attention": ran,
+              "context_layout": cfg.context_layout if devices > 1 else None,
               "dtype": cfg.dtype, "batch": run["batch"], "seq_len": run["seq_len"],
               "steps": run["steps"], "out_of_memory": False}
     data_key = jax.random.key(run["seed"])
@@ -881,7 +945,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         timings, _ = run_steps(cfg, init, data_key, optax.adam(run["lr"]), steps=run["steps"],
                                batch=run["batch"], seq_len=run["seq_len"], progress=True,
-                               mesh=mesh)
+                               mesh=mesh, back_to_back=True)
     except jax.errors.JaxRuntimeError as error:
         return out_of_memory_exit(error, f"{cfg.attention} at {run['batch']} x "
                                          f"{run['seq_len']} tokens", args.json, record)
@@ -891,6 +955,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                   step_s=timings.step_s, median_step_s=median,
                   tokens_per_s=None if median is None else run["batch"] * run["seq_len"]
                   / median,
+                  back_to_back_step_s=timings.back_to_back_step_s,
+                  tokens_per_s_back_to_back=None if not timings.back_to_back_step_s else
+                  run["batch"] * run["seq_len"] / timings.back_to_back_step_s,
                   peak_memory_bytes=peak_memory_bytes(devices), losses=timings.losses,
                   loss_check=None)
     if not np.all(np.isfinite(timings.losses)):

@@ -26,7 +26,8 @@ profiler trace. Results land under $OUT (default ./gpu_out).
 - trace: a JAX profiler trace of one forward+backward of a small ring (4 GPUs, N=32768,
   D=128, H=8, zigzag) in $OUT/cp_trace (TensorBoard / Perfetto).
 - model: the Gemma-shaped model (examples/gemma_like.py) with its sequence over 1, 2 and 4
-  GPUs at CP_MODEL_SEQ tokens (32768 by default): compile time, tokens/s, peak memory.
+  GPUs at CP_MODEL_SEQ tokens (32768 by default): compile time, tokens/s (each step waited
+  for, and back to back), peak memory.
 """
 
 from __future__ import annotations
@@ -393,11 +394,15 @@ def run_model() -> None:
             continue
         r = records[gpus] = json.loads(path.read_text())
         peaks = [round(b / 2**30, 2) for b in r.get("peak_memory_bytes") or []]
-        speedup = ("" if 1 not in records or not r.get("tokens_per_s") else
-                   f", {r['tokens_per_s'] / records[1]['tokens_per_s']:.2f}x one GPU")
-        print(f"{gpus} GPU(s): compile {r.get('compile_s', 0):.1f} s, "
-              f"{r.get('tokens_per_s') or 0:,.0f} tokens/s{speedup}, peak {peaks} GiB",
-              flush=True)
+        rates = []
+        for key, how in (("tokens_per_s", "each step waited for"),
+                         ("tokens_per_s_back_to_back", "back to back")):
+            rate, base = r.get(key), records.get(1, {}).get(key)
+            if rate:
+                rates.append(f"{rate:,.0f} tokens/s {how}"
+                             + (f" ({rate / base:.2f}x one GPU)" if base else ""))
+        print(f"{gpus} GPU(s): compile {r.get('compile_s', 0):.1f} s, {'; '.join(rates)}, "
+              f"peak {peaks} GiB", flush=True)
 
 
 def main(argv) -> None:

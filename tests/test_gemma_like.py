@@ -81,27 +81,35 @@ def test_the_sequence_split_over_four_devices_gives_one_devices_losses(tmp_path)
     """The ci preset at 64 tokens, 2 steps, on 4 fake CPU devices and on 1: the same losses
     (float32 rounding), and each run's --json record. (The loss check runs on one device
     whatever --devices says: the interpreted run's test covers it.)"""
-    records = {}
-    for devices in (1, 4):
-        path = tmp_path / f"run{devices}.json"
+    records, outputs = {}, {}
+    for devices, layout in ((1, "zigzag"), (4, "zigzag"), (4, "contiguous")):
+        path = tmp_path / f"run{devices}{layout}.json"
         run = subprocess.run([sys.executable, str(ROOT / "examples" / "gemma_like.py"),
                               "--devices", str(devices), "--seq-len", "64", "--steps", "2",
-                              "--json", str(path), "--no-check"],
+                              "--context-layout", layout, "--json", str(path), "--no-check"],
                              capture_output=True, text=True, cwd=ROOT, timeout=300, check=False,
                              env=fake_devices_env(4))
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        records[devices] = json.loads(path.read_text())
-    assert "4 x cpu (cpu), the sequence sharded over the 4 devices" in run.stdout
-    one, four = records[1], records[4]
-    assert (one["devices"], four["devices"]) == (1, 4)
+        records[devices, layout] = json.loads(path.read_text())
+        outputs[devices, layout] = run.stdout
+    for layout in ("zigzag", "contiguous"):
+        assert (f"4 x cpu (cpu), the sequence sharded over the 4 devices ({layout})"
+                in outputs[4, layout])
+        assert records[4, layout]["context_layout"] == layout
+    one, four, four_contiguous = records[1, "zigzag"], records[4, "zigzag"], records[
+        4, "contiguous"]
+    assert (one["devices"], four["devices"]) == (1, 4) and one["context_layout"] is None
     np.testing.assert_allclose(four["losses"], one["losses"], rtol=1e-5)
-    for record in (one, four):
+    np.testing.assert_allclose(four_contiguous["losses"], one["losses"], rtol=1e-5)
+    for record in (one, four, four_contiguous):
         assert record["tokens_per_s"] > 0 and len(record["step_s"]) == 1
+        assert record["tokens_per_s_back_to_back"] > 0
+        assert record["back_to_back_step_s"] > 0
         assert all(math.isfinite(loss) for loss in record["losses"])
         assert record["peak_memory_bytes"] is None and record["out_of_memory"] is False
         assert record["layer_attention"] == {"local": "ffpa_jax xla in both directions",
                                              "global": "ffpa_jax xla in both directions"}
-    assert one["loss_check"] is None and four["loss_check"] is None
+    assert all(r["loss_check"] is None for r in (one, four, four_contiguous))
 
 
 def test_an_out_of_memory_run_is_recorded(tmp_path):
@@ -178,7 +186,11 @@ def test_the_global_layers_rotate_a_quarter_of_the_frequency_pairs():
     (["--lr", "0"], "--lr must be positive; got 0.0"),
     (["--attention", "flash"], "invalid choice: 'flash'"),
     (["--devices", "2", "--seq-len", "63"], "--seq-len 63 is not a multiple of --devices 2"),
-    (["--devices", "64"], "--devices 64: there are "),
+    (["--devices", "64", "--context-layout", "contiguous"], "--devices 64: there are "),
+    (["--attention", "jax.nn", "--context-layout", "zigzag"],
+     "--context-layout zigzag needs --attention ffpa"),
+    (["--devices", "2", "--seq-len", "66"],
+     "--seq-len 66 is not a multiple of 2 x --devices 2"),
 ])
 def test_bad_options_are_refused_with_the_reason(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
