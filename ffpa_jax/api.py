@@ -119,9 +119,12 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
       context_layout: "contiguous" (shard i holds positions [i·T/P, (i+1)·T/P)) or
         "zigzag" (the sequence was reordered with `ffpa_jax.zigzag(x, P, axis=1)`: shard i
         holds chunks i and 2P−1−i of 2P, which balances causal work).
-      context_strategy: None (a rule: the all-gather of K/V for few KV heads, else the
-        ring), "ring" (K/V passed around the axis, overlapped with the compute) or
-        "all_gather". Without context_axis, under jax.jit, inputs sharded along the
+      context_strategy: None (a rule: the halo where a sliding window shows a shard at
+        most one shard's keys of the others, else the all-gather of K/V for few KV heads,
+        else the ring), "ring" (K/V passed around the axis, overlapped with the compute),
+        "all_gather", or "halo" (each shard fetches from their owners only the keys its
+        queries can see, by the layout, causality and the window). Without context_axis,
+        under jax.jit, inputs sharded along the
         sequence then run that strategy over their mesh axis on any tier (planned calls
         on the pallas and chunked tiers do so by the rule without it).
       deterministic: True: a bitwise-reproducible backward (the same gradients on every

@@ -35,7 +35,8 @@ from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
 HIDDEN, FULL, PARTIAL = visibility.BLOCK_HIDDEN, visibility.BLOCK_FULL, visibility.BLOCK_PARTIAL
 RING = "ring"
 ALL_GATHER = "all_gather"
-STRATEGIES = (RING, ALL_GATHER)
+HALO = "halo"
+STRATEGIES = (RING, ALL_GATHER, HALO)
 # The fused kernels draw dropout in tiles of 128 keys: a block's first key must be a
 # multiple of it (each ring block starts at a key piece, or a round's part of one; the
 # all-gather's at key 0).
@@ -48,7 +49,7 @@ class ContextCall:
 
     `problem`: the whole call's (global sequence lengths). `axis`: the mesh axis the sequence
     is split over, `parts` shards (None and 1: one shard, no collectives). `layout`
-    ("contiguous" or "zigzag") and `strategy` ("ring" or "all_gather"; None until the
+    ("contiguous" or "zigzag") and `strategy` ("ring", "all_gather" or "halo"; None until the
     split is known, under jit). The blocks' tiers:
     `tiers` (forward, backward) when the call's plan named them (a sequence-sharded jit of a
     planned call), else the dispatcher's choice under `implementation` and `interpret`.

@@ -1,6 +1,7 @@
 """What one shard runs in a context-parallel call: the strategy (`choose_strategy`), the
 checks that the call can be split (`check_split`), and the shard's forward and backward
-(`forward`, `backward`) by the ring (`context_ring`) or the all-gather (`context_gather`).
+(`forward`, `backward`) by the ring (`context_ring`), the all-gather (`context_gather`) or
+the halo (`context_halo`).
 
 `SequenceSplit` offers the same to the shard-local wrapper (`partitioning.ShardLocal`) of a
 planned call: under `jax.jit`, inputs sharded along the sequence run context-parallel over
@@ -15,8 +16,8 @@ import functools
 import jax.numpy as jnp
 
 from ffpa_jax import context_blocks as cb
-from ffpa_jax import context_gather, context_ring
-from ffpa_jax.context_blocks import ALL_GATHER, RING, ContextCall
+from ffpa_jax import context_gather, context_halo, context_ring
+from ffpa_jax.context_blocks import ALL_GATHER, HALO, RING, ContextCall
 from ffpa_jax.layout import CONTIGUOUS, ZIGZAG
 from pallas_kernels import compat
 from pallas_kernels.plan import Plan, row_outputs
@@ -33,6 +34,11 @@ from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
 # their shift; the measurement is in docs/benchmarks.md).
 ALL_GATHER_MIN_GROUP = 4
 ALL_GATHER_MAX_BYTES = 2 << 30
+# Under a window, the halo fetches only the keys of other shards that a shard's queries see:
+# it is chosen first where those are at most one shard's keys (a sliding window no wider
+# than a shard, or than a zigzag chunk): then it moves at most what one ring step moves,
+# in one collective per step it needs, where the ring moves every shard's K and V (and
+# their float32 gradients) around the whole axis.
 
 
 def whole_problem(problem: Problem, parts: int) -> Problem:
@@ -42,7 +48,8 @@ def whole_problem(problem: Problem, parts: int) -> Problem:
 
 
 def ring_dropout_ok(problem: Problem, parts: int, layout: str) -> bool:
-    """Whether the ring's key pieces start at multiples of cb.DROPOUT_KEY_ALIGNMENT."""
+    """Whether the ring's (and the halo's) key pieces start at multiples of
+    cb.DROPOUT_KEY_ALIGNMENT."""
     pieces = 2 if layout == ZIGZAG else 1
     return (not problem.has_dropout
             or (problem.seq_k // parts // pieces) % cb.DROPOUT_KEY_ALIGNMENT == 0)
@@ -52,6 +59,7 @@ def choose_strategy(problem: Problem, parts: int, layout: str,
                     strategy: str | None = None, gather_skips=True) -> str:
     """The strategy of a call over `parts` shards (`problem`: the whole call's): `strategy`
     when given (a ValueError where the ring cannot keep dropout's keep decisions), else the
+    halo where a window shows each shard at most one shard's keys of the others, the
     all-gather for few KV heads and K/V within ALL_GATHER_MAX_BYTES (under causality or a
     window only where `gather_skips`, a bool or a function giving it: `gather_blocks_skip`),
     or where dropout needs it, else the ring."""
@@ -62,9 +70,16 @@ def explain_strategy(problem: Problem, parts: int, layout: str,
                      strategy: str | None = None, gather_skips=True) -> tuple[str, str]:
     """(`choose_strategy`'s strategy, why)."""
     if strategy is not None:
-        if strategy == RING and not ring_dropout_ok(problem, parts, layout):
-            raise ValueError(_dropout_message(problem, parts, layout))
+        if strategy in (RING, HALO) and not ring_dropout_ok(problem, parts, layout):
+            raise ValueError(_dropout_message(problem, parts, layout, strategy))
         return strategy, f"context_strategy={strategy!r} given"
+    if problem.window is not None and ring_dropout_ok(problem, parts, layout):
+        call = ContextCall(problem=problem, axis=None, parts=parts, layout=layout,
+                           strategy=HALO)
+        fetched, local = context_halo.fetched_keys(call), problem.seq_k // parts
+        if fetched <= local:
+            return HALO, (f"the window shows a shard {fetched} keys of the others (at most "
+                          f"its own {local}): fetched from their owners alone")
     kv_bytes = (problem.batch * problem.seq_k * problem.heads_kv
                 * (problem.head_dim + problem.head_dim_v) * jnp.dtype(problem.dtype).itemsize)
     group = f"{problem.group} query head{'' if problem.group == 1 else 's'} per KV head"
@@ -110,6 +125,12 @@ def explain(problem: Problem, parts: int, layout: str, strategy: str | None = No
     qp, kp = call.q_pieces, call.k_pieces
     if chosen == ALL_GATHER:
         forward = backward = {context_gather.whole_block(call, a) for a in range(qp.count)}
+    elif chosen == HALO:
+        forward = backward = context_halo.blocks(call)
+        fetched = context_halo.fetches(call)
+        lines.append(f"  halo: {context_halo.fetched_keys(call)} keys fetched"
+                     + "".join(f"; {f.keys.size} of key piece {f.piece} of shard i - {f.step}"
+                               f" (from its key {f.keys.offset})" for f in fetched))
     else:
         forward = {block for a in range(qp.count) for b in range(kp.count)
                    for block in context_ring.blocks(call, a, b)}
@@ -147,11 +168,11 @@ def gather_blocks_skip(problem: Problem, parts: int, layout: str, *,
     return cb.skips_by_runtime_shift(call, context_gather.whole_block(call, 0))
 
 
-def _dropout_message(problem: Problem, parts: int, layout: str) -> str:
+def _dropout_message(problem: Problem, parts: int, layout: str, strategy: str = RING) -> str:
     pieces = 2 if layout == ZIGZAG else 1
     piece = problem.seq_k // parts // pieces
     what = "half" if pieces == 2 else "block"
-    return (f"context_strategy='ring' with dropout needs each shard's key {what} to be a "
+    return (f"context_strategy={strategy!r} with dropout needs each shard's key {what} to be a "
             f"multiple of {cb.DROPOUT_KEY_ALIGNMENT} keys (the kernels draw the keep "
             f"decisions in tiles of {cb.DROPOUT_KEY_ALIGNMENT} keys at global positions); it is "
             f"{piece} (S = {problem.seq_k} over {parts} shards, {layout} layout). Make the "
@@ -183,7 +204,7 @@ def check_split(problem: Problem, parts: int, layout: str) -> None:
 
 
 def _strategy_module(call: ContextCall):
-    return context_gather if call.strategy == ALL_GATHER else context_ring
+    return {ALL_GATHER: context_gather, HALO: context_halo}.get(call.strategy, context_ring)
 
 
 def _invariants_varying(call: ContextCall, inputs: Inputs) -> Inputs:
@@ -250,6 +271,7 @@ class SequenceSplit:
             return False
         call = self.call(plan, None, parts)
         blocks = ([context_gather.whole_block(call, 0)] if call.strategy == ALL_GATHER else
+                  context_halo.blocks(call) if call.strategy == HALO else
                   context_ring.blocks(call, 0, 0))
         return all(not cb.unsupported(call, block) for block in blocks)
 

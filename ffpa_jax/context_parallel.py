@@ -117,7 +117,7 @@ class _Split:
     def supports(call: ContextCall, parts: int) -> bool:
         problem = call.problem
         return (parts > 1 and problem.seq_q % parts == 0 and problem.seq_k % parts == 0
-                and (call.strategy != cb.RING
+                and (call.strategy not in (cb.RING, cb.HALO)
                      or context_local.ring_dropout_ok(problem, parts, call.layout)))
 
     def __call__(self, call: ContextCall, axis: str, parts: int, inputs: Inputs,

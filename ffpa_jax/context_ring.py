@@ -61,11 +61,11 @@ def _send_on(x, call: ContextCall):
     return jax.lax.ppermute(x, call.axis, perm)
 
 
-def _shard(call: ContextCall):
+def shard_index(call: ContextCall):
     return 0 if call.parts == 1 else jax.lax.axis_index(call.axis)
 
 
-class _Keys(NamedTuple):
+class Keys(NamedTuple):
     """The part of every key piece one round of the ring moves: `size` keys from `offset`."""
 
     offset: int
@@ -82,19 +82,19 @@ class _Keys(NamedTuple):
         return slice_after(x, start, self.size, 1, zero)
 
 
-def _relations_at(call: ContextCall, a: int, b: int, keys: _Keys, steps) -> set[int]:
+def _relations_at(call: ContextCall, a: int, b: int, keys: Keys, steps) -> set[int]:
     qp, kp = call.q_pieces, call.k_pieces
     return {call.relation(qp.start(i, a), qp.size,
                           kp.start((i - s) % call.parts, b) + keys.offset, keys.size)
             for i in range(call.parts) for s in steps}
 
 
-def home_shift(call: ContextCall, a: int, b: int, keys: _Keys | None = None) -> int | None:
+def home_shift(call: ContextCall, a: int, b: int, keys: Keys | None = None) -> int | None:
     """The shift of block (query piece a, key piece b, or the part `keys` of it) at step 0
     where it is partly visible there, the same on every shard, and of use to its tiers
     (`PARTIAL_AT_HOME`), else None."""
     qp, kp = call.q_pieces, call.k_pieces
-    keys = keys or _Keys(0, kp.size)
+    keys = keys or Keys(0, kp.size)
     shifts = {qp.start(i, a) - kp.start(i, b) - keys.offset + call.shift
               for i in range(call.parts)}
     if (len(shifts) > 1 or _relations_at(call, a, b, keys, [0]) != {PARTIAL}
@@ -103,23 +103,27 @@ def home_shift(call: ContextCall, a: int, b: int, keys: _Keys | None = None) -> 
     return shifts.pop()
 
 
-def relations(call: ContextCall, a: int, b: int, keys: _Keys, home: int | None) -> set[int]:
+def relations(call: ContextCall, a: int, b: int, keys: Keys, home: int | None,
+              steps=None) -> set[int]:
     """The relations block (query piece a, key piece b, or the part `keys` of it) takes over
-    every step and shard, given its `home_shift` (PARTIAL_AT_HOME: PARTIAL at step 0 with
-    that shift)."""
-    if home is None:
-        return _relations_at(call, a, b, keys, range(call.parts))
-    return _relations_at(call, a, b, keys, range(1, call.parts)) | {PARTIAL_AT_HOME}
+    every shard and the `steps` (None: every step of the ring), given its `home_shift`
+    (PARTIAL_AT_HOME: PARTIAL at step 0 with that shift)."""
+    steps = range(call.parts) if steps is None else steps
+    if home is None or 0 not in steps:
+        return _relations_at(call, a, b, keys, steps)
+    return _relations_at(call, a, b, keys, [s for s in steps if s]) | {PARTIAL_AT_HOME}
 
 
-def blocks(call: ContextCall, a: int, b: int, keys: _Keys | None = None) -> list[Block]:
+def blocks(call: ContextCall, a: int, b: int, keys: Keys | None = None,
+           steps=None) -> list[Block]:
     """The static blocks that block (query piece a, key piece b; or the part `keys` of the
-    key piece, a round of the backward) runs as (hidden: none)."""
-    keys = _Keys(0, call.k_pieces.size) if keys is None else keys
+    key piece, a round of the backward) runs as (hidden: none) over the `steps` (None: every
+    step of the ring)."""
+    keys = Keys(0, call.k_pieces.size) if keys is None else keys
     shift = home_shift(call, a, b, keys)
     return [Block(call.q_pieces.size, keys.size, PARTIAL, shift) if r == PARTIAL_AT_HOME
             else Block(call.q_pieces.size, keys.size, r)
-            for r in sorted(relations(call, a, b, keys, shift)) if r != HIDDEN]
+            for r in sorted(relations(call, a, b, keys, shift, steps)) if r != HIDDEN]
 
 
 def round_bytes() -> int:
@@ -176,10 +180,10 @@ def backward_blocks(call: ContextCall) -> set[Block]:
     size = call.k_pieces.size // count
     return {block for r in range(count) for a in range(call.q_pieces.count)
             for b in range(call.k_pieces.count)
-            for block in blocks(call, a, b, _Keys(r * size, size))}
+            for block in blocks(call, a, b, Keys(r * size, size))}
 
 
-def _dispatch(relation, present: set[int], branches: dict, *operands):
+def dispatch(relation, present: set[int], branches: dict, *operands):
     """The branch of `relation` (HIDDEN, FULL, PARTIAL, PARTIAL_AT_HOME; traced or static)
     over `operands`; only the relations in `present` get code of their own."""
     if len(present) == 1:
@@ -189,13 +193,14 @@ def _dispatch(relation, present: set[int], branches: dict, *operands):
     return jax.lax.switch(relation, table, *operands)
 
 
-class _Pair:
+class Pair:
     """Block (query piece a, key piece b) at step `step` of the ring on shard `me`: its
     relation, its static shapes and its inputs."""
 
     def __init__(self, call: ContextCall, inputs: Inputs, held, a: int, b: int, me, step,
-                 keys: _Keys):
-        """`held`: (k, v, kv segment ids) of the part `keys` of key piece b held now."""
+                 keys: Keys, steps: tuple[int, ...] | None = None):
+        """`held`: (k, v, kv segment ids) of the part `keys` of key piece b held now;
+        `steps`: the steps the block runs at (static; None: every step of the ring)."""
         self.call, self.a, self.b, self.keys = call, a, b, keys
         qp, kp = call.q_pieces, call.k_pieces
         source = (me - step) % call.parts
@@ -209,8 +214,9 @@ class _Pair:
             positions=cb.positions(self.r0, self.c0, call.shift))
         self.inputs = inputs._replace(q=qp.local_slice(inputs.q, a, 1), k=k, v=v,
                                       features=features)
-        self.home_shift = home_shift(call, a, b, keys)
-        self.present = relations(call, a, b, keys, self.home_shift)
+        self.home_shift = (home_shift(call, a, b, keys) if steps is None or 0 in steps
+                           else None)
+        self.present = relations(call, a, b, keys, self.home_shift, steps)
         relation = call.relation(self.r0, qp.size, self.c0, keys.size)
         if self.home_shift is not None:
             relation = jnp.where(step == 0, PARTIAL_AT_HOME, relation)
@@ -227,6 +233,32 @@ class _Pair:
         return Block(self.call.q_pieces.size, self.keys.size, relation)
 
 
+def forward_block(call: ContextCall, pair: Pair, acc: Rows) -> Rows:
+    """`acc` (rows of the pair's query piece) with the pair's block merged in (its branch by
+    relation; a hidden block leaves it)."""
+    branches = {HIDDEN: lambda acc: acc}
+    for rel in (FULL, PARTIAL, PARTIAL_AT_HOME):
+        branches[rel] = (lambda acc, rel=rel: cb.merge(
+            acc, cb.block_forward(call, pair.block(rel), pair.inputs)))
+    return dispatch(pair.relation, pair.present, branches, acc)
+
+
+def backward_block(call: ContextCall, pair: Pair, acc, rows, lse_cotangent: bool):
+    """(dq, dk, dv, dbias) `acc` (float32; dq of the pair's query piece, dk and dv of its
+    keys) with the pair's block's gradients added; `rows`: (saved, cotangents) of its query
+    piece (`context_blocks.piece_rows`)."""
+    rows_saved, rows_cot = rows
+
+    def run(acc, rel):
+        grads = cb.block_backward(call, pair.block(rel), pair.inputs, rows_saved, rows_cot,
+                                  lse_cotangent)
+        return accumulate(acc, grads)
+    branches = {HIDDEN: lambda acc: acc}
+    for rel in (FULL, PARTIAL, PARTIAL_AT_HOME):
+        branches[rel] = lambda acc, rel=rel: run(acc, rel)
+    return dispatch(pair.relation, pair.present, branches, acc)
+
+
 def forward(call: ContextCall, inputs: Inputs) -> Rows:
     """This shard's rows of the whole call: out (float32), lse (hi, lo), sinks joined."""
     qp = call.q_pieces
@@ -235,9 +267,9 @@ def forward(call: ContextCall, inputs: Inputs) -> Rows:
     start = [cb.empty_rows(b, qp.size, hq, dv, call.problem.lse_pair) for _ in range(qp.count)]
     start = jax.tree.map(lambda x: compat.vary_like(x, inputs.q), start)
     kv = (inputs.k, inputs.v, inputs.features.kv_segment_ids)
-    me = _shard(call)
+    me = shard_index(call)
     kp = call.k_pieces
-    keys = _Keys(0, kp.size)
+    keys = Keys(0, kp.size)
 
     def step(carry, s):
         kv, accs = carry
@@ -246,12 +278,8 @@ def forward(call: ContextCall, inputs: Inputs) -> Rows:
         held = [tuple(keys.of(x, kp, b_) for x in kv) for b_ in range(kp.count)]
         for a in range(qp.count):
             for b_ in range(kp.count):
-                pair = _Pair(call, inputs, held[b_], a, b_, me, s, keys)
-                branches = {HIDDEN: lambda acc: acc}
-                for rel in (FULL, PARTIAL, PARTIAL_AT_HOME):
-                    branches[rel] = (lambda acc, rel=rel, pair=pair: cb.merge(
-                        acc, cb.block_forward(call, pair.block(rel), pair.inputs)))
-                accs[a] = _dispatch(pair.relation, pair.present, branches, accs[a])
+                pair = Pair(call, inputs, held[b_], a, b_, me, s, keys)
+                accs[a] = forward_block(call, pair, accs[a])
         return (following, tuple(accs)), None
 
     (_, accs), _ = jax.lax.scan(step, (kv, tuple(start)), jax.lax.iota(jnp.int32, call.parts))
@@ -267,14 +295,14 @@ def backward(call: ContextCall, inputs: Inputs, saved: Saved, cotangents: Cotang
     qp, kp = call.q_pieces, call.k_pieces
     q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
     zero = _zero_after(saved.lse)
-    dqs = tuple(_zeros(qp.local_slice(q, a, 1), q, zero) for a in range(qp.count))
-    dbias = None if bias is None else _zeros(bias, q, zero)
+    dqs = tuple(zeros_varying(qp.local_slice(q, a, 1), q, zero) for a in range(qp.count))
+    dbias = None if bias is None else zeros_varying(bias, q, zero)
     count = rounds(call)
     size = kp.size // count
     dks = [[None] * count for _ in range(kp.count)]
     dvs = [[None] * count for _ in range(kp.count)]
     for r in range(count):
-        keys = _Keys(r * size, size)
+        keys = Keys(r * size, size)
         if r:
             zero = _zero_after(dqs[0])
         dqs, dbias, home = _backward_round(call, inputs, saved, cotangents, lse_cotangent,
@@ -300,7 +328,7 @@ def _zero_after(x):
     return jnp.minimum(jnp.isnan(first).astype(jnp.int32), 0)[0]
 
 
-def _zeros(x, q, zero=None):
+def zeros_varying(x, q, zero=None):
     """float32 zeros of x's shape, varying like q; made no earlier than `zero`."""
     value = jnp.zeros((), jnp.float32) if zero is None else zero.astype(jnp.float32)
     return compat.vary_like(jnp.broadcast_to(value, x.shape), q)
@@ -312,7 +340,7 @@ def _whole(parts):
 
 
 def _backward_round(call: ContextCall, inputs: Inputs, saved: Saved, cotangents: Cotangents,
-                    lse_cotangent: bool, keys: _Keys, acc, zero):
+                    lse_cotangent: bool, keys: Keys, acc, zero):
     """One ring of the part `keys` of every key piece: (dqs, dbias) `acc` with its blocks
     added, and the part's (dk, dv) per key piece, home. What it starts from is made no
     earlier than `zero`."""
@@ -320,32 +348,24 @@ def _backward_round(call: ContextCall, inputs: Inputs, saved: Saved, cotangents:
     ids = inputs.features.kv_segment_ids
     held = tuple(tuple(keys.of(x, kp, b_, zero) for x in (inputs.k, inputs.v, ids))
                  for b_ in range(kp.count))
-    dkv = tuple((_zeros(k_b, inputs.q, zero), _zeros(v_b, inputs.q, zero))
+    dkv = tuple((zeros_varying(k_b, inputs.q, zero), zeros_varying(v_b, inputs.q, zero))
                 for k_b, v_b, _ in held)
     rows = [cb.piece_rows(qp, a, saved, cotangents, zero) for a in range(qp.count)]
-    me = _shard(call)
+    me = shard_index(call)
 
     def step(carry, s):
         held, dkv, dqs, dbias = carry
         following = _send_on(held, call)
         received = _send_on(dkv, call)  # the accumulators of the keys held now
-        parts = [[_zeros(k_b, inputs.q), _zeros(v_b, inputs.q)] for k_b, v_b, _ in held]
+        parts = [[zeros_varying(k_b, inputs.q), zeros_varying(v_b, inputs.q)]
+                 for k_b, v_b, _ in held]
         dqs = list(dqs)
         for a in range(qp.count):
-            rows_saved, rows_cot = rows[a]
             for b_ in range(kp.count):
-                pair = _Pair(call, inputs, held[b_], a, b_, me, s, keys)
-
-                def run(acc, rel, pair=pair, rows_saved=rows_saved, rows_cot=rows_cot):
-                    grads = cb.block_backward(call, pair.block(rel), pair.inputs, rows_saved,
-                                              rows_cot, lse_cotangent)
-                    return _accumulate(acc, grads)
-                branches = {HIDDEN: lambda acc: acc}
-                for rel in (FULL, PARTIAL, PARTIAL_AT_HOME):
-                    branches[rel] = lambda acc, run=run, rel=rel: run(acc, rel)
-                dqs[a], parts[b_][0], parts[b_][1], dbias = _dispatch(
-                    pair.relation, pair.present, branches,
-                    (dqs[a], parts[b_][0], parts[b_][1], dbias))
+                pair = Pair(call, inputs, held[b_], a, b_, me, s, keys)
+                dqs[a], parts[b_][0], parts[b_][1], dbias = backward_block(
+                    call, pair, (dqs[a], parts[b_][0], parts[b_][1], dbias), rows[a],
+                    lse_cotangent)
         dkv = jax.tree.map(jnp.add, received, tuple(map(tuple, parts)))
         return (following, dkv, tuple(dqs), dbias), None
 
@@ -355,7 +375,7 @@ def _backward_round(call: ContextCall, inputs: Inputs, saved: Saved, cotangents:
     return dqs, dbias, _send_on(dkv, call)  # each accumulator home
 
 
-def _accumulate(acc, grads):
+def accumulate(acc, grads):
     dq, dk, dv, dbias = acc
     g_dq, g_dk, g_dv, g_dbias = grads
     add = lambda x, g: x + g.astype(jnp.float32)

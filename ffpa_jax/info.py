@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import tuning
-from ffpa_jax import context_local, validation
+from ffpa_jax import context_blocks, context_local, validation
 from ffpa_jax.backend import default_backend_is_nvidia_gpu
 from pallas_kernels import tiers
 from pallas_kernels.problem import DTYPES, Problem
@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mask", type=lambda t: _ints(t, 4), default=None, metavar="B,H,T,S",
                         help="a bool mask of this 4-D shape (each dim 1 or full)")
     parser.add_argument("--dropout", type=float, default=0.0, metavar="RATE")
+    parser.add_argument("--window", type=lambda t: _ints(t, 2), default=None, metavar="L,R",
+                        help="as attention()'s local_window_size (keys left and right of a "
+                             "query's diagonal)")
     parser.add_argument("--implementation", choices=[n for n in dispatch.IMPLEMENTATIONS if n],
                         default=None,
                         help="as attention()'s argument (default None: what a call picks)")
@@ -92,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "ring backward's rounds, each with why (JAX's device)")
     parser.add_argument("--context-layout", choices=("contiguous", "zigzag"),
                         default="contiguous", help="as attention()'s context_layout")
-    parser.add_argument("--context-strategy", choices=("ring", "all_gather"), default=None,
+    parser.add_argument("--context-strategy", choices=context_blocks.STRATEGIES, default=None,
                         help="as attention()'s context_strategy (default None: the rule)")
     return parser
 
@@ -163,12 +166,14 @@ def problem_of(args) -> Problem:
         sds((b, t, hq, d), dtype), sds((b, s, hkv, d), dtype),
         sds((b, s, hkv, args.dv or d), dtype), bias, mask, scale=None, is_causal=args.causal,
         dropout_rate=args.dropout, dropout_rng=rng, return_lse=False,
+        local_window_size=args.window,
         implementation=args.implementation, interpret=False)
     return call.problem
 
 
 def _describe(p: Problem) -> str:
     extras = ["causal" if p.causal else "not causal",
+              *([f"window {p.window}"] if p.window is not None else []),
               f"bias {p.bias_shape}" if p.bias_shape else "no bias",
               f"mask {p.mask_shape}" if p.mask_shape else "no mask",
               f"dropout {p.dropout_rate:g}" if p.dropout_rate else "no dropout"]

@@ -18,7 +18,9 @@ profiler trace. Results land under $OUT (default ./gpu_out).
   ring backward's keys in other numbers of rounds, $FFPA_RING_ROUNDS, and the chunked
   tier's workspace budget at 1 to 2 GiB, `env` of a configuration; the same on 2 GPUs);
   GQA 32/8, D=128, causal, N=131072 on 1 and 2 GPUs (the rule's strategy, and the ring
-  forced); GQA 8/1, D=512, N=65536 (the Gemma-shaped model's global layers) likewise. Each
+  forced); GQA 8/1, D=512, N=65536 (the Gemma-shaped model's global layers) likewise; its
+  local layers (window 1024, D=256, GQA 8/4, N=32768) on 1 GPU and on 4 by the ring and
+  by the halo. Each
   configuration runs in a process of its own (its peak memory is its own): TF/s per GPU,
   per-GPU peak memory, XLA's planned memory, the times to lower, compile and run once, and
   the ratios, in $OUT/cp_bench.json. A program planned beyond a GPU's memory is not run.
@@ -86,6 +88,16 @@ BENCH = [
     ("gqa8.1-d512-n64k-2gpu", dict(GQA512, gpus=2)),
     ("gqa8.1-d512-n64k-2gpu-ring", dict(GQA512, gpus=2, strategy="ring")),
 ]
+# The Gemma-shaped model's local layers at 32K: window 1024 (1023 keys left), D = 256,
+# GQA 8/4; over 4 GPUs by the ring and by the halo (the rule's), each layout.
+LOCAL = dict(d=256, hq=8, hkv=4, n=32768, causal=True, window=(1023, 0), layout="zigzag")
+BENCH += [
+    ("gemma-local-n32k-1gpu", dict(LOCAL, gpus=1)),
+    ("gemma-local-n32k-4gpu-ring", dict(LOCAL, gpus=4, strategy="ring")),
+    ("gemma-local-n32k-4gpu-halo", dict(LOCAL, gpus=4, strategy="halo")),
+    ("gemma-local-n32k-4gpu-halo-contiguous", dict(LOCAL, gpus=4, strategy="halo",
+                                                    layout="contiguous")),
+]
 BENCH_1M = [("d512-h8-n1m-4gpu", dict(BIG, n=1048576, gpus=4, iters=1)),
             ("d512-h8-n1m-4gpu-chunked", dict(BIG, n=1048576, gpus=4, iters=1,
                                               implementation="chunked"))]
@@ -102,7 +114,9 @@ RATIOS = [("d512-h8-n128k", "d512-h8-n128k-1gpu", "d512-h8-n128k-4gpu"),
           ("gqa32.8-d128-n128k-ring", "gqa32.8-d128-n128k-1gpu",
            "gqa32.8-d128-n128k-2gpu-ring"),
           ("gqa8.1-d512-n64k", "gqa8.1-d512-n64k-1gpu", "gqa8.1-d512-n64k-2gpu"),
-          ("gqa8.1-d512-n64k-ring", "gqa8.1-d512-n64k-1gpu", "gqa8.1-d512-n64k-2gpu-ring")]
+          ("gqa8.1-d512-n64k-ring", "gqa8.1-d512-n64k-1gpu", "gqa8.1-d512-n64k-2gpu-ring"),
+          *((f"gemma-local-n32k-{v}", "gemma-local-n32k-1gpu", f"gemma-local-n32k-4gpu-{v}")
+            for v in ("ring", "halo", "halo-contiguous"))]
 
 
 # ---------------------------------------------------------------- tests
@@ -132,6 +146,9 @@ def gpu_cases(gpus: int):
                    features=("dropout",), ring_rounds=2, **kw),
             CPCase(f"{gpus}gpu/{tier}/zigzag-ring-causal-bf16-2-rounds", layout="zigzag",
                    dtype="bfloat16", ring_rounds=2, **kw),
+            # the halo: a window's keys fetched from their owners
+            CPCase(f"{gpus}gpu/{tier}/zigzag-halo-window-bf16", layout="zigzag",
+                   strategy="halo", dtype="bfloat16", features=("window",), **kw),
         ]
     # The Mosaic tier (sm90, 16-bit): the layouts and strategies, causal or not, a window
     # reaching both ways (off-diagonal blocks partly visible), its features, rounds; D = 256
@@ -150,6 +167,10 @@ def gpu_cases(gpus: int):
                features=served, **bf16),
         CPCase(f"{gpus}gpu/mosaic/contiguous-ring-window-both-bf16", causal=False,
                features=("window_both", "softcap"), **bf16),
+        CPCase(f"{gpus}gpu/mosaic/contiguous-halo-features-bf16", strategy="halo",
+               features=served, **bf16),
+        CPCase(f"{gpus}gpu/mosaic/zigzag-halo-window-both-bf16", layout="zigzag",
+               strategy="halo", causal=False, features=("window_both",), **bf16),
         CPCase(f"{gpus}gpu/mosaic/zigzag-ring-causal-2-rounds-bf16", layout="zigzag",
                ring_rounds=2, **bf16),
         CPCase(f"{gpus}gpu/mosaic/zigzag-ring-causal-d256-bf16", layout="zigzag",
@@ -193,11 +214,15 @@ def run_tests(gpus: int) -> None:
 
 
 def flops(config: dict) -> float:
-    """Forward+backward FLOPs: 4·B·Hq·N²·D for the forward (half of it under causality),
-    2.5 times that for the backward."""
+    """Forward+backward FLOPs: 4·B·Hq·D per (query, key) pair a query sees for the forward
+    (N² pairs, half of them under causality; under a causal window of W keys left, row i
+    sees min(i, W) + 1), 2.5 times that for the backward."""
     n, d, hq = config["n"], config["d"], config["hq"]
-    forward = 4.0 * hq * n * n * d * (0.5 if config["causal"] else 1.0)
-    return 3.5 * forward
+    pairs = n * n * (0.5 if config["causal"] else 1.0)
+    if config.get("window") is not None:
+        w = config["window"][0]
+        pairs = (w + 1) * n - w * (w + 1) / 2
+    return 3.5 * 4.0 * hq * d * pairs
 
 
 def bench_one(config: dict, trace_dir: str | None = None) -> dict:
@@ -220,7 +245,8 @@ def bench_one(config: dict, trace_dir: str | None = None) -> dict:
                                 for k, s in zip(jax.random.split(key, 4), shapes)],
                    out_shardings=[split] * 4)
     q, k, v, d_out = make(jax.random.key(0))  # zigzag order or not: random either way
-    kw = dict(is_causal=config["causal"], implementation=config.get("implementation"))
+    kw = dict(is_causal=config["causal"], implementation=config.get("implementation"),
+              local_window_size=config.get("window"))
     if gpus == 1:
         attn = lambda q, k, v: ffpa_jax.attention(q, k, v, **kw)
     else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 import time
@@ -361,8 +362,8 @@ def simulated_h100():
 def mosaic_lowering_report(devices: int = 4) -> dict:
     """Whether a context-parallel call with its blocks on the Mosaic tier lowers for CUDA
     (forward and backward, a simulated H100, `devices` CPU devices) inside a shard_map: the
-    ring with zigzag, and the all-gather. Each entry: the number of Mosaic GPU kernel calls
-    in the lowered program, or the error. (Under jit alone, sequence-sharded inputs are
+    ring with zigzag, the all-gather, and the halo of a window with zigzag. Each entry: the
+    number of Mosaic GPU kernel calls in the lowered program, or the error. (Under jit alone, sequence-sharded inputs are
     split when the program is partitioned, which lowering for CUDA here does not reach.)"""
     mesh = jax.make_mesh((devices,), (AXIS,), devices=jax.devices()[:devices],
                          axis_types=(jax.sharding.AxisType.Auto,))
@@ -377,7 +378,9 @@ def mosaic_lowering_report(devices: int = 4) -> dict:
             mesh=mesh, in_specs=(P(None, AXIS),) * 3, out_specs=P(None, AXIS))
     calls = dict(
         ring_zigzag=in_shard_map(context_layout="zigzag", context_strategy="ring"),
-        all_gather=in_shard_map(context_strategy="all_gather"))
+        all_gather=in_shard_map(context_strategy="all_gather"),
+        halo_zigzag=in_shard_map(context_layout="zigzag", context_strategy="halo",
+                                 local_window_size=(100, 0)))
     report = {}
     with simulated_h100(), jax.set_mesh(mesh):
         for name, attn in calls.items():
@@ -389,6 +392,27 @@ def mosaic_lowering_report(devices: int = 4) -> dict:
                 report[name] = text.count("mosaic_gpu")
             except Exception as e:  # noqa: BLE001  (reported; the test shows it)
                 report[name] = f"{type(e).__name__}: {e}"[:1500]
+    return report
+
+
+def permuted_keys_report(devices: int = 4) -> dict:
+    """The keys (dim 1) of every array a context-parallel call's forward and backward pass
+    between devices (`collective_permute` in the lowered program), per strategy: a causal
+    window of 100 keys, T = 1024 per device, contiguous, on the dense tier."""
+    mesh = jax.make_mesh((devices,), (AXIS,), devices=jax.devices()[:devices],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    x = jax.ShapeDtypeStruct((1, 1024 * devices, 2, 16), jnp.float32)
+    report = {}
+    for strategy in ("halo", "ring"):
+        attn = jax.shard_map(
+            functools.partial(ffpa_jax.attention, is_causal=True, local_window_size=(100, 0),
+                              implementation="xla", context_axis=AXIS,
+                              context_strategy=strategy),
+            mesh=mesh, in_specs=(P(None, AXIS),) * 3, out_specs=P(None, AXIS))
+        loss = lambda q, k, v, attn=attn: jnp.sum(attn(q, k, v))  # noqa: E731
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower().as_text()
+        report[strategy] = [int(shape.split("x")[1]) for shape in re.findall(
+            r'"stablehlo.collective_permute".*: \(tensor<([0-9x]+)', text)]
     return report
 
 

@@ -102,6 +102,26 @@ CASES = [
     # the user's shard_map, where a shard's batch offset is not known: none is needed).
     CPCase("data2x2-allgather-shared-dropout", data=2, b=2, strategy="all_gather",
            features=("shared_dropout",)),
+    # The halo: a shard fetches the keys its queries see (a window) from their owners. At
+    # 2048 tokens a shard's fetched ranges start inside other shards' pieces (on tiles of
+    # 128 keys); at 64 they are whole pieces. A window on both sides fetches from both
+    # neighbours.
+    CPCase("contiguous-halo-window", strategy="halo", t=2048, hq=2, hkv=1, d=8,
+           features=("window",)),
+    CPCase("zigzag-halo-window-both-segments", layout="zigzag", strategy="halo", causal=False,
+           t=2048, hq=2, hkv=1, d=8, b=2, features=("window_both", "segments")),
+    CPCase("zigzag-halo-features", layout="zigzag", strategy="halo", b=2, features=FEATURES),
+    CPCase("contiguous-halo-dropout", strategy="halo",
+           **dict(DROP, t=2048, features=("dropout", "window"))),
+    CPCase("bf16-zigzag-halo-window", layout="zigzag", strategy="halo", t=2048, hq=2, hkv=1,
+           d=8, dtype="bfloat16", features=("window", "sinks")),
+    CPCase("8dev-zigzag-halo-window", devices=8, layout="zigzag", strategy="halo", t=2048,
+           hq=2, hkv=1, d=8, features=("window",)),
+    # The rule picks the halo (a narrow window) inside a shard_map and under jit.
+    CPCase("zigzag-rule-window", layout="zigzag", strategy=None, t=2048, hq=2, hkv=1, d=8,
+           features=("window",)),
+    CPCase("jit-auto-halo", strategy="halo", mode=JIT_AUTO, t=2048, hq=2, hkv=1, d=8,
+           features=("window",)),
     *_tier_cases("pallas", interpret=True),
     *_tier_cases("chunked", interpret=False),
 ]
@@ -150,8 +170,9 @@ def _worker(slow: bool) -> None:
         from context_parallel_checks import mosaic_lowering_report
         report[MOSAIC_LOWERING] = mosaic_lowering_report()
     else:
-        from context_parallel_checks import ring_rounds_memory_report
+        from context_parallel_checks import permuted_keys_report, ring_rounds_memory_report
         report[ROUNDS_MEMORY] = ring_rounds_memory_report()
+        report[PERMUTED_KEYS] = permuted_keys_report()
     print(json.dumps(report))
 
 
@@ -202,7 +223,7 @@ def test_blocks_on_the_mosaic_tier_lower_for_cuda(cpu_report_slow):
     report = cpu_report_slow[MOSAIC_LOWERING]
     for name, kernels in report.items():
         assert isinstance(kernels, int) and kernels > 0, f"{name}: {kernels}"
-    assert set(report) == {"ring_zigzag", "all_gather"}
+    assert set(report) == {"ring_zigzag", "all_gather", "halo_zigzag"}
 
 
 ROUNDS_MEMORY = "ring-rounds-memory"
@@ -217,6 +238,18 @@ def test_the_ring_backward_in_rounds_holds_less(cpu_report):
     report = cpu_report[ROUNDS_MEMORY]
     saved = report["1"] - report["4"]
     assert saved >= report["accumulators"], report
+
+
+PERMUTED_KEYS = "permuted-keys"
+
+
+def test_the_halo_passes_only_the_windows_keys(cpu_report):
+    """Under a causal window of 100 keys, contiguous shards of 1024: the halo passes one
+    tile of 128 keys per array (K, V forward; K, V again and their dK, dV backward), the
+    ring whole shards, each around the axis."""
+    report = cpu_report[PERMUTED_KEYS]
+    assert report["halo"] == [128] * 6, report
+    assert report["ring"] and set(report["ring"]) == {1024}, report
 
 
 # ---------------------------------------------------------------- in-process
@@ -284,13 +317,63 @@ def test_strategy_rule():
     assert choose(odd, 4, "contiguous") == "all_gather"
     with pytest.raises(ValueError, match="multiple of 128"):
         choose(odd, 4, "contiguous", "ring")
-    # Few KV heads under causality or a window: the all-gather only where its blocks' tiers
-    # skip what those hide by a runtime shift (else the ring); without them, either way.
-    for hidden in (dict(causal=True), dict(window=(64, 0))):
+    # Few KV heads under causality or a window wider than a shard: the all-gather only where
+    # its blocks' tiers skip what those hide by a runtime shift (else the ring); without
+    # them, either way.
+    for hidden in (dict(causal=True), dict(window=(2048, 0))):
         assert choose(_problem(heads_kv=2, **hidden), 4, "zigzag", gather_skips=False) == "ring"
         assert choose(_problem(heads_kv=2, **hidden), 4, "zigzag",
                       gather_skips=lambda: True) == "all_gather"
     assert choose(_problem(heads_kv=2), 4, "zigzag", gather_skips=False) == "all_gather"
+    # A window that shows a shard at most one shard's keys of the others: the halo, first,
+    # whatever the KV heads; a wider one: as without it.
+    for layout in ("contiguous", "zigzag"):
+        for heads_kv in (8, 2):
+            narrow = _problem(heads_kv=heads_kv, causal=True, window=(500, 0))
+            assert choose(narrow, 4, layout, gather_skips=False) == "halo"
+    assert choose(_problem(causal=True, window=(3000, 0)), 4, "contiguous") == "ring"
+    # a shard of 1024 keys: a window of 1024 keys left sees all of the shard before, one
+    # more key a tile of the one before that
+    assert choose(_problem(causal=True, window=(1024, 0)), 4, "contiguous") == "halo"
+    assert choose(_problem(causal=True, window=(1025, 0)), 4, "contiguous") == "ring"
+    # ... and it keeps dropout's tiles as the ring does
+    with pytest.raises(ValueError, match="context_strategy='halo' with dropout"):
+        choose(odd, 4, "contiguous", "halo")
+
+
+@pytest.mark.parametrize("layout,parts,local,causal,window", [
+    ("contiguous", 4, 512, True, (200, 0)), ("contiguous", 4, 512, False, (130, 300)),
+    ("zigzag", 4, 1024, True, (300, 0)), ("zigzag", 3, 1024, False, (700, 40)),
+    ("contiguous", 2, 384, True, (383, 0)), ("zigzag", 8, 256, True, (100, 0))])
+def test_the_halo_fetches_the_tiles_of_the_keys_a_shard_sees(layout, parts, local, causal,
+                                                             window):
+    """Each fetch is the smallest range in whole tiles of 128 keys (or to a piece's end)
+    that holds every key of that piece of shard i - step which some query of shard i sees,
+    by the element rule; steps and pieces with none are not fetched."""
+    from ffpa_jax import context_halo
+    from ffpa_jax.context_blocks import ContextCall
+    n = parts * local
+    call = ContextCall(problem=_problem(seq_q=n, seq_k=n, causal=causal, window=window),
+                       axis=None, parts=parts, layout=layout, strategy="halo")
+    qp, kp = call.q_pieces, call.k_pieces
+    want = {}
+    for step in range(1, parts):
+        for piece in range(kp.count):
+            seen = np.zeros(kp.size, bool)
+            for i in range(parts):
+                rows = np.concatenate([np.arange(qp.start(i, a), qp.start(i, a) + qp.size)
+                                       for a in range(qp.count)])[:, None]
+                cols = kp.start((i - step) % parts, piece) + np.arange(kp.size)[None, :]
+                sees = (cols >= rows - window[0]) & (cols <= rows + window[1])
+                if causal:
+                    sees &= cols <= rows
+                seen |= sees.any(axis=0)
+            if seen.any():
+                first, last = np.flatnonzero(seen)[[0, -1]]
+                lo, hi = first // 128 * 128, min(-(-(last + 1) // 128) * 128, kp.size)
+                want[step, piece] = (lo, hi - lo)
+    got = {(f.step, f.piece): (f.keys.offset, f.keys.size) for f in context_halo.fetches(call)}
+    assert got == want
 
 
 @pytest.mark.parametrize("implementation,interpret,skips", [
@@ -371,7 +454,7 @@ def test_the_rings_diagonal_blocks_carry_their_shift():
     assert [context_ring.home_shift(zig, a, b) for a in (0, 1) for b in (0, 1)] == [
         0, None, None, 0]
     half = zig.k_pieces.size // 2  # two rounds: each diagonal block's keys in two parts
-    assert [context_ring.home_shift(zig, 1, 1, context_ring._Keys(r * half, half))
+    assert [context_ring.home_shift(zig, 1, 1, context_ring.Keys(r * half, half))
             for r in (0, 1)] == [0, -half]
     assert Block(128, 128, PARTIAL, 0) in context_ring.blocks(zig, 0, 0)
     assert context_ring.home_shift(call("contiguous", 1024, 1024), 0, 0) == 0

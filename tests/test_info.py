@@ -166,6 +166,31 @@ def test_a_context_parallel_call_says_its_strategy_blocks_and_rounds(env):
     assert info("--context-parallel", "4", env=env).returncode == 2
 
 
+def test_a_windowed_context_parallel_call_says_what_its_halo_fetches(env):
+    """--window: the Gemma-shaped model's local layer at 32K over 4 devices (shards of
+    8192; zigzag chunks of 4096): the halo fetches the last 1024 keys of the shard before
+    (contiguous), or of a chunk on each neighbour (zigzag)."""
+    base = ("--shape", "1,32768,8,256", "--kv-heads", "4", "--causal", "--window", "1023,0",
+            "--implementation", "xla", "--context-parallel", "4")
+    contiguous = info(*base, env=env)
+    assert contiguous.returncode == 0, contiguous.stderr
+    flat = unfolded(contiguous.stdout)
+    assert "window (1023, 0)" in flat
+    assert ("strategy: halo <- the window shows a shard 1024 keys of the others (at most its "
+            "own 8192): fetched from their owners alone") in flat
+    assert ("halo: 1024 keys fetched; 1024 of key piece 0 of shard i - 1 (from its key "
+            "7168)") in flat
+    assert "forward block 8192 x 1024, partly visible (its place given at run time)" in flat
+    assert "backward rounds" not in flat
+    zigzag = info(*base, "--context-layout", "zigzag", env=env)
+    assert zigzag.returncode == 0, zigzag.stderr
+    assert ("halo: 2048 keys fetched; 1024 of key piece 0 of shard i - 1 (from its key 3072); "
+            "1024 of key piece 1 of shard i - 3 (from its key 3072)") in unfolded(zigzag.stdout)
+    ring = info(*base, "--context-strategy", "ring", env=env)
+    assert ring.returncode == 0 and "strategy: ring <- context_strategy='ring' given" in (
+        unfolded(ring.stdout))
+
+
 def test_a_path_longer_than_a_line_folds_after_a_slash():
     from ffpa_jax import info as info_module
     path = "/tmp/" + "/".join(f"folder{i:02d}" for i in range(14))

@@ -17,6 +17,7 @@ from ffpa_jax.bench import report
 from ffpa_jax.bench.cases import KINDS, BenchCase
 from ffpa_jax.bench.measure import DTYPES, measure
 from ffpa_jax.bench.peers import FFPA, PEERS
+from ffpa_jax.context_blocks import STRATEGIES
 
 COMPILE_TARGET_S = 10.0
 CPU_NOTE = ("No GPU found: running small shapes through the Pallas interpreter and XLA on the "
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "sequence split over them (default: all of the process's)")
     shape.add_argument("--context-layout", choices=["zigzag", "contiguous"], default="zigzag",
                        help="the context-parallel case's layout (default zigzag)")
-    shape.add_argument("--context-strategy", choices=["ring", "all_gather"],
+    shape.add_argument("--context-strategy", choices=list(STRATEGIES),
                        help="the context-parallel case's strategy (default: the rule's)")
     opts = parser.add_argument_group("options for every case")
     opts.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
