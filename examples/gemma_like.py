@@ -505,17 +505,23 @@ def sequence_mesh(devices: int) -> jax.sharding.Mesh:
                          axis_types=(jax.sharding.AxisType.Auto,))
 
 
+# The waited-for steps `--profile` traces: past the first two (the first step's one-time
+# work, then one that may still finish it), three steps.
+PROFILED = range(2, 5)
+
+
 def run_steps(cfg: GemmaLikeConfig, init, data_key: jax.Array, tx: optax.GradientTransformation,
               *, steps: int, batch: int, seq_len: int, progress: bool = False,
-              mesh: jax.sharding.Mesh | None = None,
-              back_to_back: bool = False) -> tuple[Timings, np.ndarray]:
+              mesh: jax.sharding.Mesh | None = None, back_to_back: bool = False,
+              profile_dir: str | None = None) -> tuple[Timings, np.ndarray]:
     """Train `steps` steps from `init` with `tx`; returns the timings and the per-token
     losses of every step [steps, batch, seq_len] (float64). Each step is waited for (its
     loss read) before the next is dispatched, so its time includes the host's dispatch and
     the loss's copy, which a training loop that reads its loss only now and then hides
     behind the device's work. With `back_to_back`, the steps after the first are then run
     again on the trained state that way (dispatched in turn, waited for once) and their mean
-    is `Timings.back_to_back_step_s`. With a `mesh` (see
+    is `Timings.back_to_back_step_s`. With `profile_dir`, a JAX profiler trace of the
+    waited-for steps PROFILED (the 3rd to the 5th) is written there. With a `mesh` (see
     `sequence_mesh`) the tokens are split along the sequence over its devices and the
     parameters and optimizer state replicated: the model's sharding follows the tokens',
     and ffpa_jax's attention runs context-parallel in a shard_map over the mesh's axis
@@ -555,6 +561,8 @@ def run_steps(cfg: GemmaLikeConfig, init, data_key: jax.Array, tx: optax.Gradien
         seconds, losses, per_token = [], [], []
         for i in range(steps):
             inputs, targets = jax.block_until_ready(batch_of(keys[i]))
+            if profile_dir is not None and i == PROFILED.start:
+                jax.profiler.start_trace(profile_dir, create_perfetto_trace=True)
             start = time.perf_counter()
             state, loss, token_losses = compiled(state, inputs, targets)
             loss = float(loss)  # waits for the step
@@ -563,6 +571,8 @@ def run_steps(cfg: GemmaLikeConfig, init, data_key: jax.Array, tx: optax.Gradien
             if zigzagged:
                 token_losses = ffpa_jax.unzigzag(token_losses, parts, axis=1)
             per_token.append(np.asarray(token_losses, np.float64))
+            if profile_dir is not None and i == PROFILED.stop - 1:
+                jax.profiler.stop_trace()
             if bar:
                 bar.update(i + 1, f"loss {loss:.4f}  {1e3 * seconds[-1]:.1f} ms/step")
         if bar:
@@ -813,6 +823,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "devices: zigzag (each device an early and a late chunk, causal work "
                           "balanced; --seq-len a multiple of 2N) or contiguous (device i the "
                           "i-th part). Default: zigzag for ffpa; jax.nn takes contiguous only")
+    run.add_argument("--profile", metavar="DIR",
+                     help=f"write a JAX profiler trace of waited-for steps {PROFILED.start + 1} "
+                          f"to {PROFILED.stop} to DIR (TensorBoard, Perfetto; "
+                          "scripts/step_profile.py DIR sums it by kernel); needs --steps "
+                          f">= {PROFILED.stop}")
     run.add_argument("--json", metavar="PATH",
                      help="also write the run's record (devices, attention, timings, tokens/s, "
                           "peak memory per device, losses, the check's verdict; or that it "
@@ -887,6 +902,9 @@ def config_from_args(args, parser: argparse.ArgumentParser) -> tuple[GemmaLikeCo
         if heads % kind.kv_heads:
             parser.error(f"--heads {heads} is not a multiple of the {kind.name} layers' "
                          f"{kind.kv_heads} KV heads")
+    if args.profile is not None and _given_or(args.steps, preset.steps) < PROFILED.stop:
+        parser.error(f"--profile traces steps {PROFILED.start + 1} to {PROFILED.stop}: pass "
+                     f"--steps {PROFILED.stop} or more")
     if not args.lr > 0:
         parser.error(f"--lr must be positive; got {args.lr}")
     implementation = None if args.ffpa_implementation == "auto" else args.ffpa_implementation
@@ -945,7 +963,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         timings, _ = run_steps(cfg, init, data_key, optax.adam(run["lr"]), steps=run["steps"],
                                batch=run["batch"], seq_len=run["seq_len"], progress=True,
-                               mesh=mesh, back_to_back=True)
+                               mesh=mesh, back_to_back=True, profile_dir=args.profile)
     except jax.errors.JaxRuntimeError as error:
         return out_of_memory_exit(error, f"{cfg.attention} at {run['batch']} x "
                                          f"{run['seq_len']} tokens", args.json, record)

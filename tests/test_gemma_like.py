@@ -112,6 +112,26 @@ def test_the_sequence_split_over_four_devices_gives_one_devices_losses(tmp_path)
     assert all(r["loss_check"] is None for r in (one, four, four_contiguous))
 
 
+def test_profile_writes_a_trace_that_step_profile_sums(tmp_path):
+    """--profile DIR traces three waited-for steps; scripts/step_profile.py reads the trace
+    and sums its events per step (on a CPU only the host's)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import step_profile
+    assert gemma_like.main(["--steps", "5", "--no-check", "--profile", str(tmp_path)]) == 0
+    summary = step_profile.summarize(step_profile.trace_events(tmp_path), steps=3, top=50)
+    host = [entry for name, entry in summary.items() if "host" in name.lower()]
+    assert host and host[0]["events_per_step"], summary
+    assert any("step" in name for name, _, _ in host[0]["events_per_step"]), host
+
+
+def test_step_profile_busy_time_is_the_union_of_the_kernels():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import step_profile
+    busy, gaps = step_profile.busy_and_gaps([(5, 12, "b"), (0, 10, "a"), (20, 25, "c"),
+                                             (21, 22, "d")])
+    assert busy == 17 and gaps == [(8, "b", "c")]
+
+
 def test_an_out_of_memory_run_is_recorded(tmp_path):
     path = tmp_path / "oom.json"
     error = RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1 bytes\nmore")
@@ -189,6 +209,7 @@ def test_the_global_layers_rotate_a_quarter_of_the_frequency_pairs():
     (["--devices", "64", "--context-layout", "contiguous"], "--devices 64: there are "),
     (["--attention", "jax.nn", "--context-layout", "zigzag"],
      "--context-layout zigzag needs --attention ffpa"),
+    (["--profile", "dir", "--steps", "4"], "--profile traces steps 3 to 5: pass --steps 5"),
     (["--devices", "2", "--seq-len", "66"],
      "--seq-len 66 is not a multiple of 2 x --devices 2"),
 ])
