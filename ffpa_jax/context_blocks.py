@@ -159,6 +159,10 @@ class Rows(NamedTuple):
     lo: Any = None
 
 
+# Both directions of a block run under jit, so that the blocks of one static shape in a
+# program (a ring's steps and pieces, a model's layers) share one traced and lowered
+# function instead of lowering their kernels at every call.
+@functools.partial(jax.jit, static_argnums=(0, 1))
 def block_forward(call: ContextCall, block: Block, inputs: Inputs) -> Rows:
     """The block's out (float32) and lse, on its plan's forward tier. `inputs` are the
     block's (their features carry its positions)."""
@@ -168,6 +172,7 @@ def block_forward(call: ContextCall, block: Block, inputs: Inputs) -> Rows:
     return Rows(out.astype(jnp.float32), hi, lo)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 5))
 def block_backward(call: ContextCall, block: Block, inputs: Inputs, saved: Saved,
                    cotangents: Cotangents, lse_cotangent: bool):
     """(dq, dk, dv, dbias) of the block given the merged out and lse of its rows (`saved`):

@@ -429,9 +429,13 @@ class ShardLocal:
     # -- the custom_partitioning op for one layout ------------------------------
     def _build(self, layout: _Layout):
         n_out = len(layout.out_roles)
+        # Under jit, so that the calls of one layout in a program (a model's layers) share
+        # one traced and lowered function: JAX lowers a jitted function's jaxpr once per
+        # program, where the kernels of every call would be lowered anew.
+        kernels = jax.jit(lambda *arrays: self._call_kernels(layout, arrays))
 
         def plain(*arrays):
-            return self._call_kernels(layout, arrays)
+            return kernels(*arrays)
 
         def shardings_for(mesh, batch_axes, head_axes, seq):
             seq = None if seq is None else seq[0]

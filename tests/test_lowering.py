@@ -342,6 +342,27 @@ def test_forward_and_backward_lower_inside_shard_map_with_check_vma(monkeypatch)
     assert text.count("__gpu$xla.gpu.triton") == 4  # forward, preproc, dq, dkdv
 
 
+def test_layers_of_one_shape_share_their_lowered_kernels(monkeypatch):
+    """A model's layers of one shape lower their kernels once: three calls of the same
+    shapes (forward and backward) hold the four Triton kernels of one, and a call of
+    another head dim adds its own four."""
+    import ffpa_jax
+
+    pretend_nvidia_gpu(monkeypatch)
+    x, wide = sd((2, 96, 4, 64), jnp.bfloat16), sd((2, 96, 4, 128), jnp.bfloat16)
+
+    def model(q, k, v, q2):
+        h = q
+        for _ in range(3):
+            h = ffpa_jax.attention(h, k, v, is_causal=True)
+        return jnp.sum(h.astype(jnp.float32)) + jnp.sum(
+            ffpa_jax.attention(q2, q2, q2).astype(jnp.float32))
+
+    text = jax.jit(jax.grad(model, argnums=(0, 1, 2, 3))).trace(x, x, x, wide).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 8
+
+
 @pytest.mark.parametrize("t,d", [(128, 256), (128, 512), (100, 1000), (1, 512)],
                          ids=lambda x: str(x))
 def test_returned_lse_lowers_the_precise_kernel(t, d, monkeypatch):
