@@ -118,7 +118,9 @@ def _held(call: ContextCall, inputs: Inputs) -> list[tuple[Fetch, tuple]]:
     fetch, the latter moved from their owners, one collective per step."""
     kp = call.k_pieces
     arrays = (inputs.k, inputs.v, inputs.features.kv_segment_ids)
-    own = lambda f: tuple(f.keys.of(x, kp, f.piece) for x in arrays)  # noqa: E731
+
+    def own(f: Fetch):
+        return tuple(f.keys.of(x, kp, f.piece) for x in arrays)
     held = [(f, own(f)) for f in _local(call)]
     remote = fetches(call)
     for step in sorted({f.step for f in remote}):
