@@ -29,9 +29,8 @@ import jax.numpy as jnp
 from ffpa_jax import context_blocks as cb
 from ffpa_jax import context_ring
 from ffpa_jax.context_blocks import HIDDEN, Block, ContextCall, Rows
-from ffpa_jax.context_ring import (Keys, Pair, backward_block, forward_block, shard_index,
-                                   zeros_varying)
-from pallas_kernels import compat
+from ffpa_jax.context_ring import (Keys, Pair, backward_block, empty_pieces, forward_block,
+                                   joined_pieces, send_on, shard_index, zeros_varying)
 from pallas_kernels.problem import Cotangents, Inputs, Saved
 
 # A fetched range starts and ends on whole tiles of keys (where its piece allows): the
@@ -107,12 +106,6 @@ def _local(call: ContextCall) -> tuple[Fetch, ...]:
     return tuple(Fetch(0, b, Keys(0, call.k_pieces.size)) for b in range(call.k_pieces.count))
 
 
-def _moved(call: ContextCall, x, step: int):
-    """`x` (a pytree) from every shard i to shard i + step (a negative step: back)."""
-    perm = [(i, (i + step) % call.parts) for i in range(call.parts)]
-    return jax.lax.ppermute(x, call.axis, perm)
-
-
 def _held(call: ContextCall, inputs: Inputs) -> list[tuple[Fetch, tuple]]:
     """(fetch, (k, v, kv segment ids) of its keys) for the shard's own pieces and for every
     fetch, the latter moved from their owners, one collective per step."""
@@ -125,7 +118,7 @@ def _held(call: ContextCall, inputs: Inputs) -> list[tuple[Fetch, tuple]]:
     remote = fetches(call)
     for step in sorted({f.step for f in remote}):
         at_step = [f for f in remote if f.step == step]
-        moved = _moved(call, [own(f) for f in at_step], step)
+        moved = send_on([own(f) for f in at_step], call, step)
         held += list(zip(at_step, moved))
     return held
 
@@ -137,17 +130,12 @@ def _pair(call: ContextCall, inputs: Inputs, fetch: Fetch, held, a: int, me) -> 
 
 def forward(call: ContextCall, inputs: Inputs) -> Rows:
     """This shard's rows of the whole call: out (float32), lse (hi, lo), sinks joined."""
-    qp = call.q_pieces
-    b, _, hq, _ = inputs.q.shape
-    dv = inputs.v.shape[3]
-    accs = [cb.empty_rows(b, qp.size, hq, dv, call.problem.lse_pair) for _ in range(qp.count)]
-    accs = jax.tree.map(lambda x: compat.vary_like(x, inputs.q), accs)
+    accs = empty_pieces(call, inputs)
     me = shard_index(call)
     for fetch, held in _held(call, inputs):
-        for a in range(qp.count):
+        for a in range(call.q_pieces.count):
             accs[a] = forward_block(call, _pair(call, inputs, fetch, held, a, me), accs[a])
-    accs = [cb.join_sinks(acc, inputs.features.sinks) for acc in accs]
-    return cb.joined_rows(accs)
+    return joined_pieces(accs, inputs)
 
 
 def backward(call: ContextCall, inputs: Inputs, saved: Saved, cotangents: Cotangents,
@@ -170,7 +158,7 @@ def backward(call: ContextCall, inputs: Inputs, saved: Saved, cotangents: Cotang
         (own if fetch.step == 0 else sent.setdefault(fetch.step, {}))[fetch] = (dk_f, dv_f)
     pieces = {f.piece: grads for f, grads in own.items()}
     for step, grads in sent.items():  # each fetched range's dK, dV back to its owner
-        back = _moved(call, list(grads.values()), -step)
+        back = send_on(list(grads.values()), call, -step)
         for fetch, (dk_f, dv_f) in zip(grads, back):
             pieces[fetch.piece] = tuple(_added(x, g, fetch.keys.offset)
                                         for x, g in zip(pieces[fetch.piece], (dk_f, dv_f)))

@@ -53,11 +53,12 @@ ROUNDS_ENV = "FFPA_RING_ROUNDS"
 PARTIAL_AT_HOME = 3
 
 
-def _send_on(x, call: ContextCall):
-    """`x` (a pytree) from every shard to the next one around the axis."""
+def send_on(x, call: ContextCall, step: int = 1):
+    """`x` (a pytree) from every shard i to shard i + step around the axis (a negative step:
+    back)."""
     if call.parts == 1:
         return x
-    perm = [(i, (i + 1) % call.parts) for i in range(call.parts)]
+    perm = [(i, (i + step) % call.parts) for i in range(call.parts)]
     return jax.lax.ppermute(x, call.axis, perm)
 
 
@@ -259,13 +260,23 @@ def backward_block(call: ContextCall, pair: Pair, acc, rows, lse_cotangent: bool
     return dispatch(pair.relation, pair.present, branches, acc)
 
 
+def empty_pieces(call: ContextCall, inputs: Inputs) -> list[Rows]:
+    """The merge's start for each query piece of this shard (no keys seen), varying like q."""
+    b, _, hq, _ = inputs.q.shape
+    rows = [cb.empty_rows(b, call.q_pieces.size, hq, inputs.v.shape[3], call.problem.lse_pair)
+            for _ in range(call.q_pieces.count)]
+    return jax.tree.map(lambda x: compat.vary_like(x, inputs.q), rows)
+
+
+def joined_pieces(accs, inputs: Inputs) -> Rows:
+    """This shard's rows from its query pieces' merged rows, the sinks joined."""
+    return cb.joined_rows([cb.join_sinks(acc, inputs.features.sinks) for acc in accs])
+
+
 def forward(call: ContextCall, inputs: Inputs) -> Rows:
     """This shard's rows of the whole call: out (float32), lse (hi, lo), sinks joined."""
     qp = call.q_pieces
-    b, _, hq, _ = inputs.q.shape
-    dv = inputs.v.shape[3]
-    start = [cb.empty_rows(b, qp.size, hq, dv, call.problem.lse_pair) for _ in range(qp.count)]
-    start = jax.tree.map(lambda x: compat.vary_like(x, inputs.q), start)
+    start = empty_pieces(call, inputs)
     kv = (inputs.k, inputs.v, inputs.features.kv_segment_ids)
     me = shard_index(call)
     kp = call.k_pieces
@@ -273,7 +284,7 @@ def forward(call: ContextCall, inputs: Inputs) -> Rows:
 
     def step(carry, s):
         kv, accs = carry
-        following = _send_on(kv, call)
+        following = send_on(kv, call)
         accs = list(accs)
         held = [tuple(keys.of(x, kp, b_) for x in kv) for b_ in range(kp.count)]
         for a in range(qp.count):
@@ -283,9 +294,7 @@ def forward(call: ContextCall, inputs: Inputs) -> Rows:
         return (following, tuple(accs)), None
 
     (_, accs), _ = jax.lax.scan(step, (kv, tuple(start)), jax.lax.iota(jnp.int32, call.parts))
-    sinks = inputs.features.sinks
-    accs = [cb.join_sinks(acc, sinks) for acc in accs]
-    return cb.joined_rows(accs)
+    return joined_pieces(accs, inputs)
 
 
 def backward(call: ContextCall, inputs: Inputs, saved: Saved, cotangents: Cotangents,
@@ -355,8 +364,8 @@ def _backward_round(call: ContextCall, inputs: Inputs, saved: Saved, cotangents:
 
     def step(carry, s):
         held, dkv, dqs, dbias = carry
-        following = _send_on(held, call)
-        received = _send_on(dkv, call)  # the accumulators of the keys held now
+        following = send_on(held, call)
+        received = send_on(dkv, call)  # the accumulators of the keys held now
         parts = [[zeros_varying(k_b, inputs.q), zeros_varying(v_b, inputs.q)]
                  for k_b, v_b, _ in held]
         dqs = list(dqs)
@@ -372,7 +381,7 @@ def _backward_round(call: ContextCall, inputs: Inputs, saved: Saved, cotangents:
     dqs, dbias = acc
     carry = (held, dkv, dqs, dbias)
     (_, dkv, dqs, dbias), _ = jax.lax.scan(step, carry, jax.lax.iota(jnp.int32, call.parts))
-    return dqs, dbias, _send_on(dkv, call)  # each accumulator home
+    return dqs, dbias, send_on(dkv, call)  # each accumulator home
 
 
 def accumulate(acc, grads):
