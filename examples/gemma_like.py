@@ -565,7 +565,10 @@ def run_steps(cfg: GemmaLikeConfig, init, data_key: jax.Array, tx: optax.Gradien
                 jax.profiler.start_trace(profile_dir, create_perfetto_trace=True)
             start = time.perf_counter()
             state, loss, token_losses = compiled(state, inputs, targets)
-            loss = float(loss)  # waits for the step
+            # The whole step on every device: reading the loss alone waits for the device
+            # that holds the copy read, and a later device's tail would be timed nowhere.
+            jax.block_until_ready((state, loss, token_losses))
+            loss = float(loss)
             seconds.append(time.perf_counter() - start)
             losses.append(loss)
             if zigzagged:

@@ -132,13 +132,14 @@ def unsupported(call: ContextCall, block: Block) -> list[str]:
     return out
 
 
-def skips_by_runtime_shift(call: ContextCall, block: Block) -> bool:
-    """Whether the block's tiers skip, in both directions, what causality and the window
+def skips_by_runtime_shift(call: ContextCall, block: Block,
+                           directions=("forward", "backward")) -> bool:
+    """Whether the block's tiers skip, in each of `directions`, what causality and the window
     hide by its runtime shift (`Tier.skips_by_runtime_shift`); else a partly visible block
     is computed whole unless its shift is known at trace time (`Block.shift`)."""
     plan = call.plan(block)
     return all(tiers.BY_NAME[plan.tier(direction)].skips_by_runtime_shift
-               for direction in ("forward", "backward"))
+               for direction in directions)
 
 
 def positions(r0, c0, shift: int):

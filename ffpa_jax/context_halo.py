@@ -123,8 +123,9 @@ def _held(call: ContextCall, inputs: Inputs) -> list[tuple[Fetch, tuple]]:
     return held
 
 
-def _pair(call: ContextCall, inputs: Inputs, fetch: Fetch, held, a: int, me) -> Pair:
-    return Pair(call, inputs, held, a, fetch.piece, me, fetch.step, fetch.keys,
+def _pair(call: ContextCall, inputs: Inputs, fetch: Fetch, held, a: int, me,
+          direction: str) -> Pair:
+    return Pair(call, inputs, held, a, fetch.piece, me, fetch.step, fetch.keys, direction,
                 steps=(fetch.step,))
 
 
@@ -134,7 +135,8 @@ def forward(call: ContextCall, inputs: Inputs) -> Rows:
     me = shard_index(call)
     for fetch, held in _held(call, inputs):
         for a in range(call.q_pieces.count):
-            accs[a] = forward_block(call, _pair(call, inputs, fetch, held, a, me), accs[a])
+            accs[a] = forward_block(call, _pair(call, inputs, fetch, held, a, me, "forward"),
+                                    accs[a])
     return joined_pieces(accs, inputs)
 
 
@@ -152,7 +154,7 @@ def backward(call: ContextCall, inputs: Inputs, saved: Saved, cotangents: Cotang
     for fetch, (k_f, v_f, ids_f) in _held(call, inputs):
         dk_f, dv_f = zeros_varying(k_f, q), zeros_varying(v_f, q)
         for a in range(qp.count):
-            pair = _pair(call, inputs, fetch, (k_f, v_f, ids_f), a, me)
+            pair = _pair(call, inputs, fetch, (k_f, v_f, ids_f), a, me, "backward")
             dqs[a], dk_f, dv_f, dbias = backward_block(call, pair, (dqs[a], dk_f, dv_f, dbias),
                                                        rows[a], lse_cotangent)
         (own if fetch.step == 0 else sent.setdefault(fetch.step, {}))[fetch] = (dk_f, dv_f)
@@ -175,8 +177,9 @@ def _added(x, part, offset: int):
     return jax.lax.dynamic_update_slice_in_dim(x, region, offset, axis=1)
 
 
-def blocks(call: ContextCall) -> set[Block]:
-    """The static blocks the halo runs (both directions: the same)."""
+def blocks(call: ContextCall, directions=("forward", "backward")) -> set[Block]:
+    """The static blocks the halo runs in either of `directions`."""
     return {block for fetch in _local(call) + fetches(call)
             for a in range(call.q_pieces.count)
-            for block in context_ring.blocks(call, a, fetch.piece, fetch.keys, (fetch.step,))}
+            for block in context_ring.blocks(call, a, fetch.piece, fetch.keys, (fetch.step,),
+                                             directions)}

@@ -126,14 +126,15 @@ def explain(problem: Problem, parts: int, layout: str, strategy: str | None = No
     if chosen == ALL_GATHER:
         forward = backward = {context_gather.whole_block(call, a) for a in range(qp.count)}
     elif chosen == HALO:
-        forward = backward = context_halo.blocks(call)
+        forward = context_halo.blocks(call, ("forward",))
+        backward = context_halo.blocks(call, ("backward",))
         fetched = context_halo.fetches(call)
         lines.append(f"  halo: {context_halo.fetched_keys(call)} keys fetched"
                      + "".join(f"; {f.keys.size} of key piece {f.piece} of shard i - {f.step}"
                                f" (from its key {f.keys.offset})" for f in fetched))
     else:
         forward = {block for a in range(qp.count) for b in range(kp.count)
-                   for block in context_ring.blocks(call, a, b)}
+                   for block in context_ring.blocks(call, a, b, directions=("forward",))}
         backward = context_ring.backward_blocks(call)
     for direction, kinds in (("forward", forward), ("backward", backward)):
         for block in sorted(kinds, key=lambda b: (b.rows, b.keys, b.relation,

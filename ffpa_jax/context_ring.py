@@ -13,10 +13,16 @@ shard holds the accumulators of that part only.
 
 Every block's relation (hidden, fully or partly visible by causality and the window) is a
 function of the step and the shard; where it differs between shards or steps it is taken at
-run time and the block runs under `lax.switch` (a hidden block is skipped, not computed and
-masked); segments and lengths can hide a block at run time too. The steps are a `lax.scan`:
-the program holds each kind of block once, whatever the number of shards. Collectives stay
-outside the branches (a shard skipping a block never skips a transfer).
+run time. On tiers that skip by a block's runtime shift (the fused kernels), one partly
+visible block serves every relation: its kernels walk no tile of a hidden block and every
+tile of a fully visible one unmasked. On the others the block runs under `lax.switch` (a
+hidden block is skipped, not computed and masked). Segments and lengths can hide a block at
+run time too, under `lax.switch` on every tier. A switch is a cost of its own on GPUs: XLA's
+runtime copies its index to the host and waits for the device there, so the host cannot
+queue the work after it while the device runs what comes before (docs/context_parallel.md).
+The steps are a `lax.scan`: the program holds each kind of block once, whatever the number
+of shards. Collectives stay outside the branches (a shard skipping a block never skips a
+transfer).
 """
 
 from __future__ import annotations
@@ -115,16 +121,29 @@ def relations(call: ContextCall, a: int, b: int, keys: Keys, home: int | None,
     return _relations_at(call, a, b, keys, [s for s in steps if s]) | {PARTIAL_AT_HOME}
 
 
+def branches(call: ContextCall, keys: Keys, present: set[int], direction: str) -> set[int]:
+    """The relations that get code of their own in `direction` among those a block takes
+    (`present`): where it takes several and its tier there skips by a runtime shift, the
+    partly visible block alone (its place given at run time), which serves them all without
+    a switch."""
+    if len(present) > 1 and cb.skips_by_runtime_shift(
+            call, Block(call.q_pieces.size, keys.size, PARTIAL), (direction,)):
+        return {PARTIAL}
+    return present
+
+
 def blocks(call: ContextCall, a: int, b: int, keys: Keys | None = None,
-           steps=None) -> list[Block]:
+           steps=None, directions=("forward", "backward")) -> list[Block]:
     """The static blocks that block (query piece a, key piece b; or the part `keys` of the
     key piece, a round of the backward) runs as (hidden: none) over the `steps` (None: every
-    step of the ring)."""
+    step of the ring), in either of `directions`."""
     keys = Keys(0, call.k_pieces.size) if keys is None else keys
     shift = home_shift(call, a, b, keys)
+    present = relations(call, a, b, keys, shift, steps)
+    taken = set().union(*(branches(call, keys, present, d) for d in directions))
     return [Block(call.q_pieces.size, keys.size, PARTIAL, shift) if r == PARTIAL_AT_HOME
             else Block(call.q_pieces.size, keys.size, r)
-            for r in sorted(relations(call, a, b, keys, shift, steps)) if r != HIDDEN]
+            for r in sorted(taken) if r != HIDDEN]
 
 
 def round_bytes() -> int:
@@ -181,7 +200,7 @@ def backward_blocks(call: ContextCall) -> set[Block]:
     size = call.k_pieces.size // count
     return {block for r in range(count) for a in range(call.q_pieces.count)
             for b in range(call.k_pieces.count)
-            for block in blocks(call, a, b, Keys(r * size, size))}
+            for block in blocks(call, a, b, Keys(r * size, size), directions=("backward",))}
 
 
 def dispatch(relation, present: set[int], branches: dict, *operands):
@@ -195,11 +214,11 @@ def dispatch(relation, present: set[int], branches: dict, *operands):
 
 
 class Pair:
-    """Block (query piece a, key piece b) at step `step` of the ring on shard `me`: its
-    relation, its static shapes and its inputs."""
+    """Block (query piece a, key piece b) at step `step` of the ring on shard `me`, in
+    `direction`: its relation, its static shapes and its inputs."""
 
     def __init__(self, call: ContextCall, inputs: Inputs, held, a: int, b: int, me, step,
-                 keys: Keys, steps: tuple[int, ...] | None = None):
+                 keys: Keys, direction: str, steps: tuple[int, ...] | None = None):
         """`held`: (k, v, kv segment ids) of the part `keys` of key piece b held now;
         `steps`: the steps the block runs at (static; None: every step of the ring)."""
         self.call, self.a, self.b, self.keys = call, a, b, keys
@@ -217,10 +236,14 @@ class Pair:
                                       features=features)
         self.home_shift = (home_shift(call, a, b, keys) if steps is None or 0 in steps
                            else None)
-        self.present = relations(call, a, b, keys, self.home_shift, steps)
-        relation = call.relation(self.r0, qp.size, self.c0, keys.size)
-        if self.home_shift is not None:
-            relation = jnp.where(step == 0, PARTIAL_AT_HOME, relation)
+        self.present = branches(call, keys, relations(call, a, b, keys, self.home_shift, steps),
+                                direction)
+        if self.present == {PARTIAL}:
+            relation = PARTIAL
+        else:
+            relation = call.relation(self.r0, qp.size, self.c0, keys.size)
+            if self.home_shift is not None:
+                relation = jnp.where(step == 0, PARTIAL_AT_HOME, relation)
         hidden = cb.hidden_by_data(self.r0, self.c0, qp.size, keys.size, features)
         if hidden is not None:
             relation = jnp.where(hidden, HIDDEN, relation)
@@ -289,7 +312,7 @@ def forward(call: ContextCall, inputs: Inputs) -> Rows:
         held = [tuple(keys.of(x, kp, b_) for x in kv) for b_ in range(kp.count)]
         for a in range(qp.count):
             for b_ in range(kp.count):
-                pair = Pair(call, inputs, held[b_], a, b_, me, s, keys)
+                pair = Pair(call, inputs, held[b_], a, b_, me, s, keys, "forward")
                 accs[a] = forward_block(call, pair, accs[a])
         return (following, tuple(accs)), None
 
@@ -371,7 +394,7 @@ def _backward_round(call: ContextCall, inputs: Inputs, saved: Saved, cotangents:
         dqs = list(dqs)
         for a in range(qp.count):
             for b_ in range(kp.count):
-                pair = Pair(call, inputs, held[b_], a, b_, me, s, keys)
+                pair = Pair(call, inputs, held[b_], a, b_, me, s, keys, "backward")
                 dqs[a], parts[b_][0], parts[b_][1], dbias = backward_block(
                     call, pair, (dqs[a], parts[b_][0], parts[b_][1], dbias), rows[a],
                     lse_cotangent)

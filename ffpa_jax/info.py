@@ -284,8 +284,11 @@ def main(argv: list[str] | None = None) -> int:
         except (TypeError, ValueError) as err:
             parser.error(str(err))
         deterministic = None if args.deterministic is None else args.deterministic == "true"
-        calls = call_lines(problem, args.implementation, args.device_name,
-                           args.compute_capability, deterministic)
+        try:
+            calls = call_lines(problem, args.implementation, args.device_name,
+                               args.compute_capability, deterministic)
+        except ValueError as err:  # an implementation this machine cannot run, say
+            parser.error(str(err))
         path = _tuned_file(args.device_name, args.compute_capability)
         lines += [line.replace(path, "the tuned file") if path else line for line in calls]
         if args.context_parallel is not None:

@@ -363,7 +363,8 @@ def mosaic_lowering_report(devices: int = 4) -> dict:
     """Whether a context-parallel call with its blocks on the Mosaic tier lowers for CUDA
     (forward and backward, a simulated H100, `devices` CPU devices) inside a shard_map: the
     ring with zigzag, the all-gather, and the halo of a window with zigzag. Each entry: the
-    number of Mosaic GPU kernel calls in the lowered program, or the error. (Under jit alone, sequence-sharded inputs are
+    number of Mosaic GPU kernel calls and of `lax.switch`es in the lowered program, or the
+    error. (Under jit alone, sequence-sharded inputs are
     split when the program is partitioned, which lowering for CUDA here does not reach.)"""
     mesh = jax.make_mesh((devices,), (AXIS,), devices=jax.devices()[:devices],
                          axis_types=(jax.sharding.AxisType.Auto,))
@@ -389,7 +390,8 @@ def mosaic_lowering_report(devices: int = 4) -> dict:
             try:
                 text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
                     lowering_platforms=("cuda",)).as_text()
-                report[name] = text.count("mosaic_gpu")
+                report[name] = dict(kernels=text.count("mosaic_gpu"),
+                                    switches=text.count("stablehlo.case"))
             except Exception as e:  # noqa: BLE001  (reported; the test shows it)
                 report[name] = f"{type(e).__name__}: {e}"[:1500]
     return report
@@ -413,6 +415,29 @@ def permuted_keys_report(devices: int = 4) -> dict:
         text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower().as_text()
         report[strategy] = [int(shape.split("x")[1]) for shape in re.findall(
             r'"stablehlo.collective_permute".*: \(tensor<([0-9x]+)', text)]
+    return report
+
+
+def switches_report(devices: int = 4) -> dict:
+    """The `lax.switch`es (`stablehlo.case`) in the lowered forward and backward of a causal
+    zigzag call over `devices` CPU devices, per tier and strategy (the ring; the halo of a
+    window of 100 keys): the interpreted fused kernels (which skip by a block's runtime
+    shift) and the dense tier (which does not)."""
+    mesh = jax.make_mesh((devices,), (AXIS,), devices=jax.devices()[:devices],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    x = jax.ShapeDtypeStruct((1, 256 * devices, 2, 16), jnp.float32)
+    report = {}
+    for tier, interpret in (("pallas", True), ("xla", False)):
+        for strategy, window in (("ring", None), ("halo", (100, 0))):
+            attn = jax.shard_map(
+                functools.partial(ffpa_jax.attention, is_causal=True, local_window_size=window,
+                                  implementation=tier, interpret=interpret, context_axis=AXIS,
+                                  context_layout="zigzag", context_strategy=strategy),
+                mesh=mesh, in_specs=(P(None, AXIS),) * 3, out_specs=P(None, AXIS),
+                check_vma=False)
+            loss = lambda q, k, v, attn=attn: jnp.sum(attn(q, k, v))  # noqa: E731
+            text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower().as_text()
+            report[f"{tier}/{strategy}"] = text.count("stablehlo.case")
     return report
 
 

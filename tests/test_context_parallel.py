@@ -46,12 +46,14 @@ DROP = dict(t=512, hq=2, hkv=1, d=8, features=("dropout",))
 
 
 def _tier_cases(tier: str, interpret: bool) -> list[CPCase]:
-    """A tier's cases: Pallas' interpreter compiles slowly, so its ring is contiguous (two
-    kinds of block where zigzag has four pairs); it also trips `check_vma` by itself
-    (tests/test_sharding.py), the compiled tiers run under it."""
+    """A tier's cases. Pallas' interpreter trips `check_vma` by itself
+    (tests/test_sharding.py), the compiled tiers run under it. The fused kernels skip by a
+    block's runtime shift: their zigzag blocks that are hidden, fully or partly visible by
+    shard and step run as one kernel (no switch), and so does the halo's."""
     kw = dict(tier=tier, interpret=interpret, check_vma=not interpret)
-    layout = "contiguous" if interpret else "zigzag"
-    small = [] if interpret else [
+    layout = "zigzag"
+    small = [CPCase(f"{tier}/zigzag-halo-window", layout="zigzag", strategy="halo", t=512,
+                    hq=2, hkv=1, d=8, features=("window",), **kw)] if interpret else [
         # A shard's rows and keys in several blocks: the tier's loops carry accumulators
         # that must vary over the context axis as the shard's data does (check_vma).
         # ... and the backward's keys in two rounds
@@ -173,9 +175,11 @@ def _worker(slow: bool) -> None:
         from context_parallel_checks import mosaic_lowering_report
         report[MOSAIC_LOWERING] = mosaic_lowering_report()
     else:
-        from context_parallel_checks import permuted_keys_report, ring_rounds_memory_report
+        from context_parallel_checks import (permuted_keys_report, ring_rounds_memory_report,
+                                             switches_report)
         report[ROUNDS_MEMORY] = ring_rounds_memory_report()
         report[PERMUTED_KEYS] = permuted_keys_report()
+        report[SWITCHES] = switches_report()
     print(json.dumps(report))
 
 
@@ -224,8 +228,10 @@ def test_blocks_on_the_mosaic_tier_lower_for_cuda(cpu_report_slow):
     shard_map's ring and all-gather (the traces that raised on the GPUs until the
     backward's outputs were declared varying)."""
     report = cpu_report_slow[MOSAIC_LOWERING]
-    for name, kernels in report.items():
-        assert isinstance(kernels, int) and kernels > 0, f"{name}: {kernels}"
+    for name, entry in report.items():
+        assert isinstance(entry, dict) and entry["kernels"] > 0, f"{name}: {entry}"
+        # The Mosaic kernels skip by a block's runtime shift: no block needs a switch.
+        assert entry["switches"] == 0, f"{name}: {entry}"
     assert set(report) == {"ring_zigzag", "all_gather", "halo_zigzag"}
 
 
@@ -253,6 +259,20 @@ def test_the_halo_passes_only_the_windows_keys(cpu_report):
     report = cpu_report[PERMUTED_KEYS]
     assert report["halo"] == [128] * 6, report
     assert report["ring"] and set(report["ring"]) == {1024}, report
+
+
+SWITCHES = "switches"
+
+
+def test_blocks_of_kernels_that_skip_by_their_shift_need_no_switch(cpu_report):
+    """A block whose relation differs between shards or steps runs, on the fused kernels,
+    as one partly visible block placed at run time (its kernels skip the hidden tiles), not
+    under a `lax.switch`, whose index XLA's GPU runtime reads back to the host and waits
+    for. On the dense tier, which computes whatever it is given, the switch stays: causal
+    zigzag, the ring's 2 x 2 blocks, the halo's of a window."""
+    report = cpu_report[SWITCHES]
+    assert report["pallas/ring"] == 0 and report["pallas/halo"] == 0, report
+    assert report["xla/ring"] > 0 and report["xla/halo"] > 0, report
 
 
 # ---------------------------------------------------------------- in-process
@@ -463,10 +483,13 @@ def test_the_rings_diagonal_blocks_carry_their_shift():
     assert context_ring.home_shift(call("contiguous", 1024, 1024), 0, 0) == 0
     assert context_ring.home_shift(call("contiguous", 1024, 2048), 0, 0) is None
     assert PARTIAL not in {b.relation for b in context_ring.blocks(zig, 1, 0)}
-    # The fused kernels skip by the runtime shift: their diagonal keeps the one branch.
+    # The fused kernels skip by the runtime shift: the diagonal's one partly visible block,
+    # placed at run time, serves its steps' every relation (no switch between branches).
     fused = dataclasses.replace(zig, implementation="pallas", interpret=True)
     assert context_ring.home_shift(fused, 0, 0) is None
-    assert context_ring.blocks(fused, 0, 0) == [Block(128, 128, FULL), Block(128, 128, PARTIAL)]
+    assert context_ring.blocks(fused, 0, 0) == [Block(128, 128, PARTIAL)]
+    # A block fully visible on every shard at every step stays the unmasked kernel.
+    assert context_ring.blocks(fused, 1, 0) == [Block(128, 128, FULL)]
 
 
 def test_argument_errors():

@@ -118,6 +118,10 @@ def test_bad_arguments_are_refused(env):
     assert bad.returncode == 2
     assert "must be a multiple of key/value heads Hkv=4" in bad.stderr
     assert info("--kv-heads", "4", env=env).returncode == 2  # a call needs its --shape
+    # A tier this machine cannot run: the dispatcher's reason, as a usage error.
+    gpu_only = info("--shape", "1,64,4,64", "--implementation", "pallas", env=env)
+    assert gpu_only.returncode == 2 and "Traceback" not in gpu_only.stderr
+    assert "implementation='pallas' needs an NVIDIA GPU" in gpu_only.stderr
 
 
 def test_a_context_parallel_call_says_its_strategy_blocks_and_rounds(env):
