@@ -364,8 +364,8 @@ def mosaic_lowering_report(devices: int = 4) -> dict:
     (forward and backward, a simulated H100, `devices` CPU devices) inside a shard_map: the
     ring with zigzag, the all-gather, and the halo of a window with zigzag. Each entry: the
     number of Mosaic GPU kernel calls and of `lax.switch`es in the lowered program, or the
-    error. (Under jit alone, sequence-sharded inputs are
-    split when the program is partitioned, which lowering for CUDA here does not reach.)"""
+    error. (Under jit alone, sequence-sharded inputs are split when the program is
+    partitioned, which lowering for CUDA here does not reach.)"""
     mesh = jax.make_mesh((devices,), (AXIS,), devices=jax.devices()[:devices],
                          axis_types=(jax.sharding.AxisType.Auto,))
     split = NamedSharding(mesh, P(None, AXIS))

@@ -51,7 +51,6 @@ def _tier_cases(tier: str, interpret: bool) -> list[CPCase]:
     block's runtime shift: their zigzag blocks that are hidden, fully or partly visible by
     shard and step run as one kernel (no switch), and so does the halo's."""
     kw = dict(tier=tier, interpret=interpret, check_vma=not interpret)
-    layout = "zigzag"
     small = [CPCase(f"{tier}/zigzag-halo-window", layout="zigzag", strategy="halo", t=512,
                     hq=2, hkv=1, d=8, features=("window",), **kw)] if interpret else [
         # A shard's rows and keys in several blocks: the tier's loops carry accumulators
@@ -59,7 +58,7 @@ def _tier_cases(tier: str, interpret: bool) -> list[CPCase]:
         # ... and the backward's keys in two rounds
         CPCase(f"{tier}/zigzag-ring-causal-small-blocks-2-rounds", layout="zigzag", t=512,
                hq=2, hkv=1, d=8, chunk_budget_mib=0.002, ring_rounds=2, **kw)]
-    return [*small, CPCase(f"{tier}/{layout}-ring-causal", layout=layout, **kw),
+    return [*small, CPCase(f"{tier}/zigzag-ring-causal", layout="zigzag", **kw),
             CPCase(f"{tier}/contiguous-allgather-features", strategy="all_gather",
                    features=FEATURES, **kw),
             CPCase(f"{tier}/jit-auto-default", strategy=None, mode=JIT_AUTO, **kw)]
