@@ -30,7 +30,8 @@ from ffpa_jax import context_blocks as cb
 from ffpa_jax import context_ring
 from ffpa_jax.context_blocks import HIDDEN, Block, ContextCall, Rows
 from ffpa_jax.context_ring import (Keys, Pair, backward_block, empty_pieces, forward_block,
-                                   joined_pieces, send_on, shard_index, zeros_varying)
+                                   joined_pieces, send_on, shard_index, zero_query_grads,
+                                   zeros_varying)
 from pallas_kernels.problem import Cotangents, Inputs, Saved
 
 # A fetched range starts and ends on whole tiles of keys (where its piece allows): the
@@ -145,9 +146,9 @@ def backward(call: ContextCall, inputs: Inputs, saved: Saved, cotangents: Cotang
     """(dq, dk, dv, dbias) of this shard's inputs (dbias: this shard's rows' part of it,
     float32) from the merged out and lse of its rows (`saved`)."""
     qp, kp = call.q_pieces, call.k_pieces
-    q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
-    dqs = [zeros_varying(qp.local_slice(q, a, 1), q) for a in range(qp.count)]
-    dbias = None if bias is None else zeros_varying(bias, q)
+    q, k, v = inputs.q, inputs.k, inputs.v
+    dqs, dbias = zero_query_grads(call, inputs)
+    dqs = list(dqs)
     rows = [cb.piece_rows(qp, a, saved, cotangents) for a in range(qp.count)]
     me = shard_index(call)
     own, sent = {}, {}

@@ -34,11 +34,6 @@ from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
 # their shift; the measurement is in docs/benchmarks.md).
 ALL_GATHER_MIN_GROUP = 4
 ALL_GATHER_MAX_BYTES = 2 << 30
-# Under a window, the halo fetches only the keys of other shards that a shard's queries see:
-# it is chosen first where those are at most one shard's keys (a sliding window no wider
-# than a shard, or than a zigzag chunk): then it moves at most what one ring step moves,
-# in one collective per step it needs, where the ring moves every shard's K and V (and
-# their float32 gradients) around the whole axis.
 
 
 def whole_problem(problem: Problem, parts: int) -> Problem:
@@ -74,6 +69,11 @@ def explain_strategy(problem: Problem, parts: int, layout: str,
             raise ValueError(_dropout_message(problem, parts, layout, strategy))
         return strategy, f"context_strategy={strategy!r} given"
     if problem.window is not None and ring_dropout_ok(problem, parts, layout):
+        # Under a window the halo fetches only the keys of other shards that a shard's
+        # queries see. Where those are at most one shard's keys (a sliding window no wider
+        # than a shard, or than a zigzag chunk) it moves at most what one ring step moves,
+        # in one collective per step it needs, where the ring moves every shard's K and V
+        # (and their float32 gradients) around the whole axis.
         call = ContextCall(problem=problem, axis=None, parts=parts, layout=layout,
                            strategy=HALO)
         fetched, local = context_halo.fetched_keys(call), problem.seq_k // parts

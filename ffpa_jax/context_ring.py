@@ -324,11 +324,10 @@ def backward(call: ContextCall, inputs: Inputs, saved: Saved, cotangents: Cotang
              lse_cotangent: bool):
     """(dq, dk, dv, dbias) of this shard's inputs (dbias: this shard's rows' part of it,
     float32) from the merged out and lse of its rows (`saved`)."""
-    qp, kp = call.q_pieces, call.k_pieces
-    q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
+    kp = call.k_pieces
+    q, k, v = inputs.q, inputs.k, inputs.v
     zero = _zero_after(saved.lse)
-    dqs = tuple(zeros_varying(qp.local_slice(q, a, 1), q, zero) for a in range(qp.count))
-    dbias = None if bias is None else zeros_varying(bias, q, zero)
+    dqs, dbias = zero_query_grads(call, inputs, zero)
     count = rounds(call)
     size = kp.size // count
     dks = [[None] * count for _ in range(kp.count)]
@@ -364,6 +363,15 @@ def zeros_varying(x, q, zero=None):
     """float32 zeros of x's shape, varying like q; made no earlier than `zero`."""
     value = jnp.zeros((), jnp.float32) if zero is None else zero.astype(jnp.float32)
     return compat.vary_like(jnp.broadcast_to(value, x.shape), q)
+
+
+def zero_query_grads(call: ContextCall, inputs: Inputs, zero=None):
+    """(dq of each query piece, dbias or None): float32 zeros varying like q, made no earlier
+    than `zero`."""
+    q, bias = inputs.q, inputs.bias
+    dqs = tuple(zeros_varying(call.q_pieces.local_slice(q, a, 1), q, zero)
+                for a in range(call.q_pieces.count))
+    return dqs, None if bias is None else zeros_varying(bias, q, zero)
 
 
 def _whole(parts):
