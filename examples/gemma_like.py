@@ -767,10 +767,10 @@ def print_timings(timings: Timings, batch: int, seq_len: int, vocab: int,
         print(f"step time: median {1e3 * median:.2f} ms, mean "
               f"{1e3 * float(np.mean(timings.step_s)):.2f} ms over {len(timings.step_s)} steps")
         print(f"tokens/s: {batch * seq_len / median:,.0f} (the median step, each waited for)")
-    if timings.back_to_back_step_s:
-        print(f"tokens/s: {batch * seq_len / timings.back_to_back_step_s:,.0f} with the "
-              f"{len(timings.step_s)} steps dispatched back to back (mean step "
-              f"{1e3 * timings.back_to_back_step_s:.2f} ms): the device's pace")
+        if timings.back_to_back_step_s:
+            print(f"tokens/s: {batch * seq_len / timings.back_to_back_step_s:,.0f} with the "
+                  f"{len(timings.step_s)} steps dispatched back to back (mean step "
+                  f"{1e3 * timings.back_to_back_step_s:.2f} ms): the device's pace")
     else:
         print("step time: n/a (a single step: the first, reported above)")
     print(f"peak device memory: {peak_memory_text(devices)}")
