@@ -7,6 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import pathlib
+import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -955,6 +960,34 @@ def test_the_wide_kernels_default_lowers_for_every_gqa_group(hq, hkv, d, dv, cau
                                         config=config)
     text = jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+_WIDE_PTXAS_CHILD = """
+import jax, jax.numpy as jnp
+from pallas_kernels.mosaic import mosaic_attention_forward
+q = jnp.ones((1, 256, 4, 512), jnp.bfloat16)
+out, _ = mosaic_attention_forward(q, q, q, scale=0.05, causal=False)
+out.block_until_ready()
+"""
+
+
+@pytest.mark.gpu
+def test_the_wide_forward_keeps_its_values_in_registers_gpu():
+    """ptxas' report on the wide forward (D = 512, unmasked): no register spills. Its Q
+    descriptors, hoisted out of the key loop, once spilled the consumers' registers and cost
+    4-11% (docs/history.md, session 34). The kernel is compiled in a child process with
+    Mosaic GPU's ptxas report on."""
+    skip_unless_sm90()
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1",
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _WIDE_PTXAS_CHILD], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = proc.stdout + proc.stderr
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
+    assert spills, f"no ptxas report in the child's output:\n{report[-2000:]}"
+    assert max(spills) == 0, f"register spills: {spills}"
 
 
 # Key and query masks shared by the heads reach the Mosaic kernels as segment ids.

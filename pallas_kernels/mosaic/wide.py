@@ -83,7 +83,7 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
 
             @pl.when(wg == 0)
             def _():
-                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, q_bar)
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem.at[0], q_bar)
 
             q_last = jnp.minimum(q0 + bq - 1, T - 1)
             mask_lo, full_hi, my_hi = consumer_walk(walk, lo, q0, q_last,
@@ -103,6 +103,14 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                 base = (j - lo) * tiles
 
                 # ---- S_own = Q K[own key columns]^T, accumulated over K tiles.
+                # Q's place in shared memory is the same at every step, so LLVM would
+                # compute the wgmmas' 32 descriptors of Q (64 bits each) once, before the
+                # key loop, and keep them in 64 registers, which the consumers do not have
+                # beside the accumulators: they spilled (docs/history.md, session 34). An
+                # index that is 0 but opaque to LLVM and new at each step keeps each
+                # descriptor next to its wgmma.
+                q_now = q_smem.at[lax.optimization_barrier(j) - j]
+
                 def qk(s_ref):
                     for kt in range(nK):
                         slot = lax.rem(base + kt, ns)
@@ -111,7 +119,7 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                             col = (2 * kt + pc) * _W
                             plgpu.wgmma(
                                 s_ref,
-                                q_smem.at[:, pl.ds(col, _W)],
+                                q_now.at[:, pl.ds(col, _W)],
                                 plgpu.transpose_ref(ring.at[slot, pc, my_rows], (1, 0)),
                             )
                         if eager:
@@ -250,7 +258,7 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
             exit_bar = None
         pl.run_scoped(
             lambda *args: kernel(q_ref, k_ref, v_ref, kvlen_ref, pos_ref, o_ref, lse_ref, args),
-            plgpu.RefUnion(tiled_smem((bq, D), dtype), tiled_smem((2, bq, oc), out_dtype)),
+            plgpu.RefUnion(tiled_smem((1, bq, D), dtype), tiled_smem((2, bq, oc), out_dtype)),
             tiled_smem((ns, 2, bkv, _W), dtype),
             tiled_smem((2, bq, hk_cols), dtype),
             plgpu.SMEM((2, bq), jnp.float32),
