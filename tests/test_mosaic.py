@@ -974,13 +974,13 @@ out.block_until_ready()
 @pytest.mark.gpu
 def test_the_wide_forward_keeps_its_values_in_registers_gpu():
     """ptxas' report on the wide forward (D = 512, unmasked): no register spills. Its Q
-    descriptors, hoisted out of the key loop, once spilled the consumers' registers and cost
-    4-11% (docs/history.md, session 34). The kernel is compiled in a child process with
+    descriptors, hoisted out of the key loop, once took registers the consumers did not
+    have (docs/history.md, session 34). The kernel is compiled in a child process with
     Mosaic GPU's ptxas report on."""
     skip_unless_sm90()
     root = pathlib.Path(__file__).resolve().parents[1]
-    env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1",
-               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    path = [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", PYTHONPATH=os.pathsep.join(path))
     proc = subprocess.run([sys.executable, "-c", _WIDE_PTXAS_CHILD], env=env, cwd=root,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
