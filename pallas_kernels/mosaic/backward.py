@@ -98,14 +98,20 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
                     slot = lax.rem(n, ns)
                     parity = lax.rem(n, 2)
                     q0 = j * bq
+                    # LLVM hoists loop-invariant wgmma descriptors of K and V out of the
+                    # loop, where they spill beside dK and dV (docs/history.md, session 35).
+                    # An index that is 0 but opaque to LLVM and new at each step keeps
+                    # each descriptor next to its wgmma.
+                    kv_now = lax.optimization_barrier(j) - j
+                    k_now, v_now = k_smem.at[kv_now], v_smem.at[kv_now]
 
                     def scores(refs):
                         s_ref, dp_ref = refs
                         plgpu.barrier_wait(q_full.at[slot])
-                        plgpu.wgmma(s_ref, k_smem.at[my_keys],
+                        plgpu.wgmma(s_ref, k_now.at[my_keys],
                                     plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
                         plgpu.barrier_wait(do_full.at[slot])
-                        plgpu.wgmma(dp_ref, v_smem.at[my_keys],
+                        plgpu.wgmma(dp_ref, v_now.at[my_keys],
                                     plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
 
                     zeros = plgpu.layout_cast(jnp.zeros((wk, bq), jnp.float32), WGMMA)
@@ -145,7 +151,7 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
 
                     def dq_cols(acc_ref):
                         plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_smem.at[parity], (1, 0)),
-                                    k_smem.at[:, my_cols])
+                                    k_now.at[:, my_cols])
 
                     dq = pl.run_state(dq_cols)(plgpu.ACC.init(
                         plgpu.layout_cast(jnp.zeros((bq, half), jnp.float32), WGMMA)))
@@ -168,22 +174,22 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
             # K and V take the results once both warpgroups have read them for the last time.
             plgpu.barrier_arrive(done)
             plgpu.barrier_wait(done)
-            k_smem.at[my_keys][...] = (dk * scale).astype(dtype)
-            v_smem.at[my_keys][...] = dv.astype(dtype)
+            k_smem.at[0, my_keys][...] = (dk * scale).astype(dtype)
+            v_smem.at[0, my_keys][...] = dv.astype(dtype)
             plgpu.commit_smem()
             rows = pl.ds(k0 + wg * wk, wk)
-            plgpu.copy_smem_to_gmem(k_smem.at[my_keys], dk_ref.at[b, rows, hk])
-            plgpu.copy_smem_to_gmem(v_smem.at[my_keys], dv_ref.at[b, rows, hk])
+            plgpu.copy_smem_to_gmem(k_smem.at[0, my_keys], dk_ref.at[b, rows, hk])
+            plgpu.copy_smem_to_gmem(v_smem.at[0, my_keys], dv_ref.at[b, rows, hk])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 2)
         def _producer():
-            produce(stream, cta, refs, (k_smem, v_smem, q_smem, do_smem), rows_scoped,
-                    config.producer_regs)
+            produce(stream, cta, refs, (k_smem.at[0], v_smem.at[0], q_smem, do_smem),
+                    rows_scoped, config.producer_regs)
 
     scratch = (
-        tiled_smem((bk, D), dtype, swizzle),
-        tiled_smem((bk, Dv), dtype),
+        tiled_smem((1, bk, D), dtype, swizzle),
+        tiled_smem((1, bk, Dv), dtype),
         tiled_smem((ns, bq, D), dtype, swizzle),
         tiled_smem((ns, bq, Dv), dtype),
         tiled_smem((2, bk, bq), dtype, swizzle),

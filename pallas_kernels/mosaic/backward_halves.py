@@ -113,7 +113,8 @@ def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_
 
         def consumer(role_step):
             """Walks every step of the CTA with `role_step(n, slot, j, h, cols, masked,
-            carry) -> (dk, dv)`, then writes this warpgroup's columns of dK and dV."""
+            carry, kv) -> (dk, dv)`, where `kv` holds this step's views of K and V, then
+            writes this warpgroup's columns of dK and dV."""
             plgpu.set_max_registers(config.consumer_regs, action="increase")
             cols = pl.ds(wg * half, half)
             dk = plgpu.layout_cast(jnp.zeros((bk, half), jnp.float32), WGMMA)
@@ -125,7 +126,13 @@ def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_
 
                 def step(j, carry, *, masked):
                     n = g * count + (j - lo)
-                    return role_step(n, lax.rem(n, ns), j, h, cols, masked, carry)
+                    # LLVM hoists loop-invariant wgmma descriptors of K and V out of the
+                    # loop, where they spill beside dK and dV (docs/history.md, session
+                    # 35). An index that is 0 but opaque to LLVM and new at each step
+                    # keeps each descriptor next to its wgmma.
+                    now = lax.optimization_barrier(j) - j
+                    kv = (k_smem.at[now], v_smem.at[now])
+                    return role_step(n, lax.rem(n, ns), j, h, cols, masked, carry, kv)
 
                 return walk_kv(step, carry, lo, mask_lo, full_hi, hi)
 
@@ -153,13 +160,13 @@ def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_
 
             plgpu.wait_smem_to_gmem(0)
 
-        def finish_step(n, slot, j, h, cols, dq_from):
+        def finish_step(n, slot, j, h, cols, dq_from, k_now):
             """Both warpgroups are done with the stage's Q and dO: this one's dQ columns
             (dS K[:, cols]) go through the stage's staging view to the float32 buffer."""
             plgpu.barrier_arrive(stage_read)
 
             def dq_cols(acc_ref):
-                plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_smem, (1, 0)), k_smem.at[:, cols])
+                plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_smem, (1, 0)), k_now.at[:, cols])
 
             dq = pl.run_state(dq_cols)(plgpu.ACC.init(
                 plgpu.layout_cast(jnp.zeros((bq, half), jnp.float32), WGMMA)))
@@ -170,10 +177,10 @@ def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_
             plgpu.copy_smem_to_gmem(tile, dq_ref.at[b, pl.ds(j * bq, bq), h, cols],
                                     reduction_op="add")
 
-        def scores_step(n, slot, j, h, cols, masked, carry):
+        def scores_step(n, slot, j, h, cols, masked, carry, kv):
             dk, dv = carry
             q0 = j * bq
-            s = keys_by_rows(k_smem, q_smem, q_full, n, slot)  # Sᵀ = K Qᵀ
+            s = keys_by_rows(kv[0], q_smem, q_full, n, slot)  # Sᵀ = K Qᵀ
             s = soft_cap(walk, s)
             d_cap = soft_cap_grad(walk, s)
             if masked:
@@ -202,13 +209,13 @@ def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_
                 plgpu.wgmma(dk_ref, ds_smem, q_smem.at[slot, :, cols])
 
             dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
-            finish_step(n, slot, j, h, cols, 0)
+            finish_step(n, slot, j, h, cols, 0, kv[0])
             return dk, dv
 
-        def gradients_step(n, slot, j, h, cols, masked, carry):
+        def gradients_step(n, slot, j, h, cols, masked, carry, kv):
             del masked  # the scores' warpgroup masks: hidden keys come with P = 0
             dk, dv = carry
-            dp = keys_by_rows(v_smem, do_smem, do_full, n, slot)  # dPᵀ = V dOᵀ
+            dp = keys_by_rows(kv[1], do_smem, do_full, n, slot)  # dPᵀ = V dOᵀ
             dlt = compat.mosaic_load(delta_smem.at[slot], layout=COLUMNS)
             plgpu.barrier_wait(p_ready)
             p = compat.mosaic_load(pd_smem if exact_p or softcap is not None else p_smem,
@@ -225,7 +232,7 @@ def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_
                 plgpu.wgmma(dk_ref, ds16, q_smem.at[slot, :, cols])
 
             dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
-            finish_step(n, slot, j, h, cols, 1)
+            finish_step(n, slot, j, h, cols, 1, kv[0])
             return dk, dv
 
         @pl.when(wg == 0)
@@ -238,8 +245,8 @@ def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_
 
         @pl.when(wg == 2)
         def _producer():
-            produce(stream, cta, refs, (k_smem, v_smem, q_smem, do_smem), rows_scoped,
-                    config.producer_regs)
+            produce(stream, cta, refs, (k_smem.at[0], v_smem.at[0], q_smem, do_smem),
+                    rows_scoped, config.producer_regs)
 
     # A stage of Q (or dO) and a float32 half of dQ are the same number of bytes, so stage i
     # of either view starts at the same offset.
@@ -248,8 +255,8 @@ def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_
         (tiled_smem((ns, bq, half), jnp.float32), tiled_smem((ns, bq, half), jnp.float32)))
     exchange = tiled_smem((bk, bq), dtype, swizzle)
     scratch = (
-        tiled_smem((bk, D), dtype, swizzle),
-        tiled_smem((bk, Dv), dtype, swizzle),
+        tiled_smem((1, bk, D), dtype, swizzle),  # K, one view per step (see `step`)
+        tiled_smem((1, bk, Dv), dtype, swizzle),  # V
         stages,
         exchange,  # Pᵀ
         # Pᵀ for dSᵀ (∘ d(capped)/d(raw)), in float32 with `exact_p`
