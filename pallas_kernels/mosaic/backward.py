@@ -30,8 +30,8 @@ from pallas_kernels import compat
 from pallas_kernels.mosaic.backward_halves import MAX_HEAD_DIM, halves_backward
 from pallas_kernels.mosaic.backward_stream import Stream, launch, produce
 from pallas_kernels.mosaic.common import (COLUMNS, LOG2E, ROW, WGMMA, Walk, iota,
-                                          same_segment, score_mod, soft_cap, soft_cap_grad,
-                                          tiled_smem, walk_kv)
+                                          opaque_zero, same_segment, score_mod, soft_cap,
+                                          soft_cap_grad, tiled_smem, walk_kv)
 from pallas_kernels.mosaic.config import Config, default_backward_config, round_up
 from pallas_kernels.mosaic.forward import pad_axes
 
@@ -98,11 +98,8 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
                     slot = lax.rem(n, ns)
                     parity = lax.rem(n, 2)
                     q0 = j * bq
-                    # LLVM hoists loop-invariant wgmma descriptors of K and V out of the
-                    # loop, where they spill beside dK and dV (docs/history.md, session 35).
-                    # An index that is 0 but opaque to LLVM and new at each step keeps
-                    # each descriptor next to its wgmma.
-                    kv_now = lax.optimization_barrier(j) - j
+                    # K's and V's descriptors made at each step, not held (`opaque_zero`)
+                    kv_now = opaque_zero(j)
                     k_now, v_now = k_smem.at[kv_now], v_smem.at[kv_now]
 
                     def scores(refs):
@@ -188,7 +185,7 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
                     rows_scoped, config.producer_regs)
 
     scratch = (
-        tiled_smem((1, bk, D), dtype, swizzle),
+        tiled_smem((1, bk, D), dtype, swizzle),  # K, read through `opaque_zero`
         tiled_smem((1, bk, Dv), dtype),
         tiled_smem((ns, bq, D), dtype, swizzle),
         tiled_smem((ns, bq, Dv), dtype),

@@ -41,8 +41,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import compat
 from pallas_kernels.mosaic.backward_stream import Stream, launch, produce
 from pallas_kernels.mosaic.common import (COLUMNS, LOG2E, ROW, WGMMA, Walk, iota,
-                                          same_segment, score_mod, soft_cap, soft_cap_grad,
-                                          tiled_smem, walk_kv)
+                                          opaque_zero, same_segment, score_mod, soft_cap,
+                                          soft_cap_grad, tiled_smem, walk_kv)
 from pallas_kernels.mosaic.config import Config
 
 BLOCK_K = 64  # keys per CTA
@@ -126,11 +126,8 @@ def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_
 
                 def step(j, carry, *, masked):
                     n = g * count + (j - lo)
-                    # LLVM hoists loop-invariant wgmma descriptors of K and V out of the
-                    # loop, where they spill beside dK and dV (docs/history.md, session
-                    # 35). An index that is 0 but opaque to LLVM and new at each step
-                    # keeps each descriptor next to its wgmma.
-                    now = lax.optimization_barrier(j) - j
+                    # K's and V's descriptors made at each step, not held (`opaque_zero`)
+                    now = opaque_zero(j)
                     kv = (k_smem.at[now], v_smem.at[now])
                     return role_step(n, lax.rem(n, ns), j, h, cols, masked, carry, kv)
 
@@ -255,7 +252,7 @@ def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_
         (tiled_smem((ns, bq, half), jnp.float32), tiled_smem((ns, bq, half), jnp.float32)))
     exchange = tiled_smem((bk, bq), dtype, swizzle)
     scratch = (
-        tiled_smem((1, bk, D), dtype, swizzle),  # K, one view per step (see `step`)
+        tiled_smem((1, bk, D), dtype, swizzle),  # K, read through `opaque_zero`
         tiled_smem((1, bk, Dv), dtype, swizzle),  # V
         stages,
         exchange,  # Pᵀ

@@ -87,6 +87,19 @@ def imin(a, b):
     return jnp.minimum(a, b)
 
 
+def opaque_zero(j):
+    """0, computed from the loop index `j` through an optimization barrier (an empty inline asm
+    in Mosaic GPU) that LLVM can neither fold nor move out of the loop.
+
+    A shared-memory buffer read by wgmmas at every step of a loop over `j` is at the same
+    place each step, so LLVM makes its wgmma descriptors (64 bits each, one per wgmma) once
+    before the loop and holds them in registers through it; beside the accumulators they
+    spilled (docs/history.md, sessions 34 and 35). Such a buffer is declared with a leading
+    axis of 1 and read through `buffer.at[opaque_zero(j)]`, which makes each descriptor
+    again next to its wgmma."""
+    return lax.optimization_barrier(j) - j
+
+
 def iota(shape, dim):
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WGMMA)
 

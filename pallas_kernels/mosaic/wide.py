@@ -18,8 +18,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic.common import (CLUSTER, LOG2E, NEG_INF, ROW, WARPGROUPS, WGMMA, Grid,
                                           Walk, cdiv, cluster_walk, consumer_walk, finalize, iota,
-                                          launch, load_rows, score_mod, soft_cap, tiled_smem,
-                                          walk_kv)
+                                          launch, load_rows, opaque_zero, score_mod, soft_cap,
+                                          tiled_smem, walk_kv)
 from pallas_kernels.mosaic.config import Config
 
 
@@ -103,13 +103,8 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                 base = (j - lo) * tiles
 
                 # ---- S_own = Q K[own key columns]^T, accumulated over K tiles.
-                # Q's place in shared memory is the same at every step, so LLVM would
-                # compute the wgmmas' 32 descriptors of Q (64 bits each) once, before the
-                # key loop, and keep them in 64 registers, which the consumers do not have
-                # beside the accumulators: they spilled (docs/history.md, session 34). An
-                # index that is 0 but opaque to LLVM and new at each step keeps each
-                # descriptor next to its wgmma.
-                q_now = q_smem.at[lax.optimization_barrier(j) - j]
+                # Q's 32 descriptors made at each step, not held (`opaque_zero`).
+                q_now = q_smem.at[opaque_zero(j)]
 
                 def qk(s_ref):
                     for kt in range(nK):
