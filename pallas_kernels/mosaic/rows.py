@@ -306,14 +306,14 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
         pos_ref = refs.pop(0) if positions is not None else None
         seg_refs = tuple(refs.pop(0) for _ in range(3)) if has_segments else (None,) * 3
         o_ref, lse_ref = refs
-        if ncl > 1:
-            free = lambda: plgpu.ClusterBarrier(
-                collective_axes=(CLUSTER,), num_arrivals=nwg, num_barriers=ns
-            )
-            exit_bar = plgpu.ClusterBarrier(collective_axes=(CLUSTER,), num_arrivals=nwg)
-        else:
-            free = lambda: plgpu.Barrier(num_arrivals=nwg, num_barriers=ns)
-            exit_bar = None
+        def free():
+            if ncl > 1:
+                return plgpu.ClusterBarrier(collective_axes=(CLUSTER,), num_arrivals=nwg,
+                                            num_barriers=ns)
+            return plgpu.Barrier(num_arrivals=nwg, num_barriers=ns)
+
+        exit_bar = (plgpu.ClusterBarrier(collective_axes=(CLUSTER,), num_arrivals=nwg)
+                    if ncl > 1 else None)
         q_and_o = (tiled_smem((nwg, bq, D), dtype), tiled_smem((nwg, bq, oc), out_dtype))
         # One tile per CTA: O takes Q's place once the walk is done. Persistent: the next
         # tile's Q lands while this one's O is stored.
