@@ -288,13 +288,36 @@ def _fuzz_test(*, examples: int, seed: int, impls, limits: Limits | None = None,
     def run(index, data_seed, magnitude, mask_density, neg_inf_bias_rows, impl):
         cfg = pool[index]
         note(f"{rerun} pool[{index}] = {cfg}")
-        check_example(cfg, seed=data_seed, magnitude=magnitude, mask_density=mask_density,
-                      neg_inf_bias_rows=neg_inf_bias_rows, impl=impl[0], interpret=impl[1])
+        try:
+            check_example(cfg, seed=data_seed, magnitude=magnitude, mask_density=mask_density,
+                          neg_inf_bias_rows=neg_inf_bias_rows, impl=impl[0],
+                          interpret=impl[1])
+        except AssertionError as error:
+            # The rerun command first: pytest's one-line summary of a failure keeps only the
+            # start of its message, and the seed is drawn per process.
+            raise AssertionError(f"[{rerun}; pool[{index}], data seed {data_seed}, "
+                                 f"magnitude {magnitude}, mask density {mask_density}] "
+                                 f"{error}") from error
 
     rerun = rerun or f"FFPA_FUZZ_SEED={seed}"
     print(f"fuzz seed: {seed} (rerun with {rerun}); {examples} examples over "
           f"a pool of {len(pool)} configurations")
     run()
+
+
+def test_a_failing_example_names_its_rerun_command_first(monkeypatch):
+    """A failure's message starts with the seed's rerun command and the example's draws,
+    which pytest's one-line summary keeps (the seed is drawn per process)."""
+    def wrong(*args, **kwargs):
+        raise AssertionError("lse: max error 1.0 above the rule's 0.1")
+
+    monkeypatch.setattr(__import__(__name__), "check_example", wrong)
+    with pytest.raises(AssertionError) as raised:
+        _fuzz_test(examples=1, seed=7, impls=(("xla", False),), pool=[EDGE_CONFIGS[0]],
+                   rerun="FFPA_FUZZ_SEED=7 pytest -k test_fuzz")
+    message = str(raised.value)
+    assert message.startswith("[FFPA_FUZZ_SEED=7 pytest -k test_fuzz; pool[0], data seed ")
+    assert message.endswith("lse: max error 1.0 above the rule's 0.1")
 
 
 def test_pool_covers_the_ranges():
