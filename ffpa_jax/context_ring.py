@@ -121,7 +121,7 @@ def relations(call: ContextCall, a: int, b: int, keys: Keys, home: int | None,
     return _relations_at(call, a, b, keys, [s for s in steps if s]) | {PARTIAL_AT_HOME}
 
 
-def branches(call: ContextCall, keys: Keys, present: set[int], direction: str) -> set[int]:
+def coded_relations(call: ContextCall, keys: Keys, present: set[int], direction: str) -> set[int]:
     """The relations that get code of their own in `direction` among those a block takes
     (`present`): where it takes several and its tier there skips by a runtime shift, the
     partly visible block alone (its place given at run time), which serves them all without
@@ -140,7 +140,7 @@ def blocks(call: ContextCall, a: int, b: int, keys: Keys | None = None,
     keys = Keys(0, call.k_pieces.size) if keys is None else keys
     shift = home_shift(call, a, b, keys)
     present = relations(call, a, b, keys, shift, steps)
-    taken = set().union(*(branches(call, keys, present, d) for d in directions))
+    taken = set().union(*(coded_relations(call, keys, present, d) for d in directions))
     return [Block(call.q_pieces.size, keys.size, PARTIAL, shift) if r == PARTIAL_AT_HOME
             else Block(call.q_pieces.size, keys.size, r)
             for r in sorted(taken) if r != HIDDEN]
@@ -236,8 +236,8 @@ class Pair:
                                       features=features)
         self.home_shift = (home_shift(call, a, b, keys) if steps is None or 0 in steps
                            else None)
-        self.present = branches(call, keys, relations(call, a, b, keys, self.home_shift, steps),
-                                direction)
+        self.present = coded_relations(
+            call, keys, relations(call, a, b, keys, self.home_shift, steps), direction)
         if self.present == {PARTIAL}:
             relation = PARTIAL
         else:
