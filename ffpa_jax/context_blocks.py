@@ -104,10 +104,11 @@ class Block(NamedTuple):
 def block_problem(problem: Problem, block: Block) -> Problem:
     """The problem of one block: its shapes, its place given at run time (positions), the
     causal and window masks (and a shift known at trace time) only where the block is partly
-    visible, lse always (blocks merge by it)."""
+    visible. Every tier returns lse, by which blocks merge; `return_lse` stays the caller's,
+    since only a returned lse needs the precise (slower) forward of large head dims."""
     partial = block.relation == PARTIAL
     return dataclasses.replace(
-        problem, seq_q=block.rows, seq_k=block.keys, positions=True, return_lse=True,
+        problem, seq_q=block.rows, seq_k=block.keys, positions=True,
         causal=problem.causal and partial, window=problem.window if partial else None,
         positions_shift=block.shift if partial else None, sinks=False)
 

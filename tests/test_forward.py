@@ -109,11 +109,22 @@ LARGE_LOGIT_CASES = [  # (case, magnitude of q and k)
     (Case(t=64, s=256, hq=4, hkv=4, d=512), 2.0),
     (Case(t=64, s=256, hq=4, hkv=4, d=256), 2.0),
     (Case(t=1, s=300, hq=8, hkv=2, d=512), 2.0),  # the decode kernels
+    # float16, causal with T != S: the Mosaic wide kernel's single chain gave lse up to 11x
+    # XLA's error here (the first is a Mosaic fuzz draw: one visible row, one key)
+    (Case(b=3, t=7, s=1, hq=2, hkv=2, d=512, dtype="float16", causal=True, scale=0.925), 2.0),
+    (Case(t=113, s=203, hq=2, hkv=2, d=512, dtype="float16", causal=True, scale=0.3), 2.0),
+    (Case(t=113, s=203, hq=2, hkv=2, d=256, dtype="float16", causal=True, scale=0.3), 2.0),
 ]
 
 
 @pytest.mark.parametrize("case,magnitude", LARGE_LOGIT_CASES, ids=lambda x: getattr(x, "d", x))
-def test_lse_at_large_head_dims_and_logits(case, magnitude, kernel_mode, tier):
+def test_lse_at_large_head_dims_and_logits(case, magnitude, kernel_mode, tier, request):
+    if (kernel_mode, tier, case.d, case.causal, case.s) == ("gpu", "pallas", 256, True, 203):
+        # Found by this case on an H100: the Triton forward at D = 256, causal, T = 113,
+        # S = 203 asks for 256 KiB of shared memory (bf16 and fp16, with or without lse),
+        # past what `fwd._fit_shared_memory` counts; open in docs/history.md, session 36.
+        request.applymarker(pytest.mark.xfail(raises=jax.errors.JaxRuntimeError, strict=True,
+                                              reason="Triton forward overflows shared memory"))
     for seed in range(4 if kernel_mode == "gpu" else 1):
         q, k, v, bias, mask = make_inputs(case, seed=seed)
         run_case(case, kernel_mode, tier, q=(magnitude * q.astype(jnp.float32)).astype(q.dtype),

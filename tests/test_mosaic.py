@@ -962,6 +962,24 @@ def test_the_wide_kernels_default_lowers_for_every_gqa_group(hq, hkv, d, dv, cau
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("d,differs", [(512, True), (320, True), (128, False)])
+def test_a_returned_lse_lowers_the_precise_wide_kernel(d, differs):
+    """A call that returns lse lowers the wide forward with its scores summed over head-dim
+    tiles in float32 (another kernel than the out-only call's, whose single accumulation
+    chain gave lse up to 11x XLA's error at D = 512); the rows kernel stays as it is."""
+    q, kv = sd((2, 113, 4, d), jnp.bfloat16), sd((2, 203, 2, d), jnp.bfloat16)
+
+    def lowered(return_lse: bool) -> str:
+        problem = Problem.of(q, kv, kv, causal=True, return_lse=return_lse)
+        plan = dispatch.plan_for_tiers(problem, "mosaic", "mosaic")
+        text = jax.jit(lambda q, k, v: mosaic_tier.forward(plan, Inputs(q, k, v))).trace(
+            q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+        return re.sub(r"loc\([^)]*\)", "", text)
+
+    assert (lowered(True) != lowered(False)) == differs
+
+
 _WIDE_PTXAS_CHILD = """
 import jax, jax.numpy as jnp
 from pallas_kernels.mosaic import mosaic_attention_forward

@@ -45,6 +45,9 @@ class Config:
     wide_eager_release: wide kernel: wait for each tile's wgmmas and release its
                     ring slot immediately (instead of one tile later): faster
                     at D=512 (docs/history.md, session 18).
+    precise_lse:    wide kernel: one accumulation chain of S per K tile, the tiles'
+                    scores summed in float32 (the tier sets it where the call returns
+                    lse: one chain over D = 512 gave lse several times XLA's error).
     block_q:        backward: query rows per step (64; 128 for head dims up to 64,
                     where the step's scores of 64 keys x 128 rows still fit the
                     consumers' registers beside dK and dV).
@@ -70,6 +73,7 @@ class Config:
     wide_piece: int = 128
     kv_rotate: bool = False
     wide_eager_release: bool = True
+    precise_lse: bool = False
     block_q: int = 64
     persistent: bool = False
 

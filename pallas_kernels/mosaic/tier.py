@@ -10,6 +10,8 @@ agree on what passes between them: the output in float32 when differentiated, an
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from pallas_kernels import visibility
@@ -94,10 +96,12 @@ def configs(problem: Problem, direction: str, lookup, target: Target) -> tuple[K
                         consumer_regs=config.consumer_regs, block_q=config.block_q)
     else:
         name = "wide" if uses_wide_kernel(problem.head_dim, problem.head_dim_v) else "rows"
+        if problem.return_lse:
+            config = dataclasses.replace(config, precise_lse=True)
         settings = dict(kernel=name, block_kv=config.block_kv, num_stages=config.num_stages,
                         cluster=config.cluster, cluster_axis=config.cluster_axis,
                         grid_order=config.grid_order, lowering=config.lowering,
-                        persistent=config.persistent)
+                        persistent=config.persistent, precise_lse=config.precise_lse)
     return (KernelChoice.of(kernel, config, why, direction, settings),)
 
 

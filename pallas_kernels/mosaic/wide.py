@@ -6,10 +6,14 @@ warpgroup publishes its half of P in shared memory, and O is split by Dv halves 
 warpgroup owns a 64 x Dv/2 accumulator, computing P_own V (P from registers) + P_other V
 (P from smem)). K/V tiles go through one ring of uniform slots [2, block_kv, W]
 (W = config.wide_piece; a K slot holds 2W columns of the head dim, a V slot holds W columns
-of each Dv half).
+of each Dv half). A call that returns lse (`Config.precise_lse`) gives each K tile its own
+accumulation chain and sums the tiles' scores in float32, which keeps lse within XLA's error
+at a cost in registers and speed.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax.numpy as jnp
 from jax import lax
@@ -41,6 +45,7 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
     c_exp = prob.scale * LOG2E
     _W = config.wide_piece  # columns of one ring piece
     eager = config.wide_eager_release
+    precise_lse = config.precise_lse
     if bkv < 128:
         raise ValueError("the wide kernel needs block_kv >= 128 (64 key columns per warpgroup)")
     nK = D // (2 * _W)  # K tiles per step (each: 2 pieces of 128 head-dim columns)
@@ -106,8 +111,8 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                 # Q's 32 descriptors made at each step, not held (`opaque_zero`).
                 q_now = q_smem.at[opaque_zero(j)]
 
-                def qk(s_ref):
-                    for kt in range(nK):
+                def qk(kts, s_ref):
+                    for kt in kts:
                         slot = lax.rem(base + kt, ns)
                         plgpu.barrier_wait(full.at[slot])
                         for pc in range(2):
@@ -117,7 +122,7 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                                 q_now.at[:, pl.ds(col, _W)],
                                 plgpu.transpose_ref(ring.at[slot, pc, my_rows], (1, 0)),
                             )
-                        if eager:
+                        if eager or precise_lse:
                             plgpu.wgmma_wait(0)
                             plgpu.barrier_arrive(free.at[slot])
                         elif kt:
@@ -125,8 +130,16 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                             plgpu.barrier_arrive(free.at[lax.rem(base + kt - 1, ns)])
                     return s_ref[...]
 
-                s = pl.run_scoped(qk, plgpu.ACC((bq, hk_cols), jnp.float32))
-                if not eager:
+                # A returned lse takes one accumulation chain per K tile, the tiles' scores
+                # summed in float32: one chain over D = 512 gave lse several times XLA's
+                # error (docs/history.md, session 36), and this costs registers and speed.
+                chains = [(kt,) for kt in range(nK)] if precise_lse else [tuple(range(nK))]
+                s = None
+                for kts in chains:
+                    part = pl.run_scoped(functools.partial(qk, kts),
+                                         plgpu.ACC((bq, hk_cols), jnp.float32))
+                    s = part if s is None else s + part
+                if not (eager or precise_lse):
                     plgpu.barrier_arrive(free.at[lax.rem(base + nK - 1, ns)])
                 s = soft_cap(walk, s)
                 if masked:
