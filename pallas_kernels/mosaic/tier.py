@@ -95,8 +95,10 @@ def configs(problem: Problem, direction: str, lookup, target: Target) -> tuple[K
         settings = dict(kernel=name, num_stages=config.num_stages,
                         consumer_regs=config.consumer_regs, block_q=config.block_q)
     else:
-        name = "wide" if uses_wide_kernel(problem.head_dim, problem.head_dim_v) else "rows"
-        if problem.return_lse:
+        wide = (config.wide if config.wide is not None
+                else uses_wide_kernel(problem.head_dim, problem.head_dim_v))
+        name = "wide" if wide else "rows"
+        if problem.return_lse and wide:  # the rows kernel (chains of 256 at most) meets the rule
             config = dataclasses.replace(config, precise_lse=True)
         settings = dict(kernel=name, block_kv=config.block_kv, num_stages=config.num_stages,
                         cluster=config.cluster, cluster_axis=config.cluster_axis,
