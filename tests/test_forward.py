@@ -23,19 +23,23 @@ from pallas_kernels.kernel_inputs import mask_block_lists
 
 
 def run_case(case: Case, mode: str, tier: str = "pallas", *, q=None, k=None, v=None,
-             bias=None, mask=None, eager: bool = False):
+             bias=None, mask=None, eager: bool = False, return_lse: bool = True):
     """out and lse of `case` on `tier` against float64, called under jax.jit (as a training
-    step calls it) or, with `eager`, eagerly; returns (out, lse)."""
+    step calls it) or, with `eager`, eagerly; returns (out, lse). Without `return_lse` the
+    call returns out alone (the kernels of large head dims differ: `Problem.return_lse`),
+    and lse is None."""
     if q is None:
         q, k, v, bias, mask = make_inputs(case)
 
     def f(q, k, v, bias, mask):
-        return ffpa_jax.attention(q, k, v, bias, mask, scale=case.scale, is_causal=case.causal,
-                                  return_lse=True, **call_kwargs(tier, mode))
+        result = ffpa_jax.attention(q, k, v, bias, mask, scale=case.scale,
+                                    is_causal=case.causal, return_lse=return_lse,
+                                    **call_kwargs(tier, mode))
+        return result if return_lse else (result, None)
     out, lse = (f if eager else jax.jit(f))(q, k, v, bias, mask)
     reference = reference64(case, q, k, v, bias, mask)
     assert out.dtype == q.dtype and out.shape == reference[0].shape
-    assert lse.dtype == jnp.float32
+    assert lse is None or lse.dtype == jnp.float32
     assert_forward_matches(out, lse, reference, xla_same_precision(case, q, k, v, bias, mask),
                            q.dtype)
     return out, lse
@@ -130,6 +134,22 @@ def test_lse_at_large_head_dims_and_logits(case, magnitude, kernel_mode, tier, r
         run_case(case, kernel_mode, tier, q=(magnitude * q.astype(jnp.float32)).astype(q.dtype),
                  k=(magnitude * k.astype(jnp.float32)).astype(k.dtype), v=v, bias=bias,
                  mask=mask)
+
+
+@pytest.mark.parametrize("case,magnitude", [
+    (Case(t=33, s=65, hq=2, hkv=1, d=512), 1.0),
+    (Case(t=113, s=203, hq=2, hkv=2, d=512, dtype="float16", causal=True, scale=0.3), 2.0),
+    (Case(t=40, s=90, hq=1, hkv=1, d=1000), 1.0),
+    (Case(b=2, t=113, s=203, hq=2, hkv=2, d=40, causal=True), 1.0)],
+    ids=lambda x: getattr(x, "d", x))
+def test_out_without_lse(case, magnitude, kernel_mode, tier):
+    """A call that returns out alone runs the forward kernels with one accumulation chain
+    over the head dim (at large D, another kernel than the one that returns lse): its out
+    meets the rule too."""
+    q, k, v, bias, mask = make_inputs(case)
+    run_case(case, kernel_mode, tier, q=(magnitude * q.astype(jnp.float32)).astype(q.dtype),
+             k=(magnitude * k.astype(jnp.float32)).astype(k.dtype), v=v, bias=bias, mask=mask,
+             return_lse=False)
 
 
 @pytest.mark.parametrize("causal", [False, True])
