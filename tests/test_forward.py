@@ -105,6 +105,16 @@ def test_mask_broadcast(shape, kernel_mode, tier):
     run_case(Case(b=2, t=37, s=70, hq=4, hkv=2, d=48, mask_shape=shape), kernel_mode, tier)
 
 
+def run_at_magnitude(case: Case, magnitude: float, mode: str, tier: str, *, seed: int = 0,
+                     return_lse: bool = True):
+    """`run_case` on the case's inputs of `seed` with q and k scaled by `magnitude` (larger
+    logits), rounded back to their dtype."""
+    q, k, v, bias, mask = make_inputs(case, seed=seed)
+    q, k = ((magnitude * x.astype(jnp.float32)).astype(x.dtype) for x in (q, k))
+    return run_case(case, mode, tier, q=q, k=k, v=v, bias=bias, mask=mask,
+                    return_lse=return_lse)
+
+
 # Large logits at large head dims: where one tensor-core accumulation chain over all of
 # D gave lse 3-5x XLA's error on the H200 (docs/benchmarks.md, "lse accuracy").
 LARGE_LOGIT_CASES = [  # (case, magnitude of q and k)
@@ -130,10 +140,7 @@ def test_lse_at_large_head_dims_and_logits(case, magnitude, kernel_mode, tier, r
         request.applymarker(pytest.mark.xfail(raises=jax.errors.JaxRuntimeError, strict=True,
                                               reason="Triton forward overflows shared memory"))
     for seed in range(4 if kernel_mode == "gpu" else 1):
-        q, k, v, bias, mask = make_inputs(case, seed=seed)
-        run_case(case, kernel_mode, tier, q=(magnitude * q.astype(jnp.float32)).astype(q.dtype),
-                 k=(magnitude * k.astype(jnp.float32)).astype(k.dtype), v=v, bias=bias,
-                 mask=mask)
+        run_at_magnitude(case, magnitude, kernel_mode, tier, seed=seed)
 
 
 @pytest.mark.parametrize("case,magnitude", [
@@ -146,10 +153,7 @@ def test_out_without_lse(case, magnitude, kernel_mode, tier):
     """A call that returns out alone runs the forward kernels with one accumulation chain
     over the head dim (at large D, another kernel than the one that returns lse): its out
     meets the rule too."""
-    q, k, v, bias, mask = make_inputs(case)
-    run_case(case, kernel_mode, tier, q=(magnitude * q.astype(jnp.float32)).astype(q.dtype),
-             k=(magnitude * k.astype(jnp.float32)).astype(k.dtype), v=v, bias=bias, mask=mask,
-             return_lse=False)
+    run_at_magnitude(case, magnitude, kernel_mode, tier, return_lse=False)
 
 
 @pytest.mark.parametrize("causal", [False, True])

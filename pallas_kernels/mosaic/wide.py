@@ -46,6 +46,9 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
     _W = config.wide_piece  # columns of one ring piece
     eager = config.wide_eager_release
     precise_lse = config.precise_lse
+    # Each K tile's wgmmas awaited and its slot released at once: the eager release, and
+    # the chains of a precise lse (each read before the next starts).
+    release_each_k = eager or precise_lse
     if bkv < 128:
         raise ValueError("the wide kernel needs block_kv >= 128 (64 key columns per warpgroup)")
     nK = D // (2 * _W)  # K tiles per step (each: 2 pieces of 128 head-dim columns)
@@ -122,7 +125,7 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                                 q_now.at[:, pl.ds(col, _W)],
                                 plgpu.transpose_ref(ring.at[slot, pc, my_rows], (1, 0)),
                             )
-                        if eager or precise_lse:
+                        if release_each_k:
                             plgpu.wgmma_wait(0)
                             plgpu.barrier_arrive(free.at[slot])
                         elif kt:
@@ -139,7 +142,7 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                     part = pl.run_scoped(functools.partial(qk, kts),
                                          plgpu.ACC((bq, hk_cols), jnp.float32))
                     s = part if s is None else s + part
-                if not (eager or precise_lse):
+                if not release_each_k:
                     plgpu.barrier_arrive(free.at[lax.rem(base + nK - 1, ns)])
                 s = soft_cap(walk, s)
                 if masked:
