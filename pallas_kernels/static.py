@@ -262,6 +262,20 @@ def dropout_keep(st: KernelStatic, seed_ref, b, h, rows, kv_start, n_cols: int,
                              rate=st.problem.dropout_rate, on_gpu=not st.interpret)
 
 
+def _short_unmasked_run(st: KernelStatic, shift) -> bool:
+    """Whether the causal walk should mask every key block instead of splitting off the
+    unmasked ones: where the grid has one query block and the shift is static, the loop
+    bounds are compile-time constants, and an unmasked loop shorter than the pipeline
+    (but not empty) makes XLA's Triton allocate its buffers beside the masked loop's: a
+    stage more than the kernel budgets (D = 256, T = 113, S = 203 asked for 256 KiB).
+    Masking those few blocks of a single query block costs little."""
+    problem, cfg = st.problem, st.cfg
+    if shift is not None or cdiv(problem.seq_q, cfg.block_m) != 1:
+        return False
+    keys_first_row = max(visibility.default_shift(problem.seq_q, problem.seq_k) + 1, 0)
+    return 0 < keys_first_row // cfg.block_n < cfg.num_stages
+
+
 def walk_kv_blocks(st: KernelStatic, lists, b, h, q_block, q_start, visit, carry,
                    features: TileFeatures | None = None):
     """`carry` folded through `visit(kv_block, carry, causal_mask=, with_mask=)` over the key
@@ -294,6 +308,10 @@ def walk_kv_blocks(st: KernelStatic, lists, b, h, q_block, q_start, visit, carry
     if problem.causal:
         n_unmasked, n_total = visibility.causal_kv_blocks(q_start, bm, bn, problem.seq_q,
                                                           problem.seq_k, shift)
+        if _short_unmasked_run(st, shift):
+            return jax.lax.fori_loop(i32(0), n_total,
+                                     functools.partial(visit, causal_mask=True,
+                                                       with_mask=False), carry)
         carry = jax.lax.fori_loop(i32(0), n_unmasked,
                                   functools.partial(visit, causal_mask=False, with_mask=False),
                                   carry)
