@@ -264,11 +264,12 @@ def dropout_keep(st: KernelStatic, seed_ref, b, h, rows, kv_start, n_cols: int,
 
 def _short_unmasked_run(st: KernelStatic, shift) -> bool:
     """Whether the causal walk should mask every key block instead of splitting off the
-    unmasked ones: where the grid has one query block and the shift is static, the loop
-    bounds are compile-time constants, and an unmasked loop shorter than the pipeline
-    (but not empty) makes XLA's Triton allocate its buffers beside the masked loop's: a
-    stage more than the kernel budgets (D = 256, T = 113, S = 203 asked for 256 KiB).
-    Masking those few blocks of a single query block costs little."""
+    unmasked ones. Where the grid has one query block and the shift is static, the loops'
+    bounds are compile-time constants; with an unmasked loop of one block, XLA's Triton
+    asked for one K/V stage more than the kernel budgets (D = 256, T = 113, S = 203: 256
+    KiB, past the card's shared memory; the `triton` package compiled the same kernel
+    within the budget; docs/history.md, session 37). Masking a run shorter than the
+    pipeline, in a problem of one query block, costs little."""
     problem, cfg = st.problem, st.cfg
     if shift is not None or cdiv(problem.seq_q, cfg.block_m) != 1:
         return False
