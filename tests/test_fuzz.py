@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -311,7 +312,7 @@ def test_a_failing_example_names_its_rerun_command_first(monkeypatch):
     def wrong(*args, **kwargs):
         raise AssertionError("lse: max error 1.0 above the rule's 0.1")
 
-    monkeypatch.setattr(__import__(__name__), "check_example", wrong)
+    monkeypatch.setattr(sys.modules[__name__], "check_example", wrong)
     with pytest.raises(AssertionError) as raised:
         _fuzz_test(examples=1, seed=7, impls=(("xla", False),), pool=[EDGE_CONFIGS[0]],
                    rerun="FFPA_FUZZ_SEED=7 pytest -k test_fuzz")

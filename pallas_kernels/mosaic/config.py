@@ -106,6 +106,12 @@ def uses_wide_kernel(head_dim: int, head_dim_v: int) -> bool:
     return max(round_up(head_dim, 64), round_up(head_dim_v, 64)) > 256
 
 
+def runs_wide_kernel(config: "Config", head_dim: int, head_dim_v: int) -> bool:
+    """Whether a forward with `config` runs the "wide" kernel: its `wide` field, or by
+    default the head dims (`uses_wide_kernel`)."""
+    return config.wide if config.wide is not None else uses_wide_kernel(head_dim, head_dim_v)
+
+
 def default_config(
     head_dim: int,
     head_dim_v: int | None = None,

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.chunked import with_sinks
 from pallas_kernels.mosaic.common import Walk
-from pallas_kernels.mosaic.config import Config, default_config, round_up, uses_wide_kernel
+from pallas_kernels.mosaic.config import Config, default_config, round_up, runs_wide_kernel
 from pallas_kernels.mosaic.rows import rows_forward
 from pallas_kernels.mosaic.wide import wide_forward
 from pallas_kernels.problem import FeatureArrays
@@ -61,7 +61,7 @@ def mosaic_attention_forward(
         config = default_config(D, Dv, q.dtype, causal, gqa_group=Hq // Hkv,
                                 segments=f.q_segment_ids is not None, window=window, seq_q=T)
     Dp, Dvp = round_up(D, 64), round_up(Dv, 64)
-    wide = config.wide if config.wide is not None else uses_wide_kernel(D, Dv)
+    wide = runs_wide_kernel(config, D, Dv)
     if wide:
         Dp, Dvp = round_up(D, 256), round_up(Dv, 256)
         fwd = wide_forward

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from pallas_kernels import visibility
 from pallas_kernels.mosaic import backward as mosaic_backward
 from pallas_kernels.mosaic import tuned
-from pallas_kernels.mosaic.config import uses_wide_kernel
+from pallas_kernels.mosaic.config import runs_wide_kernel, uses_wide_kernel
 from pallas_kernels.mosaic.forward import mosaic_attention_forward
 from pallas_kernels.plan import KernelChoice, Plan, Target
 from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
@@ -95,8 +95,7 @@ def configs(problem: Problem, direction: str, lookup, target: Target) -> tuple[K
         settings = dict(kernel=name, num_stages=config.num_stages,
                         consumer_regs=config.consumer_regs, block_q=config.block_q)
     else:
-        wide = (config.wide if config.wide is not None
-                else uses_wide_kernel(problem.head_dim, problem.head_dim_v))
+        wide = runs_wide_kernel(config, problem.head_dim, problem.head_dim_v)
         name = "wide" if wide else "rows"
         if problem.return_lse and wide:  # the rows kernel (chains of 256 at most) meets the rule
             config = dataclasses.replace(config, precise_lse=True)
