@@ -75,6 +75,12 @@ def mosaic_load(ref, *, layout):
     return _pl_mosaic.load(ref, layout=layout)
 
 
+# Mosaic GPU's read of a wgmma accumulator that leaves the `wait_n` latest wgmma groups in
+# flight (the rows kernel's `Config.overlap`). Exported by the versions we support; looked up
+# so that a JAX without it still imports (only that config then fails, when traced).
+wgmma_accumulator_load = getattr(_pl_mosaic, "wgmma_accumulator_load", None)
+
+
 def mosaic_gpu_runs() -> bool:
     """Whether this JAX runs the Mosaic tier's kernels: they were built and measured on
     jax 0.11 (they lower on 0.10.2, which never ran them on a GPU)."""

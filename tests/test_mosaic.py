@@ -66,7 +66,23 @@ FEATURE_CASES = [
      None, None),
     ((2, 1023, 113, 2, 1, 256, 256, False, Config(block_kv=64, num_stages=2, persistent=True)),
      None, 30.0),
+    # The rows kernel's intra-warpgroup overlap: persistent GQA at D = 256, causal with a
+    # window and T < S, D = 150 (padded) with a two-sided window, GQA clusters along heads in
+    # the Warpgroup lowering; rows with no visible key in the windowed ones.
+    ((2, 1023, 113, 2, 1, 256, 256, False, Config(block_kv=64, num_stages=2, persistent=True,
+                                                  overlap=True)), None, 30.0),
+    ((1, 113, 203, 4, 2, 59, 40, True, Config(block_kv=128, overlap=True)), (64, 0), None),
+    ((2, 203, 300, 4, 2, 150, 150, False, Config(block_kv=64, overlap=True)), (100, 37), 30.0),
+    ((2, 300, 1000, 4, 2, 128, 128, True, Config(block_kv=128, cluster=2, cluster_axis="heads",
+                                                 lowering="warpgroup", overlap=True)),
+     (200, 0), None),
 ]
+
+
+def _feature_id(case) -> str:
+    (*_, d, _, _, config), window, softcap = case
+    overlap = "-overlap" if config is not None and config.overlap else ""
+    return f"D{d}-window{window}-softcap{softcap}{overlap}"
 
 
 @pytest.mark.parametrize("case", LOWERING_CASES,
@@ -83,8 +99,7 @@ def test_kernels_lower_for_cuda(case):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("case", FEATURE_CASES, ids=lambda c: "D{}-window{}-softcap{}".format(
-    c[0][5], c[1], c[2]))
+@pytest.mark.parametrize("case", FEATURE_CASES, ids=_feature_id)
 def test_kernels_with_a_window_and_a_soft_cap_lower_for_cuda(case):
     (b, t, s, hq, hkv, d, dv, causal, config), window, softcap = case
     q, k, v = sd((b, t, hq, d), jnp.bfloat16), sd((b, s, hkv, d), jnp.bfloat16), sd(
@@ -782,8 +797,7 @@ def _assert_backward_matches(shape, arrays, features, saved, kernel_features):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", FEATURE_CASES, ids=lambda c: "D{}-window{}-softcap{}".format(
-    c[0][5], c[1], c[2]))
+@pytest.mark.parametrize("case", FEATURE_CASES, ids=_feature_id)
 def test_kernels_with_a_window_and_a_soft_cap_match_the_reference_gpu(case):
     """The kernels' window and soft cap by the tolerance rule against the float64 reference
     (out, lse, and dq, dk, dv where the backward takes the head dims), rows with no visible

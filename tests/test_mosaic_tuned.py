@@ -4,6 +4,7 @@ file's entry reaching the plan through the lookup."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -34,6 +35,7 @@ DEVICE = "NVIDIA H100 80GB HBM3"
     (FWD, {"num_stages": 0}, "num_stages=0 not in 1..6"),
     (FWD, {"block_kv": 128.0}, "is not int"),
     (FWD, {"wide": 1}, "is not bool"),
+    (FWD, {"wide": True, "overlap": True}, "overlap: the rows kernel's"),
     (FWD, {"block_q": 64}, "'block_q' is not a field of mosaic_fwd's config"),
     (BWD, {"block_q": 96}, "block_q=96 must be 64 or 128"),
     (BWD, {"BLOCK_M": 64}, "'BLOCK_M' is not a field"),
@@ -61,6 +63,16 @@ def test_an_entry_changes_only_its_fields():
     assert note == "" and (config.block_kv, config.num_stages) == (64, 3)
     assert config.lowering == default.lowering and config.consumer_regs == default.consumer_regs
     assert _take(FWD, default, None) == (default, "")
+
+
+def test_an_entry_without_the_newer_fields_runs_as_it_was_measured():
+    """An entry written before `persistent` and `overlap` existed was measured on one CTA
+    per tile without the overlap: it runs so, whatever the built-in config says."""
+    default = dataclasses.replace(default_config(256, 256), persistent=True, overlap=True)
+    config, note = _take(FWD, default, {"block_kv": 64, "num_stages": 3}, d=256)
+    assert note == "" and not config.persistent and not config.overlap
+    config, _ = _take(FWD, default, {"block_kv": 64, "overlap": True}, d=256)
+    assert config.overlap
 
 
 @pytest.mark.parametrize("kernel,d,group,segments,fields,why", [

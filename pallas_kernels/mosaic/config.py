@@ -51,6 +51,12 @@ class Config:
     block_q:        backward: query rows per step (64; 128 for head dims up to 64,
                     where the step's scores of 64 keys x 128 rows still fit the
                     consumers' registers beside dK and dV).
+    overlap:        rows kernel: FlashAttention-3's intra-warpgroup overlap in place of the
+                    ping-pong (`schedule_barrier` is then unused): each step issues
+                    S(j) = Q K(j)ᵀ and P(j-1) V(j-1) together and runs the softmax of S(j)
+                    under the P V wgmma. Measured faster at D = 256 without masks, slower
+                    at D <= 128 and under causality or a window (docs/history.md,
+                    session 38).
     persistent:     rows kernel: launch one CTA (cluster) per multiprocessor, each
                     walking query tiles in turn (query tiles fastest, then batch, heads
                     slowest), its producer loading the next tile's K/V while the
@@ -76,6 +82,7 @@ class Config:
     precise_lse: bool = False
     block_q: int = 64
     persistent: bool = False
+    overlap: bool = False
 
     def __post_init__(self):
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -92,6 +99,8 @@ class Config:
             raise ValueError("wide_piece must be 64 or 128")
         if self.block_q not in (64, 128):
             raise ValueError(f"block_q={self.block_q} must be 64 or 128")
+        if self.overlap and self.wide:
+            raise ValueError("overlap: the rows kernel's (the wide kernel has no such walk)")
         if self.persistent and (self.wide or (self.cluster > 1 and self.cluster_axis == "q")):
             raise ValueError("persistent: the rows kernel, without clusters along the queries")
 

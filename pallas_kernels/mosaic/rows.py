@@ -5,7 +5,9 @@ tiles through a ring of shared-memory stages with TMA and mbarriers. Consumers r
 S = Q Kᵀ (wgmma, smem x smem), the online softmax in registers (exp2, scale·log2(e) folded
 in), O += P V (wgmma, P from registers). A shared "schedule" barrier makes the two consumer
 warpgroups ping-pong: one runs its softmax while the other's matmuls occupy the tensor
-cores.
+cores. With `Config.overlap`, each warpgroup instead keeps the tensor cores busy by itself
+(FlashAttention-3's intra-warpgroup overlap): a step issues S(j) = Q K(j)ᵀ and
+O += P(j-1) V(j-1) together and runs the softmax of S(j) while the P V wgmma is in flight.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
     assert prob.block_kv == bkv
     c_exp = prob.scale * LOG2E
     out_itemsize = jnp.dtype(out_dtype).itemsize
+    # The overlap keeps each warpgroup's own wgmmas back to back; the ping-pong's
+    # lock-step breaks that (measured slower together, docs/history.md, session 38).
+    pingpong = config.schedule_barrier and not config.overlap
     has_segments = segment_ids is not None
     # float32 O in chunks of 128 columns (64 where Dv is an odd number of 64s: D = 192).
     oc = config.out_chunk or (Dv if out_itemsize == 2 else 128 if Dv % 128 == 0 else 64)
@@ -107,7 +112,7 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
             return None if done is None else done + (hi - lo)
 
         def sched_sync():
-            if config.schedule_barrier:
+            if pingpong:
                 plgpu.barrier_arrive(sched)
                 plgpu.barrier_wait(sched)
 
@@ -122,6 +127,144 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
             if has_segments:
                 plgpu.copy_gmem_to_smem(qid_ref.at[b, pl.ds(q0, bq)], qid_smem.at[wg],
                                         q_bar.at[wg])
+
+        def serial_walk(carry, my_q, done, lo, mask_lo, full_hi, my_hi, visible_scores):
+            """(acc, m, l) after this warpgroup's blocks [lo, my_hi), one after the other:
+            each step's P V follows its softmax; the two warpgroups ping-pong."""
+
+            @pl.when(my_hi > lo)
+            def _():
+                plgpu.barrier_wait(k_bar.at[0 if done is None else ring_slot(done, 0)])
+
+            pl.when(wg == 1)(sched_sync)
+
+            def step(j, carry, *, masked):
+                acc, m_i, l_i = carry
+                slot = ring_slot(done, j - lo)
+
+                def qk(s_ref):
+                    plgpu.wgmma(s_ref, my_q, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    sched_sync()
+                    return s_ref[...]
+
+                s = visible_scores(j, slot, pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32)),
+                                   masked)
+                p, alpha, m_new = softmax_update(s, m_i, l_i, c_exp, guard=masked)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l_i = l_i * alpha
+                p16 = p.astype(dtype)
+                if Dv <= 128:
+                    l_i = l_i + p.sum(axis=1)
+                    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                if pingpong:
+                    plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(v_bar.at[slot])
+                if pingpong:
+                    plgpu.barrier_wait(sched)
+                if Dv > 128:
+                    l_i = l_i + p.sum(axis=1)
+
+                # (computed outside the run_state closure: the Warpgroup lowering
+                # cannot carry literal constants through run_state)
+                has_next = j + 1 < my_hi
+                next_slot = ring_slot(done, j + 1 - lo)
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                    @pl.when(has_next)
+                    def _():
+                        plgpu.barrier_wait(k_bar.at[next_slot])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l_i
+
+            return walk_kv(step, carry, lo, mask_lo, full_hi, my_hi)
+
+        def overlapped_walk(carry, my_q, done, lo, mask_lo, full_hi, my_hi, visible_scores):
+            """(acc, m, l) after this warpgroup's blocks [lo, my_hi), overlapped: the first
+            block only computes its P; each later step j issues S(j) and P(j-1) V(j-1)
+            together and runs the softmax of S(j) while the P V wgmma is in flight; a last
+            step adds P V of the last block. O is rescaled to a block's maximum before that
+            block's P V is added (alpha carried one step)."""
+
+            def softmax(s, m_i, l_i, masked):
+                p, alpha, m_new = softmax_update(s, m_i, l_i, c_exp, guard=masked)
+                return p.astype(dtype), alpha, m_new, l_i * alpha + p.sum(axis=1)
+
+            def first(j, carry, *, masked):
+                acc, m_i, l_i, _, _ = carry
+                slot = ring_slot(done, j - lo)
+                plgpu.barrier_wait(k_bar.at[slot])
+
+                def qk(s_ref):
+                    plgpu.wgmma(s_ref, my_q, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    return s_ref[...]
+
+                s = visible_scores(j, slot, pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32)),
+                                   masked)
+                p16, alpha, m_new, l_new = softmax(s, m_i, l_i, masked)
+                return acc, m_new, l_new, p16, alpha
+
+            def step(j, carry, *, masked):
+                acc, m_i, l_i, p_prev, alpha_prev = carry
+                slot = ring_slot(done, j - lo)
+                prev = ring_slot(done, j - 1 - lo)
+                acc = acc * lax.broadcast_in_dim(alpha_prev, acc.shape, [0])
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(v_bar.at[prev])
+
+                def body(refs):
+                    acc_ref, m_ref, l_ref, p_ref, a_ref = refs
+
+                    def issue(s_ref):
+                        plgpu.wgmma(s_ref, my_q, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                        plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev])
+                        # S(j) once its wgmma is done, the P V one still in flight
+                        return compat.wgmma_accumulator_load(s_ref, wait_n=1)
+
+                    s = visible_scores(j, slot,
+                                       pl.run_scoped(issue, plgpu.ACC((bq, bkv), jnp.float32)),
+                                       masked)
+                    p16, alpha, m_new, l_new = softmax(s, m_ref[...], l_ref[...], masked)
+                    m_ref[...] = m_new
+                    l_ref[...] = l_new
+                    p_ref[...] = p16
+                    a_ref[...] = alpha
+
+                # (run_state's end waits for the P V wgmma)
+                acc, m_new, l_new, p16, alpha = pl.run_state(body)(
+                    (plgpu.ACC.init(acc), m_i, l_i, p_prev, alpha_prev))
+                plgpu.barrier_arrive(v_free.at[prev])
+                return acc, m_new, l_new, p16, alpha
+
+            def last(j, carry):
+                acc, m_i, l_i, p_prev, alpha_prev = carry
+                slot = ring_slot(done, j - lo)
+                acc = acc * lax.broadcast_in_dim(alpha_prev, acc.shape, [0])
+                plgpu.barrier_wait(v_bar.at[slot])
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p_prev, v_smem.at[slot])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_i, l_i, p_prev, alpha_prev
+
+            acc, m_i, l_i = carry
+            ones = plgpu.layout_cast(jnp.ones((bq,), jnp.float32), ROW)
+            p0 = plgpu.layout_cast(jnp.zeros((bq, bkv), dtype), WGMMA)
+            carry = (acc, m_i, l_i, p0, ones)
+            # The first block, [lo, e) with e = min(lo + 1, my_hi) (empty where the
+            # warpgroup sees no block), split as the walk splits it; then the rest.
+            e = jnp.minimum(lo + 1, my_hi)
+            carry = walk_kv(first, carry, lo, jnp.minimum(mask_lo, e), jnp.minimum(full_hi, e),
+                            e)
+            carry = walk_kv(step, carry, e, jnp.maximum(mask_lo, e), jnp.maximum(full_hi, e),
+                            my_hi)
+            acc, m_i, l_i, _, _ = lax.fori_loop(jnp.maximum(lo, my_hi - 1), my_hi, last, carry)
+            return acc, m_i, l_i
 
         def consumer_tile(indices, done, following=None):
             """One tile of the consumers. One tile per CTA (`done` None): its Q loaded
@@ -145,22 +288,9 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
             row_ids = (compat.mosaic_load(qid_smem.at[wg], layout=ROW) if has_segments
                        else None)
 
-            @pl.when(my_hi > lo)
-            def _():
-                plgpu.barrier_wait(k_bar.at[0 if done is None else ring_slot(done, 0)])
-
-            pl.when(wg == 1)(sched_sync)
-
-            def step(j, carry, *, masked):
-                acc, m_i, l_i = carry
-                slot = ring_slot(done, j - lo)
-
-                def qk(s_ref):
-                    plgpu.wgmma(s_ref, my_q, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                    sched_sync()
-                    return s_ref[...]
-
-                s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+            def visible_scores(j, slot, s, masked):
+                """S(j) with the soft cap and, in `masked` steps, the element masks; K(j)'s
+                slot is released here (its ids read first)."""
                 same = None
                 if masked and has_segments:  # read before the slot is released
                     col_ids = compat.mosaic_load(kid_smem.at[slot], layout=COLUMNS)
@@ -171,38 +301,14 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                     q_idx = q0 + iota((bq, bkv), 0)
                     k_idx = kv_of(j) * bkv + iota((bq, bkv), 1)
                     s = score_mod(walk, s, q_idx, k_idx, same)
-                p, alpha, m_new = softmax_update(s, m_i, l_i, c_exp, guard=masked)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l_i = l_i * alpha
-                p16 = p.astype(dtype)
-                if Dv <= 128:
-                    l_i = l_i + p.sum(axis=1)
-                    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-                if config.schedule_barrier:
-                    plgpu.barrier_arrive(sched)
-                plgpu.barrier_wait(v_bar.at[slot])
-                if config.schedule_barrier:
-                    plgpu.barrier_wait(sched)
-                if Dv > 128:
-                    l_i = l_i + p.sum(axis=1)
+                return s
 
-                # (computed outside the run_state closure: the Warpgroup lowering
-                # cannot carry literal constants through run_state)
-                has_next = j + 1 < my_hi
-                next_slot = ring_slot(done, j + 1 - lo)
-
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-
-                    @pl.when(has_next)
-                    def _():
-                        plgpu.barrier_wait(k_bar.at[next_slot])
-
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_new, l_i
-
-            acc, m_i, l_i = walk_kv(step, (acc, m_i, l_i), lo, mask_lo, full_hi, my_hi)
+            if config.overlap:
+                acc, m_i, l_i = overlapped_walk(
+                    (acc, m_i, l_i), my_q, done, lo, mask_lo, full_hi, my_hi, visible_scores)
+            else:
+                acc, m_i, l_i = serial_walk(
+                    (acc, m_i, l_i), my_q, done, lo, mask_lo, full_hi, my_hi, visible_scores)
 
             # Blocks loaded for the other warpgroup / the cluster but hidden for us:
             # release them (only once they have landed, so that no warpgroup can
@@ -222,7 +328,7 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                 has_next, (next_t, next_h, next_b, _, _) = following
                 pl.when(has_next)(lambda: load_q(first_row(next_t), next_h, next_b))
 
-            if config.schedule_barrier:
+            if pingpong:
                 pl.when(wg == 0)(sched_sync)
             else:
                 # O aliases Q of the other warpgroup: wait until both left the loop.

@@ -24,7 +24,7 @@ BACKWARD_KERNEL = "mosaic_bwd"
 FIELDS: dict[str, dict[str, type]] = {
     FORWARD_KERNEL: {"block_kv": int, "num_stages": int, "cluster": int, "cluster_axis": str,
                      "grid_order": str, "lowering": str, "wide_piece": int, "wide": bool,
-                     "persistent": bool},
+                     "persistent": bool, "overlap": bool},
     BACKWARD_KERNEL: {"num_stages": int, "block_q": int},
 }
 MAX_STAGES = 6
@@ -84,8 +84,10 @@ def tuned_config(kernel: str, default: Config, tuned: Mapping | None, *, head_di
                          "tiles take shared memory)")
     fields = dict(tuned)
     if kernel == FORWARD_KERNEL:
-        # An entry without the field was measured on one CTA per tile.
+        # An entry without these fields was measured on one CTA per tile, without the
+        # overlap.
         fields.setdefault("persistent", False)
+        fields.setdefault("overlap", False)
     wide = uses_wide_kernel(head_dim, head_dim_v)
     if fields.pop("wide", wide) != wide:
         return default, ("the entry was tuned on the "
@@ -106,7 +108,7 @@ def tuned_config(kernel: str, default: Config, tuned: Mapping | None, *, head_di
 # The autotuner's knobs per kernel (each a field and the values it tries), the most
 # telling first: the ring and keys per step, then clusters and the grid's order.
 _ROWS_KNOBS = (("block_kv", (64, 128, 256)), ("num_stages", (2, 3, 4)),
-               ("lowering", ("lane", "warpgroup")), ("cluster", (1, 2)),
+               ("overlap", (False, True)), ("lowering", ("lane", "warpgroup")), ("cluster", (1, 2)),
                ("grid_order", ("heads", "q")), ("persistent", (False, True)))
 _WIDE_KNOBS = (("num_stages", (2, 3, 4)), ("wide_piece", (64, 128)), ("cluster", (1, 2, 4)),
                ("grid_order", ("heads", "q")), ("block_kv", (128, 256)))
