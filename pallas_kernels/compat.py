@@ -76,9 +76,15 @@ def mosaic_load(ref, *, layout):
 
 
 # Mosaic GPU's read of a wgmma accumulator that leaves the `wait_n` latest wgmma groups in
-# flight (the rows kernel's `Config.overlap`). Exported by the versions we support; looked up
-# so that a JAX without it still imports (only that config then fails, when traced).
+# flight (the rows kernel's `Config.overlap`): exported by jax 0.10.2; where a JAX does not
+# export it, its Pallas primitives module holds it; a JAX with neither still imports (only
+# that config then fails, when traced).
 wgmma_accumulator_load = getattr(_pl_mosaic, "wgmma_accumulator_load", None)
+if wgmma_accumulator_load is None:
+    try:
+        from jax._src.pallas.mosaic_gpu.primitives import wgmma_accumulator_load
+    except ImportError:
+        pass
 
 
 def mosaic_gpu_runs() -> bool:

@@ -106,7 +106,8 @@ def tuned_config(kernel: str, default: Config, tuned: Mapping | None, *, head_di
 
 
 # The autotuner's knobs per kernel (each a field and the values it tries), the most
-# telling first: the ring and keys per step, then clusters and the grid's order.
+# telling first: the ring and keys per step, the rows kernel's overlap, then clusters and the
+# grid's order.
 _ROWS_KNOBS = (("block_kv", (64, 128, 256)), ("num_stages", (2, 3, 4)),
                ("overlap", (False, True)), ("lowering", ("lane", "warpgroup")), ("cluster", (1, 2)),
                ("grid_order", ("heads", "q")), ("persistent", (False, True)))
