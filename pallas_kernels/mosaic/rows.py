@@ -128,6 +128,17 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                 plgpu.copy_gmem_to_smem(qid_ref.at[b, pl.ds(q0, bq)], qid_smem.at[wg],
                                         q_bar.at[wg])
 
+        def scores(my_q, slot):
+            """S = Q Kᵀ of the K tile in ring `slot`, waited for (the ping-pong's turn, where
+            it runs, passed once the wgmma is issued)."""
+
+            def qk(s_ref):
+                plgpu.wgmma(s_ref, my_q, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                sched_sync()
+                return s_ref[...]
+
+            return pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+
         def serial_walk(carry, my_q, done, lo, mask_lo, full_hi, my_hi, visible_scores):
             """(acc, m, l) after this warpgroup's blocks [lo, my_hi), one after the other:
             each step's P V follows its softmax; the two warpgroups ping-pong."""
@@ -142,13 +153,7 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                 acc, m_i, l_i = carry
                 slot = ring_slot(done, j - lo)
 
-                def qk(s_ref):
-                    plgpu.wgmma(s_ref, my_q, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                    sched_sync()
-                    return s_ref[...]
-
-                s = visible_scores(j, slot, pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32)),
-                                   masked)
+                s = visible_scores(j, slot, scores(my_q, slot), masked)
                 p, alpha, m_new = softmax_update(s, m_i, l_i, c_exp, guard=masked)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l_i = l_i * alpha
@@ -197,13 +202,7 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                 acc, m_i, l_i, _, _ = carry
                 slot = ring_slot(done, j - lo)
                 plgpu.barrier_wait(k_bar.at[slot])
-
-                def qk(s_ref):
-                    plgpu.wgmma(s_ref, my_q, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                    return s_ref[...]
-
-                s = visible_scores(j, slot, pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32)),
-                                   masked)
+                s = visible_scores(j, slot, scores(my_q, slot), masked)
                 p16, alpha, m_new, l_new = softmax(s, m_i, l_i, masked)
                 return acc, m_new, l_new, p16, alpha
 
