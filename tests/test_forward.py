@@ -49,6 +49,7 @@ SHAPES = [
     Case(b=2, t=113, s=203, hq=2, hkv=2, d=40),
     Case(t=1, s=113, hq=6, hkv=2, d=59),  # GQA 6/2, a single query
     Case(t=203, s=1, hq=3, hkv=1, d=111),  # MQA, a single key
+    Case(t=1, s=1023, hq=8, hkv=2, d=111),  # a single query over many keys above D = 64
     Case(t=1023, s=113, hq=1, hkv=1, d=64),
     Case(t=113, s=1023, hq=2, hkv=1, d=32, dv=48),
     Case(t=64, s=77, hq=2, hkv=2, d=320, dv=192),

@@ -54,9 +54,11 @@ class Config:
     overlap:        rows kernel: FlashAttention-3's intra-warpgroup overlap in place of the
                     ping-pong (`schedule_barrier` is then unused): each step issues
                     S(j) = Q K(j)ᵀ and P(j-1) V(j-1) together and runs the softmax of S(j)
-                    under the P V wgmma. Measured faster at D = 256 without masks, slower
-                    at D <= 128 and under causality or a window (docs/history.md,
-                    session 38).
+                    under the P V wgmma. On by default at head dims 65-256 without segment
+                    ids (measured faster there, causal and windowed too, once P(j-1) is kept
+                    live until its wgmma is waited for); slower at D <= 64, where S and P of
+                    256 keys leave too few registers, and with packed segments
+                    (docs/history.md, sessions 38-39).
     persistent:     rows kernel: launch one CTA (cluster) per multiprocessor, each
                     walking query tiles in turn (query tiles fastest, then batch, heads
                     slowest), its producer loading the next tile's K/V while the
@@ -162,12 +164,15 @@ def default_config(
     # ids (their ranges differ per tile; not measured).
     persistent = not segments and (balanced_tiles(causal, window, seq_q)
                                    or not 64 < max(d, dv) <= 128)
+    # FlashAttention-3's intra-warpgroup overlap above D = 64 (`Config.overlap`), not with
+    # segment ids (measured slower there: packed documents walk few blocks per tile).
+    overlap = not segments
     if max(d, dv) > 128:
         return Config(block_kv=64, num_stages=2, grid_order="heads", lowering="lane",
-                      persistent=persistent, **clu)
+                      persistent=persistent, overlap=overlap, **clu)
     if max(d, dv) > 64:
         return Config(block_kv=128, num_stages=2, grid_order="heads", lowering="warpgroup",
-                      persistent=persistent, **clu)
+                      persistent=persistent, overlap=overlap, **clu)
     if segments:
         return Config(block_kv=128, num_stages=2, grid_order="heads", lowering="lane", **clu)
     return Config(block_kv=256, num_stages=3, grid_order="heads", lowering="lane",

@@ -235,6 +235,10 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                 # (run_state's end waits for the P V wgmma)
                 acc, m_new, l_new, p16, alpha = pl.run_state(body)(
                     (plgpu.ACC.init(acc), m_i, l_i, p_prev, alpha_prev))
+                # P(j-1) stays live until its wgmma has been waited for: otherwise ptxas may
+                # give the new P its registers while the wgmma still reads them, and then
+                # serialises the wgmmas (its C7513 report; slower under causality and windows)
+                acc, p16, _ = lax.optimization_barrier((acc, p16, p_prev))
                 plgpu.barrier_arrive(v_free.at[prev])
                 return acc, m_new, l_new, p16, alpha
 
