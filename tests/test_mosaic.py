@@ -67,7 +67,8 @@ FEATURE_CASES = [
     ((2, 1023, 113, 2, 1, 256, 256, False, Config(block_kv=64, num_stages=2, persistent=True)),
      None, 30.0),
     # The rows kernel's intra-warpgroup overlap (the built-in configs, None, take it at head
-    # dims 65-256; the explicit ones above run the serial walk): persistent GQA at D = 256,
+    # dims 65-256 outside persistent clusters; the explicit ones above run the serial walk):
+    # persistent GQA at D = 256 without clusters,
     # causal with a window and T < S at D = 59, D = 150 (padded) with a two-sided window,
     # GQA clusters along heads in the Warpgroup lowering; rows with no visible key in the
     # windowed ones.
@@ -960,8 +961,9 @@ def test_the_kernels_with_segment_ids_match_the_reference_gpu(case):
 
 # The rows kernel's overlapped walk (`Config.overlap`) against its serial walk, with every
 # feature the rows kernel takes: lengths (a row of no key), segment ids, sinks, windows with
-# hidden rows, the soft cap, T = 1, Dv an odd number of 64s, GQA clusters, persistent and
-# causal-by-levels launches.
+# hidden rows, the soft cap, T = 1, Dv an odd number of 64s, GQA clusters (one tile per
+# CTA), persistent and causal-by-levels launches. Where the built-in config is a persistent
+# cluster, which never walks overlapped (`walks_overlapped`), the case runs without clusters.
 OVERLAP_CASES = [
     at.Case(b=3, t=203, s=333, hq=4, hkv=2, d=256, causal=True, q_lengths=(0, 100, 203),
             kv_lengths=(5, 0, 333)),
@@ -982,6 +984,8 @@ def _overlap_call(case: at.Case, overlap: bool):
     config = default_config(case.d, case.head_dim_v, causal=case.causal,
                             gqa_group=case.hq // case.hkv, segments=bool(case.segments),
                             window=case.window, seq_q=case.t)
+    if config.persistent and config.cluster > 1:
+        config = dataclasses.replace(config, cluster=1)
     config = dataclasses.replace(config, overlap=overlap)
 
     def forward(q, k, v, arrays):
@@ -1049,6 +1053,77 @@ def test_a_returned_lse_lowers_the_precise_wide_kernel(d, differs):
         return re.sub(r"loc\([^)]*\)", "", text)
 
     assert (lowered(True) != lowered(False)) == differs
+
+
+def _lowered_forward(config: Config) -> str:
+    """The CUDA lowering of a causal GQA forward at D = 256 with `config`, locations cut."""
+    q, kv = sd((1, 512, 4, 256), jnp.bfloat16), sd((1, 512, 2, 256), jnp.bfloat16)
+
+    def f(q, k, v):
+        return mosaic_attention_forward(q, k, v, scale=0.0625, causal=True, config=config)
+    text = jax.jit(f).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    return re.sub(r"loc\([^)]*\)", "", text)
+
+
+def test_persistent_clusters_walk_serially_whatever_the_overlap_field():
+    """The overlapped walk hung in persistent clusters (docs/history.md, session 40): there
+    the kernel walks serially whatever `Config.overlap` says, and the built-in config does
+    not ask for it. Without clusters the same field changes the lowered kernel, so this
+    comparison tells the two walks apart."""
+    base = default_config(256, 256, causal=True, gqa_group=2, seq_q=512)
+    assert base.persistent and base.cluster == 2 and not base.overlap
+    assert _lowered_forward(dataclasses.replace(base, overlap=True)) == _lowered_forward(base)
+    solo = dataclasses.replace(base, cluster=1)
+    assert (_lowered_forward(dataclasses.replace(solo, overlap=True))
+            != _lowered_forward(solo))
+
+
+# A training step's forward and backward at the shapes of the Gemma-like model's layers and
+# of the issue tables' GQA and causal rows, launched many times waited for and back to back
+# in a child process: the overlapped walk in persistent clusters hung there within a few
+# hundred launches (docs/history.md, session 40); a hang is a timeout, not a stuck suite.
+_MANY_STEPS_CHILD = """
+import sys
+import jax, jax.numpy as jnp
+import ffpa_jax
+B, T, HQ, HKV, D, W = (int(x) for x in sys.argv[1:7])
+window = None if W == 0 else (W - 1, 0)
+ks = jax.random.split(jax.random.key(0), 4)
+q = jax.random.normal(ks[0], (B, T, HQ, D), jnp.bfloat16)
+k = jax.random.normal(ks[1], (B, T, HKV, D), jnp.bfloat16)
+v = jax.random.normal(ks[2], (B, T, HKV, D), jnp.bfloat16)
+g = jax.random.normal(ks[3], (B, T, HQ, D), jnp.bfloat16)
+f = lambda q, k, v: ffpa_jax.attention(q, k, v, is_causal=True, local_window_size=window,
+                                       implementation="mosaic")
+step = jax.jit(lambda q, k, v: jax.vjp(f, q, k, v)[1](g)[0] * 0.01 + q)
+for waited in (True, False):
+    x = q
+    for _ in range(400):
+        x = step(x, k, v)
+        if waited:
+            x.block_until_ready()
+    x.block_until_ready()
+print("done", flush=True)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 8192, 8, 4, 256, 1024), (1, 8192, 8, 4, 256, 0),
+                                   (1, 8192, 8, 8, 256, 0), (1, 8192, 8, 4, 128, 0)],
+                         ids=lambda s: "B{}-T{}-H{}.{}-D{}-window{}".format(*s))
+def test_many_training_steps_in_a_row_finish_gpu(shape):
+    skip_unless_sm90()
+    root = pathlib.Path(__file__).resolve().parents[1]
+    path = [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    try:
+        proc = subprocess.run([sys.executable, "-c", _MANY_STEPS_CHILD, *map(str, shape)],
+                              env=env, cwd=root, capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"800 forward+backward launches at {shape} did not finish in 240 s")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "done" in proc.stdout
 
 
 _WIDE_PTXAS_CHILD = """

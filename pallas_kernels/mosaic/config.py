@@ -107,6 +107,15 @@ class Config:
             raise ValueError("persistent: the rows kernel, without clusters along the queries")
 
 
+def walks_overlapped(config: "Config", persistent: bool) -> bool:
+    """Whether the rows kernel walks its blocks overlapped (`Config.overlap`) in a launch
+    that is `persistent` or not: never in persistent clusters. There the overlapped walk
+    hung now and then (a training step's forward at D = 256, GQA clusters of 2 query heads,
+    after some hundreds of launches; docs/history.md, session 40), while the same walk
+    without clusters, or one tile per CTA in clusters, ran on."""
+    return config.overlap and not (persistent and config.cluster > 1)
+
+
 def round_up(x, m):
     return (x + m - 1) // m * m
 
@@ -165,8 +174,9 @@ def default_config(
     persistent = not segments and (balanced_tiles(causal, window, seq_q)
                                    or not 64 < max(d, dv) <= 128)
     # FlashAttention-3's intra-warpgroup overlap above D = 64 (`Config.overlap`), not with
-    # segment ids (measured slower there, with packed documents of 1024 tokens).
-    overlap = not segments
+    # segment ids (measured slower there, with packed documents of 1024 tokens), and not
+    # where `walks_overlapped` refuses it (persistent clusters).
+    overlap = not segments and not (persistent and clu)
     if max(d, dv) > 128:
         return Config(block_kv=64, num_stages=2, grid_order="heads", lowering="lane",
                       persistent=persistent, overlap=overlap, **clu)

@@ -23,7 +23,7 @@ from pallas_kernels.mosaic.common import (CLUSTER, COLUMNS, LOG2E, NEG_INF, ROW,
                                           finalize, iota, launch, padded_ids, same_segment,
                                           score_mod, soft_cap, softmax_update, tiled_smem,
                                           walk_kv)
-from pallas_kernels.mosaic.config import Config, balanced_tiles
+from pallas_kernels.mosaic.config import Config, balanced_tiles, walks_overlapped
 from pallas_kernels.visibility import segment_block_ranges
 
 
@@ -47,9 +47,6 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
     assert prob.block_kv == bkv
     c_exp = prob.scale * LOG2E
     out_itemsize = jnp.dtype(out_dtype).itemsize
-    # The overlap keeps each warpgroup's own wgmmas back to back; the ping-pong's
-    # lock-step breaks that (measured slower together, docs/history.md, session 38).
-    pingpong = config.schedule_barrier and not config.overlap
     has_segments = segment_ids is not None
     # float32 O in chunks of 128 columns (64 where Dv is an odd number of 64s: D = 192).
     oc = config.out_chunk or (Dv if out_itemsize == 2 else 128 if Dv % 128 == 0 else 64)
@@ -57,6 +54,10 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
     persistent_chunk = (persistent_out_chunk(config, D, Dv, dtype, out_dtype, has_segments)
                         if config.persistent else None)
     persistent = persistent_chunk is not None
+    overlap = walks_overlapped(config, persistent)
+    # The overlap keeps each warpgroup's own wgmmas back to back; the ping-pong's
+    # lock-step breaks that (measured slower together, docs/history.md, session 38).
+    pingpong = config.schedule_barrier and not overlap
     oc = persistent_chunk or oc
     grid = Grid.of(config, n_q=cdiv(T, rows_cta), Hq=Hq, B=B, group=group, causal=prob.causal,
                    persistent=persistent, balanced=balanced_tiles(prob.causal, prob.window, T))
@@ -306,7 +307,7 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                     s = score_mod(walk, s, q_idx, k_idx, same)
                 return s
 
-            if config.overlap:
+            if overlap:
                 acc, m_i, l_i = overlapped_walk(
                     (acc, m_i, l_i), my_q, done, lo, mask_lo, full_hi, my_hi, visible_scores)
             else:
