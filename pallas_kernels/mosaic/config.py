@@ -109,10 +109,10 @@ class Config:
 
 def walks_overlapped(config: "Config", persistent: bool) -> bool:
     """Whether the rows kernel walks its blocks overlapped (`Config.overlap`) in a launch
-    that is `persistent` or not: never in persistent clusters. There the overlapped walk
-    hung now and then (a training step's forward at D = 256, GQA clusters of 2 query heads,
-    after some hundreds of launches; docs/history.md, session 40), while the same walk
-    without clusters, or one tile per CTA in clusters, ran on."""
+    that is `persistent` or not: never in persistent clusters. There, loops of forward and
+    backward launches hung now and then (D = 256, GQA clusters of 2 query heads, within some
+    hundreds of steps; docs/history.md, session 40), while the same walk without clusters,
+    or one tile per CTA in clusters, ran on."""
     return config.overlap and not (persistent and config.cluster > 1)
 
 
@@ -173,16 +173,21 @@ def default_config(
     # ids (their ranges differ per tile; not measured).
     persistent = not segments and (balanced_tiles(causal, window, seq_q)
                                    or not 64 < max(d, dv) <= 128)
-    # FlashAttention-3's intra-warpgroup overlap above D = 64 (`Config.overlap`), not with
-    # segment ids (measured slower there, with packed documents of 1024 tokens), and not
-    # where `walks_overlapped` refuses it (persistent clusters).
-    overlap = not segments and not (persistent and clu)
+
+    def overlapped(config: Config) -> Config:
+        # FlashAttention-3's intra-warpgroup overlap above D = 64 (`Config.overlap`), not
+        # with segment ids (measured slower there, with packed documents of 1024 tokens),
+        # and not where the kernel refuses it (`walks_overlapped`).
+        overlap = not segments and walks_overlapped(
+            dataclasses.replace(config, overlap=True), config.persistent)
+        return dataclasses.replace(config, overlap=overlap)
+
     if max(d, dv) > 128:
-        return Config(block_kv=64, num_stages=2, grid_order="heads", lowering="lane",
-                      persistent=persistent, overlap=overlap, **clu)
+        return overlapped(Config(block_kv=64, num_stages=2, grid_order="heads",
+                                 lowering="lane", persistent=persistent, **clu))
     if max(d, dv) > 64:
-        return Config(block_kv=128, num_stages=2, grid_order="heads", lowering="warpgroup",
-                      persistent=persistent, overlap=overlap, **clu)
+        return overlapped(Config(block_kv=128, num_stages=2, grid_order="heads",
+                                 lowering="warpgroup", persistent=persistent, **clu))
     if segments:
         return Config(block_kv=128, num_stages=2, grid_order="heads", lowering="lane", **clu)
     return Config(block_kv=256, num_stages=3, grid_order="heads", lowering="lane",
