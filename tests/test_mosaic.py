@@ -1037,6 +1037,11 @@ def test_the_wide_kernels_default_lowers_for_every_gqa_group(hq, hkv, d, dv, cau
     assert "mosaic_gpu" in text
 
 
+def _without_locations(text: str) -> str:
+    """A lowered module's text without its source locations (which differ between calls)."""
+    return re.sub(r"loc\([^)]*\)", "", text)
+
+
 @pytest.mark.parametrize("d,differs", [(512, True), (320, True), (128, False)])
 def test_a_returned_lse_lowers_the_precise_wide_kernel(d, differs):
     """A call that returns lse lowers the wide forward with its scores summed over head-dim
@@ -1050,7 +1055,7 @@ def test_a_returned_lse_lowers_the_precise_wide_kernel(d, differs):
         text = jax.jit(lambda q, k, v: mosaic_tier.forward(plan, Inputs(q, k, v))).trace(
             q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
-        return re.sub(r"loc\([^)]*\)", "", text)
+        return _without_locations(text)
 
     assert (lowered(True) != lowered(False)) == differs
 
@@ -1063,7 +1068,7 @@ def _lowered_forward(config: Config) -> str:
         return mosaic_attention_forward(q, k, v, scale=0.0625, causal=True, config=config)
     text = jax.jit(f).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-    return re.sub(r"loc\([^)]*\)", "", text)
+    return _without_locations(text)
 
 
 def test_persistent_clusters_walk_serially_whatever_the_overlap_field():
@@ -1108,18 +1113,24 @@ print("done", flush=True)
 """
 
 
+def _child_process(script: str, *args: str, timeout: float, **env: str):
+    """`script` run by this Python in a child process from the repository root, with the
+    repository on its path and `env` added to this process's environment."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    path = [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), **env)
+    return subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=timeout)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 8192, 8, 4, 256, 1024), (1, 8192, 8, 4, 256, 0),
                                    (1, 8192, 8, 8, 256, 0), (1, 8192, 8, 4, 128, 0)],
                          ids=lambda s: "B{}-T{}-H{}.{}-D{}-window{}".format(*s))
 def test_many_training_steps_in_a_row_finish_gpu(shape):
     skip_unless_sm90()
-    root = pathlib.Path(__file__).resolve().parents[1]
-    path = [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     try:
-        proc = subprocess.run([sys.executable, "-c", _MANY_STEPS_CHILD, *map(str, shape)],
-                              env=env, cwd=root, capture_output=True, text=True, timeout=240)
+        proc = _child_process(_MANY_STEPS_CHILD, *map(str, shape), timeout=240)
     except subprocess.TimeoutExpired:
         pytest.fail(f"800 forward+backward launches at {shape} did not finish in 240 s")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -1142,11 +1153,7 @@ def test_the_wide_forward_keeps_its_values_in_registers_gpu():
     have (docs/history.md, session 34). The kernel is compiled in a child process with
     Mosaic GPU's ptxas report on."""
     skip_unless_sm90()
-    root = pathlib.Path(__file__).resolve().parents[1]
-    path = [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", PYTHONPATH=os.pathsep.join(path))
-    proc = subprocess.run([sys.executable, "-c", _WIDE_PTXAS_CHILD], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=300)
+    proc = _child_process(_WIDE_PTXAS_CHILD, timeout=300, MOSAIC_GPU_DUMP_PTXAS="1")
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = proc.stdout + proc.stderr
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]

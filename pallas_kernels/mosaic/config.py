@@ -58,7 +58,8 @@ class Config:
                     ids (measured faster there, causal and windowed too, once P(j-1) is kept
                     live until its wgmma is waited for); slower at D <= 64, where S and P of
                     256 keys leave too few registers, and with packed segments
-                    (docs/history.md, sessions 38-39).
+                    (docs/history.md, sessions 38-39). Never run in persistent clusters
+                    (`walks_overlapped`).
     persistent:     rows kernel: launch one CTA (cluster) per multiprocessor, each
                     walking query tiles in turn (query tiles fastest, then batch, heads
                     slowest), its producer loading the next tile's K/V while the
@@ -177,17 +178,17 @@ def default_config(
     def overlapped(config: Config) -> Config:
         # FlashAttention-3's intra-warpgroup overlap above D = 64 (`Config.overlap`), not
         # with segment ids (measured slower there, with packed documents of 1024 tokens),
-        # and not where the kernel refuses it (`walks_overlapped`).
-        overlap = not segments and walks_overlapped(
-            dataclasses.replace(config, overlap=True), config.persistent)
-        return dataclasses.replace(config, overlap=overlap)
+        # and only where the kernel runs it (`walks_overlapped`).
+        return dataclasses.replace(config, overlap=walks_overlapped(config, config.persistent))
 
     if max(d, dv) > 128:
         return overlapped(Config(block_kv=64, num_stages=2, grid_order="heads",
-                                 lowering="lane", persistent=persistent, **clu))
+                                 lowering="lane", persistent=persistent,
+                                 overlap=not segments, **clu))
     if max(d, dv) > 64:
         return overlapped(Config(block_kv=128, num_stages=2, grid_order="heads",
-                                 lowering="warpgroup", persistent=persistent, **clu))
+                                 lowering="warpgroup", persistent=persistent,
+                                 overlap=not segments, **clu))
     if segments:
         return Config(block_kv=128, num_stages=2, grid_order="heads", lowering="lane", **clu)
     return Config(block_kv=256, num_stages=3, grid_order="heads", lowering="lane",
