@@ -563,11 +563,21 @@ def test_backward_gradients_vary_over_a_shard_maps_axes_as_q(d, features):
 
 def test_default_configs_by_head_size():
     """The rows kernel up to D = 256 (its blocks as measured), the wide one above, with
-    clusters along the heads of an even GQA group."""
+    clusters along the heads of an even GQA group, except in persistent launches that walk
+    overlapped (above D = 64 without segment ids): one CTA per cluster there."""
     assert default_config(64).block_kv == 256 and not default_config(64).wide
     assert default_config(128).lowering == "warpgroup"
     assert default_config(256).block_kv == 64
-    assert default_config(128, gqa_group=4).cluster_axis == "heads"
+    narrow = default_config(64, gqa_group=4)
+    assert narrow.persistent and (narrow.cluster, narrow.cluster_axis) == (2, "heads")
+    for d, causal in ((128, False), (256, False), (256, True)):
+        rows = default_config(d, gqa_group=4, causal=causal, seq_q=4096)
+        assert rows.persistent and rows.overlap and rows.cluster == 1
+    causal128 = default_config(128, gqa_group=4, causal=True, seq_q=4096)
+    assert not causal128.persistent and causal128.overlap
+    assert (causal128.cluster, causal128.cluster_axis) == (2, "heads")
+    segments = default_config(256, gqa_group=4, segments=True)
+    assert not segments.overlap and (segments.cluster, segments.cluster_axis) == (2, "heads")
     wide = default_config(512)
     assert wide.wide and (wide.cluster, wide.cluster_axis, wide.num_stages) == (2, "q", 3)
     assert default_config(512, gqa_group=4).cluster_axis == "heads"
@@ -962,8 +972,7 @@ def test_the_kernels_with_segment_ids_match_the_reference_gpu(case):
 # The rows kernel's overlapped walk (`Config.overlap`) against its serial walk, with every
 # feature the rows kernel takes: lengths (a row of no key), segment ids, sinks, windows with
 # hidden rows, the soft cap, T = 1, Dv an odd number of 64s, GQA clusters (one tile per
-# CTA), persistent and causal-by-levels launches. Where the built-in config is a persistent
-# cluster, which never walks overlapped (`walks_overlapped`), the case runs without clusters.
+# CTA), persistent and causal-by-levels launches.
 OVERLAP_CASES = [
     at.Case(b=3, t=203, s=333, hq=4, hkv=2, d=256, causal=True, q_lengths=(0, 100, 203),
             kv_lengths=(5, 0, 333)),
@@ -984,8 +993,7 @@ def _overlap_call(case: at.Case, overlap: bool):
     config = default_config(case.d, case.head_dim_v, causal=case.causal,
                             gqa_group=case.hq // case.hkv, segments=bool(case.segments),
                             window=case.window, seq_q=case.t)
-    if config.persistent and config.cluster > 1:
-        config = dataclasses.replace(config, cluster=1)
+    assert not (config.persistent and config.cluster > 1)  # that walk is always serial
     config = dataclasses.replace(config, overlap=overlap)
 
     def forward(q, k, v, arrays):
@@ -1073,11 +1081,12 @@ def _lowered_forward(config: Config) -> str:
 
 def test_persistent_clusters_walk_serially_whatever_the_overlap_field():
     """The overlapped walk hung in persistent clusters (docs/history.md, session 40): there
-    the kernel walks serially whatever `Config.overlap` says, and the built-in config does
-    not ask for it. Without clusters the same field changes the lowered kernel, so this
+    the kernel walks serially whatever `Config.overlap` says (the built-in config takes no
+    clusters there). Without clusters the same field changes the lowered kernel, so this
     comparison tells the two walks apart."""
-    base = default_config(256, 256, causal=True, gqa_group=2, seq_q=512)
-    assert base.persistent and base.cluster == 2 and not base.overlap
+    base = dataclasses.replace(default_config(256, 256, causal=True, gqa_group=2, seq_q=512),
+                               cluster=2, cluster_axis="heads", overlap=False)
+    assert base.persistent
     assert _lowered_forward(dataclasses.replace(base, overlap=True)) == _lowered_forward(base)
     solo = dataclasses.replace(base, cluster=1)
     assert (_lowered_forward(dataclasses.replace(solo, overlap=True))

@@ -175,7 +175,9 @@ def test_a_tuned_entry_reaches_the_plan_and_one_a_call_cannot_take_does_not(tmp_
     monkeypatch.delenv("FFPA_SKIP_PERSIST_TUNED_CONFIG", raising=False)
     forward = dict(tuned.as_fields(FWD, default_config(128, 128)), block_kv=64, num_stages=3)
     backward = dict(tuned.as_fields(BWD, default_backward_config(128, 128)), num_stages=3)
-    heads = dict(tuned.as_fields(FWD, default_config(128, 128, gqa_group=4)), block_kv=256)
+    heads = dict(tuned.as_fields(FWD, default_config(128, 128, causal=True, gqa_group=4,
+                                                     seq_q=4096)), block_kv=256)
+    assert heads["cluster"] == 2 and heads["cluster_axis"] == "heads"
     _file(tmp_path, [_entry(FWD, "forward", forward), _entry(BWD, "backward", backward),
                      _entry(FWD, "forward", heads, causal=True, heads=(32, 8)),
                      _entry(FWD, "forward", {"block_kv": 3000})])  # malformed: skipped

@@ -145,9 +145,9 @@ def default_config(
 ) -> Config:
     """Best measured configuration for a head size (docs/history.md, session 18).
 
-    gqa_group = Hq // Hkv (optional): with groups of 2+ query heads per KV head,
+    gqa_group = Hq // Hkv (optional): with an even number of query heads per KV head,
     CTAs of sibling query heads are paired in a cluster and share K/V tiles by
-    TMA multicast. `segments`: segment ids are given (their ids' tiles in shared memory
+    TMA multicast (not in persistent launches that walk overlapped). `segments`: segment ids are given (their ids' tiles in shared memory
     leave no room for three stages of 256 keys at D <= 64). `causal`, `window` and `seq_q`
     (the query length) decide whether the launch is persistent and in which order
     (`balanced_tiles`).
@@ -164,31 +164,29 @@ def default_config(
         return Config(block_kv=128, num_stages=3, wide=True, wide_piece=64, cluster=2,
                       cluster_axis="heads" if gqa_group % 2 == 0 else "q",
                       grid_order="heads")
-    if gqa_group % 2 == 0:
-        clu = dict(cluster=2, cluster_axis="heads")
-    else:
-        clu = {}
     # Persistent where it measured faster (docs/history.md, sessions 26-27): query tiles of
     # about equal work walked in turn; causal ones (unequal) by levels (`Grid.levels`), but
     # at head dims 65-128, where causal tiles one CTA each measured faster; not with segment
     # ids (their ranges differ per tile; not measured).
     persistent = not segments and (balanced_tiles(causal, window, seq_q)
                                    or not 64 < max(d, dv) <= 128)
-
-    def overlapped(config: Config) -> Config:
-        # FlashAttention-3's intra-warpgroup overlap above D = 64 (`Config.overlap`), not
-        # with segment ids (measured slower there, with packed documents of 1024 tokens),
-        # and only where the kernel runs it (`walks_overlapped`).
-        return dataclasses.replace(config, overlap=walks_overlapped(config, config.persistent))
-
+    # FlashAttention-3's intra-warpgroup overlap above D = 64 (`Config.overlap`), not with
+    # segment ids (measured slower there, with packed documents of 1024 tokens).
+    overlap = max(d, dv) > 64 and not segments
+    # An even GQA group pairs sibling query heads in clusters that share K/V tiles by
+    # multicast, but not where the launch is persistent and walks overlapped: persistent
+    # clusters walk serially (`walks_overlapped`), and there one CTA per cluster walking
+    # overlapped measured faster (docs/history.md, session 41).
+    if gqa_group % 2 == 0 and not (persistent and overlap):
+        clu = dict(cluster=2, cluster_axis="heads")
+    else:
+        clu = {}
     if max(d, dv) > 128:
-        return overlapped(Config(block_kv=64, num_stages=2, grid_order="heads",
-                                 lowering="lane", persistent=persistent,
-                                 overlap=not segments, **clu))
+        return Config(block_kv=64, num_stages=2, grid_order="heads", lowering="lane",
+                      persistent=persistent, overlap=overlap, **clu)
     if max(d, dv) > 64:
-        return overlapped(Config(block_kv=128, num_stages=2, grid_order="heads",
-                                 lowering="warpgroup", persistent=persistent,
-                                 overlap=not segments, **clu))
+        return Config(block_kv=128, num_stages=2, grid_order="heads", lowering="warpgroup",
+                      persistent=persistent, overlap=overlap, **clu)
     if segments:
         return Config(block_kv=128, num_stages=2, grid_order="heads", lowering="lane", **clu)
     return Config(block_kv=256, num_stages=3, grid_order="heads", lowering="lane",
