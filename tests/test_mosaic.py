@@ -1096,7 +1096,8 @@ def test_persistent_clusters_walk_serially_whatever_the_overlap_field():
 # A training step's forward and backward at the shapes of the Gemma-like model's layers and
 # of the issue tables' GQA and causal rows, launched many times waited for and back to back
 # in a child process: the overlapped walk in persistent clusters hung there within a few
-# hundred launches (docs/history.md, session 40); a hang is a timeout, not a stuck suite.
+# hundred launches (docs/history.md, sessions 40-41); a hang is a timeout, not a stuck
+# suite. GQA at D = 64 keeps its persistent clusters (serial walk) in the built-in config.
 _MANY_STEPS_CHILD = """
 import sys
 import jax, jax.numpy as jnp
@@ -1134,7 +1135,8 @@ def _child_process(script: str, *args: str, timeout: float, **env: str):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 8192, 8, 4, 256, 1024), (1, 8192, 8, 4, 256, 0),
-                                   (1, 8192, 8, 8, 256, 0), (1, 8192, 8, 4, 128, 0)],
+                                   (1, 8192, 8, 8, 256, 0), (1, 8192, 8, 4, 128, 0),
+                                   (1, 8192, 8, 4, 64, 0)],
                          ids=lambda s: "B{}-T{}-H{}.{}-D{}-window{}".format(*s))
 def test_many_training_steps_in_a_row_finish_gpu(shape):
     skip_unless_sm90()

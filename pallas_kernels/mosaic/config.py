@@ -147,8 +147,9 @@ def default_config(
 
     gqa_group = Hq // Hkv (optional): with an even number of query heads per KV head,
     CTAs of sibling query heads are paired in a cluster and share K/V tiles by
-    TMA multicast (not in persistent launches that walk overlapped). `segments`: segment ids are given (their ids' tiles in shared memory
-    leave no room for three stages of 256 keys at D <= 64). `causal`, `window` and `seq_q`
+    TMA multicast (not in persistent launches that walk overlapped). `segments`: segment
+    ids are given (their ids' tiles in shared memory leave no room for three stages of 256
+    keys at D <= 64). `causal`, `window` and `seq_q`
     (the query length) decide whether the launch is persistent and in which order
     (`balanced_tiles`).
     """
