@@ -435,21 +435,26 @@ def initial_params(cfg: GemmaLikeConfig, init) -> tuple:
     return graphdef, jax.tree.map(lambda a: jnp.asarray(a, dtype), init)
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation) -> Callable:
-    """step((params, opt_state), inputs [B, T], targets [B, T]) -> ((params, opt_state),
-    loss, per-token losses [B, T]); jitted, the state donated. Inputs and targets come
-    apart (not one [B, T + 1] array) so that both split evenly over a sequence mesh."""
+def make_train_step(graphdef, tx: optax.GradientTransformation, treedef) -> Callable:
+    """step(leaves, inputs [B, T], targets [B, T]) -> (leaves, loss, per-token losses
+    [B, T]); jitted, the leaves donated. `leaves` are those of the state (params,
+    opt_state), whose structure is `treedef`: the call takes and returns a plain list of
+    arrays, so that no call flattens and rebuilds the state's nnx Variables on the host
+    (Python work a waited-for step adds to its time; docs/history.md, session 41).
+    Inputs and targets come apart (not one [B, T + 1] array) so that both split evenly
+    over a sequence mesh."""
     def losses(params, inputs, targets):
         logits = nnx.merge(graphdef, params)(inputs)
         per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
         return per_token.mean(), per_token
 
-    def step(state, inputs, targets):
-        params, opt_state = state
+    def step(leaves, inputs, targets):
+        params, opt_state = jax.tree.unflatten(treedef, leaves)
         (loss, per_token), grads = jax.value_and_grad(losses, has_aux=True)(params, inputs,
                                                                           targets)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), loss, per_token
+        return jax.tree.leaves((optax.apply_updates(params, updates), opt_state)), loss, \
+            per_token
 
     return jax.jit(step, donate_argnums=0)
 
@@ -533,7 +538,7 @@ def run_steps(cfg: GemmaLikeConfig, init, data_key: jax.Array, tx: optax.Gradien
         cfg = dataclasses.replace(cfg, context_axis=mesh.axis_names[0], context_parts=parts)
     zigzagged = cfg.context_layout == "zigzag" and parts > 1
     graphdef, params = initial_params(cfg, init)
-    state = (params, tx.init(params))
+    state, treedef = jax.tree.flatten((params, tx.init(params)))
     keys = jax.random.split(data_key, steps)
 
     def split_batch(key):
@@ -552,7 +557,7 @@ def run_steps(cfg: GemmaLikeConfig, init, data_key: jax.Array, tx: optax.Gradien
         state = jax.device_put(state, NamedSharding(mesh, P()))
         along_seq = NamedSharding(mesh, P(None, "seq"))
         batch_of = jax.jit(split_batch, out_shardings=(along_seq, along_seq))
-    step = make_train_step(graphdef, tx)
+    step = make_train_step(graphdef, tx, treedef)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         start = time.perf_counter()
         compiled = step.lower(state, *batch_of(keys[0])).compile()
