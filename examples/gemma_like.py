@@ -538,7 +538,7 @@ def run_steps(cfg: GemmaLikeConfig, init, data_key: jax.Array, tx: optax.Gradien
         cfg = dataclasses.replace(cfg, context_axis=mesh.axis_names[0], context_parts=parts)
     zigzagged = cfg.context_layout == "zigzag" and parts > 1
     graphdef, params = initial_params(cfg, init)
-    state, treedef = jax.tree.flatten((params, tx.init(params)))
+    leaves, treedef = jax.tree.flatten((params, tx.init(params)))
     keys = jax.random.split(data_key, steps)
 
     def split_batch(key):
@@ -554,13 +554,13 @@ def run_steps(cfg: GemmaLikeConfig, init, data_key: jax.Array, tx: optax.Gradien
     if mesh is None:
         batch_of = jax.jit(split_batch)
     else:
-        state = jax.device_put(state, NamedSharding(mesh, P()))
+        leaves = jax.device_put(leaves, NamedSharding(mesh, P()))
         along_seq = NamedSharding(mesh, P(None, "seq"))
         batch_of = jax.jit(split_batch, out_shardings=(along_seq, along_seq))
     step = make_train_step(graphdef, tx, treedef)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         start = time.perf_counter()
-        compiled = step.lower(state, *batch_of(keys[0])).compile()
+        compiled = step.lower(leaves, *batch_of(keys[0])).compile()
         compile_s = time.perf_counter() - start
         bar = ProgressBar(steps) if progress else None
         seconds, losses, per_token = [], [], []
@@ -569,10 +569,10 @@ def run_steps(cfg: GemmaLikeConfig, init, data_key: jax.Array, tx: optax.Gradien
             if profile_dir is not None and i == PROFILED.start:
                 jax.profiler.start_trace(profile_dir, create_perfetto_trace=True)
             start = time.perf_counter()
-            state, loss, token_losses = compiled(state, inputs, targets)
+            leaves, loss, token_losses = compiled(leaves, inputs, targets)
             # The whole step on every device: reading the loss alone waits for the device
             # that holds the copy read, and a later device's tail would be timed nowhere.
-            jax.block_until_ready((state, loss, token_losses))
+            jax.block_until_ready((leaves, loss, token_losses))
             loss = float(loss)
             seconds.append(time.perf_counter() - start)
             losses.append(loss)
@@ -590,8 +590,8 @@ def run_steps(cfg: GemmaLikeConfig, init, data_key: jax.Array, tx: optax.Gradien
             batches = jax.block_until_ready([batch_of(key) for key in keys[1:]])
             start = time.perf_counter()
             for inputs, targets in batches:
-                state, loss, _ = compiled(state, inputs, targets)
-            jax.block_until_ready((state, loss))
+                leaves, loss, _ = compiled(leaves, inputs, targets)
+            jax.block_until_ready((leaves, loss))
             back_to_back_s = (time.perf_counter() - start) / len(batches)
     return (Timings(compile_s, seconds[0], seconds[1:], losses, back_to_back_s),
             np.stack(per_token))

@@ -68,10 +68,9 @@ FEATURE_CASES = [
      None, 30.0),
     # The rows kernel's intra-warpgroup overlap (the built-in configs, None, take it at head
     # dims 65-256 outside persistent clusters; the explicit ones above run the serial walk):
-    # persistent GQA at D = 256 without clusters,
-    # causal with a window and T < S at D = 59, D = 150 (padded) with a two-sided window,
-    # GQA clusters along heads in the Warpgroup lowering; rows with no visible key in the
-    # windowed ones.
+    # persistent GQA at D = 256 without clusters, causal with a window and T < S at D = 59,
+    # D = 150 (padded) with a two-sided window, GQA clusters along heads in the Warpgroup
+    # lowering; rows with no visible key in the windowed ones.
     ((2, 1023, 113, 2, 1, 256, 256, False, Config(block_kv=64, num_stages=2, persistent=True,
                                                   overlap=True)), None, 30.0),
     ((1, 113, 203, 4, 2, 59, 40, True, Config(block_kv=128, overlap=True)), (64, 0), None),

@@ -149,9 +149,8 @@ def default_config(
     CTAs of sibling query heads are paired in a cluster and share K/V tiles by
     TMA multicast (not in persistent launches that walk overlapped). `segments`: segment
     ids are given (their ids' tiles in shared memory leave no room for three stages of 256
-    keys at D <= 64). `causal`, `window` and `seq_q`
-    (the query length) decide whether the launch is persistent and in which order
-    (`balanced_tiles`).
+    keys at D <= 64). `causal`, `window` and `seq_q` (the query length) decide whether the
+    launch is persistent and in which order (`balanced_tiles`).
     """
     del dtype  # the same choice won for bf16 and fp16
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
