@@ -436,27 +436,33 @@ def initial_params(cfg: GemmaLikeConfig, init) -> tuple:
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, treedef) -> Callable:
-    """step(leaves, inputs [B, T], targets [B, T]) -> (leaves, loss, per-token losses
-    [B, T]); jitted, the leaves donated. `leaves` are those of the state (params,
-    opt_state), whose structure is `treedef`: the call takes and returns a plain list of
-    arrays, so that no call flattens and rebuilds the state's nnx Variables on the host
-    (Python work a waited-for step adds to its time; docs/history.md, session 41).
-    Inputs and targets come apart (not one [B, T + 1] array) so that both split evenly
-    over a sequence mesh."""
+    """step(leaves, outputs, inputs [B, T], targets [B, T]) -> (leaves, (loss, per-token
+    losses [B, T])); jitted, the leaves and `outputs` donated. `leaves` are those of the
+    state (params, opt_state), whose structure is `treedef`: the call takes and returns a
+    plain list of arrays, so that no call flattens and rebuilds the state's nnx Variables on
+    the host (Python work a waited-for step adds to its time). `outputs` are the previous
+    step's (loss, per-token losses), unread but kept (`keep_unused`) and donated, so that
+    this step's land in the same buffers: XLA may place earlier values of the step in an
+    output's buffer (the optimizer's bias correction shared the loss's), and a CUDA graph
+    re-records every command that touches a buffer whose address moved since the last
+    step, as fresh output buffers do at every step (docs/history.md, session 42). Inputs
+    and targets come apart (not one [B, T + 1] array) so that both split evenly over a
+    sequence mesh."""
     def losses(params, inputs, targets):
         logits = nnx.merge(graphdef, params)(inputs)
         per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
         return per_token.mean(), per_token
 
-    def step(leaves, inputs, targets):
+    def step(leaves, outputs, inputs, targets):
+        del outputs  # donated only, for their buffers
         params, opt_state = jax.tree.unflatten(treedef, leaves)
         (loss, per_token), grads = jax.value_and_grad(losses, has_aux=True)(params, inputs,
                                                                           targets)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return jax.tree.leaves((optax.apply_updates(params, updates), opt_state)), loss, \
-            per_token
+        return (jax.tree.leaves((optax.apply_updates(params, updates), opt_state)),
+                (loss, per_token))
 
-    return jax.jit(step, donate_argnums=0)
+    return jax.jit(step, donate_argnums=(0, 1), keep_unused=True)
 
 
 def parameter_count(init) -> int:
@@ -560,7 +566,12 @@ def run_steps(cfg: GemmaLikeConfig, init, data_key: jax.Array, tx: optax.Gradien
     step = make_train_step(graphdef, tx, treedef)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         start = time.perf_counter()
-        compiled = step.lower(leaves, *batch_of(keys[0])).compile()
+        # The step's outputs, made once and donated back at every step (make_train_step).
+        outputs = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                               jax.eval_shape(step, leaves, None, *batch_of(keys[0]))[1])
+        if mesh is not None:
+            outputs = jax.device_put(outputs, (NamedSharding(mesh, P()), along_seq))
+        compiled = step.lower(leaves, outputs, *batch_of(keys[0])).compile()
         compile_s = time.perf_counter() - start
         bar = ProgressBar(steps) if progress else None
         seconds, losses, per_token = [], [], []
@@ -569,10 +580,11 @@ def run_steps(cfg: GemmaLikeConfig, init, data_key: jax.Array, tx: optax.Gradien
             if profile_dir is not None and i == PROFILED.start:
                 jax.profiler.start_trace(profile_dir, create_perfetto_trace=True)
             start = time.perf_counter()
-            leaves, loss, token_losses = compiled(leaves, inputs, targets)
+            leaves, outputs = compiled(leaves, outputs, inputs, targets)
             # The whole step on every device: reading the loss alone waits for the device
             # that holds the copy read, and a later device's tail would be timed nowhere.
-            jax.block_until_ready((leaves, loss, token_losses))
+            jax.block_until_ready((leaves, outputs))
+            loss, token_losses = outputs
             loss = float(loss)
             seconds.append(time.perf_counter() - start)
             losses.append(loss)
@@ -590,8 +602,8 @@ def run_steps(cfg: GemmaLikeConfig, init, data_key: jax.Array, tx: optax.Gradien
             batches = jax.block_until_ready([batch_of(key) for key in keys[1:]])
             start = time.perf_counter()
             for inputs, targets in batches:
-                leaves, loss, _ = compiled(leaves, inputs, targets)
-            jax.block_until_ready((leaves, loss))
+                leaves, outputs = compiled(leaves, outputs, inputs, targets)
+            jax.block_until_ready((leaves, outputs))
             back_to_back_s = (time.perf_counter() - start) / len(batches)
     return (Timings(compile_s, seconds[0], seconds[1:], losses, back_to_back_s),
             np.stack(per_token))

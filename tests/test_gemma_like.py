@@ -150,6 +150,30 @@ def _tiny_config() -> gemma_like.GemmaLikeConfig:
                                       ffpa_implementation="chunked")
 
 
+def test_the_step_gives_its_outputs_back_in_the_buffers_it_was_given():
+    # A CUDA graph re-records every command whose buffers moved since the last step: the
+    # step's outputs (and what XLA placed in their buffers) must not move from step to step.
+    import optax
+    cfg = _tiny_config()
+    graphdef, params = gemma_like.initial_params(cfg, gemma_like.float32_init(cfg, 0))
+    tx = optax.adam(1e-3)
+    leaves, treedef = jax.tree.flatten((params, tx.init(params)))
+    step = gemma_like.make_train_step(graphdef, tx, treedef)
+    tokens = gemma_like.synthetic_tokens(jax.random.key(1), batch=2, length=17, vocab=cfg.vocab)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    outputs = jax.tree.map(lambda x: jax.numpy.ones(x.shape, x.dtype),
+                           jax.eval_shape(step, leaves, None, inputs, targets)[1])
+    # The first call may copy: the initial parameters share memory with host numpy arrays.
+    leaves, outputs = step(leaves, outputs, inputs, targets)
+    for _ in range(2):
+        given = [x.unsafe_buffer_pointer() for x in jax.tree.leaves((leaves, outputs))]
+        leaves, outputs = step(leaves, outputs, inputs, targets)
+        assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves((leaves, outputs))] == given
+    loss, per_token = outputs
+    assert np.isfinite(float(loss)) and per_token.shape == (2, 16)
+    np.testing.assert_allclose(float(loss), np.asarray(per_token, np.float64).mean(), rtol=1e-6)
+
+
 def test_the_loss_check_fails_for_a_window_one_token_too_wide(monkeypatch):
     correct = gemma_like.attend
 
