@@ -465,6 +465,13 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, treedef) -> Call
     return jax.jit(step, donate_argnums=(0, 1), keep_unused=True)
 
 
+def first_outputs(step: Callable, leaves, inputs, targets):
+    """Zeros in the shape of `step`'s (loss, per-token losses): what the first call of a
+    step of `make_train_step` takes as the previous step's outputs."""
+    shapes = jax.eval_shape(step, leaves, None, inputs, targets)[1]
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+
+
 def parameter_count(init) -> int:
     return sum(int(np.size(a)) for a in jax.tree.leaves(init))
 
@@ -566,12 +573,12 @@ def run_steps(cfg: GemmaLikeConfig, init, data_key: jax.Array, tx: optax.Gradien
     step = make_train_step(graphdef, tx, treedef)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         start = time.perf_counter()
+        first_batch = batch_of(keys[0])
         # The step's outputs, made once and donated back at every step (make_train_step).
-        outputs = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
-                               jax.eval_shape(step, leaves, None, *batch_of(keys[0]))[1])
+        outputs = first_outputs(step, leaves, *first_batch)
         if mesh is not None:
             outputs = jax.device_put(outputs, (NamedSharding(mesh, P()), along_seq))
-        compiled = step.lower(leaves, outputs, *batch_of(keys[0])).compile()
+        compiled = step.lower(leaves, outputs, *first_batch).compile()
         compile_s = time.perf_counter() - start
         bar = ProgressBar(steps) if progress else None
         seconds, losses, per_token = [], [], []

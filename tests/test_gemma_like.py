@@ -161,8 +161,7 @@ def test_the_step_gives_its_outputs_back_in_the_buffers_it_was_given():
     step = gemma_like.make_train_step(graphdef, tx, treedef)
     tokens = gemma_like.synthetic_tokens(jax.random.key(1), batch=2, length=17, vocab=cfg.vocab)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    outputs = jax.tree.map(lambda x: jax.numpy.ones(x.shape, x.dtype),
-                           jax.eval_shape(step, leaves, None, inputs, targets)[1])
+    outputs = gemma_like.first_outputs(step, leaves, inputs, targets)
     # The first call may copy: the initial parameters share memory with host numpy arrays.
     leaves, outputs = step(leaves, outputs, inputs, targets)
     for _ in range(2):
