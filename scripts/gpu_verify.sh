@@ -1,36 +1,58 @@
 #!/usr/bin/env bash
 # The GPU verification on a machine of several GPUs. Parts (arguments, default both):
-#   tests  the GPU tests in two lanes (GPU 0: the backward-heavy files; GPU 1: the rest),
-#          then the two-GPU tests on GPUs 0 and 1;
+#   tests  the GPU tests in one lane per GPU of TEST_GPUS (default "0 1"; "0 1 2 3" on four
+#          GPUs: four lanes of file groups sized so that they end together), then the
+#          two-GPU tests on GPUs 0 and 1;
 #   fuzz   the GPU fuzz in two halves on the GPUs of FUZZ_GPUS (default "2 3"), seed
-#          FFPA_FUZZ_SEED or a fresh one.
-# On 4 GPUs both parts run side by side (about 7 minutes); on 2, run them as two calls
-# (FUZZ_GPUS="0 1" for the second). Logs land in $OUT/logs and $OUT/gpu_logs<parts>.tgz;
-# the summary lines are printed at the end.
+#          FFPA_FUZZ_SEED or a fresh one, then the Mosaic fuzz (sm90) on the first of them.
+# On 4 GPUs run `tests` with TEST_GPUS="0 1 2 3" as one call and `fuzz` with
+# FUZZ_GPUS="0 1" as another; on 2 GPUs `tests`, then `fuzz` with FUZZ_GPUS="0 1".
+# Logs land in $OUT/logs and $OUT/gpu_logs<parts>.tgz; the summary lines
+# are printed at the end.
 set -u
 OUT=${OUT:-./gpu_out}
 LOGS="$OUT/logs"
 mkdir -p "$LOGS"
 parts=${*:-tests fuzz}
 SEED=${FFPA_FUZZ_SEED:-$(python3 -c "import random; print(random.SystemRandom().randrange(2**31))")}
-LANE_A="tests/test_backward.py tests/test_dropout.py tests/test_long_sequences.py tests/test_training.py tests/test_flax.py"
-IGNORE_A=$(for f in $LANE_A; do printf -- "--ignore=%s " "$f"; done)
+read -r -a TEST_GPU_LIST <<< "${TEST_GPUS:-0 1}"
 read -r FUZZ_GPU_1 FUZZ_GPU_2 <<< "${FUZZ_GPUS:-2 3}"
+# A lane starts no test after LANE_LIMIT seconds (tests/conftest.py skips the rest, saying
+# so), so that its summary comes back inside a device call.
+DEADLINE=$(( $(date +%s) + ${LANE_LIMIT:-420} ))
+# File groups by the GPU time they took (the backward-heavy files apart): two lanes or four.
+HEAVY="tests/test_backward.py tests/test_dropout.py tests/test_long_sequences.py tests/test_training.py tests/test_flax.py"
+if [ "${#TEST_GPU_LIST[@]}" -ge 4 ]; then
+  LANES=("tests/test_backward.py tests/test_long_sequences.py tests/test_training.py"
+         "tests/test_features.py tests/test_numerics.py tests/test_paged.py"
+         "tests/test_forward.py tests/test_flax.py tests/test_decode.py tests/test_vmap.py"
+         "REST")
+else
+  LANES=("$HEAVY" "REST")
+fi
+# "REST": every file that no other lane names.
+named=""
+for lane in "${LANES[@]}"; do [ "$lane" = REST ] || named="$named $lane"; done
+IGNORE_NAMED=$(for f in $named; do printf -- "--ignore=%s " "$f"; done)
 run() { OUT="$LOGS" bash scripts/gpu_run.sh "$@"; }
 summaries=()
 for part in $parts; do
   case $part in
     tests)
-      CUDA_VISIBLE_DEVICES=0 TEST_TAG=_A TEST_PATHS="$LANE_A" run tests > "$LOGS/lane_a.txt" 2>&1 &
-      CUDA_VISIBLE_DEVICES=1 TEST_TAG=_B TEST_PATHS="tests/ $IGNORE_A" run tests \
-        > "$LOGS/lane_b.txt" 2>&1 &
-      summaries+=(pytest_gpu_A.log pytest_gpu_B.log pytest_multigpu.log) ;;
+      for i in "${!LANES[@]}"; do
+        paths=${LANES[$i]}
+        [ "$paths" = REST ] && paths="tests/ $IGNORE_NAMED"
+        CUDA_VISIBLE_DEVICES=${TEST_GPU_LIST[$i]} TEST_TAG=_$i TEST_PATHS="$paths" \
+          FFPA_TEST_DEADLINE=$DEADLINE run tests > "$LOGS/lane_$i.txt" 2>&1 &
+        summaries+=("pytest_gpu_$i.log")
+      done
+      summaries+=(pytest_multigpu.log) ;;
     fuzz)
       CUDA_VISIBLE_DEVICES=$FUZZ_GPU_1 FUZZ_PARTS="0 or 1" FUZZ_WORKERS=2 FUZZ_TAG=_01 \
-        FFPA_FUZZ_SEED=$SEED run fuzz > "$LOGS/fuzz_01.txt" 2>&1 &
+        FFPA_FUZZ_SEED=$SEED run fuzz mosaicfuzz > "$LOGS/fuzz_01.txt" 2>&1 &
       CUDA_VISIBLE_DEVICES=$FUZZ_GPU_2 FUZZ_PARTS="2 or 3" FUZZ_WORKERS=2 FUZZ_TAG=_23 \
         FFPA_FUZZ_SEED=$SEED run fuzz > "$LOGS/fuzz_23.txt" 2>&1 &
-      summaries+=(fuzz_gpu_01.log fuzz_gpu_23.log)
+      summaries+=(fuzz_gpu_01.log fuzz_gpu_23.log fuzz_mosaic.log)
       echo "fuzz seed $SEED" ;;
     *) echo "unknown part $part" ;;
   esac
