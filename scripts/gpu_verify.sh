@@ -3,10 +3,12 @@
 #   tests  the GPU tests in one lane per GPU of TEST_GPUS (default "0 1"; "0 1 2 3" on four
 #          GPUs: four lanes of file groups sized so that they end together), then the
 #          two-GPU tests on GPUs 0 and 1;
-#   fuzz   the GPU fuzz in two halves on the GPUs of FUZZ_GPUS (default "2 3"), seed
-#          FFPA_FUZZ_SEED or a fresh one, then the Mosaic fuzz (sm90) on the first of them.
-# On 4 GPUs run `tests` with TEST_GPUS="0 1 2 3" as one call and `fuzz` with
-# FUZZ_GPUS="0 1" as another; on 2 GPUs `tests`, then `fuzz` with FUZZ_GPUS="0 1".
+#   fuzz   the 2000-example GPU fuzz (four parts) over the GPUs of FUZZ_GPUS (default
+#          "2 3"), seed FFPA_FUZZ_SEED or a fresh one, and the Mosaic fuzz (sm90, 200
+#          examples) beside the last part.
+# On 4 GPUs run `tests` with TEST_GPUS="0 1 2 3" as one call (about 7 minutes) and `fuzz`
+# with FUZZ_GPUS="0 1 2 3" as another (about 7); on 2 GPUs `tests`, then `fuzz` with
+# FUZZ_GPUS="0 1".
 # Logs land in $OUT/logs and $OUT/gpu_logs<parts>.tgz; the summary lines
 # are printed at the end.
 set -u
@@ -16,7 +18,7 @@ mkdir -p "$LOGS"
 parts=${*:-tests fuzz}
 SEED=${FFPA_FUZZ_SEED:-$(python3 -c "import random; print(random.SystemRandom().randrange(2**31))")}
 read -r -a TEST_GPU_LIST <<< "${TEST_GPUS:-0 1}"
-read -r FUZZ_GPU_1 FUZZ_GPU_2 <<< "${FUZZ_GPUS:-2 3}"
+read -r -a FUZZ_GPU_LIST <<< "${FUZZ_GPUS:-2 3}"
 # A lane starts no test after LANE_LIMIT seconds (tests/conftest.py skips the rest, saying
 # so), so that its summary comes back inside a device call.
 DEADLINE=$(( $(date +%s) + ${LANE_LIMIT:-420} ))
@@ -48,11 +50,19 @@ for part in $parts; do
       done
       summaries+=(pytest_multigpu.log) ;;
     fuzz)
-      CUDA_VISIBLE_DEVICES=$FUZZ_GPU_1 FUZZ_PARTS="0 or 1" FUZZ_WORKERS=2 FUZZ_TAG=_01 \
-        FFPA_FUZZ_SEED=$SEED run fuzz mosaicfuzz > "$LOGS/fuzz_01.txt" 2>&1 &
-      CUDA_VISIBLE_DEVICES=$FUZZ_GPU_2 FUZZ_PARTS="2 or 3" FUZZ_WORKERS=2 FUZZ_TAG=_23 \
-        FFPA_FUZZ_SEED=$SEED run fuzz > "$LOGS/fuzz_23.txt" 2>&1 &
-      summaries+=(fuzz_gpu_01.log fuzz_gpu_23.log fuzz_mosaic.log)
+      # The four parts spread over the fuzz GPUs (one part each on four, two on two), the
+      # Mosaic fuzz beside the last of them.
+      n=${#FUZZ_GPU_LIST[@]}
+      for i in "${!FUZZ_GPU_LIST[@]}"; do
+        sel=$(for p in 0 1 2 3; do [ $((p % n)) -eq "$i" ] && printf "%s or " "$p"; done)
+        CUDA_VISIBLE_DEVICES=${FUZZ_GPU_LIST[$i]} FUZZ_PARTS="${sel% or }" FUZZ_WORKERS=$((4 / n)) \
+          FUZZ_TAG=_$i FFPA_FUZZ_SEED=$SEED run fuzz > "$LOGS/fuzz_$i.txt" 2>&1 &
+        summaries+=("fuzz_gpu_$i.log")
+      done
+      CUDA_VISIBLE_DEVICES=${FUZZ_GPU_LIST[$((n - 1))]} FFPA_FUZZ_SEED=$SEED \
+        FFPA_FUZZ_MOSAIC_EXAMPLES=${FFPA_FUZZ_MOSAIC_EXAMPLES:-200} run mosaicfuzz \
+        > "$LOGS/fuzz_mosaic.txt" 2>&1 &
+      summaries+=(fuzz_mosaic.log)
       echo "fuzz seed $SEED" ;;
     *) echo "unknown part $part" ;;
   esac
