@@ -33,8 +33,7 @@ for stage in $stages; do
       python3 -m pytest -m gpu -q -n ${WORKERS:-4} -p no:cacheprovider -rf -k "mosaic or fast_backward" tests/test_forward.py tests/test_backward.py tests/test_features.py tests/test_dropout.py tests/test_mosaic.py tests/test_vmap.py tests/test_determinism.py 2>&1 | tee "$OUT/pytest_mosaic.log" | tail -30
       ;;
     tests)
-      # tee -i: a lane stopped by SIGINT (gpu_verify.sh's limit) still logs pytest's summary.
-      python3 -m pytest -m gpu -q -n ${TEST_WORKERS:-4} -p no:cacheprovider --durations=15 -k "not test_fuzz_gpu and not test_fuzz_mosaic_gpu" ${TEST_PATHS:-tests/} 2>&1 | tee -i "$OUT/pytest_gpu${TEST_TAG:-}.log" | tail -40
+      python3 -m pytest -m gpu -q -n ${TEST_WORKERS:-4} -p no:cacheprovider --durations=15 -k "not test_fuzz_gpu and not test_fuzz_mosaic_gpu" ${TEST_PATHS:-tests/} 2>&1 | tee "$OUT/pytest_gpu${TEST_TAG:-}.log" | tail -40
       ;;
     fuzz)
       # 2000 examples in four parts (FUZZ_PARTS narrows, e.g. "0 or 1"); each prints its rerun.

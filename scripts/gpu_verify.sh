@@ -23,14 +23,14 @@ read -r -a FUZZ_GPU_LIST <<< "${FUZZ_GPUS:-2 3}"
 # so), so that its summary comes back inside a device call.
 DEADLINE=$(( $(date +%s) + ${LANE_LIMIT:-420} ))
 # File groups by the GPU time they took (the backward-heavy files apart): two lanes or four.
-HEAVY="tests/test_backward.py tests/test_dropout.py tests/test_long_sequences.py tests/test_training.py tests/test_flax.py"
 if [ "${#TEST_GPU_LIST[@]}" -ge 4 ]; then
   LANES=("tests/test_backward.py tests/test_long_sequences.py tests/test_training.py"
          "tests/test_features.py tests/test_numerics.py tests/test_paged.py"
          "tests/test_forward.py tests/test_flax.py tests/test_decode.py tests/test_vmap.py"
          "REST")
 else
-  LANES=("$HEAVY" "REST")
+  LANES=("tests/test_backward.py tests/test_dropout.py tests/test_long_sequences.py tests/test_training.py tests/test_flax.py"
+         "REST")
 fi
 # "REST": every file that no other lane names.
 named=""
