@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import compat, kernel_inputs, static, tiles, visibility
+from pallas_kernels import compat, kernel_inputs, numerics, static, tiles, visibility
 from pallas_kernels.problem import Inputs, Problem
 from pallas_kernels.tiles import cdiv, i32, iota
 
@@ -242,42 +242,86 @@ def softmax_rows(problem: Problem, logits, offsets, inputs: Inputs, *, out_dtype
 def _softmax_grad_kernel(*refs, st: BlockStatic, n_rows: int, n_keys: int, split: bool,
                          with_ds32: bool, own_delta: bool, normalise: bool):
     logits_ref, dp_ref, lse_ref, delta_ref, offsets_ref = refs[:5]
-    refs = refs[5:]
+    tile = _GradTile.of(st, refs[5:], offsets_ref, n_rows=n_rows, n_keys=n_keys,
+                        split=split, with_ds32=with_ds32)
+
+    def load(ref):
+        return plgpu.load(ref.at[i32(tile.b), i32(tile.h), tiles.ds(tile.rs, st.block_m),
+                                 tiles.ds(tile.cs, st.block_n)], mask=tile.ok, other=0.0)
+
+    _grad_epilogue(st, tile, load(logits_ref), load(dp_ref).astype(jnp.float32), lse_ref,
+                   delta_ref, own_delta=own_delta, normalise=normalise)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GradTile:
+    """Where a program of the gradient steps sits: batch b and query head h, the tile's
+    first row and key in the block (rs, cs) and the block's global (r0, c0), the in-block
+    masks, and the kernel's named-input and output refs."""
+
+    b: Any
+    h: Any
+    rs: Any
+    cs: Any
+    r0: Any
+    c0: Any
+    rows: Any  # in-block row indices [bm]
+    cols: Any  # in-block key indices [bn]
+    row_ok: Any  # rows < n_rows, [bm]
+    ok: Any  # rows < n_rows and keys < n_keys, [bm, bn]
+    bias_ref: Any
+    mask_ref: Any
+    seed_ref: Any
+    features: _FeatureRefs
+    pd_ref: Any
+    ds_ref: Any
+    lo_ref: Any
+    ds32_ref: Any
+
+    @classmethod
+    def of(cls, st: BlockStatic, refs, offsets_ref, *, n_rows: int, n_keys: int, split: bool,
+           with_ds32: bool) -> "_GradTile":
+        problem = st.problem
+        bias_ref, mask_ref, seed_ref, outs = _refs(st, refs)
+        fr = _feature_refs(st, outs)
+        pd_ref, ds_ref, *rest = outs
+        lo_ref = rest.pop(0) if split else None
+        ds32_ref = rest.pop(0) if with_ds32 else None
+        bm, bn = st.block_m, st.block_n
+        n_col_blocks = cdiv(n_keys, bn)
+        row_block_index = pl.program_id(0) // n_col_blocks
+        col_block = pl.program_id(0) % n_col_blocks
+        bh = pl.program_id(1)
+        rs, cs = row_block_index * bm, col_block * bn
+        rows, cols = rs + iota(bm), cs + iota(bn)
+        row_ok = rows < n_rows
+        return cls(b=bh // problem.heads_q, h=bh % problem.heads_q, rs=rs, cs=cs,
+                   r0=offsets_ref[0], c0=offsets_ref[1], rows=rows, cols=cols, row_ok=row_ok,
+                   ok=row_ok[:, None] & (cols < n_keys)[None, :],
+                   bias_ref=bias_ref, mask_ref=mask_ref, seed_ref=seed_ref, features=fr,
+                   pd_ref=pd_ref, ds_ref=ds_ref, lo_ref=lo_ref, ds32_ref=ds32_ref)
+
+
+def _grad_epilogue(st: BlockStatic, tile: _GradTile, logits, dp, lse_ref, delta_ref, *,
+                   own_delta: bool, normalise: bool):
+    """A tile's dropped P and dS from its float32 logits and dP, stored to the outputs."""
     problem = st.problem
-    bias_ref, mask_ref, seed_ref, outs = _refs(st, refs)
-    fr = _feature_refs(st, outs)
-    pd_ref, ds_ref, *rest = outs
-    lo_ref = rest.pop(0) if split else None
-    ds32_ref = rest.pop(0) if with_ds32 else None
-    bm, bn = st.block_m, st.block_n
-    n_col_blocks = cdiv(n_keys, bn)
-    row_block_index, col_block = pl.program_id(0) // n_col_blocks, pl.program_id(0) % n_col_blocks
-    bh = pl.program_id(1)
-    b, h = bh // problem.heads_q, bh % problem.heads_q
-    r0, c0 = offsets_ref[0], offsets_ref[1]
-    rs, cs = row_block_index * bm, col_block * bn
-    r, j = rs + iota(bm), cs + iota(bn)
-    ok = (r < n_rows)[:, None] & (j < n_keys)[None, :]
-
-    def tile(ref, other=0.0):
-        return plgpu.load(ref.at[i32(b), i32(h), tiles.ds(rs, bm), tiles.ds(cs, bn)],
-                          mask=ok, other=other)
-
-    row_lse = plgpu.load(lse_ref.at[i32(b), i32(h), tiles.ds(rs, bm)], mask=r < n_rows,
-                         other=-jnp.inf)
-    delta = plgpu.load(delta_ref.at[i32(b), i32(h), tiles.ds(rs, bm)], mask=r < n_rows,
-                       other=0.0)
-    s, cap_grad = _scores(st, tile(logits_ref), bias_ref, mask_ref, b, h, r0 + rs, c0 + cs, fr,
-                          with_cap_grad=True)
+    b, h, rs, ok, fr = tile.b, tile.h, tile.rs, tile.ok, tile.features
+    row_lse = plgpu.load(lse_ref.at[i32(b), i32(h), tiles.ds(rs, st.block_m)],
+                         mask=tile.row_ok, other=-jnp.inf)
+    delta = plgpu.load(delta_ref.at[i32(b), i32(h), tiles.ds(rs, st.block_m)],
+                       mask=tile.row_ok, other=0.0)
+    s, cap_grad = _scores(st, logits, tile.bias_ref, tile.mask_ref, b, h, tile.r0 + rs,
+                          tile.c0 + tile.cs, fr, with_cap_grad=True)
     finite = row_lse != -jnp.inf
     p = jnp.where(ok & finite[:, None],
                   jnp.exp(s - jnp.where(finite, row_lse, 0.0)[:, None]), 0.0)
     if normalise:
         p = own_normalised(p, axis=1)
-    dp = tile(dp_ref).astype(jnp.float32)
     dropped = p
-    if seed_ref is not None:
-        keep = static.dropout_keep(st, seed_ref, b, h, r0 + r, c0 + cs, bn, fr.place)
+    if tile.seed_ref is not None:
+        keep = static.dropout_keep(st, tile.seed_ref, b, h, tile.r0 + tile.rows,
+                                   tile.c0 + tile.cs, st.block_n, fr.place)
         inv = 1.0 - problem.dropout_rate
         dropped = jnp.where(keep, p / inv, 0.0)
         dp = jnp.where(keep, dp / inv, 0.0)
@@ -288,16 +332,16 @@ def _softmax_grad_kernel(*refs, st: BlockStatic, n_rows: int, n_keys: int, split
         ds = ds * cap_grad
 
     def store(ref, value):
-        plgpu.store(ref.at[i32(b), i32(h), tiles.ds(rs, bm), tiles.ds(cs, bn)],
-                    value.astype(ref.dtype), mask=ok)
+        plgpu.store(ref.at[i32(b), i32(h), tiles.ds(rs, st.block_m),
+                           tiles.ds(tile.cs, st.block_n)], value.astype(ref.dtype), mask=ok)
 
-    store(pd_ref, dropped)
-    hi = ds.astype(ds_ref.dtype)
-    store(ds_ref, hi)
-    if lo_ref is not None:
-        store(lo_ref, ds - hi.astype(jnp.float32))
-    if ds32_ref is not None:
-        store(ds32_ref, ds)
+    store(tile.pd_ref, dropped)
+    hi = ds.astype(tile.ds_ref.dtype)
+    store(tile.ds_ref, hi)
+    if tile.lo_ref is not None:
+        store(tile.lo_ref, ds - hi.astype(jnp.float32))
+    if tile.ds32_ref is not None:
+        store(tile.ds32_ref, ds)
 
 
 def own_normalised(p, axis: int):
@@ -359,3 +403,88 @@ def softmax_grad(problem: Problem, block: GradBlock, inputs: Inputs, *, out_dtyp
         interpret=interpret, name="softmax_grad",
     )(logits, block.dp, block.lse, block.delta, block.offsets.astype(jnp.int32),
       *_inputs(problem, inputs))
+
+
+class GradOperands(NamedTuple):
+    """The backward's operands in the chunked tier's GEMM layout, whole (not one block's
+    rows): q and the output's cotangent [B, Hkv, G, T, D|Dv], k and v [B, Hkv, S, D|Dv]."""
+
+    q: Any
+    k: Any
+    d_out: Any
+    v: Any
+
+
+# The tiles of `softmax_grad_of_operands`: rows × keys per program, the head-dim chunk its
+# products step over, warps and pipeline stages.
+OPERAND_GRAD_TILE = (128, 128, 64, 8, 3)
+
+
+def _softmax_grad_of_operands_kernel(q_ref, k_ref, do_ref, v_ref, lse_ref, delta_ref,
+                                     offsets_ref, *refs, st: BlockStatic, n_rows: int,
+                                     n_keys: int, split: bool, with_ds32: bool, chunk: int):
+    problem = st.problem
+    tile = _GradTile.of(st, refs, offsets_ref, n_rows=n_rows, n_keys=n_keys, split=split,
+                        with_ds32=with_ds32)
+    group = problem.heads_q // problem.heads_kv
+    hk, hg = tile.h // group, tile.h % group
+    q_rows = tile.r0 + tile.rs
+    keys = tile.c0 + tile.cs
+    col_ok = tile.cols < n_keys
+
+    def product(a_ref, b_ref, width: int):
+        """The tile's a·bᵀ over `width` (the head dim), float32, in chunks of `chunk`."""
+        ragged = width % chunk != 0
+
+        def body(c, acc):
+            d0 = tiles.chunk_start(c, chunk)
+            d_ok = (d0 + iota(chunk) < width) if ragged else None
+            a_mask = tile.row_ok[:, None] if d_ok is None else tile.row_ok[:, None] & d_ok
+            b_mask = col_ok[:, None] if d_ok is None else col_ok[:, None] & d_ok
+            a = plgpu.load(a_ref.at[i32(tile.b), i32(hk), i32(hg), tiles.ds(q_rows, st.block_m),
+                                    tiles.ds(d0, chunk)], mask=a_mask, other=0.0)
+            kv = plgpu.load(b_ref.at[i32(tile.b), i32(hk), tiles.ds(keys, st.block_n),
+                                     tiles.ds(d0, chunk)], mask=b_mask, other=0.0)
+            return acc + numerics.dot(a, kv, trans_b=True)
+
+        acc = jnp.zeros((st.block_m, st.block_n), jnp.float32)
+        return jax.lax.fori_loop(0, cdiv(width, chunk), body, acc)
+
+    logits = product(q_ref, k_ref, problem.head_dim)
+    # dP rounded to the input dtype, as the GEMM of the unfused step (and XLA's own
+    # gradient) gives it.
+    dp = product(do_ref, v_ref, problem.head_dim_v).astype(q_ref.dtype).astype(jnp.float32)
+    _grad_epilogue(st, tile, logits, dp, lse_ref, delta_ref, own_delta=False, normalise=False)
+
+
+def softmax_grad_of_operands(problem: Problem, operands: GradOperands, lse, delta, offsets,
+                             inputs: Inputs, *, n_rows: int, n_keys: int, out_dtype,
+                             split: bool = False, with_ds32: bool = False,
+                             interpret: bool = False) -> tuple[jax.Array, ...]:
+    """`softmax_grad` of the block of `n_rows` queries × `n_keys` keys at global `offsets`
+    (int32[2]), its logits q·kᵀ and dP = dO·vᵀ computed in the kernel from the whole
+    operands (16-bit): nothing [R, K]-sized but the outputs goes through memory. lse and
+    δ are the block's rows' [B, Hq, R]; δ = rowsum(dO·O) - dlse (a block never forms its
+    own δ here: its rows' keys span several programs)."""
+    if jnp.dtype(operands.q.dtype).itemsize != 2:
+        raise ValueError(f"softmax_grad_of_operands takes 16-bit operands; got {operands.q.dtype}")
+    batch, heads_kv, group = operands.q.shape[:3]
+    bm, bn, chunk, warps, stages = OPERAND_GRAD_TILE
+    bm, bn = tiles.fit_block(bm, n_rows), tiles.fit_block(bn, n_keys)
+    chunk = tiles.fit_block(chunk, max(problem.head_dim, problem.head_dim_v))
+    problem = problem.sized(inputs)
+    st = BlockStatic(problem=problem, block_m=bm, block_n=bn, num_warps=warps,
+                     interpret=interpret)
+    compat.silence_triton_deprecation()
+    shape = (batch, heads_kv * group, n_rows, n_keys)
+    out = compat.output_struct(shape, out_dtype, lse)
+    out_shape = ((out, out) + ((out,) if split else ())
+                 + ((compat.output_struct(shape, jnp.float32, lse),) if with_ds32 else ()))
+    grid = (cdiv(n_rows, bm) * cdiv(n_keys, bn), batch * heads_kv * group)
+    return pl.pallas_call(
+        functools.partial(_softmax_grad_of_operands_kernel, st=st, n_rows=n_rows,
+                          n_keys=n_keys, split=split, with_ds32=with_ds32, chunk=chunk),
+        out_shape=out_shape, grid=grid, compiler_params=compat.compiler_params(warps, stages),
+        interpret=interpret, name="softmax_grad_of_operands",
+    )(operands.q, operands.k, operands.d_out, operands.v, lse, delta,
+      offsets.astype(jnp.int32), *_inputs(problem, inputs))

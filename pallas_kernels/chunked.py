@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import compat, visibility
-from pallas_kernels.blocked import (MAX_ROW_KEYS, GradBlock, own_normalised, softmax_grad,
-                                    softmax_rows)
+from pallas_kernels.blocked import (MAX_ROW_KEYS, GradBlock, GradOperands, own_normalised,
+                                    softmax_grad, softmax_grad_of_operands, softmax_rows)
 from pallas_kernels.chunked_plan import STEP_KERNEL, ChunkConfig, groups, key_start
 from pallas_kernels.dropout import keep_block
 from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
@@ -394,6 +394,14 @@ class _Rows(NamedTuple):
     minus_dlse: Any
 
 
+def fuses_products(call: _Call, *, own_delta: bool, low: bool) -> bool:
+    """Whether a backward block computes its logits and dP inside the step's kernel
+    (`softmax_grad_of_operands`) rather than as two GEMMs whose [R, K] results go through
+    memory: with the Pallas step, 16-bit operands, and δ from O (a block forming its own δ
+    needs its rows whole in one program)."""
+    return call.kernel_step and low and not own_delta
+
+
 def _backward_block(call: _Call, ops: _Operands, rows_in: _Rows, blk: _Block, *,
                     lse_cotangent: bool, want_ds: bool, float32_rows: bool):
     """(dq [B, Hkv, G, rows, D], dk [B, Hkv, keys, D], dv [B, Hkv, keys, Dv], ds) of one
@@ -420,20 +428,27 @@ def _backward_block(call: _Call, ops: _Operands, rows_in: _Rows, blk: _Block, *,
     in_dtype = ops.qg.dtype if low else jnp.float32
     split = low and lse_cotangent
     shape4 = (b, hkv * g, rows, keys)
-    logits = _mm("bkmd,bksd->bkms", q_blk, k_blk, jnp.float32).reshape(shape4)
-    # dP in the input dtype, as XLA's own gradient rounds it (the cotangent of 16-bit P).
-    dp = _mm("bkmd,bksd->bkms", do_blk, v_blk, in_dtype).reshape(shape4)
-    block = GradBlock(logits, dp, lse_blk, delta_blk, blk.offsets())
     normalise = own_delta and float32_rows
-    if call.kernel_step:
-        outs = softmax_grad(call.problem, block, call.inputs, out_dtype=in_dtype, split=split,
-                            with_ds32=want_ds, own_delta=own_delta, normalise=normalise,
-                            interpret=call.interpret)
+    if fuses_products(call, own_delta=own_delta, low=low):
+        outs = softmax_grad_of_operands(
+            call.problem, GradOperands(ops.qg, ops.kk, ops.dog, ops.vv), lse_blk, delta_blk,
+            blk.offsets(), call.inputs, n_rows=rows, n_keys=keys, out_dtype=in_dtype,
+            split=split, with_ds32=want_ds, interpret=call.interpret)
         dropped, parts, ds32 = outs[0], outs[1:2 + split], outs[-1] if want_ds else None
     else:
-        dropped, parts, ds32 = _softmax_grad_xla(call, block, blk, out_dtype=in_dtype,
-                                                 split=split, own_delta=own_delta,
-                                                 normalise=normalise)
+        logits = _mm("bkmd,bksd->bkms", q_blk, k_blk, jnp.float32).reshape(shape4)
+        # dP in the input dtype, as XLA's own gradient rounds it (the cotangent of 16-bit P).
+        dp = _mm("bkmd,bksd->bkms", do_blk, v_blk, in_dtype).reshape(shape4)
+        block = GradBlock(logits, dp, lse_blk, delta_blk, blk.offsets())
+        if call.kernel_step:
+            outs = softmax_grad(call.problem, block, call.inputs, out_dtype=in_dtype,
+                                split=split, with_ds32=want_ds, own_delta=own_delta,
+                                normalise=normalise, interpret=call.interpret)
+            dropped, parts, ds32 = outs[0], outs[1:2 + split], outs[-1] if want_ds else None
+        else:
+            dropped, parts, ds32 = _softmax_grad_xla(call, block, blk, out_dtype=in_dtype,
+                                                     split=split, own_delta=own_delta,
+                                                     normalise=normalise)
     as3 = lambda x: x.reshape(b, hkv, g * rows, keys)  # noqa: E731
     scale = jnp.asarray(call.problem.scale, jnp.float32)
     dv = _mm("bkms,bkmd->bksd", as3(dropped), do_blk, jnp.float32)

@@ -390,6 +390,74 @@ def test_float32_gradients_of_a_whole_row_block_normalise_their_own_probabilitie
         assert err <= 3.0 * err_xla + 1e-7, (name, err, err_xla)
 
 
+# (B, Hq, Hkv, D, Dv, rows, keys, offsets, causal, bias shape, dropout, split, features):
+# the step with its two products inside, on operands of the problem's (T, S) = (90, 200).
+OPERAND_STEP_CASES = [
+    (2, 4, 2, 40, 40, 37, 70, (13, 64), True, (1, 4, 90, 200), 0.2, False, False),
+    (1, 3, 1, 111, 59, 64, 128, (0, 0), False, None, 0.0, True, False),
+    (2, 2, 2, 72, 72, 20, 33, (70, 160), True, None, 0.0, False, True),
+    (1, 2, 1, 16, 16, 90, 200, (0, 0), False, (1, 1, 90, 200), 0.0, True, True),
+]
+
+
+@pytest.mark.parametrize("case", OPERAND_STEP_CASES, ids=str)
+def test_softmax_grad_of_operands_matches_the_step_on_library_products(case):
+    """`softmax_grad_of_operands` (logits and dP inside the kernel) against `softmax_grad`
+    on the logits and dP of the unfused path's GEMMs, at a block's offsets: GQA, head dims
+    that are not powers of two (D != Dv), causality, a bias (and its float32 dS), dropout,
+    dS's two words, and the window, segment ids and lengths."""
+    b, hq, hkv, d, dv, rows, keys, (r0, c0), causal, bias_shape, rate, split, feats = case
+    ks = jax.random.split(jax.random.key(sum(case[:7])), 9)
+    q = jax.random.normal(ks[0], (b, STEP_T, hq, d), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (b, STEP_S, hkv, d), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (b, STEP_S, hkv, dv), jnp.bfloat16)
+    d_out = jax.random.normal(ks[3], (b, STEP_T, hq, dv), jnp.bfloat16)
+    bias = None if bias_shape is None else jax.random.normal(ks[4], bias_shape, jnp.float32)
+    features = FeatureArrays(
+        q_segment_ids=jax.random.randint(ks[5], (b, STEP_T), 0, 3),
+        kv_segment_ids=jax.random.randint(ks[6], (b, STEP_S), 0, 3),
+        q_lengths=jnp.asarray([60, 90][:b], jnp.int32),
+        kv_lengths=jnp.asarray([190, 177][:b], jnp.int32)) if feats else FeatureArrays()
+    seed = jnp.asarray([7, 11], jnp.uint32) if rate else None
+    inputs = Inputs(q, k, v, bias, None, seed, features)
+    problem = Problem.of(q, k, v, bias, None, scale=d ** -0.5, causal=causal,
+                         dropout_rate=rate, features=features,
+                         window=(30, 5) if feats else None, softcap=1.5 if feats else None)
+    ops = chunked_tier._operands(inputs, d_out)
+    blk = _Block(r0, rows, c0, keys)
+    shape4 = (b, hq, rows, keys)
+    q_blk, do_blk = chunked_tier._block_rows(ops.qg, blk), chunked_tier._block_rows(ops.dog, blk)
+    k_blk = chunked_tier._rows_of(ops.kk, 2, c0, keys)
+    v_blk = chunked_tier._rows_of(ops.vv, 2, c0, keys)
+    logits = chunked_tier._mm("bkmd,bksd->bkms", q_blk, k_blk, jnp.float32).reshape(shape4)
+    dp = chunked_tier._mm("bkmd,bksd->bkms", do_blk, v_blk, jnp.bfloat16).reshape(shape4)
+    lse = 0.5 * jax.random.normal(ks[7], (b, hq, rows), jnp.float32) + 4.0
+    delta = jax.random.normal(ks[8], (b, hq, rows), jnp.float32)
+    want = blocked.softmax_grad(problem, GradBlock(logits, dp, lse, delta, blk.offsets()),
+                                inputs, out_dtype=jnp.bfloat16, split=split,
+                                with_ds32=bias is not None, interpret=True)
+    got = blocked.softmax_grad_of_operands(
+        problem, blocked.GradOperands(ops.qg, ops.kk, ops.dog, ops.vv), lse, delta,
+        blk.offsets(), inputs, n_rows=rows, n_keys=keys, out_dtype=jnp.bfloat16, split=split,
+        with_ds32=bias is not None, interpret=True)
+    assert len(got) == len(want)
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    # The kernel's products sum the head dim in another order than the library GEMM's: the
+    # logits differ by float32 roundings, and 16-bit dP by at most one unit in its last
+    # place (2^-8 of |dP|), which moves dS = P·(dP - δ) by up to 2^-8·P·|dP|.
+    p_dp = f32(got[0]) * np.abs(f32(dp)) * (1.0 / (1.0 - rate))
+    for g, w in zip(got, want, strict=True):
+        if g is got[0]:
+            np.testing.assert_allclose(f32(g), f32(w), rtol=2.0 ** -7, atol=1e-6)
+        elif g is got[-1] and bias is not None:  # dS in float32
+            np.testing.assert_allclose(f32(g), f32(w), rtol=1e-4, atol=2.0 ** -7 * p_dp.max())
+    ds_got, ds_want = f32(got[1]), f32(want[1])
+    if split:
+        ds_got, ds_want = ds_got + f32(got[2]), ds_want + f32(want[2])
+    np.testing.assert_allclose(ds_got, ds_want, rtol=2.0 ** -7, atol=2.0 ** -7 * p_dp.max())
+    assert np.abs(ds_want).max() > 0 and (f32(want[0]) > 0).mean() > 0.02  # a real test
+
+
 # ---------------------------------------------------------------- end to end, Pallas step
 
 
