@@ -405,86 +405,78 @@ def softmax_grad(problem: Problem, block: GradBlock, inputs: Inputs, *, out_dtyp
       *_inputs(problem, inputs))
 
 
-class GradOperands(NamedTuple):
-    """The backward's operands in the chunked tier's GEMM layout, whole (not one block's
-    rows): q and the output's cotangent [B, Hkv, G, T, D|Dv], k and v [B, Hkv, S, D|Dv]."""
+class LogitOperands(NamedTuple):
+    """The logits' operands of a backward block, whole (not the block's rows), in the
+    chunked tier's GEMM layout: q [B, Hkv, G, T, D] and k [B, Hkv, S, D], 16-bit."""
 
     q: Any
     k: Any
-    d_out: Any
-    v: Any
 
 
 # The tiles of `softmax_grad_of_operands`: rows × keys per program, the head-dim chunk its
-# products step over, warps and pipeline stages.
-OPERAND_GRAD_TILE = (128, 128, 64, 8, 3)
+# product steps over, warps and pipeline stages (the fastest of seven on the H200 at
+# D = 512: docs/history.md, session 44).
+OPERAND_GRAD_TILE = (64, 128, 64, 4, 3)
 
 
-def _softmax_grad_of_operands_kernel(q_ref, k_ref, do_ref, v_ref, lse_ref, delta_ref,
-                                     offsets_ref, *refs, st: BlockStatic, n_rows: int,
-                                     n_keys: int, split: bool, with_ds32: bool, chunk: int):
+def _softmax_grad_of_operands_kernel(q_ref, k_ref, dp_ref, lse_ref, delta_ref, offsets_ref,
+                                     *refs, st: BlockStatic, n_rows: int, n_keys: int,
+                                     split: bool, with_ds32: bool, chunk: int):
     problem = st.problem
     tile = _GradTile.of(st, refs, offsets_ref, n_rows=n_rows, n_keys=n_keys, split=split,
                         with_ds32=with_ds32)
     group = problem.heads_q // problem.heads_kv
     hk, hg = tile.h // group, tile.h % group
-    q_rows = tile.r0 + tile.rs
-    keys = tile.c0 + tile.cs
+    width = problem.head_dim
+    ragged = width % chunk != 0
     col_ok = tile.cols < n_keys
+    q_at = tiles.ds(tile.r0 + tile.rs, st.block_m)
+    k_at = tiles.ds(tile.c0 + tile.cs, st.block_n)
 
-    def product(a_ref, b_ref, width: int):
-        """The tile's a·bᵀ over `width` (the head dim), float32, in chunks of `chunk`."""
-        ragged = width % chunk != 0
+    def body(c, acc):
+        d0 = tiles.chunk_start(c, chunk)
+        d_ok = (d0 + iota(chunk) < width)[None, :] if ragged else True
+        q = plgpu.load(q_ref.at[i32(tile.b), i32(hk), i32(hg), q_at, tiles.ds(d0, chunk)],
+                       mask=tile.row_ok[:, None] & d_ok, other=0.0)
+        k = plgpu.load(k_ref.at[i32(tile.b), i32(hk), k_at, tiles.ds(d0, chunk)],
+                       mask=col_ok[:, None] & d_ok, other=0.0)
+        return acc + numerics.dot(q, k, trans_b=True)
 
-        def body(c, acc):
-            d0 = tiles.chunk_start(c, chunk)
-            d_ok = (d0 + iota(chunk) < width) if ragged else None
-            a_mask = tile.row_ok[:, None] if d_ok is None else tile.row_ok[:, None] & d_ok
-            b_mask = col_ok[:, None] if d_ok is None else col_ok[:, None] & d_ok
-            a = plgpu.load(a_ref.at[i32(tile.b), i32(hk), i32(hg), tiles.ds(q_rows, st.block_m),
-                                    tiles.ds(d0, chunk)], mask=a_mask, other=0.0)
-            kv = plgpu.load(b_ref.at[i32(tile.b), i32(hk), tiles.ds(keys, st.block_n),
-                                     tiles.ds(d0, chunk)], mask=b_mask, other=0.0)
-            return acc + numerics.dot(a, kv, trans_b=True)
-
-        acc = jnp.zeros((st.block_m, st.block_n), jnp.float32)
-        return jax.lax.fori_loop(0, cdiv(width, chunk), body, acc)
-
-    logits = product(q_ref, k_ref, problem.head_dim)
-    # dP rounded to the input dtype, as the GEMM of the unfused step (and XLA's own
-    # gradient) gives it.
-    dp = product(do_ref, v_ref, problem.head_dim_v).astype(q_ref.dtype).astype(jnp.float32)
-    _grad_epilogue(st, tile, logits, dp, lse_ref, delta_ref, own_delta=False, normalise=False)
+    logits = jax.lax.fori_loop(0, cdiv(width, chunk), body,
+                               jnp.zeros((st.block_m, st.block_n), jnp.float32))
+    dp = plgpu.load(dp_ref.at[i32(tile.b), i32(tile.h), tiles.ds(tile.rs, st.block_m),
+                              tiles.ds(tile.cs, st.block_n)], mask=tile.ok, other=0.0)
+    _grad_epilogue(st, tile, logits, dp.astype(jnp.float32), lse_ref, delta_ref,
+                   own_delta=False, normalise=False)
 
 
-def softmax_grad_of_operands(problem: Problem, operands: GradOperands, lse, delta, offsets,
-                             inputs: Inputs, *, n_rows: int, n_keys: int, out_dtype,
-                             split: bool = False, with_ds32: bool = False,
+def softmax_grad_of_operands(problem: Problem, operands: LogitOperands, dp, lse, delta,
+                             offsets, inputs: Inputs, *, out_dtype, split: bool = False,
+                             with_ds32: bool = False,
                              interpret: bool = False) -> tuple[jax.Array, ...]:
-    """`softmax_grad` of the block of `n_rows` queries × `n_keys` keys at global `offsets`
-    (int32[2]), its logits q·kᵀ and dP = dO·vᵀ computed in the kernel from the whole
-    operands (16-bit): nothing [R, K]-sized but the outputs goes through memory. lse and
-    δ are the block's rows' [B, Hq, R]; δ = rowsum(dO·O) - dlse (a block never forms its
-    own δ here: its rows' keys span several programs)."""
+    """`softmax_grad` of the block of dP's [B, Hq, R, K] queries and keys at global
+    `offsets` (int32[2]), whose logits q·kᵀ it computes in the kernel from their operands
+    (16-bit), so that they never go through memory in float32. lse and δ are the block's
+    rows' [B, Hq, R]; δ = rowsum(dO·O) - dlse (a block never forms its own δ here: its
+    rows' keys span several programs)."""
     if jnp.dtype(operands.q.dtype).itemsize != 2:
         raise ValueError(f"softmax_grad_of_operands takes 16-bit operands; got {operands.q.dtype}")
-    batch, heads_kv, group = operands.q.shape[:3]
+    batch, heads, n_rows, n_keys = dp.shape
     bm, bn, chunk, warps, stages = OPERAND_GRAD_TILE
     bm, bn = tiles.fit_block(bm, n_rows), tiles.fit_block(bn, n_keys)
-    chunk = tiles.fit_block(chunk, max(problem.head_dim, problem.head_dim_v))
+    chunk = tiles.fit_block(chunk, problem.head_dim)
     problem = problem.sized(inputs)
     st = BlockStatic(problem=problem, block_m=bm, block_n=bn, num_warps=warps,
                      interpret=interpret)
     compat.silence_triton_deprecation()
-    shape = (batch, heads_kv * group, n_rows, n_keys)
-    out = compat.output_struct(shape, out_dtype, lse)
+    out = compat.output_struct(dp.shape, out_dtype, dp)
     out_shape = ((out, out) + ((out,) if split else ())
-                 + ((compat.output_struct(shape, jnp.float32, lse),) if with_ds32 else ()))
-    grid = (cdiv(n_rows, bm) * cdiv(n_keys, bn), batch * heads_kv * group)
+                 + ((compat.output_struct(dp.shape, jnp.float32, dp),) if with_ds32 else ()))
+    grid = (cdiv(n_rows, bm) * cdiv(n_keys, bn), batch * heads)
     return pl.pallas_call(
         functools.partial(_softmax_grad_of_operands_kernel, st=st, n_rows=n_rows,
                           n_keys=n_keys, split=split, with_ds32=with_ds32, chunk=chunk),
         out_shape=out_shape, grid=grid, compiler_params=compat.compiler_params(warps, stages),
         interpret=interpret, name="softmax_grad_of_operands",
-    )(operands.q, operands.k, operands.d_out, operands.v, lse, delta,
-      offsets.astype(jnp.int32), *_inputs(problem, inputs))
+    )(operands.q, operands.k, dp, lse, delta, offsets.astype(jnp.int32),
+      *_inputs(problem, inputs))

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import compat, visibility
-from pallas_kernels.blocked import (MAX_ROW_KEYS, GradBlock, GradOperands, own_normalised,
+from pallas_kernels.blocked import (MAX_ROW_KEYS, GradBlock, LogitOperands, own_normalised,
                                     softmax_grad, softmax_grad_of_operands, softmax_rows)
 from pallas_kernels.chunked_plan import STEP_KERNEL, ChunkConfig, groups, key_start
 from pallas_kernels.dropout import keep_block
@@ -394,11 +394,13 @@ class _Rows(NamedTuple):
     minus_dlse: Any
 
 
-def fuses_products(call: _Call, *, own_delta: bool, low: bool) -> bool:
-    """Whether a backward block computes its logits and dP inside the step's kernel
-    (`softmax_grad_of_operands`) rather than as two GEMMs whose [R, K] results go through
-    memory: with the Pallas step, 16-bit operands, and δ from O (a block forming its own δ
-    needs its rows whole in one program)."""
+def computes_logits_in_step(call: _Call, *, own_delta: bool, low: bool) -> bool:
+    """Whether a backward block computes its logits inside the step's kernel
+    (`softmax_grad_of_operands`) rather than as a GEMM whose float32 [R, K] result goes
+    through memory: with the Pallas step, 16-bit operands, and δ from O (a block forming
+    its own δ needs its rows whole in one program). dP stays a library GEMM: computed in
+    the kernel too, both products ran slower there than the library's (docs/history.md,
+    session 44)."""
     return call.kernel_step and low and not own_delta
 
 
@@ -429,16 +431,16 @@ def _backward_block(call: _Call, ops: _Operands, rows_in: _Rows, blk: _Block, *,
     split = low and lse_cotangent
     shape4 = (b, hkv * g, rows, keys)
     normalise = own_delta and float32_rows
-    if fuses_products(call, own_delta=own_delta, low=low):
+    # dP in the input dtype, as XLA's own gradient rounds it (the cotangent of 16-bit P).
+    dp = _mm("bkmd,bksd->bkms", do_blk, v_blk, in_dtype).reshape(shape4)
+    if computes_logits_in_step(call, own_delta=own_delta, low=low):
         outs = softmax_grad_of_operands(
-            call.problem, GradOperands(ops.qg, ops.kk, ops.dog, ops.vv), lse_blk, delta_blk,
-            blk.offsets(), call.inputs, n_rows=rows, n_keys=keys, out_dtype=in_dtype,
-            split=split, with_ds32=want_ds, interpret=call.interpret)
+            call.problem, LogitOperands(ops.qg, ops.kk), dp, lse_blk, delta_blk,
+            blk.offsets(), call.inputs, out_dtype=in_dtype, split=split, with_ds32=want_ds,
+            interpret=call.interpret)
         dropped, parts, ds32 = outs[0], outs[1:2 + split], outs[-1] if want_ds else None
     else:
         logits = _mm("bkmd,bksd->bkms", q_blk, k_blk, jnp.float32).reshape(shape4)
-        # dP in the input dtype, as XLA's own gradient rounds it (the cotangent of 16-bit P).
-        dp = _mm("bkmd,bksd->bkms", do_blk, v_blk, in_dtype).reshape(shape4)
         block = GradBlock(logits, dp, lse_blk, delta_blk, blk.offsets())
         if call.kernel_step:
             outs = softmax_grad(call.problem, block, call.inputs, out_dtype=in_dtype,

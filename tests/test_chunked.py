@@ -402,10 +402,10 @@ OPERAND_STEP_CASES = [
 
 @pytest.mark.parametrize("case", OPERAND_STEP_CASES, ids=str)
 def test_softmax_grad_of_operands_matches_the_step_on_library_products(case):
-    """`softmax_grad_of_operands` (logits and dP inside the kernel) against `softmax_grad`
-    on the logits and dP of the unfused path's GEMMs, at a block's offsets: GQA, head dims
-    that are not powers of two (D != Dv), causality, a bias (and its float32 dS), dropout,
-    dS's two words, and the window, segment ids and lengths."""
+    """`softmax_grad_of_operands` (the logits computed inside the kernel) against
+    `softmax_grad` on the logits of the unfused path's GEMM, at a block's offsets: GQA,
+    head dims that are not powers of two (D != Dv), causality, a bias (and its float32
+    dS), dropout, dS's two words, and the window, segment ids and lengths."""
     b, hq, hkv, d, dv, rows, keys, (r0, c0), causal, bias_shape, rate, split, feats = case
     ks = jax.random.split(jax.random.key(sum(case[:7])), 9)
     q = jax.random.normal(ks[0], (b, STEP_T, hq, d), jnp.bfloat16)
@@ -437,14 +437,13 @@ def test_softmax_grad_of_operands_matches_the_step_on_library_products(case):
                                 inputs, out_dtype=jnp.bfloat16, split=split,
                                 with_ds32=bias is not None, interpret=True)
     got = blocked.softmax_grad_of_operands(
-        problem, blocked.GradOperands(ops.qg, ops.kk, ops.dog, ops.vv), lse, delta,
-        blk.offsets(), inputs, n_rows=rows, n_keys=keys, out_dtype=jnp.bfloat16, split=split,
-        with_ds32=bias is not None, interpret=True)
+        problem, blocked.LogitOperands(ops.qg, ops.kk), dp, lse, delta, blk.offsets(), inputs,
+        out_dtype=jnp.bfloat16, split=split, with_ds32=bias is not None, interpret=True)
     assert len(got) == len(want)
     f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
-    # The kernel's products sum the head dim in another order than the library GEMM's: the
-    # logits differ by float32 roundings, and 16-bit dP by at most one unit in its last
-    # place (2^-8 of |dP|), which moves dS = P·(dP - δ) by up to 2^-8·P·|dP|.
+    # The kernel's product sums the head dim in another order than the library GEMM's: the
+    # logits differ by float32 roundings, which move P by a few float32 ulps (its 16-bit
+    # form by at most one unit in its last place) and dS = P·(dP - δ) with it.
     p_dp = f32(got[0]) * np.abs(f32(dp)) * (1.0 / (1.0 - rate))
     for g, w in zip(got, want, strict=True):
         if g is got[0]:
