@@ -280,7 +280,7 @@ class _GradTile:
 
     @classmethod
     def of(cls, st: BlockStatic, refs, offsets_ref, *, n_rows: int, n_keys: int, split: bool,
-           with_ds32: bool) -> "_GradTile":
+           with_ds32: bool) -> _GradTile:
         problem = st.problem
         bias_ref, mask_ref, seed_ref, outs = _refs(st, refs)
         fr = _feature_refs(st, outs)
