@@ -394,14 +394,21 @@ class _Rows(NamedTuple):
     minus_dlse: Any
 
 
+# The widest head dim whose backward blocks compute their logits in the step's kernel: on
+# the H200 at D = 512 that ran 1.00-1.03x the library GEMM's logits, at D = 1024 0.88-0.97x
+# (docs/history.md, session 44).
+LOGITS_IN_STEP_MAX_HEAD_DIM = 512
+
+
 def computes_logits_in_step(call: _Call, *, own_delta: bool, low: bool) -> bool:
     """Whether a backward block computes its logits inside the step's kernel
     (`softmax_grad_of_operands`) rather than as a GEMM whose float32 [R, K] result goes
-    through memory: with the Pallas step, 16-bit operands, and δ from O (a block forming
-    its own δ needs its rows whole in one program). dP stays a library GEMM: computed in
-    the kernel too, both products ran slower there than the library's (docs/history.md,
-    session 44)."""
-    return call.kernel_step and low and not own_delta
+    through memory: with the Pallas step, 16-bit operands, head dims up to
+    `LOGITS_IN_STEP_MAX_HEAD_DIM`, and δ from O (a block forming its own δ needs its rows
+    whole in one program). dP stays a library GEMM: computed in the kernel too, both
+    products ran slower there than the library's (docs/history.md, session 44)."""
+    return (call.kernel_step and low and not own_delta
+            and call.problem.head_dim <= LOGITS_IN_STEP_MAX_HEAD_DIM)
 
 
 def _backward_block(call: _Call, ops: _Operands, rows_in: _Rows, blk: _Block, *,
