@@ -362,8 +362,8 @@ def grad_block(n_keys: int, own_delta: bool) -> tuple[int, int, int]:
 
 
 class GradBlock(NamedTuple):
-    """One block of the chunked backward, [B, Hq, R, K] each: the float32 logits, dP
-    (float32 or the input dtype), and the rows' lse and δ [B, Hq, R]: δ = rowsum(dO·O) -
+    """One block of the chunked backward, [B, Hq, R, K] each: the float32 logits (None for
+    `softmax_grad_of_operands`, which computes them), dP (float32 or the input dtype), and the rows' lse and δ [B, Hq, R]: δ = rowsum(dO·O) -
     dlse, or -dlse where the block forms δ = Σ P·dP + that from its own rows (`own_delta`);
     `offsets` (int32[2]) its global (row, key)."""
 
@@ -419,9 +419,10 @@ class LogitOperands(NamedTuple):
 OPERAND_GRAD_TILE = (64, 128, 64, 4, 3)
 
 
-def _softmax_grad_of_operands_kernel(q_ref, k_ref, dp_ref, lse_ref, delta_ref, offsets_ref,
-                                     *refs, st: BlockStatic, n_rows: int, n_keys: int,
+def _softmax_grad_of_operands_kernel(*refs, st: BlockStatic, n_rows: int, n_keys: int,
                                      split: bool, with_ds32: bool, chunk: int):
+    q_ref, k_ref, dp_ref, lse_ref, delta_ref, offsets_ref = refs[:6]
+    refs = refs[6:]
     problem = st.problem
     tile = _GradTile.of(st, refs, offsets_ref, n_rows=n_rows, n_keys=n_keys, split=split,
                         with_ds32=with_ds32)
@@ -450,17 +451,18 @@ def _softmax_grad_of_operands_kernel(q_ref, k_ref, dp_ref, lse_ref, delta_ref, o
                    own_delta=False, normalise=False)
 
 
-def softmax_grad_of_operands(problem: Problem, operands: LogitOperands, dp, lse, delta,
-                             offsets, inputs: Inputs, *, out_dtype, split: bool = False,
+def softmax_grad_of_operands(problem: Problem, operands: LogitOperands, block: GradBlock,
+                             inputs: Inputs, *, out_dtype, split: bool = False,
                              with_ds32: bool = False,
                              interpret: bool = False) -> tuple[jax.Array, ...]:
-    """`softmax_grad` of the block of dP's [B, Hq, R, K] queries and keys at global
-    `offsets` (int32[2]), whose logits q·kᵀ it computes in the kernel from their operands
-    (16-bit), so that they never go through memory in float32. lse and δ are the block's
-    rows' [B, Hq, R]; δ = rowsum(dO·O) - dlse (a block never forms its own δ here: its
-    rows' keys span several programs)."""
+    """`softmax_grad` of a block whose logits q·kᵀ it computes in the kernel from their
+    operands (16-bit), so that they never go through memory in float32: `block` as
+    `softmax_grad` takes it without its logits (None), its dP [B, Hq, R, K], lse and δ
+    [B, Hq, R] (δ = rowsum(dO·O) - dlse: a block never forms its own δ here, its rows'
+    keys span several programs) and its global (row, key) offsets."""
     if jnp.dtype(operands.q.dtype).itemsize != 2:
         raise ValueError(f"softmax_grad_of_operands takes 16-bit operands; got {operands.q.dtype}")
+    dp = block.dp
     batch, heads, n_rows, n_keys = dp.shape
     bm, bn, chunk, warps, stages = OPERAND_GRAD_TILE
     bm, bn = tiles.fit_block(bm, n_rows), tiles.fit_block(bn, n_keys)
@@ -478,5 +480,5 @@ def softmax_grad_of_operands(problem: Problem, operands: LogitOperands, dp, lse,
                           n_keys=n_keys, split=split, with_ds32=with_ds32, chunk=chunk),
         out_shape=out_shape, grid=grid, compiler_params=compat.compiler_params(warps, stages),
         interpret=interpret, name="softmax_grad_of_operands",
-    )(operands.q, operands.k, dp, lse, delta, offsets.astype(jnp.int32),
+    )(operands.q, operands.k, dp, block.lse, block.delta, block.offsets.astype(jnp.int32),
       *_inputs(problem, inputs))

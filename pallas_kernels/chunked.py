@@ -442,9 +442,9 @@ def _backward_block(call: _Call, ops: _Operands, rows_in: _Rows, blk: _Block, *,
     dp = _mm("bkmd,bksd->bkms", do_blk, v_blk, in_dtype).reshape(shape4)
     if computes_logits_in_step(call, own_delta=own_delta, low=low):
         outs = softmax_grad_of_operands(
-            call.problem, LogitOperands(ops.qg, ops.kk), dp, lse_blk, delta_blk,
-            blk.offsets(), call.inputs, out_dtype=in_dtype, split=split, with_ds32=want_ds,
-            interpret=call.interpret)
+            call.problem, LogitOperands(ops.qg, ops.kk),
+            GradBlock(None, dp, lse_blk, delta_blk, blk.offsets()), call.inputs,
+            out_dtype=in_dtype, split=split, with_ds32=want_ds, interpret=call.interpret)
         dropped, parts, ds32 = outs[0], outs[1:2 + split], outs[-1] if want_ds else None
     else:
         logits = _mm("bkmd,bksd->bkms", q_blk, k_blk, jnp.float32).reshape(shape4)

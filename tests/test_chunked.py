@@ -437,8 +437,9 @@ def test_softmax_grad_of_operands_matches_the_step_on_library_products(case):
                                 inputs, out_dtype=jnp.bfloat16, split=split,
                                 with_ds32=bias is not None, interpret=True)
     got = blocked.softmax_grad_of_operands(
-        problem, blocked.LogitOperands(ops.qg, ops.kk), dp, lse, delta, blk.offsets(), inputs,
-        out_dtype=jnp.bfloat16, split=split, with_ds32=bias is not None, interpret=True)
+        problem, blocked.LogitOperands(ops.qg, ops.kk),
+        GradBlock(None, dp, lse, delta, blk.offsets()), inputs, out_dtype=jnp.bfloat16,
+        split=split, with_ds32=bias is not None, interpret=True)
     assert len(got) == len(want)
     f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
     # The kernel's product sums the head dim in another order than the library GEMM's: the
