@@ -106,9 +106,12 @@ def test_grad_of_one_output(case, outputs, kernel_mode, tier):
     check_grads(case, kernel_mode, tier, outputs=outputs)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "float32"])
-@pytest.mark.parametrize("case", [SHAPES[0], SHAPES[1], SHAPES[4], SHAPES[6]],
-                         ids=lambda c: f"D{c.d}")
+# float16 at D = 59 and 320 with `-m slow`: their bfloat16 twins (test_grad_shapes_bf16) and
+# float16 at D = 40 and 1000 stay.
+@pytest.mark.parametrize(("case", "dtype"), [
+    pytest.param(c, dtype, marks=pytest.mark.slow) if dtype == "float16" and c.d in (59, 320)
+    else (c, dtype) for c in (SHAPES[0], SHAPES[1], SHAPES[4], SHAPES[6])
+    for dtype in ("float16", "float32")], ids=lambda x: x if isinstance(x, str) else f"D{x.d}")
 def test_grad_other_dtypes(case, dtype, kernel_mode, tier):
     check_grads(dataclasses.replace(case, dtype=dtype), kernel_mode, tier)
 

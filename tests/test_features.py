@@ -165,7 +165,11 @@ def _skip_the_reference(tier: str) -> None:
                     "test_the_xla_path_is_the_reference")
 
 
-@pytest.mark.parametrize("case", CASES + OTHER_DTYPES, ids=_ids)
+# The float16 twin of a bfloat16 case with `-m slow` (float16's own tests stay in
+# test_forward, test_backward and test_dropout; the XLA reference's check below keeps it).
+@pytest.mark.parametrize("case", CASES + [
+    pytest.param(c, marks=pytest.mark.slow) if c.dtype == "float16" else c
+    for c in OTHER_DTYPES], ids=_ids)
 def test_forward_and_gradients(case, feature_tier, kernel_mode):
     _skip_the_reference(feature_tier)
     check_grads(case, feature_tier, kernel_mode)
