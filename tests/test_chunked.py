@@ -700,16 +700,18 @@ def test_step_kernels_with_features_lower_for_cuda(features):
     assert text.count("__gpu$xla.gpu.triton") == 2
 
 
-@pytest.mark.parametrize(("d", "dtype", "logits_in_step"), [
-    (512, jnp.bfloat16, True), (1024, jnp.bfloat16, False), (512, jnp.float32, False)])
-def test_backward_blocks_take_their_logits_in_the_step_up_to_d512(d, dtype, logits_in_step,
+@pytest.mark.parametrize(("d", "dtype", "n", "logits_in_step"), [
+    (512, jnp.bfloat16, 16384, True), (1024, jnp.bfloat16, 16384, False),
+    (512, jnp.float32, 16384, False), (512, jnp.bfloat16, 1024, False)])
+def test_backward_blocks_take_their_logits_in_the_step_up_to_d512(d, dtype, n, logits_in_step,
                                                                   monkeypatch):
     """On a GPU (pretended: the call is only lowered), a 16-bit backward at D = 512 whose
     blocks hold part of their rows' keys computes the logits in the step's kernel; D = 1024
-    (slower so on the H200) and float32 keep the library GEMM and `softmax_grad`."""
+    (slower so on the H200), float32, and blocks that hold all of their rows' keys (N = 1024:
+    they take δ from their own P and dP) keep the library GEMM and `softmax_grad`."""
     monkeypatch.setattr(dispatch.Device, "current",
                         classmethod(lambda cls: cls(nvidia_gpu=True, name="Lowering GPU")))
-    arg = sd((1, 16384, 32, d), dtype)
+    arg = sd((1, n, 32, d), dtype)
 
     def grads(q, k, v):
         loss = lambda q, k, v: ffpa_jax.attention(  # noqa: E731
