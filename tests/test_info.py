@@ -88,6 +88,20 @@ def test_a_call_on_this_cpu_runs_xla_unless_told_otherwise(env):
     assert "the step between the GEMMs: XLA fusions" in flat
 
 
+def test_the_chunked_backward_says_where_its_logits_are_computed(env):
+    """On a named GPU the chunked tier runs its Pallas step; at D = 512 in 16 bits the
+    backward's blocks compute their logits in it (`chunked.computes_logits_in_step`), which
+    `info` says; at D = 1024 it does not."""
+    said = "compute their logits in the step's kernel"
+    for d, expected in ((512, True), (1024, False)):
+        run = info("--shape", f"1,16384,8,{d}", "--implementation", "chunked",
+                   "--device-name", DEVICE, env=env)
+        assert run.returncode == 0, run.stderr
+        flat = unfolded(run.stdout)
+        assert "the step between the GEMMs: Pallas kernels" in flat
+        assert (said in flat) == expected, flat
+
+
 def test_a_call_on_a_named_gpu_says_which_config_and_why(env, tmp_path):
     path = write_tuned_file(tmp_path / "tuned")
     run = info("--shape", "1,1000,4,64", "--device-name", DEVICE, env=env)
