@@ -149,14 +149,17 @@ BY_NAME = {case.name: case for case in CASES + STANDIN_CASES}
 # and its plain jit split stay); the data axis with the all-gather (it stays with the
 # ring); the float32 zigzag all-gather with dropout (bf16 takes it, and the ring in rounds);
 # the halo in bf16 and on 8 devices (its float32 cases and the ring's bf16 and 8-device
-# cases stay); the plain causal all-gathers of both layouts (their cases with features,
-# dropout and under jit stay).
+# cases stay); the plain causal all-gathers of both layouts and the zigzag one with features
+# (their cases with features, dropout and under jit stay); the ring under jit with Auto axes
+# (the all-gather's and Explicit axes' stay); the contiguous halo with a window alone (its
+# case with dropout stays).
 SLOW = {"pallas/contiguous-allgather-features", "pallas/jit-auto-default",
         "standin/jit-explicit-default-dropout", "standin/jit-auto-data2x2",
         "standin/jit-auto-data2x2-shared-dropout", "jit-auto-data2x2-allgather",
         "data2x2-allgather-shared-dropout", "zigzag-allgather-dropout",
         "bf16-zigzag-halo-window", "8dev-zigzag-halo-window",
-        "contiguous-allgather-causal", "zigzag-allgather-causal"}
+        "contiguous-allgather-causal", "zigzag-allgather-causal", "jit-auto-ring",
+        "zigzag-allgather-features", "contiguous-halo-window"}
 assert SLOW <= set(BY_NAME), SLOW - set(BY_NAME)
 
 
