@@ -231,7 +231,11 @@ def call_kwargs(tier: str, mode: str) -> dict:
 FEATURE_TIERS = ("xla", "chunked", "chunked-step", "pallas", "mosaic")
 
 
-@pytest.fixture(params=FEATURE_TIERS)
+# The interpreted Pallas step's features matrix with `-m slow`: test_chunked checks the step
+# kernels with every feature against their XLA twins in the default suite, and a GPU runs
+# them for real as "chunked".
+@pytest.fixture(params=[pytest.param(t, marks=pytest.mark.slow) if t == "chunked-step" else t
+                        for t in FEATURE_TIERS])
 def feature_tier(request, monkeypatch) -> str:
     """Which tier a features matrix test runs (see `call_kwargs`)."""
     if request.param == "mosaic":
