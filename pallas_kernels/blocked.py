@@ -361,6 +361,14 @@ def grad_block(n_keys: int, own_delta: bool) -> tuple[int, int, int]:
     return 64, tiles.fit_block(min(n_keys, 128), n_keys), 4
 
 
+def _grad_outputs(like, out_dtype, *, split: bool, with_ds32: bool) -> tuple:
+    """The gradient steps' outputs, each of `like`'s [B, Hq, R, K] shape: dropped P and dS in
+    `out_dtype`, dS's low word with `split`, dS in float32 with `with_ds32`."""
+    out = compat.output_struct(like.shape, out_dtype, like)
+    return ((out, out) + ((out,) if split else ())
+            + ((compat.output_struct(like.shape, jnp.float32, like),) if with_ds32 else ()))
+
+
 class GradBlock(NamedTuple):
     """One block of the chunked backward, [B, Hq, R, K] each: the float32 logits (None for
     `softmax_grad_of_operands`, which computes them), dP (float32 or the input dtype), and
@@ -391,10 +399,7 @@ def softmax_grad(problem: Problem, block: GradBlock, inputs: Inputs, *, out_dtyp
     st = BlockStatic(problem=problem, block_m=bm, block_n=bn, num_warps=warps,
                      interpret=interpret)
     compat.silence_triton_deprecation()
-    out = compat.output_struct(logits.shape, out_dtype, logits)
-    out_shape = ((out, out) + ((out,) if split else ())
-                 + ((compat.output_struct(logits.shape, jnp.float32, logits),)
-                    if with_ds32 else ()))
+    out_shape = _grad_outputs(logits, out_dtype, split=split, with_ds32=with_ds32)
     grid = (cdiv(n_rows, bm) * cdiv(n_keys, bn), batch * heads)
     return pl.pallas_call(
         functools.partial(_softmax_grad_kernel, st=st, n_rows=n_rows, n_keys=n_keys,
@@ -415,8 +420,8 @@ class LogitOperands(NamedTuple):
 
 
 # The tiles of `softmax_grad_of_operands`: rows × keys per program, the head-dim chunk its
-# product steps over, warps and pipeline stages (on the H200 at D = 512 these ran 1.3x
-# faster than 128 × 128 with 8 warps: docs/history.md, session 44).
+# product steps over, warps and pipeline stages (faster on the H200 at D = 512 than
+# 128 × 128 with 8 warps: docs/history.md, session 44).
 OPERAND_GRAD_TILE = (64, 128, 64, 4, 3)
 
 
@@ -472,9 +477,7 @@ def softmax_grad_of_operands(problem: Problem, operands: LogitOperands, block: G
     st = BlockStatic(problem=problem, block_m=bm, block_n=bn, num_warps=warps,
                      interpret=interpret)
     compat.silence_triton_deprecation()
-    out = compat.output_struct(dp.shape, out_dtype, dp)
-    out_shape = ((out, out) + ((out,) if split else ())
-                 + ((compat.output_struct(dp.shape, jnp.float32, dp),) if with_ds32 else ()))
+    out_shape = _grad_outputs(dp, out_dtype, split=split, with_ds32=with_ds32)
     grid = (cdiv(n_rows, bm) * cdiv(n_keys, bn), batch * heads)
     return pl.pallas_call(
         functools.partial(_softmax_grad_of_operands_kernel, st=st, n_rows=n_rows,

@@ -394,21 +394,27 @@ class _Rows(NamedTuple):
     minus_dlse: Any
 
 
-# The widest head dim whose backward blocks compute their logits in the step's kernel: on
-# the H200 at D = 512 that ran 1.00-1.03x the library GEMM's logits, at D = 1024 0.88-0.97x
-# (docs/history.md, session 44).
+# The widest head dim whose backward blocks compute their logits in the step's kernel
+# (faster than the library GEMM's logits at D = 512 on the H200, slower at 1024:
+# docs/history.md, session 44).
 LOGITS_IN_STEP_MAX_HEAD_DIM = 512
 
 
-def computes_logits_in_step(call: _Call, *, own_delta: bool, low: bool) -> bool:
-    """Whether a backward block computes its logits inside the step's kernel
-    (`softmax_grad_of_operands`) rather than as a GEMM whose float32 [R, K] result goes
-    through memory: with the Pallas step, 16-bit operands, head dims up to
-    `LOGITS_IN_STEP_MAX_HEAD_DIM`, and δ from O (a block forming its own δ needs its rows
-    whole in one program). dP stays a library GEMM: computed in the kernel too, both
-    products ran slower there than the library's (docs/history.md, session 44)."""
-    return (call.kernel_step and low and not own_delta
-            and call.problem.head_dim <= LOGITS_IN_STEP_MAX_HEAD_DIM)
+def logits_in_step(problem: Problem, step: str) -> bool:
+    """Whether this problem's backward blocks that hold part of their rows' keys compute
+    their logits inside the step's kernel (`softmax_grad_of_operands`) rather than as a GEMM
+    whose float32 [R, K] result goes through memory: with the Pallas step, 16-bit operands
+    and head dims up to `LOGITS_IN_STEP_MAX_HEAD_DIM`. dP stays a library GEMM: computed in
+    the kernel too, both products ran slower there than the library's (docs/history.md,
+    session 44)."""
+    return (step == STEP_KERNEL and _low_precision(problem.dtype)
+            and problem.head_dim <= LOGITS_IN_STEP_MAX_HEAD_DIM)
+
+
+def computes_logits_in_step(call: _Call, *, own_delta: bool) -> bool:
+    """`logits_in_step` for one block: not where it forms its own δ (that needs its rows
+    whole in one program)."""
+    return logits_in_step(call.problem, call.config.step) and not own_delta
 
 
 def _backward_block(call: _Call, ops: _Operands, rows_in: _Rows, blk: _Block, *,
@@ -440,7 +446,7 @@ def _backward_block(call: _Call, ops: _Operands, rows_in: _Rows, blk: _Block, *,
     normalise = own_delta and float32_rows
     # dP in the input dtype, as XLA's own gradient rounds it (the cotangent of 16-bit P).
     dp = _mm("bkmd,bksd->bkms", do_blk, v_blk, in_dtype).reshape(shape4)
-    if computes_logits_in_step(call, own_delta=own_delta, low=low):
+    if computes_logits_in_step(call, own_delta=own_delta):
         outs = softmax_grad_of_operands(
             call.problem, LogitOperands(ops.qg, ops.kk),
             GradBlock(None, dp, lse_blk, delta_blk, blk.offsets()), call.inputs,

@@ -93,9 +93,7 @@ def _chunked_configs(problem: Problem, direction: str, lookup, target: Target):
     why = (f"the workspace budget ({budget:g} MiB, ${chunked_plan.BUDGET_ENV}); the step "
            "between the GEMMs: "
            + ("Pallas kernels" if step == chunked_plan.STEP_KERNEL else "XLA fusions"))
-    if (step == chunked_plan.STEP_KERNEL and direction == "backward"
-            and jnp.dtype(problem.dtype).itemsize == 2
-            and problem.head_dim <= chunked.LOGITS_IN_STEP_MAX_HEAD_DIM):
+    if direction == "backward" and chunked.logits_in_step(problem, step):
         why += ("; blocks that see part of their rows' keys compute their logits in the "
                 "step's kernel")
     settings = dict(block_q=blocks.block_q, block_k=blocks.block_k, step=step)
