@@ -417,6 +417,17 @@ def computes_logits_in_step(call: _Call, *, own_delta: bool) -> bool:
     return logits_in_step(call.problem, call.config.step) and not own_delta
 
 
+def _runs_mosaic_step(call: _Call, blk, *, own_delta: bool, split: bool,
+                      want_ds: bool) -> bool:
+    """Whether a block that computes its logits in the step runs the Mosaic GPU step
+    (`ChunkConfig.mosaic_step`): it must be whole tiles of it and want neither dS's low word
+    nor dS in float32 (a bias's gradient)."""
+    from pallas_kernels.mosaic.grad_step import TILE_KEYS, TILE_ROWS
+    return (call.config.mosaic_step and computes_logits_in_step(call, own_delta=own_delta)
+            and blk.rows % TILE_ROWS == 0 and blk.keys % TILE_KEYS == 0
+            and not split and not want_ds)
+
+
 def _backward_block(call: _Call, ops: _Operands, rows_in: _Rows, blk: _Block, *,
                     lse_cotangent: bool, want_ds: bool, float32_rows: bool):
     """(dq [B, Hkv, G, rows, D], dk [B, Hkv, keys, D], dv [B, Hkv, keys, Dv], ds) of one
@@ -446,7 +457,13 @@ def _backward_block(call: _Call, ops: _Operands, rows_in: _Rows, blk: _Block, *,
     normalise = own_delta and float32_rows
     # dP in the input dtype, as XLA's own gradient rounds it (the cotangent of 16-bit P).
     dp = _mm("bkmd,bksd->bkms", do_blk, v_blk, in_dtype).reshape(shape4)
-    if computes_logits_in_step(call, own_delta=own_delta):
+    if _runs_mosaic_step(call, blk, own_delta=own_delta, split=split, want_ds=want_ds):
+        # (Imported here: the Mosaic package's forward imports this module.)
+        from pallas_kernels.mosaic import grad_step
+        dropped, ds = grad_step.block_step(call.problem, q_blk.reshape(b, hkv, g, rows, d),
+                                           k_blk, dp, lse_blk, delta_blk, blk.offsets())
+        parts, ds32 = (ds,), None
+    elif computes_logits_in_step(call, own_delta=own_delta):
         outs = softmax_grad_of_operands(
             call.problem, LogitOperands(ops.qg, ops.kk),
             GradBlock(None, dp, lse_blk, delta_blk, blk.offsets()), call.inputs,

@@ -39,13 +39,17 @@ STEP_FUSION = "fusion"
 class ChunkConfig:
     """The chunked tier's blocks (hashable): query rows and keys per block of the forward,
     the backward's (its temporaries per element are twice the forward's; 0: the forward's),
-    and the step between the GEMMs (`STEP_KERNEL` or `STEP_FUSION`)."""
+    the step between the GEMMs (`STEP_KERNEL` or `STEP_FUSION`), and whether the backward's
+    blocks that compute their logits in the step run its Mosaic GPU kernel
+    (`mosaic.grad_step`: on an sm90 GPU, for the problems it serves; the rule is
+    `tiers._chunked_configs`), else the Pallas-Triton one."""
 
     block_q: int
     block_k: int  # >= S: one key block per query block
     bwd_block_q: int = 0
     bwd_block_k: int = 0
     step: str = STEP_FUSION
+    mosaic_step: bool = False
 
     def for_backward(self) -> "ChunkConfig":
         return dataclasses.replace(self, block_q=self.bwd_block_q or self.block_q,
@@ -226,10 +230,10 @@ def budget_from_env(default: int = DEFAULT_BUDGET_BYTES) -> int:
 
 
 def make_config(problem: Problem, *, step: str, budget_bytes: int | None = None,
-                blocks: tuple[int, int] | None = None) -> ChunkConfig:
+                blocks: tuple[int, int] | None = None, mosaic_step: bool = False) -> ChunkConfig:
     """The chunked tier's blocks for `problem`. `step`: `STEP_KERNEL` (pallas_kernels.blocked)
     or `STEP_FUSION`. `blocks` = (query rows, keys) per block, both directions, overrides
-    the budget (tests)."""
+    the budget (tests). `mosaic_step`: `ChunkConfig.mosaic_step`."""
     budget = budget_from_env() if budget_bytes is None else budget_bytes
     max_keys = MAX_ROW_KEYS if step == STEP_KERNEL else None
     if blocks is not None:
@@ -241,4 +245,4 @@ def make_config(problem: Problem, *, step: str, budget_bytes: int | None = None,
         fwd_blocks = (fwd_blocks[0], max_keys)
     return ChunkConfig(block_q=max(1, fwd_blocks[0]), block_k=max(1, fwd_blocks[1]),
                        bwd_block_q=max(1, bwd_blocks[0]), bwd_block_k=max(1, bwd_blocks[1]),
-                       step=step)
+                       step=step, mosaic_step=mosaic_step)

@@ -18,12 +18,15 @@ from pallas_kernels.problem import Problem
 class Target:
     """Where a plan runs, as the tiers' configs need to know it: whether the kernels are
     compiled for an NVIDIA GPU (else XLA fusions stand in for the chunked tier's Pallas
-    step), whether the Pallas kernels run in Pallas' interpreter, and the GPU's
-    multiprocessor count (the decode kernels split keys over them)."""
+    step), whether the Pallas kernels run in Pallas' interpreter, the GPU's
+    multiprocessor count (the decode kernels split keys over them), and whether Mosaic GPU
+    kernels run (`sm90`: an sm90 GPU and a JAX that runs them, not interpreted; the chunked
+    tier's backward step has a Mosaic kernel there)."""
 
     nvidia_gpu: bool = False
     interpret: bool = False
     multiprocessors: int = 132
+    sm90: bool = False
 
     @property
     def runs_kernels(self) -> bool:

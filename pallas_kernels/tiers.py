@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import chunked, chunked_plan, dense, dropout, fused
+from pallas_kernels.mosaic import grad_step as mosaic_grad_step
 from pallas_kernels.mosaic import tier as mosaic_tier
 from pallas_kernels.plan import KernelChoice, Plan, Target
 from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
@@ -87,7 +88,9 @@ class Tier:
 def _chunked_configs(problem: Problem, direction: str, lookup, target: Target):
     del lookup  # sized from the workspace budget, not from tuned entries
     step = chunked_plan.STEP_KERNEL if target.runs_kernels else chunked_plan.STEP_FUSION
-    config = chunked_plan.make_config(problem, step=step)
+    mosaic_step = (target.sm90 and chunked.logits_in_step(problem, step)
+                   and not mosaic_grad_step.unserved(problem))
+    config = chunked_plan.make_config(problem, step=step, mosaic_step=mosaic_step)
     blocks = config if direction == "forward" else config.for_backward()
     budget = chunked_plan.budget_from_env() / 2**20
     why = (f"the workspace budget ({budget:g} MiB, ${chunked_plan.BUDGET_ENV}); the step "
@@ -95,7 +98,8 @@ def _chunked_configs(problem: Problem, direction: str, lookup, target: Target):
            + ("Pallas kernels" if step == chunked_plan.STEP_KERNEL else "XLA fusions"))
     if direction == "backward" and chunked.logits_in_step(problem, step):
         why += ("; blocks that see part of their rows' keys compute their logits in the "
-                "step's kernel")
+                "step's kernel" + (" (Mosaic GPU where they are whole tiles of it)"
+                                   if mosaic_step else ""))
     settings = dict(block_q=blocks.block_q, block_k=blocks.block_k, step=step)
     return (KernelChoice.of(CHUNKED_KERNEL, config, why, direction, settings),)
 

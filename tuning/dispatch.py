@@ -160,17 +160,24 @@ def _unordered(tier: Tier, direction: str, deterministic: bool) -> str | None:
     return None
 
 
+def runs_mosaic(device: Device, interpret: bool) -> bool:
+    """Whether Mosaic GPU kernels run on `device` (`tiers.SM90`)."""
+    return bool(device.nvidia_gpu and not interpret
+                and str(device.compute_capability or "").startswith("9.")
+                and compat.mosaic_gpu_runs())
+
+
+def _target(device: Device, interpret: bool) -> Target:
+    return Target(nvidia_gpu=device.nvidia_gpu, interpret=interpret,
+                  multiprocessors=device.multiprocessors, sm90=runs_mosaic(device, interpret))
+
+
 def runs_here(tier: Tier, device: Device, interpret: bool) -> str | None:
     """Why `tier` cannot run on `device` (None: it can)."""
     if tier.runs_on == tiers.ANYWHERE:
         return None
     if tier.runs_on == tiers.SM90:
-        sm90 = (device.nvidia_gpu and not interpret
-                and str(device.compute_capability or "").startswith("9.")
-                and compat.mosaic_gpu_runs())
-        if not sm90:
-            return f"needs {tier.runs_on}"
-        return None
+        return None if runs_mosaic(device, interpret) else f"needs {tier.runs_on}"
     if device.nvidia_gpu and not interpret:
         return None
     if interpret and tier.interpretable:
@@ -435,8 +442,7 @@ def _configured(problem: Problem, chosen, interpret: bool, device: Device,
                 override: Override | None = None, vjp_forward: Tier | None = None) -> Plan:
     """The plan of `chosen` ({direction: tier}) with its tiers' kernels' configs, and those
     of `vjp_forward`'s forward (the differentiated call's) where given."""
-    target = Target(nvidia_gpu=device.nvidia_gpu, interpret=interpret,
-                    multiprocessors=device.multiprocessors)
+    target = _target(device, interpret)
     lookup = _lookup(problem, device, override)
     runs = [(chosen[direction], direction) for direction in DIRECTIONS]
     if vjp_forward is not None:
@@ -476,8 +482,7 @@ def paged_decode_configs(problem: Problem, *, interpret: bool = False):
     pages_per_seq · page keys), whatever the decode rule says of S: the `DecodeConfig` of
     both stages."""
     device = Device.current()
-    target = Target(nvidia_gpu=device.nvidia_gpu, interpret=interpret,
-                    multiprocessors=device.multiprocessors)
+    target = _target(device, interpret)
     return fused.decode_configs(problem, _lookup(problem, device, None), target)[0].config
 
 
