@@ -160,3 +160,20 @@ def test_chunked_gradients_with_the_mosaic_step_match_float64(case, monkeypatch)
                                      (q, k, v, None, sinks), strict=True):
         if primal is not None:
             assert_matches_reference(name, g, r, x, q.dtype, factor=3.0)
+
+
+@pytest.mark.parametrize(("sm90", "bias", "mosaic"), [(True, False, True), (True, True, False),
+                                                      (False, False, False)])
+def test_the_plan_sets_the_mosaic_step_on_sm90_only(sm90, bias, mosaic, monkeypatch):
+    """The chunked tier's config takes the Mosaic step on an sm90 GPU for a problem it serves
+    (not with a bias, not on another GPU), and its reason says so (`info` prints it)."""
+    monkeypatch.setattr(compat, "mosaic_gpu_runs", lambda: True)
+    device = dispatch.Device(nvidia_gpu=True, name="Planning GPU",
+                             compute_capability="9.0" if sm90 else "8.0")
+    q = sd((1, 16384, 8, 512), jnp.bfloat16)
+    problem = Problem.of(q, q, q, sd((1, 8, 16384, 16384), jnp.float32) if bias else None)
+    plan = dispatch.explain(problem, "chunked", device=device).plan
+    choice = next(c for c in plan.kernels if c.direction == "backward")
+    assert choice.config.mosaic_step == mosaic
+    assert ("(Mosaic GPU where they are whole tiles of it)" in choice.why) == mosaic
+    assert "compute their logits in the step's kernel" in choice.why
