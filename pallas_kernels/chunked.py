@@ -394,22 +394,6 @@ class _Rows(NamedTuple):
     minus_dlse: Any
 
 
-class _RowBlock(NamedTuple):
-    """One query block's rows of the backward's operands, sliced once for all of its key
-    blocks (in the key blocks' loop XLA copied them again for every block): q and dO as
-    [B, Hkv, G·rows, D], and its `_Rows` [B, Hq, rows]."""
-
-    q: Any
-    do: Any
-    rows: _Rows
-
-
-def _row_block(ops: _Operands, rows_in: _Rows, r0, rows: int) -> _RowBlock:
-    blk = _Block(r0, rows, 0, 0)
-    return _RowBlock(_block_rows(ops.qg, blk), _block_rows(ops.dog, blk),
-                     _Rows(*(_rows_of(x, 2, r0, rows) for x in rows_in)))
-
-
 # The widest head dim whose backward blocks compute their logits in the step's kernel
 # (faster than the library GEMM's logits at D = 512 on the H200, slower at 1024:
 # docs/history.md, session 44).
@@ -444,7 +428,7 @@ def _runs_mosaic_step(call: _Call, blk, *, own_delta: bool, split: bool,
             and not split and not want_ds)
 
 
-def _backward_block(call: _Call, ops: _Operands, row_block: _RowBlock, blk: _Block, *,
+def _backward_block(call: _Call, ops: _Operands, rows_in: _Rows, blk: _Block, *,
                     lse_cotangent: bool, want_ds: bool, float32_rows: bool):
     """(dq [B, Hkv, G, rows, D], dk [B, Hkv, keys, D], dv [B, Hkv, keys, Dv], ds) of one
     block, float32; ds [B, Hq, rows, keys] float32 only when `want_ds` (a bias's gradient).
@@ -458,14 +442,14 @@ def _backward_block(call: _Call, ops: _Operands, row_block: _RowBlock, blk: _Blo
     b, hkv, g, _, d = ops.qg.shape
     seq_k = ops.kk.shape[2]
     rows, keys = blk.rows, blk.keys
-    q_blk, do_blk = row_block.q, row_block.do
+    q_blk, do_blk = _block_rows(ops.qg, blk), _block_rows(ops.dog, blk)
     k_blk, v_blk = _rows_of(ops.kk, 2, blk.c0, keys), _rows_of(ops.vv, 2, blk.c0, keys)
     # (A block of a longer sequence holds only some of its rows' keys: never its own δ.)
     own_delta = (isinstance(blk.c0, int) and blk.c0 == 0 and keys == seq_k
                  and (not call.kernel_step or keys <= MAX_ROW_KEYS)
                  and call.positions is None)
-    lse_blk = row_block.rows.lse
-    delta_blk = row_block.rows.minus_dlse if own_delta else row_block.rows.delta
+    lse_blk = _rows_of(rows_in.lse, 2, blk.r0, rows)
+    delta_blk = _rows_of(rows_in.minus_dlse if own_delta else rows_in.delta, 2, blk.r0, rows)
     low = _low_precision(ops.qg.dtype)
     in_dtype = ops.qg.dtype if low else jnp.float32
     split = low and lse_cotangent
@@ -550,7 +534,7 @@ def backward(problem: Problem, config: ChunkConfig, inputs: Inputs, saved: Saved
     carry = (fresh(ops.kk.shape), fresh(ops.vv.shape), fresh(bias.shape) if full_bias else None)
     call = _call(problem, config, inputs, interpret)
     planned = groups(call.problem, config.block_q)
-    run = functools.partial(_backward_block, call, ops, lse_cotangent=lse_cotangent,
+    run = functools.partial(_backward_block, call, ops, rows_in, lse_cotangent=lse_cotangent,
                             want_ds=full_bias, float32_rows=problem.natural and not problem.sinks)
     dqs = []
     for grp in planned:
@@ -558,12 +542,11 @@ def backward(problem: Problem, config: ChunkConfig, inputs: Inputs, saved: Saved
             dk, dv, dbias = carry
             dq = fresh((b, hkv, hq // hkv, grp.rows, d))
             first = key_start(call.problem, grp, r0, _shift(call))
-            row_block = _row_block(ops, rows_in, r0, grp.rows)
             for keys, starts in _segments(grp.keys, config.block_k):
                 def keys_body(inner, c0, keys=keys):
                     c0 = first + c0
                     dq, dk, dv, dbias = inner
-                    dq_b, dk_b, dv_b, ds = run(row_block, _Block(r0, grp.rows, c0, keys))
+                    dq_b, dk_b, dv_b, ds = run(_Block(r0, grp.rows, c0, keys))
                     dk = _add_at(dk, dk_b, (0, 0, c0, 0))
                     dv = _add_at(dv, dv_b, (0, 0, c0, 0))
                     if full_bias:
