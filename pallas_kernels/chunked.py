@@ -422,9 +422,9 @@ def _runs_mosaic_step(call: _Call, blk, *, own_delta: bool, split: bool,
     """Whether a block that computes its logits in the step runs the Mosaic GPU step
     (`ChunkConfig.mosaic_step`): it must be whole tiles of it and want neither dS's low word
     nor dS in float32 (a bias's gradient)."""
-    from pallas_kernels.mosaic.grad_step import TILE_KEYS, TILE_ROWS
+    from pallas_kernels.mosaic import grad_step
     return (call.config.mosaic_step and computes_logits_in_step(call, own_delta=own_delta)
-            and blk.rows % TILE_ROWS == 0 and blk.keys % TILE_KEYS == 0
+            and not grad_step.unsupported(blk.rows, blk.keys, call.problem.head_dim)
             and not split and not want_ds)
 
 

@@ -88,15 +88,15 @@ class Tier:
 def _chunked_configs(problem: Problem, direction: str, lookup, target: Target):
     del lookup  # sized from the workspace budget, not from tuned entries
     step = chunked_plan.STEP_KERNEL if target.runs_kernels else chunked_plan.STEP_FUSION
-    mosaic_step = (target.sm90 and chunked.logits_in_step(problem, step)
-                   and not mosaic_grad_step.unserved(problem))
+    in_step = chunked.logits_in_step(problem, step)
+    mosaic_step = target.sm90 and in_step and not mosaic_grad_step.unserved(problem)
     config = chunked_plan.make_config(problem, step=step, mosaic_step=mosaic_step)
     blocks = config if direction == "forward" else config.for_backward()
     budget = chunked_plan.budget_from_env() / 2**20
     why = (f"the workspace budget ({budget:g} MiB, ${chunked_plan.BUDGET_ENV}); the step "
            "between the GEMMs: "
            + ("Pallas kernels" if step == chunked_plan.STEP_KERNEL else "XLA fusions"))
-    if direction == "backward" and chunked.logits_in_step(problem, step):
+    if direction == "backward" and in_step:
         why += ("; blocks that see part of their rows' keys compute their logits in the "
                 "step's kernel" + (" (Mosaic GPU where they are whole tiles of it)"
                                    if mosaic_step else ""))
