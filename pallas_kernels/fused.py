@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels import chunked
+from pallas_kernels import chunked_grad
 from pallas_kernels.bwd import (bwd_dbias, bwd_exact_rows, bwd_generic_dkdv, bwd_generic_dq,
                                 bwd_preproc)
 from pallas_kernels.bwd_descriptors import BWD_DBIAS, BWD_GENERIC_DKDV, BWD_GENERIC_DQ, BWD_PREPROC
@@ -64,7 +64,7 @@ def delta_source(problem: Problem, plan_or_configs) -> str:
 
 
 def closed_form_dbias(problem: Problem) -> bool:
-    """Whether the bias gradient is d_lse summed (`chunked.row_constant_dbias`): a bias
+    """Whether the bias gradient is d_lse summed (`chunked_grad.row_constant_dbias`): a bias
     constant over the keys only shifts lse, unless the soft cap bends it or a sink (which it
     does not shift) shares the denominator, or the keys are a block of a longer sequence
     (`Problem.positions`: the block's share of the gradient is its keys' dS alone); then
@@ -196,7 +196,7 @@ def backward(plan: Plan, inputs: Inputs, saved: Saved, cotangents: Cotangents) -
     bias = inputs.bias
     dbias = None
     if bias is not None and closed_form_dbias(problem):
-        dbias = chunked.row_constant_dbias(d_lse, bias)
+        dbias = chunked_grad.row_constant_dbias(d_lse, bias)
     elif bias is not None:
         dbias = bwd_dbias(problem, configs["dbias"], inputs, rows, own_delta=own_delta,
                           **kw).astype(bias.dtype)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import chunked, chunked_plan, dense, dropout, fused
+from pallas_kernels import chunked, chunked_grad, chunked_plan, dense, dropout, fused
 from pallas_kernels.mosaic import grad_step as mosaic_grad_step
 from pallas_kernels.mosaic import tier as mosaic_tier
 from pallas_kernels.plan import KernelChoice, Plan, Target
@@ -88,7 +88,7 @@ class Tier:
 def _chunked_configs(problem: Problem, direction: str, lookup, target: Target):
     del lookup  # sized from the workspace budget, not from tuned entries
     step = chunked_plan.STEP_KERNEL if target.runs_kernels else chunked_plan.STEP_FUSION
-    in_step = chunked.logits_in_step(problem, step)
+    in_step = chunked_grad.logits_in_step(problem, step)
     mosaic_step = target.sm90 and in_step and not mosaic_grad_step.unserved(problem)
     config = chunked_plan.make_config(problem, step=step, mosaic_step=mosaic_step)
     blocks = config if direction == "forward" else config.for_backward()
@@ -115,7 +115,7 @@ def _chunked_forward(plan: Plan, inputs: Inputs):
 
 
 def _chunked_backward(plan: Plan, inputs: Inputs, saved: Saved, cotangents: Cotangents):
-    return chunked.backward(plan.problem, plan.config(CHUNKED_KERNEL), inputs, saved,
+    return chunked_grad.backward(plan.problem, plan.config(CHUNKED_KERNEL), inputs, saved,
                             cotangents, interpret=plan.interpret,
                             lse_cotangent=plan.lse_cotangent)
 

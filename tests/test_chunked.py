@@ -19,9 +19,9 @@ from attn_testing import (Case, assert_forward_matches, assert_matches_reference
                           make_inputs, reference_vjp)
 from pallas_kernels import blocked
 from pallas_kernels import chunked as chunked_tier
-from pallas_kernels import chunked_plan
+from pallas_kernels import chunked_grad, chunked_plan
 from pallas_kernels.blocked import GradBlock
-from pallas_kernels.chunked import _Block
+from pallas_kernels.chunked import Block
 from pallas_kernels.chunked_plan import block_sizes, bytes_per_element, groups
 from pallas_kernels.dropout import keep_mask_reference
 from pallas_kernels.problem import FeatureArrays, Inputs, Problem
@@ -202,7 +202,7 @@ STEP_T, STEP_S = 90, 200
 
 class Step:
     """One step case: the block's logits, the problem and arrays the step reads, and the
-    same as the XLA twin's `chunked._Call`."""
+    same as the XLA twin's `chunked.Call`."""
 
     def __init__(self, case, seed=0, *, window=None, softcap=None, features=None,
                  broadcast=False):
@@ -220,9 +220,9 @@ class Step:
         self.problem = Problem.of(q, kv, kv, bias, mask, scale=0.3, causal=causal,
                                   dropout_rate=rate, dropout_broadcast=broadcast,
                                   features=features, window=window, softcap=softcap)
-        self.blk = _Block(offsets[0], rows, offsets[1], keys)
+        self.blk = Block(offsets[0], rows, offsets[1], keys)
         config = chunked_plan.ChunkConfig(block_q=rows, block_k=keys)
-        self.call = chunked_tier._Call(self.problem, config, True, self.inputs)
+        self.call = chunked_tier.Call(self.problem, config, True, self.inputs)
 
     def rows(self, out_dtype=jnp.float32):
         return blocked.softmax_rows(self.problem, self.logits, self.blk.offsets(), self.inputs,
@@ -253,7 +253,7 @@ def _grads_match(step: Step, *, own_delta: bool, split: bool):
     got = blocked.softmax_grad(step.problem, block, step.inputs, out_dtype=jnp.bfloat16,
                                split=split, with_ds32=True, own_delta=own_delta,
                                interpret=True)
-    dropped, parts, ds32 = chunked_tier._softmax_grad_xla(
+    dropped, parts, ds32 = chunked_grad._softmax_grad_xla(
         step.call, block, step.blk, out_dtype=jnp.bfloat16, split=split, own_delta=own_delta)
     # float32 results agree to rounding. 16-bit ones may differ in their last bit: by one
     # unit in the last place of each element (2^-7 of it in bfloat16). Split's two words
@@ -423,14 +423,14 @@ def test_softmax_grad_of_operands_matches_the_step_on_library_products(case):
     problem = Problem.of(q, k, v, bias, None, scale=d ** -0.5, causal=causal,
                          dropout_rate=rate, features=features,
                          window=(30, 5) if feats else None, softcap=1.5 if feats else None)
-    ops = chunked_tier._operands(inputs, d_out)
-    blk = _Block(r0, rows, c0, keys)
+    ops = chunked_tier.gemm_operands(inputs, d_out)
+    blk = Block(r0, rows, c0, keys)
     shape4 = (b, hq, rows, keys)
-    q_blk, do_blk = chunked_tier._block_rows(ops.qg, blk), chunked_tier._block_rows(ops.dog, blk)
-    k_blk = chunked_tier._rows_of(ops.kk, 2, c0, keys)
-    v_blk = chunked_tier._rows_of(ops.vv, 2, c0, keys)
-    logits = chunked_tier._mm("bkmd,bksd->bkms", q_blk, k_blk, jnp.float32).reshape(shape4)
-    dp = chunked_tier._mm("bkmd,bksd->bkms", do_blk, v_blk, jnp.bfloat16).reshape(shape4)
+    q_blk, do_blk = chunked_tier.block_rows(ops.qg, blk), chunked_tier.block_rows(ops.dog, blk)
+    k_blk = chunked_tier.rows_of(ops.kk, 2, c0, keys)
+    v_blk = chunked_tier.rows_of(ops.vv, 2, c0, keys)
+    logits = chunked_tier.mm("bkmd,bksd->bkms", q_blk, k_blk, jnp.float32).reshape(shape4)
+    dp = chunked_tier.mm("bkmd,bksd->bkms", do_blk, v_blk, jnp.bfloat16).reshape(shape4)
     lse = 0.5 * jax.random.normal(ks[7], (b, hq, rows), jnp.float32) + 4.0
     delta = jax.random.normal(ks[8], (b, hq, rows), jnp.float32)
     want = blocked.softmax_grad(problem, GradBlock(logits, dp, lse, delta, blk.offsets()),
@@ -522,6 +522,50 @@ def test_pallas_step_end_to_end(monkeypatch):
     """The Pallas steps (interpreted) in many blocks."""
     monkeypatch.setenv(chunked_plan.BUDGET_ENV, SMALL_BUDGET_MIB)
     _end_to_end(BLOCKED_CASES[1], interpret=True, rate=0.2)
+
+
+def _chunked_grads(args, d_out, **kw):
+    """dq, dk, dv of the chunked tier (XLA step) and the backward's jaxpr, traced afresh
+    (the tier's constants are read at trace time)."""
+    jax.clear_caches()
+
+    def loss(q, k, v):
+        out = ffpa_jax.attention(q, k, v, implementation="chunked", **kw)
+        return jnp.sum(out * d_out)
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    return grad(*args), str(jax.make_jaxpr(grad)(*args))
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (30, 20))])
+def test_key_accumulators_equal_one_array_at_traced_offsets(causal, window, monkeypatch):
+    """dK and dV accumulated per key block (static starts, no dynamic_update_slice) equal
+    the single array added at traced offsets, bit for bit, in several row and key blocks;
+    a window's band moves with the rows, so it keeps the traced offsets."""
+    monkeypatch.setenv(chunked_plan.BUDGET_ENV, "0.05")
+    ks = jax.random.split(jax.random.key(7), 4)
+    args = [jax.random.normal(k_, shape, jnp.float32) for k_, shape in
+            zip(ks, [(2, 203, 4, 40), (2, 203, 2, 40), (2, 203, 2, 40)])]
+    d_out = jax.random.normal(ks[3], (2, 203, 4, 40), jnp.float32)
+    kw = dict(is_causal=causal, local_window_size=window)
+    grads, jaxpr = _chunked_grads(args, d_out, **kw)
+    monkeypatch.setattr(chunked_grad, "MAX_KEY_ACCUMULATORS", 0)
+    traced, traced_jaxpr = _chunked_grads(args, d_out, **kw)
+    # Causal groups end their keys inside a block: that tail still adds into a slice.
+    updates, traced_updates = (x.count("dynamic_update_slice") for x in (jaxpr, traced_jaxpr))
+    assert traced_updates > 0
+    if window is not None:
+        assert updates == traced_updates
+    else:
+        assert updates < traced_updates and (causal or updates == 0), (updates, traced_updates)
+    for g, t in zip(grads, traced):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(t))
+    with jax.enable_x64(True):  # python-int offsets are int64 there
+        want = jax.grad(lambda *a: jnp.sum(ffpa_jax.reference.mha_reference(
+            *a, scale=40 ** -0.5, is_causal=causal, window=window)[0] * d_out),
+            argnums=(0, 1, 2))(*(x.astype(jnp.float64) for x in args))
+        x64, _ = _chunked_grads(args, d_out, **kw)
+    for g, w in zip(x64, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=2e-5)
 
 
 # ---------------------------------------------------------------- choosing the tier

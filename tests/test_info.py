@@ -90,7 +90,7 @@ def test_a_call_on_this_cpu_runs_xla_unless_told_otherwise(env):
 
 def test_the_chunked_backward_says_where_its_logits_are_computed(env):
     """On a named GPU the chunked tier runs its Pallas step; at D = 512 in 16 bits the
-    backward's blocks compute their logits in it (`chunked.computes_logits_in_step`), which
+    backward's blocks compute their logits in it (`chunked_grad.computes_logits_in_step`), which
     `info` says; at D = 1024 it does not."""
     said = "compute their logits in the step's kernel"
     for d, expected in ((512, True), (1024, False)):

@@ -1,0 +1,332 @@
+"""The chunked tier's backward (`chunked` holds the forward and the blocks both share).
+
+Each block recomputes P from the saved lse (no row max or sum): dV += Pᵀ·dO, dP = dO·Vᵀ,
+dS = P·(dP − δ)·cap', dQ = dS·K, dK += dSᵀ·Q, with cap' the soft cap's derivative
+1 − tanh²(logits / c). Query blocks run in a loop that carries dK and dV; each query block
+runs its key blocks in order and sums their dQ.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import compat
+from pallas_kernels.blocked import (MAX_ROW_KEYS, GradBlock, LogitOperands, own_normalised,
+                                    softmax_grad, softmax_grad_of_operands)
+from pallas_kernels.chunked import (Block, Call, Operands, block_rows, call_record, gemm_operands,
+                                    in_row_order, keep_of, key_segments, low_precision, mm,
+                                    over_starts, rows_of, runtime_shift, scores_xla, ungrouped,
+                                    visible_of)
+from pallas_kernels.chunked_plan import STEP_KERNEL, ChunkConfig, groups, key_start
+from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
+
+
+def _softmax_grad_xla(call: Call, block: GradBlock, blk: Block, *, out_dtype, split: bool,
+                      own_delta: bool, normalise: bool = False):
+    """`softmax_grad` as XLA ops: (dropped P, (dS[, dS's low word]), dS float32), each
+    [B, Hq, rows, keys]; dS is the gradient of the logits before the soft cap."""
+    logits = block.logits
+    b, hq = logits.shape[:2]
+    lse, delta = block.lse[..., None], block.delta[..., None]
+    s = scores_xla(call, logits, blk)
+    ok = jnp.isfinite(lse)
+    visible = visible_of(call, blk)
+    if visible is not None:
+        ok = ok & visible
+    probs = jnp.where(ok, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)), 0.0)
+    if normalise:
+        probs = own_normalised(probs, axis=-1)
+    dp = block.dp.astype(jnp.float32)
+    dropped = probs
+    rate = call.problem.dropout_rate
+    if rate > 0.0:
+        keep = keep_of(call, blk, batch=b, heads_q=hq)
+        inv = 1.0 - rate
+        dropped = jnp.where(keep, probs / inv, 0.0)
+        dp = jnp.where(keep, dp / inv, 0.0)
+    if own_delta:
+        delta = jnp.sum(probs * dp, axis=-1, keepdims=True) + delta
+    ds = probs * (dp - delta)
+    if call.problem.softcap is not None:  # through c·tanh(x / c): times 1 - tanh²
+        t = s / jnp.asarray(call.problem.softcap, jnp.float32)
+        ds = ds * (1.0 - t * t)
+    hi = ds.astype(out_dtype)
+    parts = (hi, (ds - hi.astype(jnp.float32)).astype(out_dtype)) if split else (hi,)
+    return dropped.astype(out_dtype), parts, ds
+
+
+class _Rows(NamedTuple):
+    """The backward's row inputs: lse and the two forms of δ (rowsum(dO·O) - dlse, -dlse)."""
+
+    lse: Any
+    delta: Any
+    minus_dlse: Any
+
+
+class _RowBlock(NamedTuple):
+    """One query block's rows of the backward's operands, sliced once for all of its key
+    blocks (in the key blocks' loop XLA copied them again for every block): q and dO as
+    [B, Hkv, G·rows, D], and its `_Rows` [B, Hq, rows]."""
+
+    q: Any
+    do: Any
+    rows: _Rows
+
+
+def _row_block(ops: Operands, rows_in: _Rows, r0, rows: int) -> _RowBlock:
+    blk = Block(r0, rows, 0, 0)
+    return _RowBlock(block_rows(ops.qg, blk), block_rows(ops.dog, blk),
+                     _Rows(*(rows_of(x, 2, r0, rows) for x in rows_in)))
+
+
+class _KeyBlock(NamedTuple):
+    """A key block's k and v, [B, Hkv, keys, D]."""
+
+    k: Any
+    v: Any
+
+
+def _key_block(ops: Operands, c0, keys: int) -> _KeyBlock:
+    return _KeyBlock(rows_of(ops.kk, 2, c0, keys), rows_of(ops.vv, 2, c0, keys))
+
+
+# The widest head dim whose backward blocks compute their logits in the step's kernel
+# (faster than the library GEMM's logits at D = 512 on the H200, slower at 1024:
+# docs/history.md, session 44).
+LOGITS_IN_STEP_MAX_HEAD_DIM = 512
+
+
+def logits_in_step(problem: Problem, step: str) -> bool:
+    """Whether this problem's backward blocks that hold part of their rows' keys compute
+    their logits inside the step's kernel (`softmax_grad_of_operands`) rather than as a GEMM
+    whose float32 [R, K] result goes through memory: with the Pallas step, 16-bit operands
+    and head dims up to `LOGITS_IN_STEP_MAX_HEAD_DIM`. dP stays a library GEMM: computed in
+    the kernel too, both products ran slower there than the library's (docs/history.md,
+    session 44)."""
+    return (step == STEP_KERNEL and low_precision(problem.dtype)
+            and problem.head_dim <= LOGITS_IN_STEP_MAX_HEAD_DIM)
+
+
+def computes_logits_in_step(call: Call, *, own_delta: bool) -> bool:
+    """`logits_in_step` for one block: not where it forms its own δ (that needs its rows
+    whole in one program)."""
+    return logits_in_step(call.problem, call.config.step) and not own_delta
+
+
+def _runs_mosaic_step(call: Call, blk, *, own_delta: bool, split: bool,
+                      want_ds: bool) -> bool:
+    """Whether a block that computes its logits in the step runs the Mosaic GPU step
+    (`ChunkConfig.mosaic_step`): it must be whole tiles of it and want neither dS's low word
+    nor dS in float32 (a bias's gradient)."""
+    from pallas_kernels.mosaic import grad_step
+    return (call.config.mosaic_step and computes_logits_in_step(call, own_delta=own_delta)
+            and not grad_step.unsupported(blk.rows, blk.keys, call.problem.head_dim)
+            and not split and not want_ds)
+
+
+def _backward_block(call: Call, ops: Operands, row_block: _RowBlock, key_block: _KeyBlock,
+                    blk: Block, *, lse_cotangent: bool, want_ds: bool, float32_rows: bool):
+    """(dq [B, Hkv, G, rows, D], dk [B, Hkv, keys, D], dv [B, Hkv, keys, Dv], ds) of one
+    block, float32; ds [B, Hq, rows, keys] float32 only when `want_ds` (a bias's gradient).
+
+    A block that holds all of its rows' keys takes δ = Σ P·dP from its own P and dP (XLA's
+    softmax gradient) plus -dlse: then dS sums to dlse·P over a row as it must, and a row
+    with a single key gets dq = 0 exactly (with δ from O, dP's 16-bit rounding does not
+    cancel). With `float32_rows` (a float32 problem without sinks, whose rows' P sums to 1
+    over the keys) such a block also divides P by its own row sums
+    (`blocked.own_normalised`)."""
+    b, hkv, g, _, d = ops.qg.shape
+    seq_k = ops.kk.shape[2]
+    rows, keys = blk.rows, blk.keys
+    q_blk, do_blk = row_block.q, row_block.do
+    k_blk, v_blk = key_block
+    # (A block of a longer sequence holds only some of its rows' keys: never its own δ.)
+    own_delta = (isinstance(blk.c0, int) and blk.c0 == 0 and keys == seq_k
+                 and (not call.kernel_step or keys <= MAX_ROW_KEYS)
+                 and call.positions is None)
+    lse_blk = row_block.rows.lse
+    delta_blk = row_block.rows.minus_dlse if own_delta else row_block.rows.delta
+    low = low_precision(ops.qg.dtype)
+    in_dtype = ops.qg.dtype if low else jnp.float32
+    split = low and lse_cotangent
+    shape4 = (b, hkv * g, rows, keys)
+    normalise = own_delta and float32_rows
+    # dP in the input dtype, as XLA's own gradient rounds it (the cotangent of 16-bit P).
+    dp = mm("bkmd,bksd->bkms", do_blk, v_blk, in_dtype).reshape(shape4)
+    if _runs_mosaic_step(call, blk, own_delta=own_delta, split=split, want_ds=want_ds):
+        # (Imported here: the Mosaic package's forward imports this module.)
+        from pallas_kernels.mosaic import grad_step
+        dropped, ds = grad_step.block_step(call.problem, q_blk.reshape(b, hkv, g, rows, d),
+                                           k_blk, dp, lse_blk, delta_blk, blk.offsets())
+        parts, ds32 = (ds,), None
+    elif computes_logits_in_step(call, own_delta=own_delta):
+        outs = softmax_grad_of_operands(
+            call.problem, LogitOperands(ops.qg, ops.kk),
+            GradBlock(None, dp, lse_blk, delta_blk, blk.offsets()), call.inputs,
+            out_dtype=in_dtype, split=split, with_ds32=want_ds, interpret=call.interpret)
+        dropped, parts, ds32 = outs[0], outs[1:2 + split], outs[-1] if want_ds else None
+    else:
+        logits = mm("bkmd,bksd->bkms", q_blk, k_blk, jnp.float32).reshape(shape4)
+        block = GradBlock(logits, dp, lse_blk, delta_blk, blk.offsets())
+        if call.kernel_step:
+            outs = softmax_grad(call.problem, block, call.inputs, out_dtype=in_dtype,
+                                split=split, with_ds32=want_ds, own_delta=own_delta,
+                                normalise=normalise, interpret=call.interpret)
+            dropped, parts, ds32 = outs[0], outs[1:2 + split], outs[-1] if want_ds else None
+        else:
+            dropped, parts, ds32 = _softmax_grad_xla(call, block, blk, out_dtype=in_dtype,
+                                                     split=split, own_delta=own_delta,
+                                                     normalise=normalise)
+    as3 = lambda x: x.reshape(b, hkv, g * rows, keys)  # noqa: E731
+    scale = jnp.asarray(call.problem.scale, jnp.float32)
+    dv = mm("bkms,bkmd->bksd", as3(dropped), do_blk, jnp.float32)
+    dq = sum(mm("bkms,bksd->bkmd", as3(p), k_blk, jnp.float32) for p in parts) * scale
+    dk = sum(mm("bkms,bkmd->bksd", as3(p), q_blk, jnp.float32) for p in parts) * scale
+    return dq.reshape(b, hkv, g, rows, d), dk, dv, (ds32 if want_ds else None)
+
+
+def _dbias_block(ds, bias_shape):
+    """The block's ds [B, Hq, rows, keys] summed over the bias's broadcast dims."""
+    axes = tuple(i for i, n in enumerate(bias_shape) if n == 1 and ds.shape[i] != 1)
+    return jnp.sum(ds, axis=axes, keepdims=True) if axes else ds
+
+
+def _add_at(acc, part, starts):
+    """acc with `part` added at `starts` (each may be traced)."""
+    if part.shape == acc.shape:  # the whole array: a plain add, which XLA folds into a GEMM
+        return acc + part
+    # One index type for all starts (python ints are int64 under jax_enable_x64).
+    starts = tuple(jnp.asarray(x, jnp.int32) for x in starts)
+    current = jax.lax.dynamic_slice(acc, starts, part.shape)
+    return jax.lax.dynamic_update_slice(acc, current + part, starts)
+
+
+# The most key blocks whose dK and dV accumulate in arrays of their own. A block's
+# gradient then adds to its whole accumulator, which XLA folds into the GEMM that makes
+# it; added into a slice of one [B, Hkv, S, D] array, it costs a pass of its own that
+# reads and writes the slice. Their loop is unrolled, so the bound caps the program's size.
+MAX_KEY_ACCUMULATORS = 16
+
+
+def _key_grid(planned, block_k: int, seq_k: int) -> list[int] | None:
+    """The starts of the key blocks that accumulate dK and dV separately: multiples of
+    `block_k`, where every query block's key blocks start there (no band of keys moves
+    with the rows) and there are at most `MAX_KEY_ACCUMULATORS`; else None (one
+    accumulator, blocks added at traced offsets)."""
+    starts = list(range(0, seq_k, block_k))
+    if any(grp.band for grp in planned) or len(starts) > MAX_KEY_ACCUMULATORS:
+        return None
+    return starts
+
+
+def _accumulate(accs: tuple, part, c0, grid: list[int] | None) -> tuple:
+    """The accumulators `accs` (one per start of `grid`, or one for all keys) with a key
+    block's gradient `part` [B, Hkv, keys, D] added at key `c0` (static with a grid)."""
+    if grid is None:
+        return (_add_at(accs[0], part, (0, 0, c0, 0)),)
+    j = grid.index(c0)
+    return accs[:j] + (_add_at(accs[j], part, (0, 0, 0, 0)),) + accs[j + 1:]
+
+
+def backward(problem: Problem, config: ChunkConfig, inputs: Inputs, saved: Saved,
+             cotangents: Cotangents, *, interpret: bool = False, lse_cotangent: bool = False):
+    """(dq, dk, dv, dbias) in the inputs' dtypes (dbias in the bias's, None without one),
+    on the backward's blocks (`ChunkConfig.for_backward`). `lse_cotangent`: the caller
+    differentiates through lse (16-bit dS then enters its products as two words). lse
+    counts the sinks already: they only decide how a bias constant over the keys gets its
+    gradient."""
+    config = config.for_backward()
+    q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    lse, d_out = saved.lse, cotangents.d_out
+    # A row without keys has lse = -inf and no gradient path; drop its lse cotangent.
+    d_lse = jnp.where(lse == -jnp.inf, 0.0, cotangents.d_lse.astype(jnp.float32))
+    rows_in = _Rows(lse, jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), saved.out,
+                                    precision=jax.lax.Precision.HIGHEST) - d_lse, -d_lse)
+    ops = gemm_operands(inputs, d_out)
+    # A bias constant over the keys has a closed-form gradient (`row_constant_dbias`) unless
+    # the soft cap bends the logits, a sink does not move with them, or the keys are a
+    # block of a longer sequence (its share is its own keys' dS): then it takes dS's sum
+    # over the keys like any other bias.
+    full_bias = bias is not None and (bias.shape[-1] != 1 or problem.softcap is not None
+                                      or problem.sinks or problem.positions)
+    # Zero carries of the scans below vary over a shard_map's axes as q does (a carry keeps
+    # its type).
+    def fresh(shape):
+        return compat.vary_like(jnp.zeros(shape, jnp.float32), q)
+
+    call = call_record(problem, config, inputs, interpret)
+    planned = groups(call.problem, config.block_q)
+    seq_k = ops.kk.shape[2]
+    grid = _key_grid(planned, config.block_k, seq_k)
+    widths = [min(config.block_k, seq_k - c0) for c0 in grid] if grid else [seq_k]
+    accs = tuple(tuple(fresh(x.shape[:2] + (w,) + x.shape[3:]) for w in widths)
+                 for x in (ops.kk, ops.vv))
+    carry = (*accs, fresh(bias.shape) if full_bias else None)
+    # With a grid the key blocks are sliced once, not once per query block.
+    grid_blocks = {c0: _key_block(ops, c0, w) for c0, w in zip(grid, widths)} if grid else {}
+
+    def key_block(c0, keys: int) -> _KeyBlock:
+        if grid is None:
+            return _key_block(ops, c0, keys)
+        return _KeyBlock(*(rows_of(x, 2, 0, keys) for x in grid_blocks[c0]))
+
+    run = functools.partial(_backward_block, call, ops, lse_cotangent=lse_cotangent,
+                            want_ds=full_bias, float32_rows=problem.natural and not problem.sinks)
+    dqs = []
+    for grp in planned:
+        def rows_body(carry, r0, grp=grp):
+            dk, dv, dbias = carry
+            first = key_start(call.problem, grp, r0, runtime_shift(call))
+            row_block = _row_block(ops, rows_in, r0, grp.rows)
+
+            def block_body(inner, c0, keys: int):
+                dq, dk, dv, dbias = inner
+                c0 = first + c0
+                dq_b, dk_b, dv_b, ds = run(row_block, key_block(c0, keys),
+                                           Block(r0, grp.rows, c0, keys))
+                dk, dv = _accumulate(dk, dk_b, c0, grid), _accumulate(dv, dv_b, c0, grid)
+                if full_bias:
+                    starts = (0, 0, r0 if bias.shape[2] != 1 else 0,
+                              c0 if bias.shape[3] != 1 else 0)
+                    dbias = _add_at(dbias, _dbias_block(ds, bias.shape), starts)
+                return dq + dq_b, dk, dv, dbias
+
+            inner = (fresh((b, hkv, hq // hkv, grp.rows, d)), dk, dv, dbias)
+            for keys, starts in key_segments(grp.keys, config.block_k):
+                if grid is None:  # a loop over traced starts
+                    inner, _ = over_starts(
+                        starts, lambda inner, c0, keys=keys: (block_body(inner, c0, keys), None),
+                        inner)
+                else:
+                    for c0 in starts:
+                        inner = block_body(inner, c0, keys)
+            dq, dk, dv, dbias = inner
+            return (dk, dv, dbias), dq.astype(q.dtype)  # final: its key blocks are summed
+        carry, dq_rows = over_starts(grp.starts, rows_body, carry)
+        dqs.append(dq_rows)
+    dk, dv, dbias = (jnp.concatenate(x, axis=2) if isinstance(x, tuple) else x for x in carry)
+    dq = (ungrouped(in_row_order(dqs, planned, seq_q=t, axis=3, fill=0.0)) if planned
+          else jnp.zeros(q.shape, q.dtype))
+    if bias is None:
+        db = None
+    elif full_bias:
+        db = dbias.astype(bias.dtype)
+    else:
+        db = row_constant_dbias(d_lse, bias)
+    return (dq.astype(q.dtype), dk.transpose(0, 2, 1, 3).astype(k.dtype),
+            dv.transpose(0, 2, 1, 3).astype(v.dtype), db)
+
+
+def row_constant_dbias(d_lse, bias):
+    """dbias of a bias broadcast over the keys (last dim 1), in closed form: adding c to
+    every logit of a row leaves P unchanged and adds c to lse, so dbias is d_lse summed over
+    the bias's broadcast dims (rows without keys already carry d_lse = 0)."""
+    per_row = d_lse[..., None]  # [B, Hq, T, 1]
+    axes = tuple(i for i in range(3) if bias.shape[i] == 1 and per_row.shape[i] != 1)
+    return jnp.sum(per_row, axis=axes, keepdims=True).astype(bias.dtype)
