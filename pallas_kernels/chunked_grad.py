@@ -268,13 +268,19 @@ def backward(problem: Problem, config: ChunkConfig, inputs: Inputs, saved: Saved
     accs = tuple(tuple(fresh(x.shape[:2] + (w,) + x.shape[3:]) for w in widths)
                  for x in (ops.kk, ops.vv))
     carry = (*accs, fresh(bias.shape) if full_bias else None)
-    # With a grid the key blocks are sliced once, not once per query block.
-    grid_blocks = {c0: _key_block(ops, c0, w) for c0, w in zip(grid, widths)} if grid else {}
+    # With a grid the key blocks are sliced once from k and v, not once per query block
+    # (then no whole transposed copy of k and v is made), unless the Triton step reads its
+    # logits' operands whole: they are in memory anyway, and slicing in the loop holds one
+    # block at a time.
+    whole = logits_in_step(call.problem, config.step) and not (
+        config.mosaic_step and not lse_cotangent and not full_bias)
+    once = {c0: _KeyBlock(*(x[:, c0:c0 + w].transpose(0, 2, 1, 3) for x in (k, v)))
+            for c0, w in zip(grid, widths)} if grid and not whole else {}
 
     def key_block(c0, keys: int) -> _KeyBlock:
-        if grid is None:
-            return _key_block(ops, c0, keys)
-        return _KeyBlock(*(rows_of(x, 2, 0, keys) for x in grid_blocks[c0]))
+        if isinstance(c0, int) and c0 in once:
+            return _KeyBlock(*(rows_of(x, 2, 0, keys) for x in once[c0]))
+        return _key_block(ops, c0, keys)
 
     run = functools.partial(_backward_block, call, ops, lse_cotangent=lse_cotangent,
                             want_ds=full_bias, float32_rows=problem.natural and not problem.sinks)
