@@ -207,18 +207,22 @@ def _add_at(acc, part, starts):
 
 # The most key blocks whose dK and dV accumulate in arrays of their own. A block's
 # gradient then adds to its whole accumulator, which XLA folds into the GEMM that makes
-# it; added into a slice of one [B, Hkv, S, D] array, it costs a pass of its own that
-# reads and writes the slice. Their loop is unrolled, so the bound caps the program's size.
+# it on the GPU; added into a slice of one [B, Hkv, S, D] array, it costs a pass of its
+# own that reads and writes the slice. Their loop is unrolled, so the bound caps the
+# program's size.
 MAX_KEY_ACCUMULATORS = 16
 
 
-def _key_grid(planned, block_k: int, seq_k: int) -> list[int] | None:
+def _key_grid(config: ChunkConfig, planned, seq_k: int) -> list[int] | None:
     """The starts of the key blocks that accumulate dK and dV separately: multiples of
-    `block_k`, where every query block's key blocks start there (no band of keys moves
-    with the rows) and there are at most `MAX_KEY_ACCUMULATORS`; else None (one
-    accumulator, blocks added at traced offsets)."""
-    starts = list(range(0, seq_k, block_k))
-    if any(grp.band for grp in planned) or len(starts) > MAX_KEY_ACCUMULATORS:
+    the key block, where every query block's key blocks start there (no band of keys
+    moves with the rows), there are at most `MAX_KEY_ACCUMULATORS` and the step is the
+    Pallas kernels' (where it is XLA fusions, XLA's CPU compiler schedules the unrolled
+    blocks side by side, in twice the workspace); else None (one accumulator, blocks
+    added at traced offsets)."""
+    starts = list(range(0, seq_k, config.block_k))
+    if (config.step != STEP_KERNEL or any(grp.band for grp in planned)
+            or len(starts) > MAX_KEY_ACCUMULATORS):
         return None
     return starts
 
@@ -263,7 +267,7 @@ def backward(problem: Problem, config: ChunkConfig, inputs: Inputs, saved: Saved
     call = call_record(problem, config, inputs, interpret)
     planned = groups(call.problem, config.block_q)
     seq_k = ops.kk.shape[2]
-    grid = _key_grid(planned, config.block_k, seq_k)
+    grid = _key_grid(config, planned, seq_k)
     widths = [min(config.block_k, seq_k - c0) for c0 in grid] if grid else [seq_k]
     accs = tuple(tuple(fresh(x.shape[:2] + (w,) + x.shape[3:]) for w in widths)
                  for x in (ops.kk, ops.vv))

@@ -525,12 +525,12 @@ def test_pallas_step_end_to_end(monkeypatch):
 
 
 def _chunked_grads(args, d_out, **kw):
-    """dq, dk, dv of the chunked tier (XLA step) and the backward's jaxpr, traced afresh
-    (the tier's constants are read at trace time)."""
+    """dq, dk, dv of the chunked tier (the Pallas step, interpreted) and the backward's
+    jaxpr, traced afresh (the tier's constants are read at trace time)."""
     jax.clear_caches()
 
     def loss(q, k, v):
-        out = ffpa_jax.attention(q, k, v, implementation="chunked", **kw)
+        out = ffpa_jax.attention(q, k, v, implementation="chunked", interpret=True, **kw)
         return jnp.sum(out * d_out)
     grad = jax.grad(loss, argnums=(0, 1, 2))
     return grad(*args), str(jax.make_jaxpr(grad)(*args))
@@ -540,7 +540,8 @@ def _chunked_grads(args, d_out, **kw):
 def test_key_accumulators_equal_one_array_at_traced_offsets(causal, window, monkeypatch):
     """dK and dV accumulated per key block (static starts, no dynamic_update_slice) equal
     the single array added at traced offsets, bit for bit, in several row and key blocks;
-    a window's band moves with the rows, so it keeps the traced offsets."""
+    a window's band moves with the rows, so it keeps the traced offsets. (The XLA step
+    keeps them too: `test_workspace_stays_under_the_budget_at_16k`.)"""
     monkeypatch.setenv(chunked_plan.BUDGET_ENV, "0.05")
     ks = jax.random.split(jax.random.key(7), 4)
     args = [jax.random.normal(k_, shape, jnp.float32) for k_, shape in
