@@ -246,4 +246,10 @@ def block_step(problem, q5, k4, dp, lse, delta, offsets):
     and k4 [B, Hkv, K, D] the block's rows and keys."""
     walk = Walk(T=problem.seq_q, S=problem.seq_k, causal=problem.causal, block_kv=TILE_KEYS,
                 window=problem.window, softcap=problem.softcap, scale=problem.scale)
-    return logits_grad_step(q5, k4, dp, log2_lse(lse), delta, offsets, walk)
+    return _shared_step(q5, k4, dp, log2_lse(lse), delta, offsets, walk=walk)
+
+
+# Jitted once: the blocks of one call with the same shapes (unrolled where the chunked
+# backward keeps dK and dV per key block) then share one traced and lowered kernel, not
+# one per block.
+_shared_step = jax.jit(logits_grad_step, static_argnames=("walk", "stages"))
