@@ -8,6 +8,7 @@ runs its key blocks in order and sums their dQ.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -213,27 +214,53 @@ def _add_at(acc, part, starts):
 MAX_KEY_ACCUMULATORS = 16
 
 
-def _key_grid(config: ChunkConfig, planned, seq_k: int) -> list[int] | None:
-    """The starts of the key blocks that accumulate dK and dV separately: multiples of
-    the key block, where every query block's key blocks start there (no band of keys
-    moves with the rows), there are at most `MAX_KEY_ACCUMULATORS` and the step is the
-    Pallas kernels' (where it is XLA fusions, XLA's CPU compiler schedules the unrolled
-    blocks side by side, in twice the workspace); else None (one accumulator, blocks
-    added at traced offsets)."""
-    starts = list(range(0, seq_k, config.block_k))
-    if (config.step != STEP_KERNEL or any(grp.band for grp in planned)
-            or len(starts) > MAX_KEY_ACCUMULATORS):
-        return None
-    return starts
+@dataclasses.dataclass(frozen=True)
+class _KeyBlocks:
+    """How the backward holds its key blocks. With a `grid` (the blocks' starts, static
+    multiples of the key block) dK and dV accumulate per key block, the key blocks' loop
+    is unrolled and `once` holds each block's k and v, sliced once for the call; without
+    one, a single accumulator per gradient takes each block at its traced offset."""
+
+    grid: tuple[int, ...] | None
+    widths: tuple[int, ...]  # each accumulator's keys
+    once: dict
+
+    def zeros(self, fresh, like) -> tuple:
+        """Zero accumulators for a gradient shaped like `like` [B, Hkv, S, D]."""
+        return tuple(fresh(like.shape[:2] + (w,) + like.shape[3:]) for w in self.widths)
+
+    def key_block(self, ops: Operands, c0, keys: int) -> _KeyBlock:
+        if isinstance(c0, int) and c0 in self.once:
+            return _KeyBlock(*(rows_of(x, 2, 0, keys) for x in self.once[c0]))
+        return _key_block(ops, c0, keys)
+
+    def add(self, accs: tuple, part, c0) -> tuple:
+        """`accs` with a key block's gradient `part` [B, Hkv, keys, D] added at key `c0`."""
+        if self.grid is None:
+            return (_add_at(accs[0], part, (0, 0, c0, 0)),)
+        j = self.grid.index(c0)
+        return accs[:j] + (_add_at(accs[j], part, (0, 0, 0, 0)),) + accs[j + 1:]
 
 
-def _accumulate(accs: tuple, part, c0, grid: list[int] | None) -> tuple:
-    """The accumulators `accs` (one per start of `grid`, or one for all keys) with a key
-    block's gradient `part` [B, Hkv, keys, D] added at key `c0` (static with a grid)."""
-    if grid is None:
-        return (_add_at(accs[0], part, (0, 0, c0, 0)),)
-    j = grid.index(c0)
-    return accs[:j] + (_add_at(accs[j], part, (0, 0, 0, 0)),) + accs[j + 1:]
+def _key_blocks(call: Call, planned, inputs: Inputs, seq_k: int, *,
+                operands_whole: bool) -> _KeyBlocks:
+    """The key blocks' record: a grid where every query block's key blocks start at
+    static multiples of the key block (no band of keys moves with the rows), there are at
+    most `MAX_KEY_ACCUMULATORS` and the step is the Pallas kernels' (where it is XLA
+    fusions, XLA's CPU compiler schedules the unrolled blocks side by side, in twice the
+    workspace). The key blocks are sliced once from k and v (no whole transposed copy of
+    them is made) unless the step reads its logits' operands whole (`operands_whole`):
+    those are in memory anyway, and slicing in the loop holds one block at a time."""
+    size = call.config.block_k
+    grid = tuple(range(0, seq_k, size))
+    if (call.config.step != STEP_KERNEL or any(grp.band for grp in planned)
+            or len(grid) > MAX_KEY_ACCUMULATORS):
+        return _KeyBlocks(grid=None, widths=(seq_k,), once={})
+    widths = tuple(min(size, seq_k - c0) for c0 in grid)
+    once = {} if operands_whole else {
+        c0: _KeyBlock(*(x[:, c0:c0 + w].transpose(0, 2, 1, 3) for x in (inputs.k, inputs.v)))
+        for c0, w in zip(grid, widths)}
+    return _KeyBlocks(grid=grid, widths=widths, once=once)
 
 
 def backward(problem: Problem, config: ChunkConfig, inputs: Inputs, saved: Saved,
@@ -266,26 +293,12 @@ def backward(problem: Problem, config: ChunkConfig, inputs: Inputs, saved: Saved
 
     call = call_record(problem, config, inputs, interpret)
     planned = groups(call.problem, config.block_q)
-    seq_k = ops.kk.shape[2]
-    grid = _key_grid(config, planned, seq_k)
-    widths = [min(config.block_k, seq_k - c0) for c0 in grid] if grid else [seq_k]
-    accs = tuple(tuple(fresh(x.shape[:2] + (w,) + x.shape[3:]) for w in widths)
-                 for x in (ops.kk, ops.vv))
-    carry = (*accs, fresh(bias.shape) if full_bias else None)
-    # With a grid the key blocks are sliced once from k and v, not once per query block
-    # (then no whole transposed copy of k and v is made), unless the Triton step reads its
-    # logits' operands whole: they are in memory anyway, and slicing in the loop holds one
-    # block at a time.
-    whole = logits_in_step(call.problem, config.step) and not (
+    # The Triton step reads its logits' operands whole; the Mosaic one takes the blocks.
+    operands_whole = logits_in_step(call.problem, config.step) and not (
         config.mosaic_step and not lse_cotangent and not full_bias)
-    once = {c0: _KeyBlock(*(x[:, c0:c0 + w].transpose(0, 2, 1, 3) for x in (k, v)))
-            for c0, w in zip(grid, widths)} if grid and not whole else {}
-
-    def key_block(c0, keys: int) -> _KeyBlock:
-        if isinstance(c0, int) and c0 in once:
-            return _KeyBlock(*(rows_of(x, 2, 0, keys) for x in once[c0]))
-        return _key_block(ops, c0, keys)
-
+    kb = _key_blocks(call, planned, inputs, ops.kk.shape[2], operands_whole=operands_whole)
+    carry = (kb.zeros(fresh, ops.kk), kb.zeros(fresh, ops.vv),
+             fresh(bias.shape) if full_bias else None)
     run = functools.partial(_backward_block, call, ops, lse_cotangent=lse_cotangent,
                             want_ds=full_bias, float32_rows=problem.natural and not problem.sinks)
     dqs = []
@@ -298,9 +311,9 @@ def backward(problem: Problem, config: ChunkConfig, inputs: Inputs, saved: Saved
             def block_body(inner, c0, keys: int):
                 dq, dk, dv, dbias = inner
                 c0 = first + c0
-                dq_b, dk_b, dv_b, ds = run(row_block, key_block(c0, keys),
+                dq_b, dk_b, dv_b, ds = run(row_block, kb.key_block(ops, c0, keys),
                                            Block(r0, grp.rows, c0, keys))
-                dk, dv = _accumulate(dk, dk_b, c0, grid), _accumulate(dv, dv_b, c0, grid)
+                dk, dv = kb.add(dk, dk_b, c0), kb.add(dv, dv_b, c0)
                 if full_bias:
                     starts = (0, 0, r0 if bias.shape[2] != 1 else 0,
                               c0 if bias.shape[3] != 1 else 0)
@@ -309,7 +322,7 @@ def backward(problem: Problem, config: ChunkConfig, inputs: Inputs, saved: Saved
 
             inner = (fresh((b, hkv, hq // hkv, grp.rows, d)), dk, dv, dbias)
             for keys, starts in key_segments(grp.keys, config.block_k):
-                if grid is None:  # a loop over traced starts
+                if kb.grid is None:  # a loop over traced starts
                     inner, _ = over_starts(
                         starts, lambda inner, c0, keys=keys: (block_body(inner, c0, keys), None),
                         inner)
@@ -320,7 +333,7 @@ def backward(problem: Problem, config: ChunkConfig, inputs: Inputs, saved: Saved
             return (dk, dv, dbias), dq.astype(q.dtype)  # final: its key blocks are summed
         carry, dq_rows = over_starts(grp.starts, rows_body, carry)
         dqs.append(dq_rows)
-    dk, dv, dbias = (jnp.concatenate(x, axis=2) if isinstance(x, tuple) else x for x in carry)
+    (dk, dv), dbias = (jnp.concatenate(x, axis=2) for x in carry[:2]), carry[2]
     dq = (ungrouped(in_row_order(dqs, planned, seq_q=t, axis=3, fill=0.0)) if planned
           else jnp.zeros(q.shape, q.dtype))
     if bias is None:
