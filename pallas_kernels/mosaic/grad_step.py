@@ -252,4 +252,5 @@ def block_step(problem, q5, k4, dp, lse, delta, offsets):
 # Jitted once: the blocks of one call with the same shapes (unrolled where the chunked
 # backward keeps dK and dV per key block) then share one traced and lowered kernel, not
 # one per block.
-_shared_step = jax.jit(logits_grad_step, static_argnames=("walk", "stages"))
+_shared_step = jax.jit(logits_grad_step,
+                       static_argnames=("walk", "stages", "registers", "ctas"))
