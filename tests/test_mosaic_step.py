@@ -58,6 +58,15 @@ def test_backward_blocks_take_the_mosaic_step_where_it_serves_them(d, kw, mosaic
         assert "softmax_grad_of_operands" in text
 
 
+def test_a_calls_blocks_share_one_lowered_step(monkeypatch):
+    """The blocks of one call (unrolled where dK and dV accumulate per key block) call one
+    lowered Mosaic step, not a kernel each: lowering each again cost compile time."""
+    import re
+    text = _lowered_grads(4096, 512, monkeypatch)
+    calls = re.findall(r"call @logits_grad_step\b", text)
+    assert len(calls) > 1 and text.count(f"custom_call @{MOSAIC_CALL}") == 1, len(calls)
+
+
 def test_the_mosaic_step_names_what_it_does_not_serve():
     q = sd((1, 256, 4, 96), jnp.bfloat16)
     plain = Problem.of(q, q, q, causal=True, window=(10, 0), softcap=5.0)
