@@ -132,8 +132,7 @@ def _runs_mosaic_step(call: Call, blk, *, own_delta: bool, split: bool,
 def _backward_block(call: Call, ops: Operands, row_block: _RowBlock, key_block: _KeyBlock,
                     blk: Block, *, lse_cotangent: bool, want_ds: bool, float32_rows: bool):
     """(dq [B, Hkv, G, rows, D], dk [B, Hkv, keys, D], dv [B, Hkv, keys, Dv], ds) of one
-    block, float32, dq and dk before the softmax scale (the backward applies it once to
-    their sums); ds [B, Hq, rows, keys] float32 only when `want_ds` (a bias's gradient).
+    block, float32; ds [B, Hq, rows, keys] float32 only when `want_ds` (a bias's gradient).
 
     A block that holds all of its rows' keys takes δ = Σ P·dP from its own P and dP (XLA's
     softmax gradient) plus -dlse: then dS sums to dlse·P over a row as it must, and a row
@@ -184,9 +183,10 @@ def _backward_block(call: Call, ops: Operands, row_block: _RowBlock, key_block: 
                                                      split=split, own_delta=own_delta,
                                                      normalise=normalise)
     as3 = lambda x: x.reshape(b, hkv, g * rows, keys)  # noqa: E731
+    scale = jnp.asarray(call.problem.scale, jnp.float32)
     dv = mm("bkms,bkmd->bksd", as3(dropped), do_blk, jnp.float32)
-    dq = sum(mm("bkms,bksd->bkmd", as3(p), k_blk, jnp.float32) for p in parts)
-    dk = sum(mm("bkms,bkmd->bksd", as3(p), q_blk, jnp.float32) for p in parts)
+    dq = sum(mm("bkms,bksd->bkmd", as3(p), k_blk, jnp.float32) for p in parts) * scale
+    dk = sum(mm("bkms,bkmd->bksd", as3(p), q_blk, jnp.float32) for p in parts) * scale
     return dq.reshape(b, hkv, g, rows, d), dk, dv, (ds32 if want_ds else None)
 
 
@@ -196,19 +196,10 @@ def _dbias_block(ds, bias_shape):
     return jnp.sum(ds, axis=axes, keepdims=True) if axes else ds
 
 
-def _sum(part, acc):
-    """part + acc, where `part` is a GEMM's output: XLA's GEMM rewriter takes the add's
-    first operand as the GEMM and does not try the other order, and a factor between the
-    GEMM and the add (the softmax scale, one broadcast shared by every block) stops it:
-    then each block's GEMM adds its accumulator in (beta = 1) instead of a fusion summing
-    the blocks' outputs afterwards."""
-    return part + acc
-
-
 def _add_at(acc, part, starts):
     """acc with `part` added at `starts` (each may be traced)."""
     if part.shape == acc.shape:  # the whole array: a plain add, which XLA folds into a GEMM
-        return _sum(part, acc)
+        return acc + part
     # One index type for all starts (python ints are int64 under jax_enable_x64).
     starts = tuple(jnp.asarray(x, jnp.int32) for x in starts)
     current = jax.lax.dynamic_slice(acc, starts, part.shape)
@@ -302,7 +293,6 @@ def backward(problem: Problem, config: ChunkConfig, inputs: Inputs, saved: Saved
 
     call = call_record(problem, config, inputs, interpret)
     planned = groups(call.problem, config.block_q)
-    scale = jnp.asarray(call.problem.scale, jnp.float32)
     # The Triton step reads its logits' operands whole; the Mosaic one takes the blocks.
     operands_whole = logits_in_step(call.problem, config.step) and not (
         config.mosaic_step and not lse_cotangent and not full_bias)
@@ -328,7 +318,7 @@ def backward(problem: Problem, config: ChunkConfig, inputs: Inputs, saved: Saved
                     starts = (0, 0, r0 if bias.shape[2] != 1 else 0,
                               c0 if bias.shape[3] != 1 else 0)
                     dbias = _add_at(dbias, _dbias_block(ds, bias.shape), starts)
-                return _sum(dq_b, dq), dk, dv, dbias
+                return dq + dq_b, dk, dv, dbias
 
             inner = (fresh((b, hkv, hq // hkv, grp.rows, d)), dk, dv, dbias)
             for keys, starts in key_segments(grp.keys, config.block_k):
@@ -340,8 +330,7 @@ def backward(problem: Problem, config: ChunkConfig, inputs: Inputs, saved: Saved
                     for c0 in starts:
                         inner = block_body(inner, c0, keys)
             dq, dk, dv, dbias = inner
-            # final: its key blocks are summed
-            return (dk, dv, dbias), (dq * scale).astype(q.dtype)
+            return (dk, dv, dbias), dq.astype(q.dtype)  # final: its key blocks are summed
         carry, dq_rows = over_starts(grp.starts, rows_body, carry)
         dqs.append(dq_rows)
     (dk, dv), dbias = (jnp.concatenate(x, axis=2) for x in carry[:2]), carry[2]
@@ -353,7 +342,7 @@ def backward(problem: Problem, config: ChunkConfig, inputs: Inputs, saved: Saved
         db = dbias.astype(bias.dtype)
     else:
         db = row_constant_dbias(d_lse, bias)
-    return (dq.astype(q.dtype), (dk * scale).transpose(0, 2, 1, 3).astype(k.dtype),
+    return (dq.astype(q.dtype), dk.transpose(0, 2, 1, 3).astype(k.dtype),
             dv.transpose(0, 2, 1, 3).astype(v.dtype), db)
 
 
