@@ -206,12 +206,13 @@ def _add_at(acc, part, starts):
     return jax.lax.dynamic_update_slice(acc, current + part, starts)
 
 
-# The most key blocks whose dK and dV accumulate in arrays of their own. A block's
-# gradient then adds to its whole accumulator, which XLA folds into the GEMM that makes
-# it on the GPU; added into a slice of one [B, Hkv, S, D] array, it costs a pass of its
-# own that reads and writes the slice. Their loop is unrolled, so the bound caps the
-# program's size.
-MAX_KEY_ACCUMULATORS = 16
+# dK and dV accumulate per key block where a call's unrolled blocks (its query groups'
+# key blocks, summed) are at most this many. A block's gradient then adds to its whole
+# accumulator, which XLA folds into the GEMM that makes it on the GPU; added into a slice
+# of one [B, Hkv, S, D] array, it costs a pass of its own that reads and writes the slice.
+# The key blocks' loop is unrolled, so the bound caps the program's size and compile
+# time: measured up to 20 blocks (D = 512, N = 16384, causal); larger calls keep the loop.
+MAX_UNROLLED_BLOCKS = 24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,16 +246,18 @@ class _KeyBlocks:
 def _key_blocks(call: Call, planned, inputs: Inputs, seq_k: int, *,
                 operands_whole: bool) -> _KeyBlocks:
     """The key blocks' record: a grid where every query block's key blocks start at
-    static multiples of the key block (no band of keys moves with the rows), there are at
-    most `MAX_KEY_ACCUMULATORS` and the step is the Pallas kernels' (where it is XLA
-    fusions, XLA's CPU compiler schedules the unrolled blocks side by side, in twice the
-    workspace). The key blocks are sliced once from k and v (no whole transposed copy of
-    them is made) unless the step reads its logits' operands whole (`operands_whole`):
-    those are in memory anyway, and slicing in the loop holds one block at a time."""
+    static multiples of the key block (no band of keys moves with the rows), the unrolled
+    blocks are at most `MAX_UNROLLED_BLOCKS` and the step is the Pallas kernels' (where
+    it is XLA fusions, XLA's CPU compiler schedules the unrolled blocks side by side, in
+    twice the workspace). The key blocks are sliced once from k and v (no whole
+    transposed copy of them is made) unless the step reads its logits' operands whole
+    (`operands_whole`): those are in memory anyway, and slicing in the loop holds one
+    block at a time."""
     size = call.config.block_k
     grid = tuple(range(0, seq_k, size))
+    unrolled = sum(-(-grp.keys // size) for grp in planned)
     if (call.config.step != STEP_KERNEL or any(grp.band for grp in planned)
-            or len(grid) > MAX_KEY_ACCUMULATORS):
+            or unrolled > MAX_UNROLLED_BLOCKS):
         return _KeyBlocks(grid=None, widths=(seq_k,), once={})
     widths = tuple(min(size, seq_k - c0) for c0 in grid)
     once = {} if operands_whole else {

@@ -550,7 +550,7 @@ def test_key_accumulators_equal_one_array_at_traced_offsets(causal, window, monk
     d_out = jax.random.normal(ks[3], (1, 203, 4, 16), jnp.float32)
     kw = dict(is_causal=causal, local_window_size=window)
     grads, jaxpr = _chunked_grads(args, d_out, **kw)
-    monkeypatch.setattr(chunked_grad, "MAX_KEY_ACCUMULATORS", 0)
+    monkeypatch.setattr(chunked_grad, "MAX_UNROLLED_BLOCKS", 0)
     traced, traced_jaxpr = _chunked_grads(args, d_out, **kw)
     # Causal groups end their keys inside a block: that tail still adds into a slice.
     updates, traced_updates = (x.count("dynamic_update_slice") for x in (jaxpr, traced_jaxpr))
