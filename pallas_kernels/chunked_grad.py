@@ -118,15 +118,20 @@ def computes_logits_in_step(call: Call, *, own_delta: bool) -> bool:
     return logits_in_step(call.problem, call.config.step) and not own_delta
 
 
+def _mosaic_step_serves(call: Call, *, split: bool, want_ds: bool) -> bool:
+    """Whether the call's blocks may run the Mosaic GPU step (`ChunkConfig.mosaic_step`),
+    which wants neither dS's low word (`split`) nor dS in float32 (a bias's gradient)."""
+    return call.config.mosaic_step and not split and not want_ds
+
+
 def _runs_mosaic_step(call: Call, blk, *, own_delta: bool, split: bool,
                       want_ds: bool) -> bool:
-    """Whether a block that computes its logits in the step runs the Mosaic GPU step
-    (`ChunkConfig.mosaic_step`): it must be whole tiles of it and want neither dS's low word
-    nor dS in float32 (a bias's gradient)."""
+    """Whether a block that computes its logits in the step runs the Mosaic GPU step: the
+    call's blocks may (`_mosaic_step_serves`) and this one is whole tiles of it."""
     from pallas_kernels.mosaic import grad_step
-    return (call.config.mosaic_step and computes_logits_in_step(call, own_delta=own_delta)
-            and not grad_step.unsupported(blk.rows, blk.keys, call.problem.head_dim)
-            and not split and not want_ds)
+    return (_mosaic_step_serves(call, split=split, want_ds=want_ds)
+            and computes_logits_in_step(call, own_delta=own_delta)
+            and not grad_step.unsupported(blk.rows, blk.keys, call.problem.head_dim))
 
 
 def _backward_block(call: Call, ops: Operands, row_block: _RowBlock, key_block: _KeyBlock,
@@ -297,8 +302,9 @@ def backward(problem: Problem, config: ChunkConfig, inputs: Inputs, saved: Saved
     call = call_record(problem, config, inputs, interpret)
     planned = groups(call.problem, config.block_q)
     # The Triton step reads its logits' operands whole; the Mosaic one takes the blocks.
-    operands_whole = logits_in_step(call.problem, config.step) and not (
-        config.mosaic_step and not lse_cotangent and not full_bias)
+    split = low_precision(q.dtype) and lse_cotangent
+    operands_whole = logits_in_step(call.problem, config.step) and not _mosaic_step_serves(
+        call, split=split, want_ds=full_bias)
     kb = _key_blocks(call, planned, inputs, ops.kk.shape[2], operands_whole=operands_whole)
     carry = (kb.zeros(fresh, ops.kk), kb.zeros(fresh, ops.vv),
              fresh(bias.shape) if full_bias else None)

@@ -240,6 +240,13 @@ def unserved(problem) -> tuple[str, ...]:
         if lacks)
 
 
+# Jitted once: the blocks of one call with the same shapes (unrolled where the chunked
+# backward keeps dK and dV per key block) then share one traced and lowered kernel, not
+# one per block.
+_shared_step = jax.jit(logits_grad_step,
+                       static_argnames=("walk", "stages", "registers", "ctas"))
+
+
 def block_step(problem, q5, k4, dp, lse, delta, offsets):
     """`logits_grad_step` of one block of the chunked backward of `problem` (which it serves:
     `unserved`): lse [B, Hq, R] natural, as the chunked tier keeps it; q5 [B, Hkv, G, R, D]
@@ -247,10 +254,3 @@ def block_step(problem, q5, k4, dp, lse, delta, offsets):
     walk = Walk(T=problem.seq_q, S=problem.seq_k, causal=problem.causal, block_kv=TILE_KEYS,
                 window=problem.window, softcap=problem.softcap, scale=problem.scale)
     return _shared_step(q5, k4, dp, log2_lse(lse), delta, offsets, walk=walk)
-
-
-# Jitted once: the blocks of one call with the same shapes (unrolled where the chunked
-# backward keeps dK and dV per key block) then share one traced and lowered kernel, not
-# one per block.
-_shared_step = jax.jit(logits_grad_step,
-                       static_argnames=("walk", "stages", "registers", "ctas"))
