@@ -22,7 +22,8 @@ from pallas_kernels.chunked import (Block, Call, Operands, block_rows, call_reco
                                     in_row_order, keep_of, key_segments, low_precision, mm,
                                     over_starts, rows_of, runtime_shift, scores_xla, ungrouped,
                                     visible_of)
-from pallas_kernels.chunked_plan import STEP_KERNEL, ChunkConfig, groups, key_start
+from pallas_kernels.chunked_plan import (STEP_KERNEL, ChunkConfig, budget_from_env, groups,
+                                         key_start)
 from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
 
 
@@ -212,9 +213,10 @@ def _add_at(acc, part, starts):
 
 
 # dK and dV accumulate per key block where a call's unrolled blocks (its query groups'
-# key blocks, summed) are at most this many. A block's gradient then adds to its whole
-# accumulator, which XLA folds into the GEMM that makes it on the GPU; added into a slice
-# of one [B, Hkv, S, D] array, it costs a pass of its own that reads and writes the slice.
+# key blocks, summed) are at most this many and their float32 parts fit the budget
+# (`_unrolled_part_bytes`). A block's gradient then adds to its whole accumulator, which
+# XLA folds into the GEMM that makes it on the GPU; added into a slice of one
+# [B, Hkv, S, D] array, it costs a pass of its own that reads and writes the slice.
 # The key blocks' loop is unrolled, so the bound caps the program's size and compile
 # time: measured up to 20 blocks (D = 512, N = 16384, causal); larger calls keep the loop.
 MAX_UNROLLED_BLOCKS = 24
@@ -248,11 +250,32 @@ class _KeyBlocks:
         return accs[:j] + (_add_at(accs[j], part, (0, 0, 0, 0)),) + accs[j + 1:]
 
 
+def _unrolled_part_bytes(problem: Problem, planned, block_k: int) -> int:
+    """The float32 gradient parts of unrolled key blocks that XLA may hold at once: the
+    unrolled blocks' dQ parts are summed by one fusion after the last (XLA's GEMM fusion
+    does not take an add of two GEMMs' outputs into either GEMM; only an accumulator that
+    a loop carries), and outside a loop so are dK's and dV's. A group that loops over its
+    query blocks holds one query block's dQ parts; the groups of a single query block run
+    outside any loop, side by side, and hold every block's dQ, dK and dV parts (D = 512,
+    N = 16384, causal, 20 such blocks: a peak of 17.0 GB, against 9.5 with the loop)."""
+    dq = problem.batch * problem.heads_q * problem.head_dim * 4  # a dQ part's bytes a row
+    dkv = problem.batch * problem.heads_kv * (problem.head_dim + problem.head_dim_v) * 4
+    looped, loose = 0, 0
+    for grp in planned:
+        blocks = -(-grp.keys // block_k)
+        if grp.count > 1:
+            looped = max(looped, blocks * dq * grp.rows)
+        else:
+            loose += blocks * (dq * grp.rows + dkv * block_k)
+    return looped + loose
+
+
 def _key_blocks(call: Call, planned, inputs: Inputs, seq_k: int, *,
                 operands_whole: bool) -> _KeyBlocks:
     """The key blocks' record: a grid where every query block's key blocks start at
     static multiples of the key block (no band of keys moves with the rows), the unrolled
-    blocks are at most `MAX_UNROLLED_BLOCKS` and the step is the Pallas kernels' (where
+    blocks are at most `MAX_UNROLLED_BLOCKS`, their float32 parts fit the workspace budget
+    and the step is the Pallas kernels' (where
     it is XLA fusions, XLA's CPU compiler schedules the unrolled blocks side by side, in
     twice the workspace). The key blocks are sliced once from k and v (no whole
     transposed copy of them is made) unless the step reads its logits' operands whole
@@ -262,7 +285,8 @@ def _key_blocks(call: Call, planned, inputs: Inputs, seq_k: int, *,
     grid = tuple(range(0, seq_k, size))
     unrolled = sum(-(-grp.keys // size) for grp in planned)
     if (call.config.step != STEP_KERNEL or any(grp.band for grp in planned)
-            or unrolled > MAX_UNROLLED_BLOCKS):
+            or unrolled > MAX_UNROLLED_BLOCKS
+            or _unrolled_part_bytes(call.problem, planned, size) > budget_from_env()):
         return _KeyBlocks(grid=None, widths=(seq_k,), once={})
     widths = tuple(min(size, seq_k - c0) for c0 in grid)
     once = {} if operands_whole else {

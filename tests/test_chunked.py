@@ -570,6 +570,34 @@ def test_key_accumulators_equal_one_array_at_traced_offsets(causal, window, monk
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=2e-5)
 
 
+def test_key_blocks_unroll_only_where_their_parts_fit_the_budget(monkeypatch):
+    """Unrolled key blocks hold their float32 gradient parts until one fusion sums them;
+    the backward unrolls only where those fit the workspace budget. D = 512, N = 16384,
+    H = 32 (one group looping over four query blocks: one query block's eight dQ parts,
+    2 GiB) unrolls; causal (four groups of one query block, 20 blocks outside any loop:
+    10 GiB, measured at a 17.0 GB peak unrolled against 9.5 GB looped) keeps the loop under
+    the default 4 GiB and unrolls under a budget of 16 GiB."""
+    monkeypatch.delenv(chunked_plan.BUDGET_ENV, raising=False)
+    shape = jax.ShapeDtypeStruct((1, 16384, 32, 512), jnp.bfloat16)
+
+    def grid(causal):
+        problem = Problem.of(shape, shape, shape, causal=causal)
+        config = chunked_plan.make_config(problem, step=chunked_plan.STEP_KERNEL,
+                                          mosaic_step=True).for_backward()
+        inputs = Inputs(shape, shape, shape)
+        call = chunked_tier.call_record(problem, config, inputs, interpret=False)
+        planned = groups(call.problem, config.block_q)
+        assert sum(-(-g.keys // config.block_k) for g in planned) <= (
+            chunked_grad.MAX_UNROLLED_BLOCKS)
+        return chunked_grad._key_blocks(call, planned, inputs, 16384,
+                                        operands_whole=True).grid
+
+    assert grid(causal=False) is not None
+    assert grid(causal=True) is None
+    monkeypatch.setenv(chunked_plan.BUDGET_ENV, "16384")
+    assert grid(causal=True) is not None
+
+
 # ---------------------------------------------------------------- choosing the tier
 
 

@@ -23,10 +23,11 @@ sd = jax.ShapeDtypeStruct
 MOSAIC_CALL = "mosaic_gpu"  # the Mosaic GPU kernels' custom call target, in lowered text
 
 
-def _lowered_grads(n: int, d: int, monkeypatch, *, lse_grad: bool = False, **kw) -> str:
+def _lowered_grads(n: int, d: int, monkeypatch, *, lse_grad: bool = False,
+                   budget_mib: int = 64, **kw) -> str:
     """The lowered text (CUDA) of the chunked tier's q/k/v gradients at [1, n, 8, d] bf16
-    on a pretended sm90 GPU in blocks of a 64 MiB budget, `kw` to `attention`."""
-    monkeypatch.setenv(chunked_plan.BUDGET_ENV, "64")
+    on a pretended sm90 GPU in blocks of a `budget_mib` budget, `kw` to `attention`."""
+    monkeypatch.setenv(chunked_plan.BUDGET_ENV, str(budget_mib))
     monkeypatch.setattr(dispatch.Device, "current", classmethod(
         lambda cls: cls(nvidia_gpu=True, name="Lowering H100", compute_capability="9.0")))
     monkeypatch.setattr(compat, "mosaic_gpu_runs", lambda: True)
@@ -59,10 +60,11 @@ def test_backward_blocks_take_the_mosaic_step_where_it_serves_them(d, kw, mosaic
 
 
 def test_a_calls_blocks_share_one_lowered_step(monkeypatch):
-    """The blocks of one call (unrolled where dK and dV accumulate per key block) call one
-    lowered Mosaic step, not a kernel each: lowering each again cost compile time."""
+    """The blocks of one call (unrolled where dK and dV accumulate per key block: here two
+    key blocks, whose float32 parts fit the 1 GiB budget) call one lowered Mosaic step, not
+    a kernel each: lowering each again cost compile time."""
     import re
-    text = _lowered_grads(4096, 512, monkeypatch)
+    text = _lowered_grads(4096, 512, monkeypatch, budget_mib=1024)
     calls = re.findall(r"call @logits_grad_step\b", text)
     assert len(calls) > 1 and text.count(f"custom_call @{MOSAIC_CALL}") == 1, len(calls)
 
