@@ -275,12 +275,11 @@ def _key_blocks(call: Call, planned, inputs: Inputs, seq_k: int, *,
     """The key blocks' record: a grid where every query block's key blocks start at
     static multiples of the key block (no band of keys moves with the rows), the unrolled
     blocks are at most `MAX_UNROLLED_BLOCKS`, their float32 parts fit the workspace budget
-    and the step is the Pallas kernels' (where
-    it is XLA fusions, XLA's CPU compiler schedules the unrolled blocks side by side, in
-    twice the workspace). The key blocks are sliced once from k and v (no whole
-    transposed copy of them is made) unless the step reads its logits' operands whole
-    (`operands_whole`): those are in memory anyway, and slicing in the loop holds one
-    block at a time."""
+    and the step is the Pallas kernels' (where it is XLA fusions, XLA's CPU compiler
+    schedules the unrolled blocks side by side, in twice the workspace). The key blocks
+    are sliced once from k and v (no whole transposed copy of them is made) unless the
+    step reads its logits' operands whole (`operands_whole`): those are in memory anyway,
+    and slicing in the loop holds one block at a time."""
     size = call.config.block_k
     grid = tuple(range(0, seq_k, size))
     unrolled = sum(-(-grp.keys // size) for grp in planned)
