@@ -22,8 +22,7 @@ from pallas_kernels.chunked import (Block, Call, Operands, block_rows, call_reco
                                     in_row_order, keep_of, key_segments, low_precision, mm,
                                     over_starts, rows_of, runtime_shift, scores_xla, ungrouped,
                                     visible_of)
-from pallas_kernels.chunked_plan import (STEP_KERNEL, ChunkConfig, budget_from_env, groups,
-                                         key_start)
+from pallas_kernels.chunked_plan import STEP_KERNEL, ChunkConfig, groups, key_start
 from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
 
 
@@ -285,7 +284,7 @@ def _key_blocks(call: Call, planned, inputs: Inputs, seq_k: int, *,
     unrolled = sum(-(-grp.keys // size) for grp in planned)
     if (call.config.step != STEP_KERNEL or any(grp.band for grp in planned)
             or unrolled > MAX_UNROLLED_BLOCKS
-            or _unrolled_part_bytes(call.problem, planned, size) > budget_from_env()):
+            or _unrolled_part_bytes(call.problem, planned, size) > call.config.budget_bytes):
         return _KeyBlocks(grid=None, widths=(seq_k,), once={})
     widths = tuple(min(size, seq_k - c0) for c0 in grid)
     once = {} if operands_whole else {

@@ -50,6 +50,9 @@ class ChunkConfig:
     bwd_block_k: int = 0
     step: str = STEP_FUSION
     mosaic_step: bool = False
+    # The workspace budget the blocks were sized from; the backward's unrolled key blocks
+    # keep their float32 parts within it too (`chunked_grad._unrolled_part_bytes`).
+    budget_bytes: int = DEFAULT_BUDGET_BYTES
 
     def for_backward(self) -> "ChunkConfig":
         return dataclasses.replace(self, block_q=self.bwd_block_q or self.block_q,
@@ -245,4 +248,4 @@ def make_config(problem: Problem, *, step: str, budget_bytes: int | None = None,
         fwd_blocks = (fwd_blocks[0], max_keys)
     return ChunkConfig(block_q=max(1, fwd_blocks[0]), block_k=max(1, fwd_blocks[1]),
                        bwd_block_q=max(1, bwd_blocks[0]), bwd_block_k=max(1, bwd_blocks[1]),
-                       step=step, mosaic_step=mosaic_step)
+                       step=step, mosaic_step=mosaic_step, budget_bytes=budget)

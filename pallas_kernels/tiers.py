@@ -116,8 +116,8 @@ def _chunked_forward(plan: Plan, inputs: Inputs):
 
 def _chunked_backward(plan: Plan, inputs: Inputs, saved: Saved, cotangents: Cotangents):
     return chunked_grad.backward(plan.problem, plan.config(CHUNKED_KERNEL), inputs, saved,
-                            cotangents, interpret=plan.interpret,
-                            lse_cotangent=plan.lse_cotangent)
+                                 cotangents, interpret=plan.interpret,
+                                 lse_cotangent=plan.lse_cotangent)
 
 
 XLA = Tier(
