@@ -106,10 +106,10 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
                         s_ref, dp_ref = refs
                         plgpu.barrier_wait(q_full.at[slot])
                         plgpu.wgmma(s_ref, k_now.at[my_keys],
-                                    plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
+                                    q_smem.at[slot].transpose((1, 0)))
                         plgpu.barrier_wait(do_full.at[slot])
                         plgpu.wgmma(dp_ref, v_now.at[my_keys],
-                                    plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
+                                    do_smem.at[slot].transpose((1, 0)))
 
                     zeros = plgpu.layout_cast(jnp.zeros((wk, bq), jnp.float32), WGMMA)
                     s, dp = pl.run_state(scores)((plgpu.ACC.init(zeros),
@@ -147,7 +147,7 @@ def rows_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_le
                     plgpu.barrier_wait(ds_ready.at[parity])
 
                     def dq_cols(acc_ref):
-                        plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_smem.at[parity], (1, 0)),
+                        plgpu.wgmma(acc_ref, ds_smem.at[parity].transpose((1, 0)),
                                     k_now.at[:, my_cols])
 
                     dq = pl.run_state(dq_cols)(plgpu.ACC.init(

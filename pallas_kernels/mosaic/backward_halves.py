@@ -104,7 +104,7 @@ def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_
             plgpu.barrier_wait(landed.at[slot])
 
             def product(acc_ref):
-                plgpu.wgmma(acc_ref, keys, plgpu.transpose_ref(stages.at[slot], (1, 0)))
+                plgpu.wgmma(acc_ref, keys, stages.at[slot].transpose((1, 0)))
 
             acc = pl.run_state(product)(plgpu.ACC.init(
                 plgpu.layout_cast(jnp.zeros((bk, bq), jnp.float32), WGMMA)))
@@ -163,7 +163,7 @@ def halves_backward(q, k, v, do, rows: tuple, prob: Walk, *, config: Config, kv_
             plgpu.barrier_arrive(stage_read)
 
             def dq_cols(acc_ref):
-                plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_smem, (1, 0)), k_now.at[:, cols])
+                plgpu.wgmma(acc_ref, ds_smem.transpose((1, 0)), k_now.at[:, cols])
 
             dq = pl.run_state(dq_cols)(plgpu.ACC.init(
                 plgpu.layout_cast(jnp.zeros((bq, half), jnp.float32), WGMMA)))

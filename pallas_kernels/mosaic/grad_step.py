@@ -118,7 +118,7 @@ def logits_grad_step(q5, k4, dp, lse2, delta, offsets, walk: Walk, *, stages: in
                             slot = lax.rem(first_chunk + c, ns)
                             plgpu.barrier_wait(full.at[slot])
                             plgpu.wgmma(s_ref, q_smem.at[slot, my_rows],
-                                        plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                                        k_smem.at[slot].transpose((1, 0)))
                             if c:  # the previous chunk's product is done: its stage is free
                                 plgpu.wgmma_wait(1)
                                 plgpu.barrier_arrive(free.at[lax.rem(first_chunk + c - 1, ns)])

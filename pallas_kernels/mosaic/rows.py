@@ -134,7 +134,7 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
             it runs, passed once the wgmma is issued)."""
 
             def qk(s_ref):
-                plgpu.wgmma(s_ref, my_q, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma(s_ref, my_q, k_smem.at[slot].transpose((1, 0)))
                 sched_sync()
                 return s_ref[...]
 
@@ -219,7 +219,7 @@ def rows_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                     acc_ref, m_ref, l_ref, p_ref, a_ref = refs
 
                     def issue(s_ref):
-                        plgpu.wgmma(s_ref, my_q, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                        plgpu.wgmma(s_ref, my_q, k_smem.at[slot].transpose((1, 0)))
                         plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev])
                         # S(j) once its wgmma is done, the P V one still in flight
                         return compat.wgmma_accumulator_load(s_ref, wait_n=1)

@@ -123,7 +123,7 @@ def wide_forward(q, k, v, prob: Walk, *, config: Config, out_dtype, kv_lengths=N
                             plgpu.wgmma(
                                 s_ref,
                                 q_now.at[:, pl.ds(col, _W)],
-                                plgpu.transpose_ref(ring.at[slot, pc, my_rows], (1, 0)),
+                                ring.at[slot, pc, my_rows].transpose((1, 0)),
                             )
                         if release_each_k:
                             plgpu.wgmma_wait(0)
