@@ -22,17 +22,16 @@ from pallas_kernels.chunked import (Block, Call, Operands, block_rows, call_reco
                                     in_row_order, keep_of, key_segments, low_precision, mm,
                                     over_starts, rows_of, runtime_shift, scores_xla, ungrouped,
                                     visible_of)
-from pallas_kernels.chunked_plan import STEP_KERNEL, ChunkConfig, groups, key_start
+from pallas_kernels.chunked_plan import (STEP_KERNEL, ChunkConfig, few_key_rows, groups,
+                                         key_start)
 from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
 
 
-def _softmax_grad_xla(call: Call, block: GradBlock, blk: Block, *, out_dtype, split: bool,
-                      own_delta: bool, normalise: bool = False):
-    """`softmax_grad` as XLA ops: (dropped P, (dS[, dS's low word]), dS float32), each
-    [B, Hq, rows, keys]; dS is the gradient of the logits before the soft cap."""
+def _probs_xla(call: Call, block: GradBlock, blk: Block, *, normalise: bool = False):
+    """(scores, P, dropped P, dropped dP), float32 [B, Hq, rows, keys], as XLA ops."""
     logits = block.logits
     b, hq = logits.shape[:2]
-    lse, delta = block.lse[..., None], block.delta[..., None]
+    lse = block.lse[..., None]
     s = scores_xla(call, logits, blk)
     ok = jnp.isfinite(lse)
     visible = visible_of(call, blk)
@@ -49,6 +48,15 @@ def _softmax_grad_xla(call: Call, block: GradBlock, blk: Block, *, out_dtype, sp
         inv = 1.0 - rate
         dropped = jnp.where(keep, probs / inv, 0.0)
         dp = jnp.where(keep, dp / inv, 0.0)
+    return s, probs, dropped, dp
+
+
+def _softmax_grad_xla(call: Call, block: GradBlock, blk: Block, *, out_dtype, split: bool,
+                      own_delta: bool, normalise: bool = False):
+    """`softmax_grad` as XLA ops: (dropped P, (dS[, dS's low word]), dS float32), each
+    [B, Hq, rows, keys]; dS is the gradient of the logits before the soft cap."""
+    s, probs, dropped, dp = _probs_xla(call, block, blk, normalise=normalise)
+    delta = block.delta[..., None]
     if own_delta:
         delta = jnp.sum(probs * dp, axis=-1, keepdims=True) + delta
     ds = probs * (dp - delta)
@@ -93,6 +101,46 @@ class _KeyBlock(NamedTuple):
 
 def _key_block(ops: Operands, c0, keys: int) -> _KeyBlock:
     return _KeyBlock(rows_of(ops.kk, 2, c0, keys), rows_of(ops.vv, 2, c0, keys))
+
+
+def _dp(ops: Operands, row_block: _RowBlock, key_block: _KeyBlock):
+    """dP of a block, [B, Hq, rows, keys], in the inputs' dtype: rounded as XLA's own
+    gradient rounds it (the cotangent of 16-bit P)."""
+    b, hkv, g, _, _ = ops.qg.shape
+    shape4 = (b, hkv * g, row_block.q.shape[2] // g, key_block.k.shape[2])
+    in_dtype = ops.qg.dtype if low_precision(ops.qg.dtype) else jnp.float32
+    return mm("bkmd,bksd->bkms", row_block.do, key_block.v, in_dtype).reshape(shape4)
+
+
+def _logits(row_block: _RowBlock, key_block: _KeyBlock, shape):
+    """A block's logits, float32 `shape` [B, Hq, rows, keys]."""
+    return mm("bkmd,bksd->bkms", row_block.q, key_block.k, jnp.float32).reshape(shape)
+
+
+def _few_key_rows_delta(call: Call, ops: Operands, rows_in: _Rows) -> _Rows:
+    """`rows_in` with the δ of the first rows that see few keys (`chunked_plan.few_key_rows`)
+    taken from their own P and dP, as XLA's softmax gradient takes it (16-bit inputs: a
+    float32 dP is not rounded; not for blocks of a longer sequence, whose rows' keys are
+    placed at run time)."""
+    head = (few_key_rows(call.problem)
+            if low_precision(ops.qg.dtype) and call.positions is None else None)
+    if head is None:
+        return rows_in
+    first, rows, keys = head
+    row_block, key_block = _row_block(ops, rows_in, first, rows), _key_block(ops, 0, keys)
+    blk = Block(first, rows, 0, keys)
+    dp = _dp(ops, row_block, key_block)
+    logits = _logits(row_block, key_block, dp.shape)
+    # dP kept on its 16-bit grid, as the blocks' steps read it: where only float32
+    # arithmetic reads a GEMM's 16-bit output, XLA may fold the rounding away (its excess
+    # precision), and δ would then miss what it is here to cancel.
+    info = jnp.finfo(dp.dtype)
+    dp = jax.lax.reduce_precision(dp.astype(jnp.float32), exponent_bits=info.nexp,
+                                  mantissa_bits=info.nmant)
+    _, probs, _, dp = _probs_xla(
+        call, GradBlock(logits, dp, row_block.rows.lse, None, blk.offsets()), blk)
+    own = jnp.sum(probs * dp, axis=-1) + row_block.rows.minus_dlse
+    return rows_in._replace(delta=rows_in.delta.at[:, :, first:first + rows].set(own))
 
 
 # The widest head dim whose backward blocks compute their logits in the step's kernel
@@ -142,14 +190,14 @@ def _backward_block(call: Call, ops: Operands, row_block: _RowBlock, key_block: 
     A block that holds all of its rows' keys takes δ = Σ P·dP from its own P and dP (XLA's
     softmax gradient) plus -dlse: then dS sums to dlse·P over a row as it must, and a row
     with a single key gets dq = 0 exactly (with δ from O, dP's 16-bit rounding does not
-    cancel). With `float32_rows` (a float32 problem without sinks, whose rows' P sums to 1
+    cancel; the first rows that see few keys have theirs from `_few_key_rows_delta`). With `float32_rows` (a float32 problem without sinks, whose rows' P sums to 1
     over the keys) such a block also divides P by its own row sums
     (`blocked.own_normalised`)."""
     b, hkv, g, _, d = ops.qg.shape
     seq_k = ops.kk.shape[2]
     rows, keys = blk.rows, blk.keys
     q_blk, do_blk = row_block.q, row_block.do
-    k_blk, v_blk = key_block
+    k_blk = key_block.k
     # (A block of a longer sequence holds only some of its rows' keys: never its own δ.)
     own_delta = (isinstance(blk.c0, int) and blk.c0 == 0 and keys == seq_k
                  and (not call.kernel_step or keys <= MAX_ROW_KEYS)
@@ -159,10 +207,8 @@ def _backward_block(call: Call, ops: Operands, row_block: _RowBlock, key_block: 
     low = low_precision(ops.qg.dtype)
     in_dtype = ops.qg.dtype if low else jnp.float32
     split = low and lse_cotangent
-    shape4 = (b, hkv * g, rows, keys)
     normalise = own_delta and float32_rows
-    # dP in the input dtype, as XLA's own gradient rounds it (the cotangent of 16-bit P).
-    dp = mm("bkmd,bksd->bkms", do_blk, v_blk, in_dtype).reshape(shape4)
+    dp = _dp(ops, row_block, key_block)
     if _runs_mosaic_step(call, blk, own_delta=own_delta, split=split, want_ds=want_ds):
         # (Imported here: the Mosaic package's forward imports this module.)
         from pallas_kernels.mosaic import grad_step
@@ -176,7 +222,7 @@ def _backward_block(call: Call, ops: Operands, row_block: _RowBlock, key_block: 
             out_dtype=in_dtype, split=split, with_ds32=want_ds, interpret=call.interpret)
         dropped, parts, ds32 = outs[0], outs[1:2 + split], outs[-1] if want_ds else None
     else:
-        logits = mm("bkmd,bksd->bkms", q_blk, k_blk, jnp.float32).reshape(shape4)
+        logits = _logits(row_block, key_block, dp.shape)
         block = GradBlock(logits, dp, lse_blk, delta_blk, blk.offsets())
         if call.kernel_step:
             outs = softmax_grad(call.problem, block, call.inputs, out_dtype=in_dtype,
@@ -310,6 +356,8 @@ def backward(problem: Problem, config: ChunkConfig, inputs: Inputs, saved: Saved
     rows_in = _Rows(lse, jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), saved.out,
                                     precision=jax.lax.Precision.HIGHEST) - d_lse, -d_lse)
     ops = gemm_operands(inputs, d_out)
+    call = call_record(problem, config, inputs, interpret)
+    rows_in = _few_key_rows_delta(call, ops, rows_in)
     # A bias constant over the keys has a closed-form gradient (`row_constant_dbias`) unless
     # the soft cap bends the logits, a sink does not move with them, or the keys are a
     # block of a longer sequence (its share is its own keys' dS): then it takes dS's sum
@@ -321,7 +369,6 @@ def backward(problem: Problem, config: ChunkConfig, inputs: Inputs, saved: Saved
     def fresh(shape):
         return compat.vary_like(jnp.zeros(shape, jnp.float32), q)
 
-    call = call_record(problem, config, inputs, interpret)
     planned = groups(call.problem, config.block_q)
     # The Triton step reads its logits' operands whole; the Mosaic one takes the blocks.
     split = low_precision(q.dtype) and lse_cotangent

@@ -184,6 +184,31 @@ def key_start(problem: Problem, group: Group, r0, shift=None):
                                  window=problem.window, shift=shift, align=band_align(problem))
 
 
+# Rows at the start of a causal or windowed sequence see few keys. XLA's softmax gradient
+# takes δ = Σ P·dP from the same 16-bit dP as dS, so dP's rounding cancels over each row;
+# with δ from the output it does not, and in a row of n keys it leaves an error in dQ of
+# about 1/sqrt(n) of XLA's own (all of it at n = 1, where dQ is 0). The backward takes the
+# first FEW_KEY_ROWS rows' δ from their own P and dP (`few_key_rows`), where that is cheap:
+# where they see at most twice as many keys.
+FEW_KEY_ROWS = 128
+
+
+def few_key_rows(problem: Problem) -> tuple[int, int, int] | None:
+    """(first, rows, keys): rows [first, first + rows), the first that see a key, at most
+    `FEW_KEY_ROWS`, which see only keys [0, keys), keys at most 2·FEW_KEY_ROWS; None where
+    they see more, or where which rows see which keys is known only at run time."""
+    shift, reach = problem.static_shift, visibility.right_reach(problem.causal, problem.window)
+    if shift is None or reach is None:
+        return None
+    first = max(0, -(shift + reach))  # row r sees keys up to r + shift + reach
+    if first >= problem.seq_q:
+        return None
+    rows = min(FEW_KEY_ROWS, problem.seq_q - first)
+    keys = visibility.key_limit(first + rows, seq_q=problem.seq_q, seq_k=problem.seq_k,
+                                causal=problem.causal, window=problem.window, shift=shift)
+    return (first, rows, keys) if 0 < keys <= 2 * FEW_KEY_ROWS else None
+
+
 def groups(problem: Problem, block_q: int) -> list[Group]:
     """The query blocks of `block_q` rows in row order, grouped; blocks that see no key are
     left out."""

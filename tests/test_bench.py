@@ -521,8 +521,8 @@ def test_committed_first_format_files_still_load_and_render():
         assert all(r["kind"] in cases.KINDS for r in doc["records"])
         assert report.markdown_table(doc).count("\n| ") == 1 + len(doc["records"])
     merged = {(r["case"], r["impl"]): r for r in report.merge(docs, device="NVIDIA H200")}
-    # the newest H200 measurement of a case wins: session 47's run (2026-11-28) over
-    # session 46's and 45's of the same day, session 25's pairs run (2026-11-26), the tiers' run of
+    # the newest H200 measurement of a case wins: session 48's run (2026-11-28) over
+    # session 47's, 46's and 45's of the same day, session 25's pairs run (2026-11-26), the tiers' run of
     # 2026-11-25, the seqlen sweep of 2026-11-22 06:21, the preset run of 00:29, the repeat
     # run of 2026-11-21 12:58 and the 12:30 follow-up, which measured it too (an H100
     # record of the same case replaces none of them)
@@ -531,7 +531,8 @@ def test_committed_first_format_files_still_load_and_render():
     assert {"bench_repeat2_large_fwdbwd_H200_2026-11-21.json",
             "bench_large_fwdbwd_H200_2026-11-21.json"} <= sources
     newest = merged[("D=512 B=1 H=32 N=4096 bf16 fwdbwd", "ffpa")]
-    assert newest["source"] == "bench_H200_2026-11-28_s47_d512.json"
+    assert newest["source"] == "bench_H200_2026-11-28_s48_d512.json"
+    assert "bench_H200_2026-11-28_s47_d512.json" in sources
     assert "bench_H200_2026-11-28_s46_d512.json" in sources
     assert "bench_H200_2026-11-28_s45_d512.json" in sources
     assert "bench_H200_2026-11-26_s25_d512_pairs.json" in sources

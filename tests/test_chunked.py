@@ -114,6 +114,38 @@ def test_groups_of_a_block_with_a_known_shift_skip_what_it_hides(t, s, shift, wi
     assert area < runtime_area if window is None else area <= runtime_area
 
 
+@pytest.mark.parametrize("t,s,causal,window,expected", [
+    (1024, 1024, True, None, (0, 128, 128)),
+    (1024, 1029, True, None, (0, 128, 133)),   # a few keys more (S > T)
+    (1024, 1300, True, None, None),            # the first row sees 277 keys already
+    (1024, 1024, False, None, None),           # every row sees every key
+    (1024, 1024, True, (64, 0), (0, 128, 128)),
+    (1024, 1024, False, (64, 64), (0, 128, 192)),  # a window's right side
+    (1024, 1024, False, (64, 200), None),
+    (300, 200, True, None, (100, 128, 128)),   # T > S: the first 100 rows see nothing
+    (100, 100, True, None, (0, 100, 100)),
+])
+def test_the_rows_that_see_few_keys(t, s, causal, window, expected):
+    """`few_key_rows`: the first rows that see a key (at most `FEW_KEY_ROWS`), where they
+    see at most twice as many keys, and only keys [0, keys) (brute force over the element
+    rule)."""
+    problem = dataclasses.replace(_problem(t=t, s=s, hq=2, hkv=2, d=64, causal=causal),
+                                  window=window)
+    got = chunked_plan.few_key_rows(problem)
+    assert got == expected
+    if got is not None:
+        first, rows, keys = got
+        shift = s - t
+        r, c = np.arange(t)[:, None], np.arange(s)[None, :]
+        sees = c <= r + shift if causal else np.ones((t, s), bool)
+        if window is not None:
+            sees &= (c >= r + shift - window[0]) & (c <= r + shift + window[1])
+        assert not sees[:first].any() and sees[first].any()
+        assert not sees[first:first + rows, keys:].any() and sees[first:first + rows].any(1).all()
+    positions = dataclasses.replace(problem, positions=True, positions_shift=None)
+    assert chunked_plan.few_key_rows(positions) is None
+
+
 @pytest.mark.parametrize("window", [None, (30, 0)])
 def test_a_block_with_a_known_shift_computes_as_with_a_runtime_one(window, monkeypatch):
     """The chunked tier on a causal block of a longer sequence, in several row and key
@@ -537,6 +569,40 @@ def test_blocked_paths_end_to_end(case, rate, monkeypatch):
     """The XLA step (the tier on a CPU) in many blocks."""
     monkeypatch.setenv(chunked_plan.BUDGET_ENV, SMALL_BUDGET_MIB)
     _end_to_end(case, interpret=False, rate=rate)
+
+
+def test_rows_that_see_few_keys_take_their_own_delta(monkeypatch):
+    """bf16, causal, the backward (the XLA step) in blocks of 128 rows and keys: the first
+    rows take δ from their own P and dP, as XLA's softmax gradient does, so the first row
+    (one key: dq = 0) gets XLA's dq = 0. With δ from the output, dP's bf16 rounding did
+    not cancel there: that row's dq was 1.3e-3 to 3.3e-3 of dq's largest entry over six
+    seeds. The gradients against float64 within the rule."""
+    monkeypatch.setenv(chunked_plan.BUDGET_ENV, "0.5")
+    t, h, d = 512, 2, 64
+    ks = jax.random.split(jax.random.key(5), 4)
+    q, k, v = (jax.random.normal(k_, (1, t, h, d), jnp.float32).astype(jnp.bfloat16)
+               for k_ in ks[:3])
+    d_out = jax.random.normal(ks[3], (1, t, h, d), jnp.float32)
+    problem = Problem.of(q, k, v, causal=True)
+    config = chunked_plan.make_config(problem, step=chunked_plan.STEP_FUSION).for_backward()
+    assert (config.block_q, config.block_k) == (128, 128), "not the blocks this test is about"
+
+    def grads(fn, *args):
+        return jax.grad(lambda *a: jnp.sum(fn(*a).astype(d_out.dtype) * d_out),
+                        argnums=(0, 1, 2))(*args)
+    got = grads(lambda *a: ffpa_jax.attention(*a, is_causal=True, implementation="chunked"),
+                q, k, v)
+    xla = grads(lambda *a: ffpa_jax.attention(*a, is_causal=True, implementation="xla"),
+                q, k, v)
+    with jax.enable_x64(True):
+        d_out = d_out.astype(jnp.float64)
+        want = grads(lambda *a: ffpa_jax.reference.mha_reference(
+            *a, scale=d ** -0.5, is_causal=True)[0], *(x.astype(jnp.float64) for x in (q, k, v)))
+    dq, want_dq = np.asarray(got[0], np.float64), np.asarray(want[0])
+    assert np.abs(np.asarray(xla[0], np.float64)[:, 0]).max() == 0.0
+    assert np.abs(dq[:, 0]).max() <= 1e-5 * np.abs(want_dq).max()
+    for name, g, w, x in zip(["dq", "dk", "dv"], got, want, xla, strict=True):
+        assert_matches_reference(name, g, w, x, q.dtype, factor=3.0)
 
 
 def test_pallas_step_end_to_end(monkeypatch):
