@@ -22,7 +22,7 @@ from pallas_kernels.chunked import (Block, Call, Operands, block_rows, call_reco
                                     in_row_order, keep_of, key_segments, low_precision, mm,
                                     over_starts, rows_of, runtime_shift, scores_xla, ungrouped,
                                     visible_of)
-from pallas_kernels.chunked_plan import (STEP_KERNEL, ChunkConfig, few_key_rows, groups,
+from pallas_kernels.chunked_plan import (STEP_KERNEL, ChunkConfig, few_key_bands, groups,
                                          key_start)
 from pallas_kernels.problem import Cotangents, Inputs, Problem, Saved
 
@@ -117,30 +117,66 @@ def _logits(row_block: _RowBlock, key_block: _KeyBlock, shape):
     return mm("bkmd,bksd->bkms", row_block.q, key_block.k, jnp.float32).reshape(shape)
 
 
-def _few_key_rows_delta(call: Call, ops: Operands, rows_in: _Rows) -> _Rows:
-    """`rows_in` with the δ of the first rows that see few keys (`chunked_plan.few_key_rows`)
-    taken from their own P and dP, as XLA's softmax gradient takes it (16-bit inputs: a
-    float32 dP is not rounded; not for blocks of a longer sequence, whose rows' keys are
-    placed at run time)."""
-    head = (few_key_rows(call.problem)
-            if low_precision(ops.qg.dtype) and call.positions is None else None)
-    if head is None:
+def _visible_count(call: Call, blk: Block, like):
+    """How many of the block's keys each of its rows sees, broadcast like `like`
+    [B, Hq, rows]."""
+    visible = visible_of(call, blk)
+    if visible is None:
+        return jnp.full(like.shape, blk.keys, jnp.int32)
+    return jnp.broadcast_to(jnp.sum(visible, axis=-1, dtype=jnp.int32), like.shape)
+
+
+def _few_key_rows_delta(call: Call, ops: Operands, rows_in: _Rows, planned) -> _Rows:
+    """`rows_in` with the δ of the rows that see few keys taken from their own P and dP, as
+    XLA's softmax gradient takes it (`chunked_plan.few_key_bands`): a row whose visible keys
+    all lie in its band. Only for 16-bit inputs (a float32 dP is not rounded), where some
+    key block of the `planned` groups holds only part of the keys (one that holds all S
+    forms its own δ), and not for blocks of a longer sequence (their rows see keys of other
+    blocks too)."""
+    seq_q, seq_k = call.problem.seq_q, call.problem.seq_k
+    whole = (call.config.block_k >= seq_k and all(g.keys == seq_k for g in planned)
+             and (not call.kernel_step or seq_k <= MAX_ROW_KEYS))
+    bands = (few_key_bands(call.problem) if low_precision(ops.qg.dtype) and
+             call.positions is None and not whole else None)
+    if bands is None:
         return rows_in
-    first, rows, keys = head
-    row_block, key_block = _row_block(ops, rows_in, first, rows), _key_block(ops, 0, keys)
-    blk = Block(first, rows, 0, keys)
-    dp = _dp(ops, row_block, key_block)
-    logits = _logits(row_block, key_block, dp.shape)
-    # dP kept on its 16-bit grid, as the blocks' steps read it: where only float32
-    # arithmetic reads a GEMM's 16-bit output, XLA may fold the rounding away (its excess
-    # precision), and δ would then miss what it is here to cancel.
-    info = jnp.finfo(dp.dtype)
-    dp = jax.lax.reduce_precision(dp.astype(jnp.float32), exponent_bits=info.nexp,
-                                  mantissa_bits=info.nmant)
-    _, probs, _, dp = _probs_xla(
-        call, GradBlock(logits, dp, row_block.rows.lse, None, blk.offsets()), blk)
-    own = jnp.sum(probs * dp, axis=-1) + row_block.rows.minus_dlse
-    return rows_in._replace(delta=rows_in.delta.at[:, :, first:first + rows].set(own))
+    rows, keys, row_starts, key_starts = bands
+
+    def band(starts):
+        r0, c0 = starts
+        row_block, key_block = _row_block(ops, rows_in, r0, rows), _key_block(ops, c0, keys)
+        blk = Block(r0, rows, c0, keys)
+        # dP kept on its 16-bit grid, as the blocks' steps read it: where only float32
+        # arithmetic reads a GEMM's 16-bit output, XLA may fold the rounding away (its
+        # excess precision), and δ would then miss what it is here to cancel.
+        dp = _dp(ops, row_block, key_block)
+        info = jnp.finfo(dp.dtype)
+        dp = jax.lax.reduce_precision(dp.astype(jnp.float32), exponent_bits=info.nexp,
+                                      mantissa_bits=info.nmant)
+        logits = _logits(row_block, key_block, dp.shape)
+        _, probs, _, dp = _probs_xla(
+            call, GradBlock(logits, dp, row_block.rows.lse, None, blk.offsets()), blk)
+        own = jnp.sum(probs * dp, axis=-1) + row_block.rows.minus_dlse
+        whole = (_visible_count(call, blk, own)
+                 == _visible_count(call, Block(r0, rows, 0, seq_k), own))
+        return jnp.where(whole, own, row_block.rows.delta)
+
+    # Bands a few at a time: each holds float32 [B, Hq, rows, keys] temporaries.
+    per_band = 16 * call.problem.batch * call.problem.heads_q * rows * keys
+    per_step = max(1, min(len(row_starts), call.config.budget_bytes // (4 * per_band)))
+    deltas = jax.lax.map(band, (jnp.asarray(row_starts, jnp.int32),
+                                jnp.asarray(key_starts, jnp.int32)), batch_size=per_step)
+    # [bands, B, Hq, rows] in row order; the last band may overlap the one before it.
+    full = len(row_starts) - 1
+    if row_starts == [i * rows for i in range(full)] + [seq_q - rows]:  # every row's band
+        tail = seq_q - rows * full
+        head = jnp.moveaxis(deltas[:full], 0, -2).reshape(deltas.shape[1:3] + (rows * full,))
+        return rows_in._replace(delta=jnp.concatenate([head, deltas[full][..., rows - tail:]],
+                                                      axis=-1))
+    delta = rows_in.delta
+    for i, r0 in enumerate(row_starts):
+        delta = delta.at[:, :, r0:r0 + rows].set(deltas[i])
+    return rows_in._replace(delta=delta)
 
 
 # The widest head dim whose backward blocks compute their logits in the step's kernel
@@ -190,9 +226,9 @@ def _backward_block(call: Call, ops: Operands, row_block: _RowBlock, key_block: 
     A block that holds all of its rows' keys takes δ = Σ P·dP from its own P and dP (XLA's
     softmax gradient) plus -dlse: then dS sums to dlse·P over a row as it must, and a row
     with a single key gets dq = 0 exactly (with δ from O, dP's 16-bit rounding does not
-    cancel; the first rows that see few keys have theirs from `_few_key_rows_delta`). With `float32_rows` (a float32 problem without sinks, whose rows' P sums to 1
-    over the keys) such a block also divides P by its own row sums
-    (`blocked.own_normalised`)."""
+    cancel; rows that see few keys have theirs from `_few_key_rows_delta`). With
+    `float32_rows` (a float32 problem without sinks, whose rows' P sums to 1 over the
+    keys) such a block also divides P by its own row sums (`blocked.own_normalised`)."""
     b, hkv, g, _, d = ops.qg.shape
     seq_k = ops.kk.shape[2]
     rows, keys = blk.rows, blk.keys
@@ -357,7 +393,6 @@ def backward(problem: Problem, config: ChunkConfig, inputs: Inputs, saved: Saved
                                     precision=jax.lax.Precision.HIGHEST) - d_lse, -d_lse)
     ops = gemm_operands(inputs, d_out)
     call = call_record(problem, config, inputs, interpret)
-    rows_in = _few_key_rows_delta(call, ops, rows_in)
     # A bias constant over the keys has a closed-form gradient (`row_constant_dbias`) unless
     # the soft cap bends the logits, a sink does not move with them, or the keys are a
     # block of a longer sequence (its share is its own keys' dS): then it takes dS's sum
@@ -370,6 +405,7 @@ def backward(problem: Problem, config: ChunkConfig, inputs: Inputs, saved: Saved
         return compat.vary_like(jnp.zeros(shape, jnp.float32), q)
 
     planned = groups(call.problem, config.block_q)
+    rows_in = _few_key_rows_delta(call, ops, rows_in, planned)
     # The Triton step reads its logits' operands whole; the Mosaic one takes the blocks.
     split = low_precision(q.dtype) and lse_cotangent
     operands_whole = logits_in_step(call.problem, config.step) and not _mosaic_step_serves(

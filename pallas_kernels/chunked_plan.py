@@ -20,6 +20,7 @@ import math
 import os
 
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import dropout, visibility
 from pallas_kernels.blocked import MAX_ROW_KEYS
@@ -184,29 +185,50 @@ def key_start(problem: Problem, group: Group, r0, shift=None):
                                  window=problem.window, shift=shift, align=band_align(problem))
 
 
-# Rows at the start of a causal or windowed sequence see few keys. XLA's softmax gradient
-# takes δ = Σ P·dP from the same 16-bit dP as dS, so dP's rounding cancels over each row;
-# with δ from the output it does not, and in a row of n keys it leaves an error in dQ of
-# about 1/sqrt(n) of XLA's own (all of it at n = 1, where dQ is 0). The backward takes the
-# first FEW_KEY_ROWS rows' δ from their own P and dP (`few_key_rows`), where that is cheap:
-# where they see at most twice as many keys.
+# Rows that see few keys: near the start of a causal sequence, of a document under segment
+# ids, or under a narrow window. XLA's softmax gradient takes δ = Σ P·dP from the same
+# 16-bit dP as dS, so dP's rounding cancels over each row; with δ from the output it does
+# not, and in a row of n keys it leaves an error in dQ of about 1/sqrt(n) of XLA's own (all
+# of it at n = 1, where dQ is 0). The backward gives such rows δ from their own P and dP in
+# a prelude over bands: every FEW_KEY_ROWS rows against the 2·FEW_KEY_ROWS keys up to their
+# last (`few_key_bands`); a row takes its band's δ where every key it sees is in the band.
 FEW_KEY_ROWS = 128
 
 
-def few_key_rows(problem: Problem) -> tuple[int, int, int] | None:
-    """(first, rows, keys): rows [first, first + rows), the first that see a key, at most
-    `FEW_KEY_ROWS`, which see only keys [0, keys), keys at most 2·FEW_KEY_ROWS; None where
-    they see more, or where which rows see which keys is known only at run time."""
-    shift, reach = problem.static_shift, visibility.right_reach(problem.causal, problem.window)
-    if shift is None or reach is None:
+def few_key_bands(problem: Problem, rows: int = FEW_KEY_ROWS) -> tuple[int, int, list, list] | None:
+    """(rows, keys, row starts, key starts): bands of `rows` rows (all T if fewer; the last
+    moved back to end at T), each against `keys` keys (about twice as many, all S if fewer)
+    ending at the keys its last row can see, or centred on its rows' diagonal where rows
+    see keys on both sides; with dropout, key starts at multiples of its draw
+    (`band_align`). Where only causality and the window decide what a row sees, only the
+    bands with a row whose keys all lie in them. None where no row can see fewer than all
+    keys, where none would gain, or where which rows see which keys is known only at run
+    time."""
+    t, s, shift = problem.seq_q, problem.seq_k, problem.static_shift
+    runtime_rules = (problem.segment_ids or problem.q_lengths or problem.kv_lengths
+                     or problem.mask_shape is not None)
+    reach = visibility.right_reach(problem.causal, problem.window)
+    if shift is None or not (runtime_rules or problem.causal or problem.window is not None):
         return None
-    first = max(0, -(shift + reach))  # row r sees keys up to r + shift + reach
-    if first >= problem.seq_q:
-        return None
-    rows = min(FEW_KEY_ROWS, problem.seq_q - first)
-    keys = visibility.key_limit(first + rows, seq_q=problem.seq_q, seq_k=problem.seq_k,
-                                causal=problem.causal, window=problem.window, shift=shift)
-    return (first, rows, keys) if 0 < keys <= 2 * FEW_KEY_ROWS else None
+    rows = min(rows, t)
+    align = band_align(problem)
+    keys = min(s, 2 * rows + align - 1)
+    if keys < s:  # widened so that S - keys is a multiple of `align` too
+        keys = s - (s - keys) // align * align
+    left = problem.window[0] if problem.window is not None else None
+    row_starts, key_starts = [], []
+    for r0 in sorted({min(r0, t - rows) for r0 in range(0, t, rows)}):
+        end = r0 + rows + shift + (reach if reach is not None else rows // 2)
+        c0 = min(max(0, end - keys), s - keys) // align * align
+        if not runtime_rules:  # a row's keys [first, last] are static: keep bands that hold some
+            r = np.arange(r0, r0 + rows)
+            last = np.minimum(s - 1, r + shift + reach) if reach is not None else s - 1
+            first = np.maximum(0, r + shift - left) if left is not None else 0
+            if not ((last >= first) & (first >= c0) & (last < c0 + keys)).any():
+                continue
+        row_starts.append(r0)
+        key_starts.append(c0)
+    return (rows, keys, row_starts, key_starts) if row_starts else None
 
 
 def groups(problem: Problem, block_q: int) -> list[Group]:

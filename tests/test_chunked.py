@@ -114,36 +114,50 @@ def test_groups_of_a_block_with_a_known_shift_skip_what_it_hides(t, s, shift, wi
     assert area < runtime_area if window is None else area <= runtime_area
 
 
-@pytest.mark.parametrize("t,s,causal,window,expected", [
-    (1024, 1024, True, None, (0, 128, 128)),
-    (1024, 1029, True, None, (0, 128, 133)),   # a few keys more (S > T)
-    (1024, 1300, True, None, None),            # the first row sees 277 keys already
-    (1024, 1024, False, None, None),           # every row sees every key
-    (1024, 1024, True, (64, 0), (0, 128, 128)),
-    (1024, 1024, False, (64, 64), (0, 128, 192)),  # a window's right side
-    (1024, 1024, False, (64, 200), None),
-    (300, 200, True, None, (100, 128, 128)),   # T > S: the first 100 rows see nothing
-    (100, 100, True, None, (0, 100, 100)),
+@pytest.mark.parametrize("t,s,causal,window,segments,rate,expected", [
+    # causal: the bands whose rows see keys from 0 only
+    (1024, 1024, True, None, False, 0.0, (128, 256, [0, 128], [0, 0])),
+    (300, 200, True, None, False, 0.0, (128, 200, [0, 128, 172], [0, 0, 0])),  # S < 256
+    (1000, 1000, True, None, False, 0.2, (128, 296, [0, 128], [0, 0])),  # dropout's 32
+    (100, 100, True, None, False, 0.0, (100, 100, [0], [0])),
+    # a narrow window: every band
+    (512, 512, True, (32, 0), False, 0.0, (128, 256, [0, 128, 256, 384], [0, 0, 128, 256])),
+    (512, 512, False, (64, 64), False, 0.0, (128, 256, [0, 128, 256, 384], [0, 64, 192, 256])),
+    # segment ids decide at run time: every band (centred without causality)
+    (512, 512, False, None, True, 0.0, (128, 256, [0, 128, 256, 384], [0, 64, 192, 256])),
+    (1000, 1000, True, None, True, 0.2, (128, 296, [0, 128, 256, 384, 512, 640, 768, 872],
+                                         [0, 0, 64, 192, 320, 448, 576, 704])),
+    (512, 512, False, None, False, 0.0, None),  # every row sees every key
+    (1024, 1024, False, (300, 300), False, 0.0, None),  # no row's keys fit 256
 ])
-def test_the_rows_that_see_few_keys(t, s, causal, window, expected):
-    """`few_key_rows`: the first rows that see a key (at most `FEW_KEY_ROWS`), where they
-    see at most twice as many keys, and only keys [0, keys) (brute force over the element
-    rule)."""
+def test_few_key_bands(t, s, causal, window, segments, rate, expected):
+    """`few_key_bands`: bands of 128 rows (the last one moved back to end at T) against
+    about twice as many keys, ending at the keys their last row can see (centred on their
+    diagonal without a right limit), inside [0, S), with dropout starting at its draw's
+    multiple of 32; where causality and the window alone decide, only bands with a row
+    whose keys all lie in them (brute force over the element rule); none where the shift
+    is known only at run time."""
     problem = dataclasses.replace(_problem(t=t, s=s, hq=2, hkv=2, d=64, causal=causal),
-                                  window=window)
-    got = chunked_plan.few_key_rows(problem)
+                                  window=window, dropout_rate=rate, segment_ids=segments)
+    got = chunked_plan.few_key_bands(problem)
     assert got == expected
-    if got is not None:
-        first, rows, keys = got
-        shift = s - t
+    if got is None:
+        return
+    rows, keys, row_starts, key_starts = got
+    assert all(0 <= c0 <= s - keys for c0 in key_starts)
+    if segments:
+        assert row_starts[-1] + rows == t
+    else:
         r, c = np.arange(t)[:, None], np.arange(s)[None, :]
-        sees = c <= r + shift if causal else np.ones((t, s), bool)
+        sees = c <= r + s - t if causal else np.ones((t, s), bool)
         if window is not None:
-            sees &= (c >= r + shift - window[0]) & (c <= r + shift + window[1])
-        assert not sees[:first].any() and sees[first].any()
-        assert not sees[first:first + rows, keys:].any() and sees[first:first + rows].any(1).all()
-    positions = dataclasses.replace(problem, positions=True, positions_shift=None)
-    assert chunked_plan.few_key_rows(positions) is None
+            sees &= (c >= r + s - t - window[0]) & (c <= r + s - t + window[1])
+        for r0, c0 in zip(row_starts, key_starts, strict=True):
+            band = sees[r0:r0 + rows]
+            inside = band[:, c0:c0 + keys].sum(1) == band.sum(1)
+            assert (inside & band.any(1)).any(), "a band where no row gains"
+    runtime = dataclasses.replace(problem, positions=True, positions_shift=None)
+    assert chunked_plan.few_key_bands(runtime) is None
 
 
 @pytest.mark.parametrize("window", [None, (30, 0)])
@@ -571,36 +585,48 @@ def test_blocked_paths_end_to_end(case, rate, monkeypatch):
     _end_to_end(case, interpret=False, rate=rate)
 
 
-def test_rows_that_see_few_keys_take_their_own_delta(monkeypatch):
-    """bf16, causal, the backward (the XLA step) in blocks of 128 rows and keys: the first
-    rows take δ from their own P and dP, as XLA's softmax gradient does, so the first row
-    (one key: dq = 0) gets XLA's dq = 0. With δ from the output, dP's bf16 rounding did
-    not cancel there: that row's dq was 1.3e-3 to 3.3e-3 of dq's largest entry over six
-    seeds. The gradients against float64 within the rule."""
+@pytest.mark.parametrize("features", ["causal", "packed", "window"])
+def test_rows_that_see_few_keys_take_their_own_delta(features, monkeypatch):
+    """bf16 (GQA 4/2), the backward (the XLA step) in key blocks of 128: rows
+    that see few keys (the first under causality, each document's first under segment
+    ids, every row under a window of 32) take δ from their own P and dP, as XLA's softmax
+    gradient does, so a row of one key (dq = 0) gets XLA's dq = 0. With δ from the output,
+    dP's bf16 rounding did not cancel there: the first row's dq was 1.3e-3 to 3.3e-3 of
+    dq's largest entry over six seeds (causal). The gradients against float64 within the
+    rule."""
     monkeypatch.setenv(chunked_plan.BUDGET_ENV, "0.5")
-    t, h, d = 512, 2, 64
+    t, d = 512, 64
     ks = jax.random.split(jax.random.key(5), 4)
-    q, k, v = (jax.random.normal(k_, (1, t, h, d), jnp.float32).astype(jnp.bfloat16)
-               for k_ in ks[:3])
-    d_out = jax.random.normal(ks[3], (1, t, h, d), jnp.float32)
+    q = jax.random.normal(ks[0], (1, t, 4, d), jnp.float32).astype(jnp.bfloat16)
+    k, v = (jax.random.normal(k_, (1, t, 2, d), jnp.float32).astype(jnp.bfloat16)
+            for k_ in ks[1:3])
+    d_out = jax.random.normal(ks[3], (1, t, 4, d), jnp.float32)
+    kw = dict(is_causal=True)
+    one_key_rows = [0]
+    if features == "packed":
+        seg = jnp.repeat(jnp.arange(4, dtype=jnp.int32), t // 4)[None]
+        kw.update(q_segment_ids=seg, kv_segment_ids=seg)
+        one_key_rows = [0, 128, 256, 384]
+    elif features == "window":
+        kw.update(local_window_size=(32, 0))
     problem = Problem.of(q, k, v, causal=True)
     config = chunked_plan.make_config(problem, step=chunked_plan.STEP_FUSION).for_backward()
-    assert (config.block_q, config.block_k) == (128, 128), "not the blocks this test is about"
+    assert config.block_k <= 128, "not the blocks this test is about"
 
     def grads(fn, *args):
         return jax.grad(lambda *a: jnp.sum(fn(*a).astype(d_out.dtype) * d_out),
                         argnums=(0, 1, 2))(*args)
-    got = grads(lambda *a: ffpa_jax.attention(*a, is_causal=True, implementation="chunked"),
-                q, k, v)
-    xla = grads(lambda *a: ffpa_jax.attention(*a, is_causal=True, implementation="xla"),
-                q, k, v)
+    got = grads(lambda *a: ffpa_jax.attention(*a, implementation="chunked", **kw), q, k, v)
+    xla = grads(lambda *a: ffpa_jax.attention(*a, implementation="xla", **kw), q, k, v)
+    ref_kw = {("window" if key == "local_window_size" else key): value
+              for key, value in kw.items()}
     with jax.enable_x64(True):
         d_out = d_out.astype(jnp.float64)
         want = grads(lambda *a: ffpa_jax.reference.mha_reference(
-            *a, scale=d ** -0.5, is_causal=True)[0], *(x.astype(jnp.float64) for x in (q, k, v)))
+            *a, scale=d ** -0.5, **ref_kw)[0], *(x.astype(jnp.float64) for x in (q, k, v)))
     dq, want_dq = np.asarray(got[0], np.float64), np.asarray(want[0])
-    assert np.abs(np.asarray(xla[0], np.float64)[:, 0]).max() == 0.0
-    assert np.abs(dq[:, 0]).max() <= 1e-5 * np.abs(want_dq).max()
+    assert np.abs(np.asarray(xla[0], np.float64)[:, one_key_rows]).max() == 0.0
+    assert np.abs(dq[:, one_key_rows]).max() <= 1e-5 * np.abs(want_dq).max()
     for name, g, w, x in zip(["dq", "dk", "dv"], got, want, xla, strict=True):
         assert_matches_reference(name, g, w, x, q.dtype, factor=3.0)
 
