@@ -157,9 +157,9 @@ def _few_key_rows_delta(call: Call, ops: Operands, rows_in: _Rows, planned) -> _
         _, probs, _, dp = _probs_xla(
             call, GradBlock(logits, dp, row_block.rows.lse, None, blk.offsets()), blk)
         own = jnp.sum(probs * dp, axis=-1) + row_block.rows.minus_dlse
-        whole = (_visible_count(call, blk, own)
-                 == _visible_count(call, Block(r0, rows, 0, seq_k), own))
-        return jnp.where(whole, own, row_block.rows.delta)
+        holds_all = (_visible_count(call, blk, own)
+                     == _visible_count(call, Block(r0, rows, 0, seq_k), own))
+        return jnp.where(holds_all, own, row_block.rows.delta)
 
     # Bands a few at a time: each holds float32 [B, Hq, rows, keys] temporaries.
     per_band = 16 * call.problem.batch * call.problem.heads_q * rows * keys
