@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import compat
 from pallas_kernels.blocked import (MAX_ROW_KEYS, GradBlock, LogitOperands, own_normalised,
@@ -117,6 +118,14 @@ def _logits(row_block: _RowBlock, key_block: _KeyBlock, shape):
     return mm("bkmd,bksd->bkms", row_block.q, key_block.k, jnp.float32).reshape(shape)
 
 
+def _forms_own_delta(call: Call, c0, keys: int) -> bool:
+    """Whether a block of `keys` keys from key `c0` takes δ from its own P and dP: it holds
+    all S keys (at most `MAX_ROW_KEYS` for the kernel step, whose rows it holds whole). A
+    block of a longer sequence holds only some of its rows' keys: never."""
+    return (isinstance(c0, int) and c0 == 0 and keys == call.problem.seq_k
+            and (not call.kernel_step or keys <= MAX_ROW_KEYS) and call.positions is None)
+
+
 def _visible_count(call: Call, blk: Block, like):
     """How many of the block's keys each of its rows sees, broadcast like `like`
     [B, Hq, rows]."""
@@ -133,9 +142,8 @@ def _few_key_rows_delta(call: Call, ops: Operands, rows_in: _Rows, planned) -> _
     key block of the `planned` groups holds only part of the keys (one that holds all S
     forms its own δ), and not for blocks of a longer sequence (their rows see keys of other
     blocks too)."""
-    seq_q, seq_k = call.problem.seq_q, call.problem.seq_k
-    whole = (call.config.block_k >= seq_k and all(g.keys == seq_k for g in planned)
-             and (not call.kernel_step or seq_k <= MAX_ROW_KEYS))
+    seq_k = call.problem.seq_k
+    whole = all(_forms_own_delta(call, 0, min(call.config.block_k, g.keys)) for g in planned)
     bands = (few_key_bands(call.problem) if low_precision(ops.qg.dtype) and
              call.positions is None and not whole else None)
     if bands is None:
@@ -166,17 +174,12 @@ def _few_key_rows_delta(call: Call, ops: Operands, rows_in: _Rows, planned) -> _
     per_step = max(1, min(len(row_starts), call.config.budget_bytes // (4 * per_band)))
     deltas = jax.lax.map(band, (jnp.asarray(row_starts, jnp.int32),
                                 jnp.asarray(key_starts, jnp.int32)), batch_size=per_step)
-    # [bands, B, Hq, rows] in row order; the last band may overlap the one before it.
-    full = len(row_starts) - 1
-    if row_starts == [i * rows for i in range(full)] + [seq_q - rows]:  # every row's band
-        tail = seq_q - rows * full
-        head = jnp.moveaxis(deltas[:full], 0, -2).reshape(deltas.shape[1:3] + (rows * full,))
-        return rows_in._replace(delta=jnp.concatenate([head, deltas[full][..., rows - tail:]],
-                                                      axis=-1))
-    delta = rows_in.delta
-    for i, r0 in enumerate(row_starts):
-        delta = delta.at[:, :, r0:r0 + rows].set(deltas[i])
-    return rows_in._replace(delta=delta)
+    # [bands, B, Hq, rows] into their rows; where the last band overlaps the one before it,
+    # the earlier band's rows stand (one value per row: the scatter's order cannot matter).
+    index, first = np.unique((np.asarray(row_starts)[:, None] + np.arange(rows)).ravel(),
+                             return_index=True)
+    values = jnp.moveaxis(deltas, 0, -2).reshape(deltas.shape[1:3] + (-1,))[..., first]
+    return rows_in._replace(delta=rows_in.delta.at[:, :, index].set(values))
 
 
 # The widest head dim whose backward blocks compute their logits in the step's kernel
@@ -230,14 +233,10 @@ def _backward_block(call: Call, ops: Operands, row_block: _RowBlock, key_block: 
     `float32_rows` (a float32 problem without sinks, whose rows' P sums to 1 over the
     keys) such a block also divides P by its own row sums (`blocked.own_normalised`)."""
     b, hkv, g, _, d = ops.qg.shape
-    seq_k = ops.kk.shape[2]
     rows, keys = blk.rows, blk.keys
     q_blk, do_blk = row_block.q, row_block.do
     k_blk = key_block.k
-    # (A block of a longer sequence holds only some of its rows' keys: never its own δ.)
-    own_delta = (isinstance(blk.c0, int) and blk.c0 == 0 and keys == seq_k
-                 and (not call.kernel_step or keys <= MAX_ROW_KEYS)
-                 and call.positions is None)
+    own_delta = _forms_own_delta(call, blk.c0, keys)
     lse_blk = row_block.rows.lse
     delta_blk = row_block.rows.minus_dlse if own_delta else row_block.rows.delta
     low = low_precision(ops.qg.dtype)
