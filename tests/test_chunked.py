@@ -649,7 +649,10 @@ def _chunked_grads(args, d_out, **kw):
     return grad(*args), str(jax.make_jaxpr(grad)(*args))
 
 
-@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (30, 20))])
+# The unmasked case with `-m slow`: the causal case adds per key block too, the window
+# keeps the traced offsets.
+@pytest.mark.parametrize("causal,window", [pytest.param(False, None, marks=pytest.mark.slow),
+                                           (True, None), (False, (30, 20))])
 def test_key_accumulators_equal_one_array_at_traced_offsets(causal, window, monkeypatch):
     """dK and dV accumulated per key block (static starts, no dynamic_update_slice) equal
     the single array added at traced offsets, bit for bit, in 3 × 2 blocks (GQA 4:2, S not
