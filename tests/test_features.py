@@ -506,11 +506,7 @@ DECODE_CASES = [
 ]
 
 
-# float16 with `-m slow`, as in `test_fused_kernels_in_small_tiles` (its soft cap, bias and
-# mask run in the other cases' dtypes here).
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow)
-                                  if c.dtype == "float16" else c for c in DECODE_CASES],
-                         ids=_ids)
+@pytest.mark.parametrize("case", DECODE_CASES, ids=_ids)
 def test_decode_shapes(case, kernel_mode):
     """Through the public API (the decode kernels for the forward, the fused backward) and
     through decode_attention in many splits of 16 keys, against float64."""
