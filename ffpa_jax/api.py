@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 
 import tuning
 from ffpa_jax import context_parallel, partitioning, runtime_autotune, validation, vjp
@@ -53,7 +55,7 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
               logits_soft_cap: float | None = None, sinks: jax.Array | None = None,
               dropout_rate: float = 0.0,
               dropout_rng: jax.Array | None = None, dropout_broadcast: bool = False,
-              return_lse: bool = False,
+              return_lse: bool = False, return_residual: bool = False,
               implementation: str | None = None, interpret: bool = False,
               autotune: str | None = None, context_axis: str | None = None,
               context_layout: str = CONTIGUOUS, context_strategy: str | None = None,
@@ -94,6 +96,9 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
         the Pallas path the forward then sums q·kᵀ over head-dim chunks in float32,
         which keeps lse as accurate as XLA's at large D and is slower there (up to
         1.6x the forward time at D >= 512; see docs/benchmarks.md).
+      return_residual: jax.nn's form of the same: also return lse as jax.nn's residual,
+        [B, T, Hq] in the query's dtype with its gradient stopped (a loss through it
+        differentiates as if it were a constant, as in jax.nn). Not with return_lse.
       implementation: None, or the name of a tier to force. None on an NVIDIA GPU runs
         each direction on the tier measured fastest for this device and shape (the tuned
         configs' "tier" field, else a built-in rule: `tuning.dispatch`); without one, XLA's
@@ -138,18 +143,19 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
         makes them.
 
     Returns:
-      out [B, T, Hq, Dv] in query's dtype, or (out, lse) when return_lse is True.
+      out [B, T, Hq, Dv] in query's dtype, or (out, lse) when return_lse is True, or
+      (out, residual) when return_residual is True.
       A query row with no visible key gives out = 0 and lse = -inf (with sinks: out 0 and
       lse = the head's sink). jax.nn.dot_product_attention differs there for a row that is
       not padding (query_seq_lengths) but sees no key: it averages all values; padding rows
-      are 0 in both. jax.nn's arguments not taken here: return_residual (use return_lse;
-      lse is [B, Hq, T], not [B, T, Hq]) and implementation's "cudnn".
+      are 0 in both (its residual there is a large finite negative, lse here -inf). jax.nn's
+      argument not taken here: implementation's "cudnn".
     """
     call = validation.validate(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng,
         dropout_broadcast=dropout_broadcast, return_lse=return_lse,
-        implementation=implementation, interpret=interpret, autotune=autotune,
+        return_residual=return_residual, implementation=implementation, interpret=interpret, autotune=autotune,
         local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
@@ -184,6 +190,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
         out, lse = _compute(inputs, plan=plan)
     if not batched:
         out, lse = out[0], lse[0]
+    if return_residual:
+        return out, lax.stop_gradient(jnp.swapaxes(lse, -1, -2)).astype(out.dtype)
     return (out, lse) if return_lse else out
 
 

@@ -300,7 +300,7 @@ def _check_context(problem: Problem, context_axis: Any, context_layout: Any,
 
 def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, dropout_rng,
              return_lse, implementation, interpret, dropout_broadcast=False,
-             autotune=None, local_window_size=None,
+             return_residual=False, autotune=None, local_window_size=None,
              logits_soft_cap=None, q_segment_ids=None, kv_segment_ids=None,
              query_seq_lengths=None, key_value_seq_lengths=None, sinks=None,
              context_axis=None, context_layout=CONTIGUOUS, context_strategy=None,
@@ -366,8 +366,13 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, d
 
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"is_causal must be a bool; got {is_causal!r}.")
-    if not isinstance(return_lse, (bool, np.bool_)):
-        raise TypeError(f"return_lse must be a bool; got {return_lse!r}.")
+    for name, flag in (("return_lse", return_lse), ("return_residual", return_residual)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool; got {flag!r}.")
+    if return_lse and return_residual:
+        raise ValueError("return_lse and return_residual ask for the same lse in two forms "
+                         "([B, Hq, T] float32 with its gradient, or jax.nn's [B, T, Hq] in "
+                         "the query's dtype without); got both True: pass one.")
     if not isinstance(dropout_broadcast, (bool, np.bool_)):
         raise TypeError("dropout_broadcast must be a static Python bool (whether one keep-mask "
                         f"is shared by every batch row and head); got {dropout_broadcast!r}.")
@@ -388,6 +393,8 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, d
                     key_value_seq_lengths=key_value_seq_lengths, sinks=sinks)
 
     shape4 = lambda x: None if x is None else (1,) * (4 - x.ndim) + tuple(x.shape)
+    # The kernels' precise lse (slower at large D) only where it survives the residual's
+    # rounding to the inputs' dtype.
     problem = Problem(batch=b, seq_q=t, seq_k=s, heads_q=hq, heads_kv=hkv, head_dim=d,
                       head_dim_v=dv, dtype=dtype, scale=scale_value, causal=bool(is_causal),
                       dropout_rate=rate, dropout_broadcast=bool(dropout_broadcast),
@@ -395,7 +402,7 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, d
                       window=window, softcap=cap, segment_ids=q_segment_ids is not None,
                       q_lengths=query_seq_lengths is not None,
                       kv_lengths=key_value_seq_lengths is not None, sinks=sinks is not None,
-                      return_lse=bool(return_lse))
+                      return_lse=bool(return_lse or (return_residual and dtype == jnp.float32)))
     context = _check_context(problem, context_axis, context_layout, context_strategy,
                              implementation=implementation, interpret=bool(interpret),
                              deterministic=deterministic)

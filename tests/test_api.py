@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import ffpa_jax
-from attn_testing import Case, make_inputs
+from attn_testing import Case, assert_matches_reference, make_inputs, reference64
 from conftest import interpret_flag
 
 
@@ -34,6 +34,41 @@ def test_return_lse_shapes_and_dtype():
     assert out.shape == (2, 9, 6, 24) and out.dtype == jnp.float16
     assert lse.shape == (2, 6, 9) and lse.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(out), np.asarray(out2))
+
+
+@pytest.mark.parametrize("tier", ["xla", "pallas"])
+def test_return_residual_is_jax_nns(tier, kernel_mode):
+    """return_residual as jax.nn's: (out, lse as [B, T, Hq] in the query's dtype), within the
+    rule of jax.nn's own residual against float64, its gradient stopped; -inf where a row
+    sees no key (jax.nn: a large finite negative)."""
+    if tier == "xla" and kernel_mode == "gpu":
+        pytest.skip("the dense tier runs once, with the CPU parametrisation")
+    case = Case(b=2, t=13, s=21, hq=4, hkv=2, d=40, mask_shape=(2, 1, 13, 21))
+    q, k, v, _, mask = make_inputs(case)
+    mask = mask.at[1, :, 5].set(False)  # a row with no visible key
+    kw = dict(implementation=tier, interpret=tier == "pallas" and interpret_flag(kernel_mode))
+    out, residual = ffpa_jax.attention(q, k, v, mask=mask, return_residual=True, **kw)
+    _, theirs = jax.nn.dot_product_attention(q, k, v, mask=mask, return_residual=True)
+    assert residual.shape == theirs.shape == (2, 13, 4) and residual.dtype == theirs.dtype
+    ref_out, ref_lse = reference64(case, q, k, v, None, mask)
+    np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                  np.asarray(ffpa_jax.attention(q, k, v, mask=mask, **kw),
+                                             np.float32))
+    assert_matches_reference("residual", residual, np.swapaxes(ref_lse, -1, -2), theirs,
+                             q.dtype)
+    assert np.isneginf(np.asarray(residual, np.float32)[1, 5]).all()
+    # Unbatched: [T, Hq].
+    assert ffpa_jax.attention(q[0], k[0], v[0], return_residual=True, **kw)[1].shape == (13, 4)
+
+    def loss(q, with_residual):
+        out, residual = ffpa_jax.attention(q, k, v, return_residual=True, **kw)
+        total = jnp.sum(out.astype(jnp.float32) * ref_out[0, 0, 0, 0].astype(np.float32))
+        return total + (jnp.sum(residual.astype(jnp.float32)) if with_residual else 0.0)
+
+    g_with, g_without = (jax.grad(loss)(q, flag) for flag in (True, False))
+    assert np.abs(np.asarray(g_without, np.float32)).max() > 0
+    np.testing.assert_array_equal(np.asarray(g_with, np.float32),
+                                  np.asarray(g_without, np.float32))
 
 
 def test_default_implementation_on_cpu_is_xla():

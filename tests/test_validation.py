@@ -200,6 +200,10 @@ BAD_CALLS = [
      pytest.mark.skipif(HAS_GPU, reason="this machine has a GPU")),
     ("is-causal-not-bool", dict(is_causal="yes"), TypeError, ["is_causal", "'yes'", "bool"]),
     ("return-lse-not-bool", dict(return_lse=1), TypeError, ["return_lse", "1", "bool"]),
+    ("return-residual-not-bool", dict(return_residual="yes"), TypeError,
+     ["return_residual", "'yes'", "bool"]),
+    ("return-lse-and-residual", dict(return_lse=True, return_residual=True), ValueError,
+     ["return_lse", "return_residual", "both True", "one"]),
     ("interpret-not-bool", dict(interpret="yes"), TypeError, ["interpret", "'yes'", "bool"]),
     # -- autotune (needs api.py to pass `autotune` to validation.validate)
     ("autotune-unknown", dict(autotune="slow"), ValueError,
