@@ -259,14 +259,40 @@ def test_hung_task_times_out(fake_env, monkeypatch):
 # ---------------------------------------------------------------- visible GPUs
 
 
+def machine_of_gpus(n: int, tmp_path, monkeypatch):
+    """A stand-in `nvidia-smi` first on PATH that lists `n` GPUs, so that what is visible
+    does not depend on the machine the suite runs on."""
+    smi = tmp_path / "nvidia-smi"
+    lines = "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'\n" for i in range(n))
+    smi.write_text("#!/bin/sh\n" + lines)
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+
+
 @pytest.mark.parametrize("env, expected", [("0,1", ["0", "1"]), ("", []), ("2", ["2"]),
                                            ("0,-1,1", ["0"]), ("GPU-abc, GPU-def", ["GPU-abc", "GPU-def"])])
-def test_visible_gpus_from_cuda_visible_devices(monkeypatch, env, expected):
+def test_visible_gpus_from_cuda_visible_devices(monkeypatch, tmp_path, env, expected):
+    machine_of_gpus(4, tmp_path, monkeypatch)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env)
     assert visible_gpus() == expected
 
 
-def test_too_few_gpus_is_a_clear_error(monkeypatch):
+def test_visible_gpus_stop_at_an_index_past_the_machines(monkeypatch, tmp_path):
+    """CUDA_VISIBLE_DEVICES=0,1 on a machine of one GPU gives one GPU, as CUDA reads it."""
+    machine_of_gpus(1, tmp_path, monkeypatch)
+    for env, expected in (("0,1", ["0"]), ("1,0", []), ("0", ["0"]),
+                          ("GPU-0", ["GPU-0"])):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env)
+        assert visible_gpus() == expected, env
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert visible_gpus() == ["0"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(ValueError, match=r"--num-gpus 2 asks for 2 GPU\(s\), but only 1"):
+        gpus_for(2)
+
+
+def test_too_few_gpus_is_a_clear_error(monkeypatch, tmp_path):
+    machine_of_gpus(4, tmp_path, monkeypatch)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     assert gpus_for(1) == ["3"]
     with pytest.raises(ValueError, match=r"--num-gpus 2 asks for 2 GPU\(s\), but only 1 is visible"):

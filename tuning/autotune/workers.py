@@ -57,28 +57,36 @@ def _error_text(exc: BaseException) -> str:
 def visible_gpus() -> list[str]:
     """IDs of the GPUs this process may use, for CUDA_VISIBLE_DEVICES of its workers.
 
-    CUDA_VISIBLE_DEVICES when set (its entries, which may be UUIDs); else the
-    GPUs `nvidia-smi -L` lists; else none. JAX is not imported: the parent
-    process must not take GPU memory its workers need.
+    CUDA_VISIBLE_DEVICES when set (its entries, which may be UUIDs, up to the first that
+    names no GPU, as CUDA reads it: a negative index, or an index past the GPUs
+    `nvidia-smi -L` lists where it runs); else the GPUs `nvidia-smi -L` lists; else none.
+    JAX is not imported: the parent process must not take GPU memory its workers need.
     """
+    listed = _listed_gpus()
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        ids = [part.strip() for part in env.split(",") if part.strip()]
-        # CUDA stops at the first invalid entry (e.g. -1): so do we.
-        out = []
-        for part in ids:
-            if part.startswith("-"):
-                break
-            out.append(part)
-        return out
+    if env is None:
+        return listed or []
+    out = []
+    for part in (part.strip() for part in env.split(",")):
+        if not part:
+            continue
+        past_the_machine = listed is not None and part.isdigit() and int(part) >= len(listed)
+        if part.startswith("-") or past_the_machine:
+            break
+        out.append(part)
+    return out
+
+
+def _listed_gpus() -> list[str] | None:
+    """The indices of the GPUs `nvidia-smi -L` lists, or None where it does not run."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        return []
+        return None
     try:
         listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30,
                                  check=False).stdout
     except (OSError, subprocess.SubprocessError):
-        return []
+        return None
     return [str(i) for i, line in enumerate(l for l in listing.splitlines()
                                             if l.startswith("GPU "))]
 
