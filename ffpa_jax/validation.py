@@ -395,6 +395,7 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, d
     shape4 = lambda x: None if x is None else (1,) * (4 - x.ndim) + tuple(x.shape)
     # The kernels' precise lse (slower at large D) only where it survives the residual's
     # rounding to the inputs' dtype.
+    precise_lse = bool(return_lse or (return_residual and dtype == jnp.float32))
     problem = Problem(batch=b, seq_q=t, seq_k=s, heads_q=hq, heads_kv=hkv, head_dim=d,
                       head_dim_v=dv, dtype=dtype, scale=scale_value, causal=bool(is_causal),
                       dropout_rate=rate, dropout_broadcast=bool(dropout_broadcast),
@@ -402,7 +403,7 @@ def validate(query, key, value, bias, mask, *, scale, is_causal, dropout_rate, d
                       window=window, softcap=cap, segment_ids=q_segment_ids is not None,
                       q_lengths=query_seq_lengths is not None,
                       kv_lengths=key_value_seq_lengths is not None, sinks=sinks is not None,
-                      return_lse=bool(return_lse or (return_residual and dtype == jnp.float32)))
+                      return_lse=precise_lse)
     context = _check_context(problem, context_axis, context_layout, context_strategy,
                              implementation=implementation, interpret=bool(interpret),
                              deterministic=deterministic)

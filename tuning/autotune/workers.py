@@ -62,14 +62,14 @@ def visible_gpus() -> list[str]:
     `nvidia-smi -L` lists where it runs); else the GPUs `nvidia-smi -L` lists; else none.
     JAX is not imported: the parent process must not take GPU memory its workers need.
     """
-    listed = _listed_gpus()
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is None:
-        return listed or []
+        return _listed_gpus() or []
+    entries = [part.strip() for part in env.split(",") if part.strip()]
+    # nvidia-smi only where an index needs checking against the machine.
+    listed = _listed_gpus() if any(part.isdigit() for part in entries) else None
     out = []
-    for part in (part.strip() for part in env.split(",")):
-        if not part:
-            continue
+    for part in entries:
         past_the_machine = listed is not None and part.isdigit() and int(part) >= len(listed)
         if part.startswith("-") or past_the_machine:
             break
